@@ -1,0 +1,35 @@
+# Every target installs what it needs into .venv first, so a fresh clone needs only Python 3.11.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PORT   ?= 6006
+
+.PHONY: install lab test test-unit test-notebooks tensorboard bench clean
+
+install: $(STAMP)
+
+# torch is installed first, on its own and pinned: if anything else pulled it in unpinned,
+# pip would download a multi-GB CUDA build on a CPU-only machine.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q -e ".[notebooks]"
+	touch $(STAMP)
+
+lab: install
+	$(BIN)/jupyter lab --ip=127.0.0.1 --no-browser --notebook-dir=notebooks
+
+test: install
+	$(BIN)/python -m pytest tests/ -q
+	$(BIN)/python -m pytest --nbval-lax notebooks/ -q -p no:cacheprovider
+
+tensorboard: install
+	$(BIN)/tensorboard --logdir profiles --host 127.0.0.1 --port $(PORT)
+
+bench: install
+	$(BIN)/python scripts/bench_collectives.py
+
+clean:
+	rm -rf profiles/*/ report/ .pytest_cache

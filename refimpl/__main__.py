@@ -1,0 +1,106 @@
+"""Command line: `python -m refimpl train ...` (also under `torchrun -m refimpl train ...`).
+
+    python -m refimpl train --strategy single --steps 5 --json
+    torchrun --nproc-per-node 2 -m refimpl train --strategy dp --json
+
+Prints one JSON object (DESIGN.md): strategy, world_size, losses (rank 0's view of the global loss,
+one per step), step_time_s (median after warm-up), n_params, memory (per rank, bytes by category),
+trace_dir. Invalid arguments exit 2 with one line naming the constraint, before any process starts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+
+from refimpl.model import GPTConfig
+
+
+def _parse_option(text: str):
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--set expects key=value, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m refimpl", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train the tiny GPT with one strategy and report")
+    t.add_argument("--strategy", default="single")
+    t.add_argument("--nproc", type=int, default=None,
+                   help="ranks to start (default 1 for single, else 2; under torchrun: its size)")
+    t.add_argument("--steps", type=int, default=5)
+    t.add_argument("--global-batch", type=int, default=8)
+    t.add_argument("--seq-len", type=int, default=32)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--micro-batches", type=int, default=1)
+    t.add_argument("--mixed-precision", default="fp32", help="fp32 or bf16")
+    t.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
+    t.add_argument("--profile", action="store_true", help="write torch.profiler traces")
+    t.add_argument("--trace-dir", default=None)
+    t.add_argument("--layers", type=int, default=GPTConfig.n_layers)
+    t.add_argument("--d-model", type=int, default=GPTConfig.d_model)
+    t.add_argument("--heads", type=int, default=GPTConfig.n_heads)
+    t.add_argument("--experts", type=int, default=0)
+    t.add_argument("--set", dest="options", action="append", type=_parse_option, default=[],
+                   metavar="KEY=VALUE", help="strategy option, e.g. --set bucket_mb=1 (repeatable)")
+    t.add_argument("--timeout", type=float, default=900.0)
+    t.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    return p
+
+
+def config_from_args(args) -> "TrainConfig":
+    from refimpl.strategy import LayoutError, TrainConfig
+
+    nproc = args.nproc
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:   # torchrun decides the world size
+        nproc = int(os.environ["WORLD_SIZE"])
+    if nproc is None:
+        nproc = 1 if args.strategy == "single" else 2
+    try:
+        model = replace(GPTConfig(), n_layers=args.layers, d_model=args.d_model,
+                        n_heads=args.heads, n_experts=args.experts)
+    except ValueError as e:
+        raise LayoutError(str(e)) from None
+    return TrainConfig(strategy=args.strategy, nproc=nproc, steps=args.steps,
+                       global_batch=args.global_batch, seq_len=args.seq_len, seed=args.seed,
+                       lr=args.lr, micro_batches=args.micro_batches,
+                       mixed_precision=args.mixed_precision,
+                       activation_checkpointing=args.checkpointing, profile=args.profile,
+                       trace_dir=args.trace_dir, model=model, options=dict(args.options))
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from refimpl.strategy import LayoutError
+    from refimpl.train import train_on_ranks, validate
+
+    try:
+        cfg = config_from_args(args)
+        validate(cfg)
+    except LayoutError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = train_on_ranks(cfg, timeout=args.timeout)
+    result.pop("per_rank")
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0                                  # under torchrun, rank 0 speaks for all
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for step, loss in enumerate(result["losses"]):
+            print(f"step {step:3d}  loss {loss:.4f}")
+        print(f"{result['strategy']} on {result['world_size']} rank(s): {result['n_params']:,} "
+              f"params, median step {result['step_time_s'] * 1e3:.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""Start `world_size` ranks, run one function on each, and hand back every rank's result.
+
+    results = run(fn, 2, x, backend="auto")      # -> [fn(0, 2, x), fn(1, 2, x)]
+
+Why not `torch.multiprocessing.spawn`? A learner's function usually lives in a notebook cell, which
+plain pickle cannot ship to a fresh interpreter; we serialise it with cloudpickle instead. And we
+start each rank as a fresh `python -m refimpl._rank` process so that OMP_NUM_THREADS=1 is in its
+environment *before* torch is imported (on a 2-core laptop, 4 ranks that each spin up a full
+thread pool ran 12x slower).
+
+The contract (DESIGN.md):
+  * rendezvous through a TCPStore that this process hosts on port 0, so the OS picks a free port
+    and two launches can never race for one;
+  * NCCL with `cuda:LOCAL_RANK` when the machine has >= world_size GPUs, gloo on CPU otherwise;
+  * a rank that raises makes `run` raise `RankFailedError` naming the rank, with its traceback;
+  * a hang ends at `timeout` with every rank killed; no rank outlives the call (each child also
+    asks the kernel to kill it if its parent dies, so an interrupted notebook kernel leaks nothing);
+  * under torchrun (RANK / WORLD_SIZE in the environment) `run` calls `fn` for this rank only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import cloudpickle
+
+# Set on every child we start, so a nested `run` inside a rank is not mistaken for torchrun.
+_CHILD_MARK = "REFIMPL_RANK_CHILD"
+
+
+class RankFailedError(RuntimeError):
+    """One rank raised; `rank` says which and `child_traceback` is what it printed."""
+
+    def __init__(self, rank: int, child_traceback: str):
+        self.rank = rank
+        self.child_traceback = child_traceback
+        super().__init__(f"rank {rank} failed:\n{child_traceback}")
+
+
+class LaunchTimeoutError(TimeoutError):
+    """The ranks did not finish within `timeout` seconds; all were killed."""
+
+
+@dataclass
+class _Rank:
+    rank: int
+    proc: subprocess.Popen
+    stdout: Path
+    stderr: Path
+
+
+def pick_backend(world_size: int, backend: str = "auto") -> str:
+    """NCCL only when every rank can have a GPU of its own; gloo (CPU) otherwise."""
+    if backend != "auto":
+        return backend
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and _CHILD_MARK not in os.environ
+
+
+def run(fn: Callable[..., Any], world_size: int = 2, *args, backend: str = "auto",
+        timeout: float = 600.0, quiet: bool = False, **kwargs) -> list:
+    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return results in rank order.
+
+    `quiet=True` drops what the ranks printed; otherwise it is echoed after they finish, each
+    line prefixed with its rank.
+    """
+    if under_torchrun():
+        return [_run_this_torchrun_rank(fn, args, kwargs, backend)]
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+
+    import torch.distributed as dist
+
+    backend = pick_backend(world_size, backend)
+    # The caller hosts the store; port=0 lets the OS choose a free port, so launches never collide.
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
+                          timeout=_timedelta(timeout))
+    with tempfile.TemporaryDirectory(prefix="refimpl-run-") as tmp:
+        tmp = Path(tmp)
+        payload = tmp / "payload.pkl"
+        payload.write_bytes(cloudpickle.dumps({"fn": fn, "args": args, "kwargs": kwargs}))
+        payload.with_suffix(".path.json").write_text(json.dumps(sys.path))
+        ranks = [_start_rank(r, world_size, backend, store.port, payload, tmp, timeout)
+                 for r in range(world_size)]
+        try:
+            _wait_all(ranks, tmp, timeout)
+        finally:
+            _kill_all(ranks)  # no-op for ranks that already exited
+            if not quiet:
+                _echo_output(ranks)
+        results = [cloudpickle.loads((tmp / f"result{r}.pkl").read_bytes()) for r in range(world_size)]
+    del store
+    return results
+
+
+def _timedelta(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
+
+
+def _start_rank(rank: int, world_size: int, backend: str, port: int, payload: Path, tmp: Path,
+                timeout: float) -> _Rank:
+    env = dict(os.environ)
+    env.update({
+        _CHILD_MARK: "1",
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "REFIMPL_BACKEND": backend, "REFIMPL_TIMEOUT": str(timeout),
+        "REFIMPL_PAYLOAD": str(payload), "REFIMPL_OUTDIR": str(tmp),
+    })
+    if backend == "gloo":
+        # One thread per CPU rank, set before the child imports torch (see module docstring).
+        env["OMP_NUM_THREADS"] = "1"
+        env["MKL_NUM_THREADS"] = "1"
+    out, err = tmp / f"stdout{rank}.txt", tmp / f"stderr{rank}.txt"
+    with open(out, "wb") as fo, open(err, "wb") as fe:
+        proc = subprocess.Popen([sys.executable, "-m", "refimpl._rank"], env=env, stdout=fo,
+                                stderr=fe, stdin=subprocess.DEVNULL, start_new_session=True)
+    return _Rank(rank, proc, out, err)
+
+
+def _wait_all(ranks: list[_Rank], tmp: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = {r.rank: r for r in ranks}
+    while pending:
+        for rank, r in list(pending.items()):
+            code = r.proc.poll()
+            if code is None:
+                continue
+            del pending[rank]
+            if code != 0:
+                raise RankFailedError(rank, _failure_text(r, tmp, code))
+        if time.monotonic() > deadline:
+            raise LaunchTimeoutError(
+                f"ranks {sorted(pending)} still running after {timeout:.0f} s; killed all "
+                f"{len(ranks)} ranks")
+        time.sleep(0.02)
+
+
+def _failure_text(r: _Rank, tmp: Path, code: int) -> str:
+    tb = tmp / f"error{r.rank}.txt"
+    if tb.exists():
+        return tb.read_text()
+    stderr = r.stderr.read_text(errors="replace")[-4000:] if r.stderr.exists() else ""
+    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    return f"rank {r.rank} exited ({how}) without a Python traceback\n{stderr}"
+
+
+def _kill_all(ranks: list[_Rank]) -> None:
+    for r in ranks:
+        if r.proc.poll() is None:
+            try:  # the rank's whole session: it may have started helpers of its own
+                os.killpg(r.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for r in ranks:
+        r.proc.wait()
+
+
+def _echo_output(ranks: list[_Rank]) -> None:
+    for r in ranks:
+        text = r.stdout.read_text(errors="replace") if r.stdout.exists() else ""
+        for line in text.splitlines():
+            print(f"[rank {r.rank}] {line}")
+
+
+def _run_this_torchrun_rank(fn, args, kwargs, backend: str):
+    """Under torchrun every process calls `run`; each runs `fn` once, for its own rank."""
+    import torch.distributed as dist
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    created = not dist.is_initialized()
+    if created:
+        init_process_group(rank, world_size, pick_backend(world_size, backend))
+    try:
+        return fn(rank, world_size, *args, **kwargs)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def init_process_group(rank: int, world_size: int, backend: str, timeout: float = 600.0) -> None:
+    """Join the default process group via MASTER_ADDR/MASTER_PORT; bind a GPU under NCCL."""
+    import torch
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    if _CHILD_MARK in os.environ:
+        # Our own child: join the store the caller hosts (it counts as one extra client).
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              world_size + 1, is_master=False, timeout=_timedelta(timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=_timedelta(timeout))
+    else:  # torchrun: env:// rendezvous from MASTER_ADDR / MASTER_PORT
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=_timedelta(timeout))
+
+
+def device_for(backend: str):
+    """The device this rank computes on: its own GPU under NCCL, the CPU under gloo."""
+    import torch
+
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

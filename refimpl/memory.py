@@ -1,0 +1,204 @@
+"""Memory and compute arithmetic of training, and the same quantities measured on a live model.
+
+Analytic (what theory predicts):
+  model_state_bytes         params + grads + optimizer states per rank, plain DP and ZeRO 1/2/3
+  activation_bytes_per_layer  Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+                            Transformer Models", Table 2 (16-bit activations)
+  training_flops            6·N·D (Kaplan et al. 2020) plus the attention term (PaLM, App. B)
+
+Measured (what a run holds):
+  measured_model_state      bytes of parameters, gradients and optimizer-state tensors, by storage
+  ActivationTracker         bytes of tensors autograd saves for backward, live and peak
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, asdict
+
+import torch
+
+GB = 1e9   # the papers and the seed use decimal gigabytes
+GiB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def shard_numel(n: int, dp: int) -> int:
+    """Elements one rank holds of a flat tensor of n elements split dp ways (last shard padded)."""
+    return math.ceil(n / dp)
+
+
+def model_state_bytes(n_params: int, *, dp: int = 1, zero_stage: int = 0, param_bytes: float = 2,
+                      grad_bytes: float = 2, optimizer_bytes: float = 12,
+                      padded: bool = True) -> ModelStateBytes:
+    """Bytes of model states one data-parallel rank holds (ZeRO paper, Rajbhandari et al. 2020, §3-5).
+
+    Defaults are mixed-precision Adam: 2-byte params and grads, and K = 12 bytes of optimizer state
+    per parameter (fp32 master copy + momentum + variance), the paper's accounting. The seed counts
+    only Adam's two moments: optimizer_bytes=8. Plain fp32 AdamW is param_bytes=grad_bytes=4,
+    optimizer_bytes=8.
+
+    Stage 1 shards the optimizer states over dp ranks, stage 2 also the gradients, stage 3 also the
+    parameters. With `padded`, a shard is ceil(N/dp) elements, as flat-buffer implementations
+    allocate it (every rank's shard equal, the last one padded); without, exactly N/dp.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+    shard = shard_numel(n_params, dp) if padded else n_params / dp
+    return ModelStateBytes(
+        params=(shard if zero_stage >= 3 else n_params) * param_bytes,
+        grads=(shard if zero_stage >= 2 else n_params) * grad_bytes,
+        optimizer=(shard if zero_stage >= 1 else n_params) * optimizer_bytes,
+    )
+
+
+def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *, tp: int = 1,
+                               sequence_parallel: bool = False, recompute: str = "none") -> float:
+    """Activation bytes one transformer layer stores for backward (Korthikanti et al. 2022, Table 2).
+
+    16-bit activations, dropout masks included. Without parallelism: s·b·h·(34 + 5·a·s/h); the 5as/h
+    part is the attention scores, softmax output and its dropout mask, which grow as s².
+      tp:                 s·b·h·(10 + 24/t + 5·a·s/(h·t))   (LayerNorm and dropout inputs replicated)
+      + sequence_parallel: s·b·h·(34/t + 5·a·s/(h·t))        (those are split along s too)
+      recompute="selective": the s² attention part is recomputed, not stored (drops 5as/h)
+      recompute="full":   only the layer's input is kept: 2·s·b·h (split by t under SP)
+    """
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+    s, b, h, a, t = seq, batch, hidden, heads, tp
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    linear_part = 34 / t if sequence_parallel else 10 + 24 / t
+    attention_part = 0.0 if recompute == "selective" else 5 * a * s / (h * t)
+    return sbh * (linear_part + attention_part)
+
+
+def training_flops(n_params: int, tokens: int, *, n_layers: int = 0, seq: int = 0,
+                   hidden: int = 0) -> float:
+    """FLOPs to train on `tokens` tokens: 6·N·D (2 forward + 4 backward per parameter per token;
+    Kaplan et al. 2020, §2.1) plus the attention score and value matmuls, 12·L·h·s per token
+    (Chowdhery et al. 2022, PaLM, Appendix B), which 6ND leaves out and which grows with s."""
+    attention = 12 * n_layers * seq * hidden * tokens
+    return 6 * n_params * tokens + attention
+
+
+def training_days(flops: float, flops_per_second: float, n_devices: int = 1,
+                  utilization: float = 1.0) -> float:
+    """Wall-clock days at a given per-device rate and model-FLOPs utilisation."""
+    return flops / (flops_per_second * n_devices * utilization) / 86400
+
+
+# --- measured --------------------------------------------------------------------------------------
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of distinct storages among `tensors` (views and tied weights counted once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        key = t.untyped_storage().data_ptr()
+        if key in seen or t.numel() == 0:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer):
+    """The tensors an optimizer keeps per parameter (Adam: exp_avg, exp_avg_sq), not scalars like step."""
+    for state in optimizer.state.values():
+        for value in state.values():
+            if torch.is_tensor(value) and value.dim() > 0:
+                yield value
+
+
+def measured_model_state(params, optimizer: torch.optim.Optimizer | None) -> ModelStateBytes:
+    params = list(params)
+    return ModelStateBytes(
+        params=tensor_bytes(params),
+        grads=tensor_bytes(p.grad for p in params),
+        optimizer=tensor_bytes(optimizer_state_tensors(optimizer)) if optimizer else 0,
+    )
+
+
+class ActivationTracker:
+    """Counts bytes of the tensors autograd saves for backward, as they are saved and freed.
+
+        with ActivationTracker(exclude=model.parameters()) as act:
+            loss = model(x).sum(); loss.backward()
+        act.peak   # the most bytes saved at any moment
+
+    A pack hook wraps each saved tensor in a small holder; when autograd frees the graph (after
+    backward) the holder is released and its bytes leave the live count. Storages are counted once
+    however many ops save them, and parameters (saved by every Linear) are excluded: they are model
+    state, not activations. This is CPU-friendly; on GPU torch.cuda.max_memory_allocated tells the
+    same story plus allocator slack.
+    """
+
+    def __init__(self, exclude=()):
+        self._excluded = {p.untyped_storage().data_ptr() for p in exclude}
+        self._live: dict[int, list] = {}   # storage ptr -> [refcount, nbytes]
+        self.current = 0
+        self.peak = 0
+        self._hooks = None
+
+    def exclude(self, tensors) -> None:
+        """Also leave these storages out (e.g. parameters gathered on the fly by ZeRO-3)."""
+        self._excluded.update(t.untyped_storage().data_ptr() for t in tensors)
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def _pack(self, t: torch.Tensor):
+        key = t.untyped_storage().data_ptr()
+        if key in self._excluded or isinstance(t, torch.nn.Parameter) or t.numel() == 0:
+            return t
+        entry = self._live.get(key)
+        if entry is None:
+            entry = self._live[key] = [0, t.untyped_storage().nbytes()]
+            self.current += entry[1]
+            self.peak = max(self.peak, self.current)
+        entry[0] += 1
+        return _Saved(t, self, key)
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def _release(self, key: int) -> None:
+        entry = self._live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current -= entry[1]
+            del self._live[key]
+
+
+class _Saved:
+    """A saved tensor plus a finaliser that tells the tracker when autograd let go of it."""
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, tracker: ActivationTracker, key: int):
+        self.tensor = tensor
+        weakref.finalize(self, tracker._release, key)

@@ -1,0 +1,233 @@
+"""Where the time went: per-rank torch.profiler traces, labelled, and a loader that reads them back.
+
+Capture. Every rank profiles its own steps into one run folder, in TensorBoard's layout
+(`profiles/<notebook>/<run>/rank<r>.<id>.pt.trace.json`), so `make tensorboard` lists the run and
+its profiler plugin shows one worker per rank. A schedule marks each step (ProfilerStep#N).
+
+Labels. The code under test wraps its phases in `phase("forward" | "backward" | "optimizer")` and
+every collective in `comm_span(op, nbytes)` -> a `comm:<op> <n>B` range. Both are plain
+`record_function` ranges: free when no profiler is running.
+
+Reading. `load_trace(run_dir)` turns every rank's trace into one DataFrame (rank, name, category,
+start_us, dur_us, step); `summarize(df)` gives per rank the time spent computing, communicating,
+both at once (overlap) and neither (idle) inside the profiled steps. The ranks' clocks are the
+same host clock here (CPU ranks on one machine); on several nodes they are only as aligned as NTP.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+PHASES = ("forward", "backward", "optimizer")
+_COMM = re.compile(r"^comm:(?P<op>[\w\-]+)(?: (?P<bytes>\d+)B)?$")
+
+
+# --- where traces go --------------------------------------------------------------------------------
+
+def profiles_root() -> Path:
+    """The TensorBoard logdir: $REFIMPL_PROFILES, else the repo's profiles/ folder, else ./profiles."""
+    if os.environ.get("REFIMPL_PROFILES"):
+        return Path(os.environ["REFIMPL_PROFILES"]).resolve()
+    repo_profiles = Path(__file__).resolve().parent.parent / "profiles"
+    if repo_profiles.is_dir():
+        return repo_profiles
+    return Path.cwd() / "profiles"
+
+
+def run_dir(group: str, run: str) -> Path:
+    """profiles/<group>/<run>, e.g. run_dir("00_memory", "single-step")."""
+    return profiles_root() / group / run
+
+
+# --- labels -----------------------------------------------------------------------------------------
+
+def phase(name: str):
+    """Label a phase of a step (forward, backward, optimizer, or any compute you name)."""
+    return record_function(name)
+
+
+def comm_span(op: str, nbytes: int | None = None):
+    """Label one communication call; bytes in the name let the loader build a bandwidth table."""
+    return record_function(f"comm:{op}" + (f" {int(nbytes)}B" if nbytes is not None else ""))
+
+
+# --- capture ----------------------------------------------------------------------------------------
+
+class StepProfiler:
+    """Profile a loop of steps on this rank; call `.step()` after each one.
+
+    The first step is warm-up (allocations, lazy inits), the next `active` steps are recorded.
+    With a single step, that step is recorded.
+    """
+
+    def __init__(self, out_dir: str | Path | None, rank: int, steps: int, active: int = 3):
+        self.enabled = out_dir is not None
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        if not self.enabled:
+            return
+        warmup = 1 if steps > 1 else 0
+        active = max(1, min(active, steps - warmup))
+        activities = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._prof = profile(
+            activities=activities,
+            schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(
+                str(self.out_dir), worker_name=f"rank{rank}"),
+            record_shapes=False, profile_memory=True, with_stack=False)
+
+    def __enter__(self):
+        if self.enabled:
+            self._prof.__enter__()
+        return self
+
+    def step(self) -> None:
+        if self.enabled:
+            self._prof.step()
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self._prof.__exit__(*exc)
+
+
+# --- reading ----------------------------------------------------------------------------------------
+
+def trace_files(run: str | Path) -> dict[int, Path]:
+    """rank -> its newest trace file in a run folder."""
+    found: dict[int, Path] = {}
+    for path in sorted(Path(run).glob("rank*.pt.trace.json*"), key=lambda p: p.stat().st_mtime):
+        m = re.match(r"rank(\d+)\.", path.name)
+        if m:
+            found[int(m.group(1))] = path
+    return found
+
+
+def read_trace(path: Path) -> dict:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def categorize(name: str) -> str:
+    """forward / backward / optimizer / comm / step / op, from a range's name."""
+    if name in PHASES:
+        return name
+    if _COMM.match(name) or name.startswith(("gloo:", "nccl:", "c10d::", "record_param_comms")):
+        return "comm"
+    if name.startswith("ProfilerStep#"):
+        return "step"
+    return "op"
+
+
+def load_trace(run: str | Path, include_ops: bool = False):
+    """Every rank's labelled ranges as one DataFrame, times in µs from the run's first event.
+
+    Columns: rank, name, category, op (for comm: the collective), bytes, start_us, dur_us, step.
+    `include_ops=True` keeps every aten op too (large); by default only our labels, the step
+    markers and the backends' own collective events are kept.
+    """
+    import pandas as pd
+
+    rows = []
+    for rank, path in trace_files(run).items():
+        for ev in read_trace(path).get("traceEvents", []):
+            if ev.get("ph") != "X" or "dur" not in ev:
+                continue
+            name = ev.get("name", "")
+            cat = categorize(name)
+            if cat == "op" and not include_ops:
+                continue
+            m = _COMM.match(name)
+            rows.append({
+                "rank": rank, "name": name, "category": cat,
+                "op": (m.group("op") if m else name.split(":")[-1]) if cat == "comm" else None,
+                "bytes": int(m.group("bytes")) if m and m.group("bytes") else None,
+                "start_us": float(ev["ts"]), "dur_us": float(ev["dur"]),
+                "thread": ev.get("tid"),
+            })
+    df = pd.DataFrame(rows, columns=["rank", "name", "category", "op", "bytes", "start_us",
+                                     "dur_us", "thread"])
+    if df.empty:
+        return df.assign(step=pd.Series(dtype="Int64"))
+    df["start_us"] -= df["start_us"].min()
+    df["step"] = _step_of(df)
+    return df.sort_values(["rank", "start_us"]).reset_index(drop=True)
+
+
+def _step_of(df):
+    """The ProfilerStep#N range each event starts in (per rank), or <NA> outside any step."""
+    import pandas as pd
+
+    steps = pd.Series(pd.NA, index=df.index, dtype="Int64")
+    markers = df[df.category == "step"]
+    for _, m in markers.iterrows():
+        n = int(m["name"].split("#")[1])
+        inside = ((df["rank"] == m["rank"]) & (df.start_us >= m.start_us)
+                  & (df.start_us < m.start_us + m.dur_us))
+        steps[inside] = n
+    return steps
+
+
+def _time_split(phases, comms, windows) -> dict:
+    """Split the time inside `windows` into compute-only, comm-only, both, and neither.
+
+    A rank is *computing* at time t if some phase range covers t on a thread that is not, at that
+    moment, inside a communication call of its own (a phase that waits on a blocking collective is
+    not computing). It is *communicating* if any comm range covers t. Exact: the timeline is cut at
+    every range boundary and each piece is classified.
+    """
+    cuts = sorted({x for s, e, _ in phases + comms for x in (s, e)} | {x for w in windows for x in w})
+    split = {"compute": 0.0, "comm": 0.0, "overlap": 0.0, "idle": 0.0}
+    for left, right in zip(cuts, cuts[1:]):
+        mid = (left + right) / 2
+        if not any(s <= mid < e for s, e in windows):
+            continue
+        comm_threads = {t for s, e, t in comms if s <= mid < e}
+        computing = any(s <= mid < e and t not in comm_threads for s, e, t in phases)
+        key = ("overlap" if comm_threads else "compute") if computing else (
+            "comm" if comm_threads else "idle")
+        split[key] += right - left
+    return split
+
+
+def summarize(df):
+    """Per rank, inside the profiled steps: time computing only, communicating only, both at once
+    (communication hidden under compute), and neither (idle), in µs and as fractions of the step."""
+    import pandas as pd
+
+    out = []
+    for rank, g in df.groupby("rank"):
+        steps = g[g.category == "step"]
+        windows = [(r.start_us, r.start_us + r.dur_us) for r in steps.itertuples()]
+        ranges = {cat: [(r.start_us, r.start_us + r.dur_us, r.thread)
+                        for r in g.itertuples() if r.category in cats]
+                  for cat, cats in (("phase", PHASES), ("comm", ("comm",)))}
+        split = _time_split(ranges["phase"], ranges["comm"], windows)
+        span = sum(e - s for s, e in windows)
+        row = {"rank": rank, "steps": len(windows), "step_us": span}
+        row.update({f"{k}_us": v for k, v in split.items()})
+        row.update({f"{k}_frac": (v / span if span else 0.0) for k, v in split.items()})
+        comm_total = split["comm"] + split["overlap"]
+        row["comm_hidden_frac"] = split["overlap"] / comm_total if comm_total else 0.0
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def comm_table(df):
+    """Per rank and op: count, bytes, total time, effective bandwidth (bytes/s) of labelled comms."""
+    labelled = df[(df.category == "comm") & df["name"].str.startswith("comm:") & df.step.notna()]
+    if labelled.empty:
+        import pandas as pd
+        return pd.DataFrame(columns=["rank", "op", "count", "bytes", "time_us", "GB_per_s"])
+    t = labelled.groupby(["rank", "op"]).agg(count=("name", "size"), bytes=("bytes", "sum"),
+                                             time_us=("dur_us", "sum")).reset_index()
+    t["GB_per_s"] = t["bytes"] / (t["time_us"] * 1e-6) / 1e9
+    return t

@@ -1,0 +1,124 @@
+"""The one training loop every strategy plugs into.
+
+    result = train_on_ranks(TrainConfig(strategy="single", steps=5))      # from a notebook
+    python -m refimpl train --strategy single --steps 5 --json            # from a shell
+
+The loop owns what is common: seeding, the deterministic global batch of each step, timing (median
+after warm-up), memory accounting by category, the profiler, and the JSON-ready result. The
+strategy (refimpl.strategy.Strategy) owns placement, the step and gathering the state back.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from refimpl import launch
+from refimpl.memory import ActivationTracker
+from refimpl.model import build_model, count_params, synthetic_batch
+from refimpl.parallel import get_strategy
+from refimpl.profiling import StepProfiler, profiles_root
+from refimpl.strategy import RunContext, TrainConfig
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Every layout check, in the launching process: raises LayoutError with one line."""
+    cfg.validate()
+    get_strategy(cfg.strategy).validate(cfg)
+
+
+def default_trace_dir(cfg: TrainConfig) -> str:
+    return str(profiles_root() / "cli" / f"{cfg.strategy}-n{cfg.nproc}")
+
+
+def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
+    """Train on this rank; run by `launch.run` on every rank (or once, for `single`)."""
+    backend = _current_backend()
+    ctx = RunContext(rank, world_size, backend, launch.device_for(backend), cfg)
+    torch.manual_seed(cfg.seed)
+    reference = build_model(cfg.model, cfg.seed)
+    n_params = count_params(reference)
+    strategy = get_strategy(cfg.strategy)(ctx)
+    strategy.setup(reference)
+
+    losses, step_times, activation_peak = [], [], 0
+    trace_dir = (cfg.trace_dir or default_trace_dir(cfg)) if cfg.profile else None
+    with StepProfiler(trace_dir, rank, cfg.steps) as profiler:
+        for step in range(cfg.steps):
+            batch = synthetic_batch(cfg.model, cfg.global_batch, cfg.seq_len, cfg.seed, step)
+            tracker = ActivationTracker(exclude=strategy.activation_exclusions())
+            _sync(ctx)
+            start = time.perf_counter()
+            with tracker:
+                loss = strategy.train_step(batch)
+            _sync(ctx)
+            step_times.append(time.perf_counter() - start)
+            losses.append(float(loss))
+            activation_peak = max(activation_peak, tracker.peak)
+            profiler.step()
+
+    state = strategy.model_state()
+    result = {
+        "rank": rank,
+        "losses": losses,
+        "step_times": step_times,
+        "n_params": n_params,
+        "memory": {"params": int(state.params), "grads": int(state.grads),
+                   "optimizer": int(state.optimizer), "activations_peak": int(activation_peak),
+                   "total": int(state.total + activation_peak)},
+        "trace_dir": trace_dir,
+    }
+    if cfg.return_state:
+        result["state_dict"] = strategy.full_state_dict()
+    return result
+
+
+def train_on_ranks(cfg: TrainConfig, timeout: float = 900.0, quiet: bool = True) -> dict:
+    """Validate, launch `cfg.nproc` ranks (or run in this process for nproc == 1), and merge.
+
+    Returns the CLI's JSON object, plus `per_rank` (each rank's raw result) and, with
+    `cfg.return_state`, `state_dict` (rank 0's gathered copy).
+    """
+    validate(cfg)
+    if launch.under_torchrun():
+        per_rank = launch.run(train_rank, cfg.nproc, cfg)
+    elif cfg.nproc == 1 and cfg.strategy == "single":
+        per_rank = [train_rank(0, 1, cfg)]   # the reference needs no process group
+    else:
+        per_rank = launch.run(train_rank, cfg.nproc, cfg, timeout=timeout, quiet=quiet)
+    return merge_results(cfg, per_rank)
+
+
+def merge_results(cfg: TrainConfig, per_rank: list[dict]) -> dict:
+    first = per_rank[0]
+    # A step takes as long as its slowest rank; the median over steps after the first (warm-up).
+    slowest = [max(times) for times in zip(*(r["step_times"] for r in per_rank))]
+    timed = slowest[1:] if len(slowest) > 1 else slowest
+    out = {
+        "strategy": cfg.strategy,
+        "world_size": cfg.nproc,
+        "losses": first["losses"],
+        "step_time_s": statistics.median(timed),
+        "n_params": first["n_params"],
+        "memory": [r["memory"] for r in per_rank],
+        "trace_dir": first["trace_dir"],
+        "per_rank": per_rank,
+    }
+    if cfg.return_state:
+        out["state_dict"] = first["state_dict"]
+    return out
+
+
+def _current_backend() -> str:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_backend()
+    # The in-process reference runs where the ranks would: a GPU if there is one.
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _sync(ctx: RunContext) -> None:
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
