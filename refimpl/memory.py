@@ -52,16 +52,21 @@ def model_state_bytes(n_params: int, *, dp: int = 1, zero_stage: int = 0, param_
     optimizer_bytes=8.
 
     Stage 1 shards the optimizer states over dp ranks, stage 2 also the gradients, stage 3 also the
-    parameters. With `padded`, a shard is ceil(N/dp) elements, as flat-buffer implementations
-    allocate it (every rank's shard equal, the last one padded); without, exactly N/dp.
+    parameters. With `padded` (and dp > 1) the count is what flat-buffer implementations allocate
+    (refimpl.parallel.flat_param): a shard is S = ceil(N/dp) elements and an unsharded flat buffer
+    dp·S, the zero padding that makes every rank's shard equal. Without, exactly N/dp and N.
     """
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
-    shard = shard_numel(n_params, dp) if padded else n_params / dp
+    if padded and dp > 1:
+        shard = shard_numel(n_params, dp)
+        full = shard * dp
+    else:
+        shard, full = n_params / dp, n_params
     return ModelStateBytes(
-        params=(shard if zero_stage >= 3 else n_params) * param_bytes,
-        grads=(shard if zero_stage >= 2 else n_params) * grad_bytes,
-        optimizer=(shard if zero_stage >= 1 else n_params) * optimizer_bytes,
+        params=(shard if zero_stage >= 3 else full) * param_bytes,
+        grads=(shard if zero_stage >= 2 else full) * grad_bytes,
+        optimizer=(shard if zero_stage >= 1 else full) * optimizer_bytes,
     )
 
 

@@ -1,0 +1,123 @@
+"""The only communication every other file in `refimpl.comm` is allowed to use: send and receive.
+
+Two pieces:
+
+* `GroupView` turns `group=None | ProcessGroup` into (this rank's index in the group, the group's
+  size), the numbers every algorithm is written in. Peers are always addressed by *group* rank
+  (`group_dst=` / `group_src=`), so the same ring runs unchanged on the world or on a tensor- or
+  data-parallel subgroup, whose members' global ranks may be 1, 3, 5, 7.
+* `exchange` posts a set of non-blocking receives and sends at once and waits for all of them.
+  Posting both sides before waiting is what keeps a ring from deadlocking: with blocking `send`
+  every rank would wait for its right neighbour to call `recv`, which it never does because it is
+  itself stuck in `send` (the classic cyclic wait).
+
+`send`, `recv`, `isend`, `irecv` are torch.distributed's own, wrapped only to count bytes, so
+pipeline code can use `comm.send` and have its traffic counted like every collective's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from refimpl.comm.counter import op_scope, record_recv, record_send
+
+# Collectives send with their own tag so that a pipeline stage's user-level send/recv (tag 0)
+# between the same two ranks can never be matched with a message that belongs to a ring.
+COLLECTIVE_TAG = 0x636F  # "co"
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """This rank as a member of `group`: its index (`rank`) and the group's `size`."""
+
+    group: object  # a ProcessGroup, or None for the default (world) group
+    rank: int
+    size: int
+
+    @classmethod
+    def of(cls, group=None) -> "GroupView":
+        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+    @property
+    def member(self) -> bool:
+        """torch returns -1 from get_rank for a rank outside the group; it then skips the call."""
+        return self.rank >= 0
+
+    def group_rank(self, global_rank: int | None, group_rank: int | None, default: int | None = None) -> int:
+        """torch's convention: a root is given either as a global rank or as a group rank."""
+        if global_rank is not None and group_rank is not None:
+            raise ValueError("give either a global rank or a group rank, not both")
+        if group_rank is not None:
+            return group_rank
+        if global_rank is None:
+            if default is None:
+                raise ValueError("a root rank is required")
+            return default
+        if self.group is None:
+            return global_rank
+        return dist.get_group_rank(self.group, global_rank)
+
+
+def exchange(g: GroupView, sends=(), recvs=()) -> None:
+    """Send each (tensor, peer) and receive into each (tensor, peer) concurrently; wait for all.
+
+    Peers are group ranks. Empty tensors are skipped on both sides: each side computes the same
+    sizes, so a message of zero elements is simply never posted. A receive buffer that is not
+    contiguous (a column slice, say) is filled through a contiguous staging copy.
+    """
+    works, copy_back = [], []
+    for tensor, peer in recvs:
+        if tensor.numel() == 0:
+            continue
+        buf = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        if buf is not tensor:
+            copy_back.append((tensor, buf))
+        works.append(dist.irecv(buf, group=g.group, group_src=peer, tag=COLLECTIVE_TAG))
+        record_recv(buf.numel() * buf.element_size())
+    for tensor, peer in sends:
+        if tensor.numel() == 0:
+            continue
+        buf = tensor.contiguous()
+        works.append(dist.isend(buf, group=g.group, group_dst=peer, tag=COLLECTIVE_TAG))
+        record_send(buf.numel() * buf.element_size())
+    for work in works:
+        work.wait()
+    for tensor, buf in copy_back:
+        tensor.copy_(buf)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+# Point-to-point traffic is counted under one name, "p2p", in both `sent` and `received`, and
+# labelled comm:send / comm:recv in a trace.
+def send(tensor, dst=None, group=None, tag=0, group_dst=None):
+    """torch.distributed.send, counted and labelled."""
+    with op_scope("p2p"), record_function("comm:send"):
+        record_send(_nbytes(tensor))
+        return dist.send(tensor, dst, group, tag, group_dst=group_dst)
+
+
+def recv(tensor, src=None, group=None, tag=0, group_src=None):
+    """torch.distributed.recv, counted and labelled."""
+    with op_scope("p2p"), record_function("comm:recv"):
+        record_recv(_nbytes(tensor))
+        return dist.recv(tensor, src, group, tag, group_src=group_src)
+
+
+def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
+    """torch.distributed.isend, counted; the returned handle's wait() is the caller's."""
+    with op_scope("p2p"), record_function("comm:isend"):
+        record_send(_nbytes(tensor))
+        return dist.isend(tensor, dst, group, tag, group_dst=group_dst)
+
+
+def irecv(tensor, src=None, group=None, tag=0, group_src=None):
+    """torch.distributed.irecv, counted; the returned handle's wait() is the caller's."""
+    with op_scope("p2p"), record_function("comm:irecv"):
+        record_recv(_nbytes(tensor))
+        return dist.irecv(tensor, src, group, tag, group_src=group_src)

@@ -1,0 +1,88 @@
+"""How a collective is issued: labelled for the profiler, counted, and optionally asynchronous.
+
+`async_op=True` must return at once with a handle whose `.wait()` blocks until the result is in
+place; that is what lets a data-parallel backward start reducing one bucket of gradients while it
+computes the next. A ring cannot be posted all at once (each step forwards what the previous step
+received), so the whole collective runs on a worker thread instead.
+
+There is exactly one such worker per process (`_LANE`), and it runs collectives strictly in the
+order they were issued. That order is the contract that makes asynchronous collectives correct:
+every rank issues the same collectives in the same order, each rank's lane executes them in that
+order, so the k-th message a rank receives from a peer always belongs to the k-th collective. It is
+the CPU stand-in for the single CUDA stream on which NCCL serialises its collectives. A blocking
+call first waits for the lane to empty, for the same reason. The lane is process-wide state by
+necessity (one ordering per process, like one stream per device); it holds no data, only order.
+"""
+from __future__ import annotations
+
+import contextvars
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from torch.profiler import record_function
+
+from refimpl.comm.counter import op_scope
+from refimpl.comm.p2p import GroupView
+
+
+class Work:
+    """The handle an asynchronous collective returns, shaped like torch.distributed's Work."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self._future.result(timeout)  # re-raises whatever the collective raised
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def get_future(self) -> Future:
+        return self._future
+
+
+class _Lane:
+    """One FIFO worker thread, started on first use."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._last: Future | None = None
+
+    def submit(self, task) -> Work:
+        ctx = contextvars.copy_context()  # the caller's open CommCounters follow the task
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm-lane")
+            self._last = self._executor.submit(ctx.run, task)
+            return Work(self._last)
+
+    def drain(self) -> None:
+        last = self._last
+        if last is not None:
+            last.result()
+
+
+_LANE = _Lane()
+
+
+def issue(name: str, group, async_op: bool, body):
+    """Run `body(GroupView)` as collective `name`: now, or on the lane when `async_op`.
+
+    Returns None (blocking) or a `Work` (async), as torch.distributed does; a rank outside `group`
+    does nothing and gets None, again as torch does.
+    """
+    g = GroupView.of(group)
+    if not g.member:
+        return None
+
+    def task():
+        with record_function(f"comm:{name}"), op_scope(name):
+            body(g)
+
+    if async_op:
+        return _LANE.submit(task)
+    _LANE.drain()
+    task()
+    return None

@@ -1,0 +1,76 @@
+"""Many parameters as one flat, padded buffer: the data structure under ZeRO and FSDP.
+
+Sharding tensor by tensor would leave ranks with ragged, unequal pieces; instead every parameter of
+a group (the whole model for ZeRO-1/2, one transformer block for FSDP/ZeRO-3) is laid end to end in
+one 1-D buffer, padded with zeros to a multiple of the world size, and rank r owns the contiguous
+slice [r·S, (r+1)·S) with S = ceil(N / world_size). Collectives then move equal-sized shards
+(all_gather / reduce_scatter need equal sizes), and the zero padding is inert: its gradient is zero,
+so AdamW leaves it zero.
+
+    flat = FlatParams(list(model.named_parameters()), world_size)
+    flat.bind(data)          # module parameters become views into `data` (no copy on gather)
+    flat.shard(data, rank)   # this rank's slice of any flat buffer laid out like it
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter lives in the flat buffer."""
+    name: str
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+class FlatParams:
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], world_size: int):
+        self.params = [p for _, p in named_params]
+        self.slots: list[Slot] = []
+        offset = 0
+        for name, p in named_params:
+            self.slots.append(Slot(name, offset, p.numel(), p.shape))
+            offset += p.numel()
+        self.numel = offset                                   # N, without padding
+        self.world_size = world_size
+        self.shard_numel = math.ceil(offset / world_size)     # S = ceil(N / world_size)
+        self.padded_numel = self.shard_numel * world_size
+
+    def empty(self, dtype=torch.float32, device="cpu") -> torch.Tensor:
+        return torch.zeros(self.padded_numel, dtype=dtype, device=device)
+
+    def flatten(self, tensors, dtype=torch.float32, device="cpu") -> torch.Tensor:
+        """Copy one tensor per slot (e.g. each parameter, or each gradient) into a new flat buffer."""
+        flat = self.empty(dtype, device)
+        for slot, t in zip(self.slots, tensors):
+            if t is not None:
+                flat[slot.offset:slot.offset + slot.numel].copy_(t.reshape(-1))
+        return flat
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each slot's tensor, shaped like its parameter, as a view into `flat` (no copy)."""
+        return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
+
+    def bind(self, flat: torch.Tensor) -> None:
+        """Make every parameter's data a view into `flat`, so writing `flat` updates the model."""
+        for p, view in zip(self.params, self.views(flat)):
+            p.data = view
+
+    def bind_grads(self, flat_grad: torch.Tensor) -> None:
+        """Make every parameter's .grad a view into `flat_grad`; autograd then accumulates there."""
+        for p, view in zip(self.params, self.views(flat_grad)):
+            p.grad = view
+
+    def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank `rank`'s contiguous slice of a flat buffer (a view)."""
+        return flat[rank * self.shard_numel:(rank + 1) * self.shard_numel]
+
+    def state_dict(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """name -> full tensor, copied out of a full (gathered) flat buffer."""
+        return {s.name: v.detach().clone() for s, v in zip(self.slots, self.views(flat))}
