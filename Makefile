@@ -21,9 +21,10 @@ $(STAMP): pyproject.toml
 lab: install
 	$(BIN)/jupyter lab --ip=127.0.0.1 --no-browser --notebook-dir=notebooks
 
+# One thread per process: ranks and the in-process reference share the machine's cores.
 test: install
-	$(BIN)/python -m pytest tests/ -q
-	$(BIN)/python -m pytest --nbval-lax notebooks/ -q -p no:cacheprovider
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/ -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --nbval-lax notebooks/ -q -p no:cacheprovider
 
 tensorboard: install
 	$(BIN)/tensorboard --logdir profiles --host 127.0.0.1 --port $(PORT)

@@ -70,6 +70,20 @@ def model_state_bytes(n_params: int, *, dp: int = 1, zero_stage: int = 0, param_
     )
 
 
+def sharded_state_bytes(unit_sizes, *, dp: int, zero_stage: int = 3, param_bytes: float = 4,
+                        grad_bytes: float = 4, optimizer_bytes: float = 8) -> ModelStateBytes:
+    """model_state_bytes summed over units that are each flattened and padded on their own.
+
+    ZeRO-3 / FSDP shard unit by unit (one flat buffer per transformer block, ...), so each unit
+    pads to a multiple of dp separately: sum_u ceil(n_u/dp), which can exceed ceil(N/dp).
+    """
+    parts = [model_state_bytes(n, dp=dp, zero_stage=zero_stage, param_bytes=param_bytes,
+                               grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes)
+             for n in unit_sizes]
+    return ModelStateBytes(params=sum(p.params for p in parts), grads=sum(p.grads for p in parts),
+                           optimizer=sum(p.optimizer for p in parts))
+
+
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *, tp: int = 1,
                                sequence_parallel: bool = False, recompute: str = "none") -> float:
     """Activation bytes one transformer layer stores for backward (Korthikanti et al. 2022, Table 2).
@@ -155,7 +169,10 @@ class ActivationTracker:
     """
 
     def __init__(self, exclude=()):
-        self._excluded = {p.untyped_storage().data_ptr() for p in exclude}
+        # Keyed by storage *identity*, not address: ZeRO-3 / FSDP free a gathered parameter buffer
+        # (its storage resized to 0) after use and reallocate it, at a new address, before
+        # backward; the storage object itself lives for the whole run.
+        self._excluded = {_storage_id(p) for p in exclude}
         self._live: dict[int, list] = {}   # storage ptr -> [refcount, nbytes]
         self.current = 0
         self.peak = 0
@@ -163,7 +180,7 @@ class ActivationTracker:
 
     def exclude(self, tensors) -> None:
         """Also leave these storages out (e.g. parameters gathered on the fly by ZeRO-3)."""
-        self._excluded.update(t.untyped_storage().data_ptr() for t in tensors)
+        self._excluded.update(_storage_id(t) for t in tensors)
 
     def __enter__(self):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -178,7 +195,7 @@ class ActivationTracker:
 
     def _pack(self, t: torch.Tensor):
         key = t.untyped_storage().data_ptr()
-        if key in self._excluded or isinstance(t, torch.nn.Parameter) or t.numel() == 0:
+        if _storage_id(t) in self._excluded or isinstance(t, torch.nn.Parameter) or t.numel() == 0:
             return t
         entry = self._live.get(key)
         if entry is None:
@@ -198,6 +215,11 @@ class ActivationTracker:
         if entry[0] == 0:
             self.current -= entry[1]
             del self._live[key]
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    """The storage object behind a tensor (stable while it lives, even if resized)."""
+    return t.untyped_storage()._cdata
 
 
 class _Saved:

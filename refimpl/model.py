@@ -28,8 +28,10 @@ import torch.nn.functional as F
 class GPTConfig:
     vocab_size: int = 512
     seq_len: int = 64          # the maximum; a batch may be shorter
-    d_model: int = 192
-    n_heads: int = 6
+    # 160 = 8 heads x 20: heads divide by tp = 2, 4, 8, while 160 (so every parameter count) is
+    # not a multiple of 3, so a 3-rank run must pad its flat shards: the uneven case is the default.
+    d_model: int = 160
+    n_heads: int = 8
     n_layers: int = 4
     mlp_ratio: int = 4
     tie_embeddings: bool = False

@@ -19,6 +19,7 @@ from refimpl.memory import ActivationTracker
 from refimpl.model import build_model, count_params, synthetic_batch
 from refimpl.parallel import get_strategy
 from refimpl.profiling import StepProfiler, profiles_root
+from refimpl.run_record import record_run
 from refimpl.strategy import RunContext, TrainConfig
 
 
@@ -71,6 +72,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     }
     if cfg.return_state:
         result["state_dict"] = strategy.full_state_dict()
+    if trace_dir is not None:   # traces are flushed: leave a summary and scalars beside them
+        record_run(trace_dir, rank, world_size, cfg.strategy, result)
     return result
 
 

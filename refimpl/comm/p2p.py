@@ -6,7 +6,7 @@ Two pieces:
   size), the numbers every algorithm is written in. Peers are always addressed by *group* rank
   (`group_dst=` / `group_src=`), so the same ring runs unchanged on the world or on a tensor- or
   data-parallel subgroup, whose members' global ranks may be 1, 3, 5, 7.
-* `exchange` posts a set of non-blocking receives and sends at once and waits for all of them.
+* `post` starts a set of non-blocking receives and sends at once; `exchange` also waits for them.
   Posting both sides before waiting is what keeps a ring from deadlocking: with blocking `send`
   every rank would wait for its right neighbour to call `recv`, which it never does because it is
   itself stuck in `send` (the classic cyclic wait).
@@ -61,12 +61,27 @@ class GroupView:
         return dist.get_group_rank(self.group, global_rank)
 
 
-def exchange(g: GroupView, sends=(), recvs=()) -> None:
-    """Send each (tensor, peer) and receive into each (tensor, peer) concurrently; wait for all.
+class Posted:
+    """Messages in flight; `wait()` returns once every one of them has completed."""
+
+    def __init__(self, works, copy_back):
+        self._works, self._copy_back = works, copy_back
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        for tensor, buf in self._copy_back:
+            tensor.copy_(buf)
+
+
+def post(g: GroupView, sends=(), recvs=()) -> Posted:
+    """Start sending each (tensor, peer) and receiving into each (tensor, peer); do not wait.
 
     Peers are group ranks. Empty tensors are skipped on both sides: each side computes the same
     sizes, so a message of zero elements is simply never posted. A receive buffer that is not
     contiguous (a column slice, say) is filled through a contiguous staging copy.
+    Between two ranks, messages with the same tag are matched in the order they were posted, which
+    is what lets a pipelined ring post a chunk's segments one after another.
     """
     works, copy_back = [], []
     for tensor, peer in recvs:
@@ -83,10 +98,12 @@ def exchange(g: GroupView, sends=(), recvs=()) -> None:
         buf = tensor.contiguous()
         works.append(dist.isend(buf, group=g.group, group_dst=peer, tag=COLLECTIVE_TAG))
         record_send(buf.numel() * buf.element_size())
-    for work in works:
-        work.wait()
-    for tensor, buf in copy_back:
-        tensor.copy_(buf)
+    return Posted(works, copy_back)
+
+
+def exchange(g: GroupView, sends=(), recvs=()) -> None:
+    """`post` the messages and wait for all of them."""
+    post(g, sends, recvs).wait()
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -11,6 +11,15 @@ from refimpl.strategy import LayoutError, Strategy
 
 STRATEGIES: dict[str, str] = {
     "single": "refimpl.parallel.single:Single",
+    "dp-naive": "refimpl.parallel.dp_naive:NaiveDataParallel",
+    "dp": "refimpl.parallel.dp:BucketedDataParallel",
+    "torch-ddp": "refimpl.parallel.torch_ddp:TorchDDP",
+    "zero1": "refimpl.parallel.zero:Zero1",
+    "zero2": "refimpl.parallel.zero:Zero2",
+    "torch-zero1": "refimpl.parallel.torch_zero1:TorchZero1",
+    "zero3": "refimpl.parallel.zero3:Zero3",
+    "fsdp": "refimpl.parallel.fsdp:FSDP",
+    "torch-fsdp2": "refimpl.parallel.torch_fsdp2:TorchFSDP2",
 }
 
 

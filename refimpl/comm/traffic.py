@@ -1,0 +1,90 @@
+"""Bytes each rank sends in each rebuilt collective: predicted from the algorithm, and counted.
+
+The prediction is per rank and exact, chunk by chunk, so a notebook can assert equality rather
+than "about right". For an M-byte tensor on n ranks:
+
+    all_reduce (ring)         2(n-1)/n * M   every rank    (Patarasuk & Yuan 2009)
+    reduce_scatter (ring)      (n-1)/n * M   every rank    M = the whole input of one rank
+    all_gather (ring)          (n-1)/n * M   every rank    M = the whole gathered output
+    all_to_all (pairwise)      (n-1)/n * M   every rank    M = one rank's input
+    broadcast (binomial)       M per child   root sends most: ceil(log2 n) * M
+    reduce (binomial)          M             every rank but the root, once
+    scatter / gather           (n-1)/n * M at the root / M/n from each other rank
+"""
+from __future__ import annotations
+
+import pandas as pd
+import torch
+
+import refimpl.comm as comm
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce",
+               "scatter", "gather")
+
+
+def _chunk_bytes(numel: int, n: int, itemsize: int) -> list[int]:
+    return [t.numel() * itemsize for t in torch.empty(numel, dtype=torch.uint8).tensor_split(n)]
+
+
+def binomial_children(v: int, n: int) -> int:
+    """How many ranks the (root-relative) rank v sends to in a binomial-tree broadcast."""
+    children, mask = 0, 1
+    while mask < n:
+        if v < mask and v + mask < n:
+            children += 1
+        mask <<= 1
+    return children
+
+
+def expected_sent(op: str, rank: int, n: int, numel: int, itemsize: int = 4, root: int = 0) -> int:
+    """Bytes rank `rank` sends in refimpl.comm's `op` on a `numel`-element tensor (see docstring)."""
+    m = numel * itemsize
+    if n == 1:
+        return 0
+    if op == "all_reduce":  # reduce-scatter sends every chunk but its own, all-gather all but r+1's
+        chunks = _chunk_bytes(numel, n, itemsize)
+        return 2 * m - chunks[rank] - chunks[(rank + 1) % n]
+    if op in ("reduce_scatter", "all_gather", "all_to_all"):
+        return (n - 1) * m // n
+    if op == "broadcast":
+        return binomial_children((rank - root) % n, n) * m
+    if op == "reduce":
+        return 0 if rank == root else m
+    if op == "scatter":
+        return (n - 1) * m // n if rank == root else 0
+    if op == "gather":
+        return 0 if rank == root else m // n
+    raise ValueError(f"no prediction for {op!r}")
+
+
+def measure_sent(rank: int, world_size: int, numel: int) -> dict:
+    """Run each collective on a `numel`-element fp32 tensor (the M of the table) under a CommCounter.
+
+    For reduce_scatter M is the input, for all_gather the output, for scatter/gather the root's
+    whole list, so every row of the table is about the same M.
+    """
+    n = world_size
+    x = torch.ones(numel)
+    piece = numel // n
+    with comm.CommCounter() as counted:
+        comm.all_reduce(x.clone())
+        comm.reduce_scatter_tensor(torch.empty(piece), x[: piece * n].clone())
+        comm.all_gather_into_tensor(torch.empty(piece * n), torch.ones(piece))
+        comm.all_to_all_single(torch.empty(piece * n), x[: piece * n].clone())
+        comm.broadcast(x.clone(), src=0)
+        comm.reduce(x.clone(), dst=0)
+        comm.scatter(torch.empty(piece), list(x[: piece * n].chunk(n)) if rank == 0 else None, src=0)
+        comm.gather(torch.ones(piece), [torch.empty(piece) for _ in range(n)] if rank == 0 else None,
+                    dst=0)
+    return {op: counted.sent.get(op, 0) for op in COLLECTIVES}
+
+
+def traffic_table(measured: list[dict], numel: int, itemsize: int = 4) -> pd.DataFrame:
+    """Counted vs predicted bytes sent, per collective and rank, and counted / M."""
+    n = len(measured)
+    m = numel * itemsize
+    rows = [{"collective": op, "rank": r, "sent_bytes": measured[r][op],
+             "predicted_bytes": expected_sent(op, r, n, numel, itemsize),
+             "sent / M": measured[r][op] / m}
+            for op in COLLECTIVES for r in range(n)]
+    return pd.DataFrame(rows)

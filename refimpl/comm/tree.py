@@ -1,0 +1,76 @@
+"""Broadcast and reduce on a binomial tree.
+
+Binomial tree (Thakur, Rabenseifner & Gropp 2005, "Optimization of collective communication
+operations in MPICH", section 4.1 for broadcast, 4.4 for reduce): number the ranks relative to the
+root, v = (rank - root) mod n. In round k (mask = 2^k) every rank that already has the data,
+v < mask, sends it to v + mask. The set of ranks holding the data doubles each round, so n ranks
+are covered in ceil(log2 n) rounds instead of the n-1 sends of a root that serves everyone itself.
+
+Reduce runs the same tree backwards: in round k a rank whose bit k is set sends its partial result
+to v - mask and drops out; the others receive, combine, and carry on. After ceil(log2 n) rounds the
+root (v = 0) holds the reduction of everyone.
+
+Cost: ceil(log2 n) * (alpha + M/beta). For long messages MPICH switches to scatter + all-gather
+(van de Geijn) to get closer to 2M/beta; we keep the tree, whose picture is the point here.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed import ReduceOp
+
+from refimpl.comm.p2p import GroupView, exchange
+from refimpl.comm.reduce_ops import check_op, finish, reduce_into
+from refimpl.comm.work import issue
+
+
+def binomial_broadcast_(tensor: torch.Tensor, root: int, g: GroupView) -> None:
+    n = g.size
+    v = (g.rank - root) % n
+    mask = 1
+    while mask < n:
+        if v < mask and v + mask < n:            # I have it: pass it on
+            exchange(g, sends=[(tensor, (v + mask + root) % n)])
+        elif mask <= v < 2 * mask:                # my turn to get it
+            exchange(g, recvs=[(tensor, (v - mask + root) % n)])
+        mask <<= 1
+
+
+def binomial_reduce_(tensor: torch.Tensor, root: int, op, g: GroupView) -> None:
+    """The root's `tensor` receives the reduction; other ranks' tensors are left unchanged."""
+    n = g.size
+    v = (g.rank - root) % n
+    acc = tensor  # on a non-root rank, replaced by a private copy before anything is added to it
+    incoming = None
+    mask = 1
+    while mask < n:
+        if v & mask:                              # hand my partial result to my parent, done
+            exchange(g, sends=[(acc, (v - mask + root) % n)])
+            return
+        if v + mask < n:                          # a child's partial result arrives
+            if incoming is None:
+                incoming = torch.empty_like(tensor)
+                if v != 0:
+                    acc = tensor.clone()
+            exchange(g, recvs=[(incoming, (v + mask + root) % n)])
+            reduce_into(acc, incoming, op)
+        mask <<= 1
+    finish(acc, op, n)  # only the root gets here
+
+
+def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+    """torch.distributed.broadcast: every rank's `tensor` <- the root's, in place."""
+
+    def body(g: GroupView):
+        binomial_broadcast_(tensor, g.group_rank(src, group_src), g)
+
+    return issue("broadcast", group, async_op, body)
+
+
+def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_dst=None):
+    """torch.distributed.reduce: the root's `tensor` <- op over every rank's `tensor`."""
+    check_op(op)
+
+    def body(g: GroupView):
+        binomial_reduce_(tensor, g.group_rank(dst, group_dst), op, g)
+
+    return issue("reduce", group, async_op, body)

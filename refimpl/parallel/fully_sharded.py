@@ -1,0 +1,191 @@
+"""Fully sharded data parallelism: when each unit is gathered, freed and reduced (the schedule).
+
+The mechanism of one unit is in `sharded_unit.py`; this file cuts the reference GPT into units and
+hooks them into its forward and backward, under a `ShardingPolicy`. `zero3.py` and `fsdp.py` are
+two policies of this one class:
+
+  forward   pre-hook of unit i:  wait for / gather its parameters; [prefetch] start gathering i+1
+            post-hook of unit i: [reshard_after_forward] free them; hook the unit's output so we
+                                 know when its backward begins
+  backward  output's grad hook:  gather again (if freed); [prefetch] start gathering unit i-1
+            last .grad of unit i accumulated: reduce-scatter its gradient, free its parameters
+  step      AdamW on this rank's fp32 shards only (every state sharded: ZeRO-3)
+
+Data parallel throughout: rank r trains on rows [r·B/N, (r+1)·B/N) of the global batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
+from refimpl.model import Batch, GPT, lm_loss
+from refimpl.parallel.sharded_unit import ShardedUnit
+from refimpl.profiling import comm_span, phase
+from refimpl.strategy import LayoutError, Strategy, TrainConfig, make_optimizer
+
+
+@dataclass(frozen=True)
+class ShardingPolicy:
+    reshard_after_forward: bool = True   # ZeRO-3 / FULL_SHARD; False: SHARD_GRAD_OP (≈ ZeRO-2)
+    keep_last_unit: bool = False         # don't free the unit whose backward comes first (FSDP2's
+                                         # root heuristic: it would be gathered again at once)
+    prefetch: bool = False               # gather the next unit while this one computes
+    async_reduce: bool = False           # reduce-scatter in the background of the next backward
+
+
+def gpt_units(model: GPT) -> list[tuple[str, list]]:
+    """The wrapping policy: (unit name, modules) in forward order -- the embeddings, one unit per
+    transformer block (FSDP's transformer auto-wrap policy), and final_norm + lm_head."""
+    units = [("embed", [("embed", model.embed)])]
+    units += [(f"blocks.{i}", [(f"blocks.{i}", b)]) for i, b in enumerate(model.blocks)]
+    units.append(("head", [("final_norm", model.final_norm), ("lm_head", model.lm_head)]))
+    return units
+
+
+class FullySharded(Strategy):
+    """Base of `zero3` and `fsdp`; subclasses set `policy(cfg)`."""
+
+    min_world_size = 1
+
+    @classmethod
+    def policy(cls, cfg: TrainConfig) -> ShardingPolicy:
+        raise NotImplementedError
+
+    @classmethod
+    def validate(cls, cfg: TrainConfig) -> None:
+        super().validate(cfg)
+        if cfg.global_batch % (cfg.nproc * cfg.micro_batches):
+            raise LayoutError(f"--global-batch {cfg.global_batch} must divide by --nproc x "
+                              f"--micro-batches = {cfg.nproc * cfg.micro_batches}")
+        if cfg.model.tie_embeddings:
+            raise LayoutError(f"strategy {cls.name!r} does not support tied embeddings (the tied "
+                              "weight would belong to two units)")
+        if cfg.model.n_experts:
+            raise LayoutError(f"strategy {cls.name!r} needs a dense model: an expert that gets no "
+                              "token would leave its unit's backward unfinished")
+        unknown = set(cfg.options) - {"offload", "sharding"}
+        if unknown:
+            raise LayoutError(f"strategy {cls.name!r} has no option(s) {sorted(unknown)}; "
+                              "known: offload, sharding")
+        cls.policy(cfg)   # let the subclass reject its own options
+
+    def setup(self, model: GPT) -> None:
+        ctx, cfg = self.ctx, self.ctx.cfg
+        self.pol = self.policy(cfg)
+        self.group = dist.group.WORLD if dist.is_initialized() else None
+        self.model = model.to(ctx.device)
+        if cfg.activation_checkpointing:
+            from refimpl.checkpointing import checkpoint_blocks
+
+            checkpoint_blocks(self.model)
+        offload = bool(cfg.options.get("offload", False))
+        master_device = torch.device("cpu") if offload else ctx.device
+        self.units: list[ShardedUnit] = []
+        for name, modules in gpt_units(self.model):
+            named = [(f"{prefix}.{n}", p) for prefix, m in modules for n, p in m.named_parameters()]
+            unit = ShardedUnit(name, named, self.group, ctx.rank, ctx.world_size, ctx.device,
+                               ctx.compute_dtype, master_device)
+            self._install_hooks(len(self.units), unit, modules[0][1], modules[-1][1])
+            self.units.append(unit)
+        self.optimizer = make_optimizer([u.master for u in self.units], cfg)
+        self._pending_reduce: list = []
+        self.peak_gathered_bytes = 0
+
+    # --- the schedule -----------------------------------------------------------------------------
+
+    def _install_hooks(self, i: int, unit: ShardedUnit, first, last) -> None:
+        first.register_forward_pre_hook(lambda module, args: self._before_forward(i))
+        last.register_forward_hook(lambda module, args, out: self._after_forward(i, out))
+        for p in unit.flat.params:
+            p.register_post_accumulate_grad_hook(lambda param: self._grad_ready(i))
+
+    def _before_forward(self, i: int) -> None:
+        unit = self.units[i]
+        unit.wait_gather()
+        if self.pol.prefetch and i + 1 < len(self.units):
+            self.units[i + 1].gather(async_op=True)   # overlaps with unit i's compute
+        self._note_memory()
+
+    def _after_forward(self, i: int, out: torch.Tensor) -> None:
+        last = i == len(self.units) - 1
+        if self.pol.reshard_after_forward and not (self.pol.keep_last_unit and last):
+            self.units[i].reshard()
+        if torch.is_grad_enabled() and out.requires_grad:
+            out.register_hook(lambda grad: self._before_backward(i))
+
+    def _before_backward(self, i: int) -> None:
+        unit = self.units[i]
+        unit.wait_gather()
+        unit.prepare_grads()
+        if self.pol.prefetch and i > 0:
+            self.units[i - 1].gather(async_op=True)   # overlaps with unit i's backward
+        self._note_memory()
+
+    def _grad_ready(self, i: int) -> None:
+        unit = self.units[i]
+        unit.grads_left -= 1
+        if unit.grads_left:
+            return
+        # The unit's last gradient is in: its backward is over (every op that needed its
+        # weights also produced a weight gradient).
+        self._pending_reduce.append(unit.reduce_scatter(async_op=self.pol.async_reduce))
+        unit.reshard()
+
+    def _note_memory(self) -> None:
+        held = sum(u.gathered_bytes for u in self.units)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, held)
+
+    # --- one step ---------------------------------------------------------------------------------
+
+    def train_step(self, batch: Batch) -> float:
+        ctx = self.ctx
+        local = batch.to(ctx.device).shard(ctx.rank, ctx.world_size)
+        micro = local.micro_batches(ctx.cfg.micro_batches)
+        total = torch.zeros((), device=ctx.device)
+        for mb in micro:
+            with phase("forward"), ctx.autocast():
+                loss = lm_loss(self.model(mb.inputs), mb.targets) / len(micro)
+            with phase("backward"):
+                loss.backward()
+                for finish in self._pending_reduce:
+                    finish()
+                self._pending_reduce.clear()
+            total += loss.detach().float()
+        unfinished = [u.name for u in self.units if u.grads_left or u.gathered]
+        if unfinished:
+            raise RuntimeError(f"units {unfinished} did not finish their backward")
+        with phase("optimizer"):
+            self.optimizer.step()
+            for u in self.units:
+                u.master.grad.zero_()
+        return self._global_mean(total)
+
+    def _global_mean(self, local: torch.Tensor) -> float:
+        with comm_span("all_reduce_loss", local.element_size()):
+            dist.all_reduce(local, group=self.group)
+        return float(local) / self.ctx.world_size
+
+    # --- reporting --------------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            state.update(unit.full_state_dict())
+        return state
+
+    def model_state(self) -> ModelStateBytes:
+        masters = [u.master for u in self.units]
+        return ModelStateBytes(
+            params=tensor_bytes(masters) + sum(u.gathered_bytes for u in self.units),
+            grads=tensor_bytes(m.grad for m in masters),
+            optimizer=tensor_bytes(optimizer_state_tensors(self.optimizer)))
+
+    def unit_sizes(self) -> list[int]:
+        return [u.numel for u in self.units]
+
+    def activation_exclusions(self) -> list[torch.Tensor]:
+        # Gathered parameter buffers are model state: autograd saves views of them (W for dX).
+        return [u.full for u in self.units]

@@ -1,0 +1,45 @@
+"""`torch-zero1`: DDP + torch.distributed.optim.ZeroRedundancyOptimizer, the twin of `zero1`.
+
+ZeroRedundancyOptimizer partitions the optimizer states (ZeRO stage 1, Rajbhandari et al. 2020,
+§5.1) but not as a flat buffer: it assigns whole parameter tensors to ranks, greedily by size, so
+per-rank optimizer memory is only roughly 1/world, and after each rank's local AdamW step the
+owners broadcast their updated parameters. Gradients are all-reduced by DDP (full gradients on
+every rank, as in our `zero1`). AdamW is elementwise, so whichever rank updates a tensor computes
+exactly what `single` computes.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from refimpl.memory import ModelStateBytes, measured_model_state
+from refimpl.model import Batch, GPT
+from refimpl.parallel.data_parallel import DataParallelStrategy
+from refimpl.parallel.torch_ddp import ddp_micro_step, wrap_ddp
+from refimpl.profiling import phase
+
+
+class TorchZero1(DataParallelStrategy):
+    name = "torch-zero1"
+    default_options = {"bucket_mb": 25.0}
+
+    def setup(self, model: GPT) -> None:
+        cfg = self.ctx.cfg
+        self.ddp = wrap_ddp(self, model)
+        self.optimizer = ZeroRedundancyOptimizer(
+            self.ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=cfg.lr,
+            weight_decay=cfg.weight_decay, foreach=False)
+
+    def train_step(self, batch: Batch) -> float:
+        local = self.forward_backward(self.ddp, batch, micro_step=ddp_micro_step(self.ddp))
+        with phase("optimizer"):
+            self.optimizer.step()      # local AdamW on this rank's tensors, then broadcasts
+            self.optimizer.zero_grad(set_to_none=False)
+        return self.global_mean_loss(local)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.replicated_state_dict(self.ddp.module)
+
+    def model_state(self) -> ModelStateBytes:
+        # .optim is the local optimizer: the states this rank actually holds.
+        return measured_model_state(self.ddp.parameters(), self.optimizer.optim)

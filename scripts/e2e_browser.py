@@ -1,0 +1,179 @@
+"""End-to-end: TensorBoard on localhost, a 2-rank run, the rank-timeline plugin in headless Chromium.
+
+    python scripts/e2e_browser.py [--logdir DIR] [--screenshot /tmp/plugin.png] [--docs]
+
+Fails (exit 1) unless, in TensorBoard's own page (http://127.0.0.1:PORT/#refimpl_timeline) and in
+the plugin's standalone page, the timeline renders with bars for every rank, and no request leaves
+127.0.0.1. Every request the browser makes is routed through this script: one to another host is
+recorded and aborted (so the check cannot pass by the network being down), and a Content-Security-
+Policy refusal in the console counts as an attempt too (TensorBoard's CSP blocks scripts from other
+hosts before any request exists). Run by `make e2e`; `tests/test_e2e_browser.py` calls `check()`.
+
+The run: `python -m refimpl train --strategy dp --nproc 2 --profile` with small buckets (so
+all-reduces overlap the backward pass), or, if no `dp` strategy is registered, the tests' 2-rank
+all-reduce run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+# What the workplace's headless Chromium needs so that it does not phone home on its own.
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                  "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync", "--no-first-run"]
+PLUGIN = "refimpl_timeline"
+
+
+def make_run(logdir: Path) -> Path:
+    """A 2-rank profiled run under logdir; returns its folder."""
+    sys.path.insert(0, str(REPO))
+    from refimpl.parallel import STRATEGIES
+
+    run = logdir / "e2e" / "dp-n2"
+    if "dp" in STRATEGIES:
+        subprocess.run([sys.executable, "-m", "refimpl", "train", "--strategy", "dp", "--nproc",
+                        "2", "--steps", "5", "--profile", "--set", "bucket_mb=0.25",
+                        "--trace-dir", str(run), "--json"],
+                       check=True, cwd=REPO, stdout=subprocess.DEVNULL, timeout=600)
+    else:
+        from tests.trace_runs import make_run as allreduce_run
+
+        run = logdir / "e2e" / "allreduce-n2"
+        allreduce_run(run, 2, 5)
+    return run
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_tensorboard(logdir: Path, port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir),
+                             "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/plugins_listing",
+                                        timeout=5) as r:
+                listing = json.load(r)
+            if listing.get(PLUGIN, {}).get("enabled"):
+                return proc
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"tensorboard exited with code {proc.returncode}")
+        time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError("tensorboard did not list the plugin as enabled within 120 s")
+
+
+def _wait_ready(frame_of, timeout_s: float = 60.0):
+    """Poll until the plugin page says ready (or error); returns (frame, state, seconds)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        frame = frame_of()
+        if frame is not None:
+            state = frame.evaluate("document.body && document.body.dataset.state")
+            if state in ("ready", "error", "empty"):
+                return frame, state, time.monotonic() - start
+        time.sleep(0.1)
+    return frame_of(), "timeout", time.monotonic() - start
+
+
+def _inspect(frame) -> dict:
+    return frame.evaluate("""() => ({
+        status: document.getElementById('status').textContent,
+        bars: document.querySelectorAll('#timeline .trace.bars .point').length,
+        lanes: document.querySelectorAll('#timeline .yaxislayer-above .ytick').length,
+        comm_rows: document.querySelectorAll('#comm tbody tr').length,
+        memory_bars: document.querySelectorAll('#memory .trace.bars .point').length,
+    })""")
+
+
+def check(logdir: Path, screenshot: Path, chromium: str = CHROMIUM) -> dict:
+    """Open the plugin inside TensorBoard and on its own; report what rendered and what left."""
+    from playwright.sync_api import sync_playwright
+
+    port = free_port()
+    origin = f"http://127.0.0.1:{port}"
+    offsite, refusals, pages = [], [], {}
+    tb = start_tensorboard(logdir, port)
+    profile_dir = tempfile.mkdtemp(prefix="e2e-chromium-")
+    try:
+        with sync_playwright() as pw:
+            context = pw.chromium.launch_persistent_context(
+                profile_dir, executable_path=chromium, args=CHROMIUM_FLAGS, headless=True,
+                viewport={"width": 1400, "height": 1000})
+
+            def gate(route):
+                url = route.request.url
+                if url.startswith(origin + "/") or url.split(":", 1)[0] in ("data", "blob"):
+                    route.continue_()
+                else:
+                    offsite.append(url)
+                    route.abort()
+
+            context.route("**/*", gate)
+            page = context.pages[0] if context.pages else context.new_page()
+            page.on("console", lambda m: refusals.append(m.text)
+                    if "Content Security Policy" in m.text or "Refused to" in m.text else None)
+
+            page.goto(f"{origin}/#{PLUGIN}")
+            frame, state, seconds = _wait_ready(
+                lambda: next((f for f in page.frames if "plugin_entry.html" in f.url), None))
+            pages["tensorboard"] = dict(_inspect(frame) if frame else {}, state=state,
+                                        seconds=round(seconds, 2))
+            page.wait_for_timeout(300)   # let plotly finish its last relayout before the picture
+            screenshot.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(screenshot))
+
+            page.goto(f"{origin}/data/plugin/{PLUGIN}/index.html")
+            frame, state, seconds = _wait_ready(lambda: page.main_frame)
+            pages["standalone"] = dict(_inspect(frame), state=state, seconds=round(seconds, 2))
+            context.close()
+    finally:
+        tb.terminate()
+        tb.wait(timeout=30)
+        shutil.rmtree(profile_dir, ignore_errors=True)
+
+    ok = (not offsite and not refusals
+          and all(p.get("state") == "ready" and p.get("bars", 0) > 0 for p in pages.values()))
+    return {"ok": ok, "pages": pages, "offsite_requests": offsite, "csp_refusals": refusals,
+            "screenshot": str(screenshot)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--logdir", type=Path, default=None, help="default: a fresh temporary folder")
+    p.add_argument("--screenshot", type=Path, default=Path("/tmp/plugin.png"))
+    p.add_argument("--docs", action="store_true", help="also copy the screenshot to docs/plugin.png")
+    args = p.parse_args()
+    if not Path(CHROMIUM).exists():
+        print(f"{CHROMIUM} not found: `make e2e` installs Debian's chromium", file=sys.stderr)
+        return 1
+    logdir = args.logdir or Path(tempfile.mkdtemp(prefix="e2e-logdir-"))
+    make_run(logdir)
+    result = check(logdir, args.screenshot)
+    if args.docs:
+        (REPO / "docs").mkdir(exist_ok=True)
+        shutil.copyfile(args.screenshot, REPO / "docs" / "plugin.png")
+    print(json.dumps(result, indent=1))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
