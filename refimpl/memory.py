@@ -106,6 +106,25 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
     return sbh * (linear_part + attention_part)
 
 
+def block_activation_bytes(seq: int, batch: int, hidden: int, heads: int, *, mlp_ratio: int = 4,
+                           dtype_bytes: int = 4) -> int:
+    """Exactly what autograd saves for one block of refimpl.model.GPT (no dropout, explicit attention).
+
+    Korthikanti's 34·s·b·h at 16 bits is 16 saved tensors of size s·b·h (2 bytes each: 32) plus two
+    1-byte dropout masks (2). Our block saves the same 16 -- LN1 input and output, Q, K, V, the
+    attention output, LN2 input and output, the MLP's up-projection (4·sbh) and GELU output (4·sbh)
+    -- but has no dropout. Of the 5·a·s²·b attention bytes it keeps only the softmax output (a·s²·b
+    values; the masked scores are not needed by softmax's backward) plus the s×s causal mask
+    (bool), and each LayerNorm keeps its mean and 1/std (2·s·b fp32 values).
+    """
+    assert mlp_ratio == 4, "the 16-tensor count assumes the 4h MLP"
+    sbh, sb = seq * batch * hidden, seq * batch
+    return (16 * sbh * dtype_bytes            # the s·b·h-sized tensors
+            + heads * seq * seq * batch * dtype_bytes   # softmax probabilities
+            + seq * seq                       # causal mask, 1 byte per entry
+            + 2 * 2 * sb * 4)                 # LayerNorm mean and rstd, fp32, two norms
+
+
 def training_flops(n_params: int, tokens: int, *, n_layers: int = 0, seq: int = 0,
                    hidden: int = 0) -> float:
     """FLOPs to train on `tokens` tokens: 6·N·D (2 forward + 4 backward per parameter per token;
@@ -229,3 +248,22 @@ class _Saved:
     def __init__(self, tensor: torch.Tensor, tracker: ActivationTracker, key: int):
         self.tensor = tensor
         weakref.finalize(self, tracker._release, key)
+
+
+def measure_block_activations(block: torch.nn.Module, x: torch.Tensor) -> int:
+    """Peak bytes saved for backward by one forward of `block` on input `x` (parameters excluded)."""
+    x = x.detach().requires_grad_()
+    with ActivationTracker(exclude=block.parameters()) as tracker:
+        block(x)
+    return tracker.peak
+
+
+def measure_step_activations(model: torch.nn.Module, inputs: torch.Tensor,
+                             targets: torch.Tensor) -> int:
+    """Peak bytes saved for backward over a whole forward + backward of the model and its loss."""
+    from refimpl.model import lm_loss
+
+    with ActivationTracker(exclude=model.parameters()) as tracker:
+        lm_loss(model(inputs), targets).backward()
+    model.zero_grad(set_to_none=True)
+    return tracker.peak

@@ -81,7 +81,7 @@ def start_tensorboard(logdir: Path, port: int) -> subprocess.Popen:
     raise TimeoutError("tensorboard did not list the plugin as enabled within 120 s")
 
 
-def _wait_ready(frame_of, timeout_s: float = 60.0):
+def _wait_ready(page, frame_of, timeout_s: float = 60.0):
     """Poll until the plugin page says ready (or error); returns (frame, state, seconds)."""
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
@@ -90,7 +90,7 @@ def _wait_ready(frame_of, timeout_s: float = 60.0):
             state = frame.evaluate("document.body && document.body.dataset.state")
             if state in ("ready", "error", "empty"):
                 return frame, state, time.monotonic() - start
-        time.sleep(0.1)
+        page.wait_for_timeout(100)   # not time.sleep: Playwright handles its events meanwhile
     return frame_of(), "timeout", time.monotonic() - start
 
 
@@ -134,7 +134,7 @@ def check(logdir: Path, screenshot: Path, chromium: str = CHROMIUM) -> dict:
 
             page.goto(f"{origin}/#{PLUGIN}")
             frame, state, seconds = _wait_ready(
-                lambda: next((f for f in page.frames if "plugin_entry.html" in f.url), None))
+                page, lambda: next((f for f in page.frames if "plugin_entry.html" in f.url), None))
             pages["tensorboard"] = dict(_inspect(frame) if frame else {}, state=state,
                                         seconds=round(seconds, 2))
             page.wait_for_timeout(300)   # let plotly finish its last relayout before the picture
@@ -142,7 +142,7 @@ def check(logdir: Path, screenshot: Path, chromium: str = CHROMIUM) -> dict:
             page.screenshot(path=str(screenshot))
 
             page.goto(f"{origin}/data/plugin/{PLUGIN}/index.html")
-            frame, state, seconds = _wait_ready(lambda: page.main_frame)
+            frame, state, seconds = _wait_ready(page, lambda: page.main_frame)
             pages["standalone"] = dict(_inspect(frame), state=state, seconds=round(seconds, 2))
             context.close()
     finally:

@@ -9,7 +9,9 @@ small tensors a scatter or gather carries in training the direct form is as fast
 """
 from __future__ import annotations
 
-from refimpl.comm.p2p import GroupView, exchange
+import torch.distributed as dist
+
+from refimpl.comm.p2p import GroupView, exchange, nbytes
 from refimpl.comm.work import issue
 
 
@@ -26,7 +28,7 @@ def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, gro
         exchange(g, sends=[(scatter_list[i], i) for i in range(g.size) if i != root])
         tensor.copy_(scatter_list[root])
 
-    return issue("scatter", group, async_op, body)
+    return issue("scatter", group, async_op, body, nbytes(tensor) * dist.get_world_size(group))
 
 
 def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group_dst=None):
@@ -42,4 +44,4 @@ def gather(tensor, gather_list=None, dst=None, group=None, async_op=False, group
         exchange(g, recvs=[(gather_list[i], i) for i in range(g.size) if i != root])
         gather_list[root].copy_(tensor)
 
-    return issue("gather", group, async_op, body)
+    return issue("gather", group, async_op, body, nbytes(tensor) * dist.get_world_size(group))

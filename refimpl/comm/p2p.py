@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from refimpl.comm.counter import op_scope, record_recv, record_send
+from refimpl.profiling import comm_span
 
 # Collectives send with their own tag so that a pipeline stage's user-level send/recv (tag 0)
 # between the same two ranks can never be matched with a message that belongs to a ring.
@@ -106,35 +106,35 @@ def exchange(g: GroupView, sends=(), recvs=()) -> None:
     post(g, sends, recvs).wait()
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
+def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
 # Point-to-point traffic is counted under one name, "p2p", in both `sent` and `received`, and
-# labelled comm:send / comm:recv in a trace.
+# labelled comm:send / comm:recv (comm:isend / comm:irecv: posting only) in a trace.
 def send(tensor, dst=None, group=None, tag=0, group_dst=None):
     """torch.distributed.send, counted and labelled."""
-    with op_scope("p2p"), record_function("comm:send"):
-        record_send(_nbytes(tensor))
+    with op_scope("p2p"), comm_span("send", nbytes(tensor)):
+        record_send(nbytes(tensor))
         return dist.send(tensor, dst, group, tag, group_dst=group_dst)
 
 
 def recv(tensor, src=None, group=None, tag=0, group_src=None):
     """torch.distributed.recv, counted and labelled."""
-    with op_scope("p2p"), record_function("comm:recv"):
-        record_recv(_nbytes(tensor))
+    with op_scope("p2p"), comm_span("recv", nbytes(tensor)):
+        record_recv(nbytes(tensor))
         return dist.recv(tensor, src, group, tag, group_src=group_src)
 
 
 def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
     """torch.distributed.isend, counted; the returned handle's wait() is the caller's."""
-    with op_scope("p2p"), record_function("comm:isend"):
-        record_send(_nbytes(tensor))
+    with op_scope("p2p"), comm_span("isend", nbytes(tensor)):
+        record_send(nbytes(tensor))
         return dist.isend(tensor, dst, group, tag, group_dst=group_dst)
 
 
 def irecv(tensor, src=None, group=None, tag=0, group_src=None):
     """torch.distributed.irecv, counted; the returned handle's wait() is the caller's."""
-    with op_scope("p2p"), record_function("comm:irecv"):
-        record_recv(_nbytes(tensor))
+    with op_scope("p2p"), comm_span("irecv", nbytes(tensor)):
+        record_recv(nbytes(tensor))
         return dist.irecv(tensor, src, group, tag, group_src=group_src)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from refimpl.comm.p2p import GroupView, exchange
+from refimpl.comm.p2p import GroupView, exchange, nbytes
 from refimpl.comm.work import issue
 
 
@@ -41,7 +41,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
         pairwise_all_to_all_(_split(output, output_split_sizes, g.size),
                              _split(input, input_split_sizes, g.size), g)
 
-    return issue("all_to_all", group, async_op, body)
+    return issue("all_to_all", group, async_op, body, nbytes(input))
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
@@ -50,4 +50,4 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     def body(g: GroupView):
         pairwise_all_to_all_(list(output_tensor_list), list(input_tensor_list), g)
 
-    return issue("all_to_all", group, async_op, body)
+    return issue("all_to_all", group, async_op, body, sum(nbytes(t) for t in input_tensor_list))

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import torch
 from torch.distributed import ReduceOp
 
-from refimpl.comm.p2p import GroupView, exchange, post
+from refimpl.comm.p2p import GroupView, exchange, nbytes, post
 from refimpl.comm.reduce_ops import check_op, finish, reduce_into
 from refimpl.comm.work import issue
 
@@ -89,7 +89,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
             finish(chunks[g.rank], op, g.size)  # AVG: divide the one chunk we own, before sharing
             ring_all_gather_(chunks, g)
 
-    return issue("all_reduce", group, async_op, body)
+    return issue("all_reduce", group, async_op, body, nbytes(tensor))
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
@@ -112,7 +112,7 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
         output.copy_(acc)
         finish(output, op, n)
 
-    return issue("reduce_scatter", group, async_op, body)
+    return issue("reduce_scatter", group, async_op, body, nbytes(output) * len(input_list))
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
@@ -125,7 +125,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
             ring_reduce_scatter_(chunks, op, g)
             output.copy_(finish(chunks[g.rank], op, g.size).view_as(output))
 
-    return issue("reduce_scatter", group, async_op, body)
+    return issue("reduce_scatter", group, async_op, body, nbytes(input))
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
@@ -135,7 +135,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
         tensor_list[g.rank].copy_(tensor)
         ring_all_gather_(list(tensor_list), g)
 
-    return issue("all_gather", group, async_op, body)
+    return issue("all_gather", group, async_op, body, nbytes(tensor) * len(tensor_list))
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
@@ -147,4 +147,4 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
             chunks[g.rank].copy_(input_tensor.reshape(-1))
             ring_all_gather_(chunks, g)
 
-    return issue("all_gather", group, async_op, body)
+    return issue("all_gather", group, async_op, body, nbytes(output_tensor))

@@ -44,16 +44,17 @@ def expected_sent(op: str, rank: int, n: int, numel: int, itemsize: int = 4, roo
     if op == "all_reduce":  # reduce-scatter sends every chunk but its own, all-gather all but r+1's
         chunks = _chunk_bytes(numel, n, itemsize)
         return 2 * m - chunks[rank] - chunks[(rank + 1) % n]
+    block = (numel // n) * itemsize  # these move n equal blocks; a remainder is not part of M
     if op in ("reduce_scatter", "all_gather", "all_to_all"):
-        return (n - 1) * m // n
+        return (n - 1) * block
     if op == "broadcast":
         return binomial_children((rank - root) % n, n) * m
     if op == "reduce":
         return 0 if rank == root else m
     if op == "scatter":
-        return (n - 1) * m // n if rank == root else 0
+        return (n - 1) * block if rank == root else 0
     if op == "gather":
-        return 0 if rank == root else m // n
+        return 0 if rank == root else block
     raise ValueError(f"no prediction for {op!r}")
 
 

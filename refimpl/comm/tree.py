@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch.distributed import ReduceOp
 
-from refimpl.comm.p2p import GroupView, exchange
+from refimpl.comm.p2p import GroupView, exchange, nbytes
 from refimpl.comm.reduce_ops import check_op, finish, reduce_into
 from refimpl.comm.work import issue
 
@@ -63,7 +63,7 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     def body(g: GroupView):
         binomial_broadcast_(tensor, g.group_rank(src, group_src), g)
 
-    return issue("broadcast", group, async_op, body)
+    return issue("broadcast", group, async_op, body, nbytes(tensor))
 
 
 def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_dst=None):
@@ -73,4 +73,4 @@ def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_
     def body(g: GroupView):
         binomial_reduce_(tensor, g.group_rank(dst, group_dst), op, g)
 
-    return issue("reduce", group, async_op, body)
+    return issue("reduce", group, async_op, body, nbytes(tensor))

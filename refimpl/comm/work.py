@@ -19,10 +19,9 @@ import contextvars
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from torch.profiler import record_function
-
 from refimpl.comm.counter import op_scope
 from refimpl.comm.p2p import GroupView
+from refimpl.profiling import comm_span
 
 
 class Work:
@@ -67,18 +66,20 @@ class _Lane:
 _LANE = _Lane()
 
 
-def issue(name: str, group, async_op: bool, body):
+def issue(name: str, group, async_op: bool, body, nbytes: int | None = None):
     """Run `body(GroupView)` as collective `name`: now, or on the lane when `async_op`.
 
     Returns None (blocking) or a `Work` (async), as torch.distributed does; a rank outside `group`
-    does nothing and gets None, again as torch does.
+    does nothing and gets None, again as torch does. The trace label is `comm:<name> <nbytes>B`
+    (refimpl.profiling's convention), nbytes being the collective's message size M as nccl-tests
+    counts it, so a trace alone gives each call's bandwidth.
     """
     g = GroupView.of(group)
     if not g.member:
         return None
 
     def task():
-        with record_function(f"comm:{name}"), op_scope(name):
+        with comm_span(name, nbytes), op_scope(name):
             body(g)
 
     if async_op:

@@ -20,6 +20,7 @@ STRATEGIES: dict[str, str] = {
     "zero3": "refimpl.parallel.zero3:Zero3",
     "fsdp": "refimpl.parallel.fsdp:FSDP",
     "torch-fsdp2": "refimpl.parallel.torch_fsdp2:TorchFSDP2",
+    "torch-fsdp2-gradop": "refimpl.parallel.torch_fsdp2:TorchFSDP2GradOp",
 }
 
 

@@ -1,0 +1,60 @@
+"""`python -m refimpl train`: the JSON contract, and bad arguments rejected before any rank starts."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "refimpl", "train", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO)
+
+
+def test_train_json_has_the_documented_fields(tmp_path):
+    proc = _cli("--steps", "3", "--profile", "--trace-dir", str(tmp_path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["strategy"] == "single" and out["world_size"] == 1
+    assert len(out["losses"]) == 3 and all(isinstance(x, float) for x in out["losses"])
+    assert out["step_time_s"] > 0 and out["n_params"] > 1_000_000
+    (mem,) = out["memory"]
+    assert set(mem) == {"params", "grads", "optimizer", "activations_peak", "total"}
+    assert mem["total"] == mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations_peak"]
+    assert out["trace_dir"] == str(tmp_path) and list(tmp_path.glob("rank0.*.pt.trace.json"))
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--strategy", "no-such"], "unknown strategy"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--nproc", "2"], "at most 1"),
+    (["--global-batch", "6", "--micro-batches", "4"], "multiple of --micro-batches"),
+    (["--heads", "7"], "divisible by n_heads"),
+    (["--seq-len", "1000"], "--seq-len"),
+])
+def test_bad_arguments_exit_2_with_one_line(args, says, capsys):
+    from refimpl.__main__ import main
+
+    assert main(["train", *args]) == 2            # returned before anything was launched
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], captured.err
+    assert captured.out == ""
+
+
+def test_the_exit_code_reaches_the_shell():
+    proc = _cli("--strategy", "no-such", timeout=120)
+    assert proc.returncode == 2 and "unknown strategy" in proc.stderr
+
+
+def test_the_same_entry_runs_under_torchrun():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "1", "-m", "refimpl", "train", "--steps", "2",
+                           "--json"], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["world_size"] == 1 and len(out["losses"]) == 2

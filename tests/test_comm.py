@@ -1,0 +1,135 @@
+"""refimpl.comm against torch.distributed, on 2, 3 and 4 gloo ranks.
+
+Starting ranks costs seconds, so each world size is launched once (a module-scoped fixture) and
+every check runs inside that one launch; the tests below only read its results.
+"""
+import pytest
+import torch
+
+from refimpl.launch import run
+
+WORLD_SIZES = (2, 3, 4)
+
+
+def _async_checks(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    import refimpl.comm as comm
+
+    x = torch.arange(10.0) + rank
+    want = x.clone()
+    dist.all_reduce(want)
+    out = {}
+    a = x.clone()
+    handle = comm.all_reduce(a, async_op=True)
+    busy = torch.randn(64, 64) @ torch.randn(64, 64)  # compute while the ring runs  # noqa: F841
+    out["handle_type"] = type(handle).__name__
+    out["wait_returns"] = handle.wait()
+    out["async_equal"] = torch.equal(a, want) and handle.is_completed()
+    # two collectives in flight, then a blocking one: all three complete, in issue order
+    b, c, d = x.clone(), x.clone(), x.clone()
+    h1 = comm.all_reduce(b, async_op=True)
+    h2 = comm.broadcast(c, src=world_size - 1, async_op=True)
+    comm.all_reduce(d)
+    out["queued_done"] = h1.is_completed() and h2.is_completed()
+    out["queued_equal"] = (torch.equal(b, want) and torch.equal(d, want)
+                           and torch.equal(c, torch.arange(10.0) + world_size - 1))
+    # the counter follows an asynchronous collective onto the worker thread
+    with comm.CommCounter() as counted:
+        comm.all_reduce(torch.ones(12 * world_size), async_op=True).wait()
+    out["async_counted"] = counted.sent["all_reduce"]
+    return out
+
+
+def _all_checks(rank: int, world_size: int) -> dict:
+    from refimpl import primitives
+    from refimpl.comm.equivalence import compare_with_torch
+    from refimpl.comm.traffic import measure_sent
+
+    out = {"rows": compare_with_torch(rank, world_size),
+           "sent": measure_sent(rank, world_size, 1200),
+           "sent_uneven": measure_sent(rank, world_size, 1001),
+           "async": _async_checks(rank, world_size)}
+    if world_size == 4:
+        out["primitives"] = {impl: primitives.run_primitives(rank, world_size, impl)
+                             for impl in ("torch", "refimpl")}
+    return out
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"world{n}")
+def results(request):
+    return request.param, run(_all_checks, request.param, timeout=240, quiet=True)
+
+
+def test_every_collective_equals_torch(results):
+    n, per_rank = results
+    rows = [dict(row, rank=r) for r, res in enumerate(per_rank) for row in res["rows"]]
+    bad = [row for row in rows if not row["equal"]]
+    assert not bad, f"world size {n}: {bad[:5]}"
+    covered = {row["collective"] for row in rows}
+    assert covered >= {"all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+                       "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
+                       "all_to_all_single", "all_to_all"}
+    cases = {row["case"] for row in rows}
+    assert any("subgroup" in c for c in cases) and any("uneven" in c for c in cases)
+    assert any(f"numel={k}" in c for c in cases for k in (7, 13, 1001))  # not divisible by n
+
+
+def test_ring_all_reduce_sends_2_n_minus_1_over_n_of_the_message(results):
+    n, per_rank = results
+    m = 1200 * 4  # 1200 fp32 values, divisible by 2, 3 and 4
+    for res in per_rank:
+        assert res["sent"]["all_reduce"] == 2 * (n - 1) * m // n
+        assert res["async"]["async_counted"] == 2 * (n - 1) * (12 * n * 4) // n
+
+
+@pytest.mark.parametrize("numel", [1200, 1001])
+def test_counted_bytes_match_the_algorithms_prediction(results, numel):
+    from refimpl.comm.traffic import traffic_table
+
+    n, per_rank = results
+    key = "sent" if numel == 1200 else "sent_uneven"
+    table = traffic_table([res[key] for res in per_rank], numel)
+    assert (table.sent_bytes == table.predicted_bytes).all(), table[table.sent_bytes != table.predicted_bytes]
+
+
+def test_async_handle(results):
+    n, per_rank = results
+    for res in per_rank:
+        a = res["async"]
+        assert a["handle_type"] == "Work" and a["wait_returns"] is True
+        assert a["async_equal"] and a["queued_done"] and a["queued_equal"]
+
+
+def test_primitive_table_derived_from_runs_matches_the_seed(results):
+    from refimpl import primitives
+
+    n, per_rank = results
+    if n != 4:
+        pytest.skip("the primitives demo runs on 4 ranks")
+    torch_runs = [res["primitives"]["torch"] for res in per_rank]
+    ours = [res["primitives"]["refimpl"] for res in per_rank]
+    assert primitives.states_table(torch_runs).equals(primitives.states_table(ours))
+    table = primitives.primitive_table(torch_runs)
+    assert [d.split(" (")[0] for d in table.direction] == [
+        "1 → N", "N → 1", "N → N", "1 → N", "N → 1", "N → N", "N → N", "1 ↔ 1", "N ↔ N"]
+    assert table.loc["reduce_scatter", "direction"].endswith("(reduce, then split 집계 후 분할)")
+    owners = table["result owned by (결과 데이터 소유)"].str.split(" \\(").str[0].tolist()
+    assert owners == ["every rank, same data", "root only", "every rank, same data", "each rank a part",
+                      "root holds the whole", "every rank holds the whole", "each rank a part",
+                      "only the addressed rank", "data tailored per rank"]
+
+
+def test_single_rank_group_is_a_no_op():
+    """World size 1 needs no launch: every collective returns at once and leaves data as is."""
+    def body(rank, world_size):
+        import refimpl.comm as comm
+
+        x = torch.arange(5.0)
+        comm.all_reduce(x)
+        comm.broadcast(x, src=0)
+        out = torch.empty(5)
+        comm.reduce_scatter(out, [x])
+        return x.tolist(), out.tolist()
+
+    assert run(body, 1, quiet=True) == [([0.0, 1.0, 2.0, 3.0, 4.0], [0.0, 1.0, 2.0, 3.0, 4.0])]
