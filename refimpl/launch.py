@@ -129,6 +129,10 @@ def _start_rank(rank: int, world_size: int, backend: str, port: int, payload: Pa
         # One thread per CPU rank, set before the child imports torch (see module docstring).
         env["OMP_NUM_THREADS"] = "1"
         env["MKL_NUM_THREADS"] = "1"
+        # All ranks are on this host: keep gloo's connections on loopback instead of whatever
+        # interface the hostname resolves to.
+        if sys.platform.startswith("linux"):
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     out, err = tmp / f"stdout{rank}.txt", tmp / f"stderr{rank}.txt"
     with open(out, "wb") as fo, open(err, "wb") as fe:
         proc = subprocess.Popen([sys.executable, "-m", "refimpl._rank"], env=env, stdout=fo,
@@ -146,12 +150,27 @@ def _wait_all(ranks: list[_Rank], tmp: Path, timeout: float) -> None:
                 continue
             del pending[rank]
             if code != 0:
-                raise RankFailedError(rank, _failure_text(r, tmp, code))
+                first = _first_failure(ranks, tmp, default=r)
+                raise RankFailedError(first.rank, _failure_text(first, tmp, first.proc.poll()))
         if time.monotonic() > deadline:
             raise LaunchTimeoutError(
                 f"ranks {sorted(pending)} still running after {timeout:.0f} s; killed all "
                 f"{len(ranks)} ranks")
         time.sleep(0.02)
+
+
+def _first_failure(ranks: list[_Rank], tmp: Path, default: _Rank, grace: float = 1.0) -> _Rank:
+    """The rank that failed first, not merely the first one polled.
+
+    When one rank dies, its peers soon fail too ("connection closed by peer"); the root cause is
+    the earliest traceback. Give the others a moment to write theirs, then pick by timestamp.
+    """
+    time.sleep(grace)
+    written = [(os.stat(tmp / f"error{r.rank}.txt").st_mtime_ns, r.rank) for r in ranks
+               if (tmp / f"error{r.rank}.txt").exists()]
+    if not written:
+        return default
+    return ranks[min(written)[1]]
 
 
 def _failure_text(r: _Rank, tmp: Path, code: int) -> str:
