@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PORT   ?= 6006
 
-.PHONY: install lab test test-unit test-notebooks tensorboard bench clean
+.PHONY: install lab test test-unit test-notebooks tensorboard bench report e2e clean
 
 install: $(STAMP)
 
@@ -31,6 +31,18 @@ tensorboard: install
 
 bench: install
 	$(BIN)/python scripts/bench_collectives.py
+
+# Execute every notebook and export it with its figures as offline HTML: report/index.html.
+report: install
+	OMP_NUM_THREADS=1 $(BIN)/python scripts/make_report.py
+
+# The rank-timeline plugin inside TensorBoard on localhost, in headless Chromium (Debian's); fails
+# if the timeline does not render or any request leaves the machine. Screenshot: /tmp/plugin.png
+# (`make e2e E2E_ARGS=--docs` also refreshes docs/plugin.png, the README's picture).
+e2e: install
+	test -x /usr/bin/chromium || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium)
+	$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/python -m pip install -q playwright
+	$(BIN)/python scripts/e2e_browser.py --screenshot /tmp/plugin.png $(E2E_ARGS)
 
 clean:
 	rm -rf profiles/*/ report/ .pytest_cache

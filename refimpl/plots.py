@@ -63,3 +63,139 @@ def line_chart(df, x: str, y: str, color: str | None = None, title: str = "",
     if log_y:
         fig.update_yaxes(type="log")
     return fig
+
+
+# --- communication (notebooks 01 and 02) ---------------------------------------------------------
+
+def reach_heatmaps(reach: dict, title: str = "Whose data reaches whom") -> go.Figure:
+    """One small heatmap per primitive: cell (k, j) lit when rank k's input reached rank j.
+
+    `reach` maps a primitive's name to its n x n 0/1 matrix (refimpl.primitives.dependency).
+    """
+    from plotly.subplots import make_subplots
+
+    names = list(reach)
+    cols = 3
+    rows = -(-len(names) // cols)
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=names, horizontal_spacing=0.08,
+                        vertical_spacing=0.12)
+    for i, name in enumerate(names):
+        z = [[int(v) for v in row] for row in reach[name]]
+        n = len(z)
+        fig.add_heatmap(z=z, x=[f"to {j}" for j in range(n)], y=[f"from {k}" for k in range(n)],
+                        colorscale=[[0, "#F2F2F2"], [1, "#E45756"]], showscale=False, zmin=0, zmax=1,
+                        row=i // cols + 1, col=i % cols + 1)
+    fig.update_yaxes(autorange="reversed")
+    fig.update_layout(title=title, height=260 * rows)
+    return fig
+
+
+def bytes_sent_bars(df, message_bytes: int,
+                    title: str = "Bytes each rank sent, in units of the message size M") -> go.Figure:
+    """Bars of counted bytes / M per collective and rank; a black tick marks the prediction.
+
+    `df` is refimpl.comm.traffic.traffic_table(...): collective, rank, sent / M, predicted_bytes.
+    """
+    fig = go.Figure()
+    for rank, g in df.groupby("rank"):
+        fig.add_bar(name=f"rank {rank}", x=g["collective"], y=g["sent / M"], offsetgroup=str(rank))
+        fig.add_scatter(name=f"predicted, rank {rank}", x=g["collective"], offsetgroup=str(rank),
+                        y=g["predicted_bytes"] / message_bytes, mode="markers", showlegend=rank == 0,
+                        marker=dict(symbol="line-ew-open", size=14, color="black", line_width=2))
+    fig.update_layout(title=title, barmode="group", scattermode="group", yaxis_title="bytes sent / M",
+                      height=380)
+    return fig
+
+
+def bandwidth_curves(df, ceiling_bytes_per_s: float | None = None, y: str = "busbw",
+                     title: str = "Bus bandwidth vs message size") -> go.Figure:
+    """busbw (or algbw) against message size, one line per (op, impl); refimpl dashed.
+
+    `df` is refimpl.bench.sweep(...) for one world size; the ceiling is drawn as a red line.
+    """
+    fig = go.Figure()
+    for (op, impl), g in df.groupby(["op", "impl"], sort=False):
+        fig.add_scatter(x=g["size_bytes"], y=g[y] / 1e9, mode="lines+markers", name=f"{op} ({impl})",
+                        line_dash="dash" if impl == "refimpl" else "solid")
+    if ceiling_bytes_per_s:
+        fig.add_hline(y=ceiling_bytes_per_s / 1e9, line_color="#E45756", line_width=2,
+                      annotation_text="memcpy ceiling (one core)", annotation_position="top left")
+    fig.update_xaxes(type="log", title="message size M (bytes)")
+    fig.update_layout(title=title, yaxis_title=f"{y} (GB/s)", height=420)
+    return fig
+
+
+def fit_vs_measured(df, title: str = "Alpha-beta model vs measurement") -> go.Figure:
+    """Measured time (markers) and the fitted T = alpha + M/beta (lines), log-log, per op.
+
+    `df` is refimpl.bench.with_predictions(...) restricted to one impl and world size.
+    """
+    fig = go.Figure()
+    palette = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#9D755D"]
+    for i, (op, g) in enumerate(df.groupby("op", sort=False)):
+        color = palette[i % len(palette)]
+        fig.add_scatter(x=g["size_bytes"], y=g["time_s"] * 1e6, mode="markers", name=f"{op} measured",
+                        marker_color=color, legendgroup=op)
+        fig.add_scatter(x=g["size_bytes"], y=g["predicted_s"] * 1e6, mode="lines",
+                        name=f"{op} α + M/β", line_color=color, legendgroup=op)
+    fig.update_xaxes(type="log", title="message size M (bytes)")
+    fig.update_yaxes(type="log", title="time (µs)")
+    fig.update_layout(title=title, height=440)
+    return fig
+
+
+def comm_time_bars(df, title: str = "Time in each communication op, per rank") -> go.Figure:
+    """Bars of total time per op, one bar per rank. `df`: rank, op, time_us (profiling.comm_table)."""
+    fig = go.Figure()
+    for rank, g in df.groupby("rank"):
+        fig.add_bar(name=f"rank {rank}", x=g["op"], y=g["time_us"] / 1e3)
+    fig.update_layout(title=title, barmode="group", yaxis_title="ms", height=360)
+    return fig
+
+
+# --- data parallelism (notebook 03) ---------------------------------------------------------------
+
+def time_split_bars(summary, title: str = "Where a step's time goes") -> go.Figure:
+    """Stacked bars per (strategy, rank): compute only, comm hidden under compute, comm only, idle.
+
+    `summary` is refimpl.profiling.summarize(...) for several runs, concatenated with a
+    `strategy` column.
+    """
+    parts = [("compute_frac", "compute only", PHASE_COLORS["forward"]),
+             ("overlap_frac", "comm hidden under compute", "#B279A2"),
+             ("comm_frac", "comm only (exposed)", PHASE_COLORS["comm"]),
+             ("idle_frac", "idle", PHASE_COLORS["idle"])]
+    x = [summary["strategy"].astype(str), [f"rank {r}" for r in summary["rank"]]]
+    fig = go.Figure()
+    for column, name, color in parts:
+        fig.add_bar(name=name, x=x, y=summary[column] * 100, marker_color=color)
+    fig.update_layout(title=title, barmode="stack", yaxis_title="% of the profiled steps",
+                      height=400)
+    return fig
+
+
+# --- ZeRO and FSDP (notebooks 04, 05) -------------------------------------------------------------
+
+MODEL_STATE_COLORS = {"params": "#4C78A8", "grads": "#F58518", "optimizer": "#54A24B",
+                      "gathered (transient)": "#B279A2", "activations": "#BAB0AC"}
+
+
+def model_state_stacks(df, title: str = "Model states per rank") -> go.Figure:
+    """Stacked bars, one per (group, source), stacked by category; e.g. predicted vs measured per
+    ZeRO stage. `df` columns: group, source, category, bytes."""
+    fig = go.Figure()
+    for category, g in df.groupby("category", sort=False):
+        fig.add_bar(name=str(category), x=[g["group"].astype(str), g["source"].astype(str)],
+                    y=g["bytes"] / 2**20, marker_color=MODEL_STATE_COLORS.get(category))
+    fig.update_layout(title=title, barmode="stack", yaxis_title="MiB per rank", height=420)
+    return fig
+
+
+def comm_volume_bars(df, psi_bytes: float, title: str = "Bytes moved per rank per step") -> go.Figure:
+    """Stacked bars per strategy, one segment per collective, in units of Ψ (the model's bytes).
+    `df` columns: strategy, op, volume (bytes per step, the ZeRO paper's factors applied)."""
+    fig = go.Figure()
+    for op, g in df.groupby("op", sort=False):
+        fig.add_bar(name=str(op), x=g["strategy"], y=g["volume"] / psi_bytes)
+    fig.update_layout(title=title, barmode="stack", yaxis_title="volume / Ψ", height=380)
+    return fig

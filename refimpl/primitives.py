@@ -3,9 +3,10 @@ seed's summary table (direction, main use, who owns the result) derived from wha
 
 Every rank starts with a small tensor whose tens digit is its rank: rank 2 holds [21, 22, 23, 24].
 After a primitive, the digits show where each value came from. `run_primitives` runs all nine on
-every rank, through `torch.distributed` (impl="torch") or `refimpl.comm` (impl="refimpl"); the API is the same, so the
-code is too), once as is and once more per rank with that rank's input perturbed. The
-perturbations are what let `primitive_table` *derive* the table instead of restating it:
+every rank, through `torch.distributed` (impl="torch") or `refimpl.comm` (impl="refimpl"; the API
+is the same, so the code is too), once as is and once more per rank with that rank's input
+perturbed. The perturbations are what let `primitive_table` *derive* the table instead of
+restating it:
 
 * rank k's data reaches rank j  <=>  perturbing k's input changes j's result (k != j);
 * an element that changes under perturbations of two or more ranks was reduced;
@@ -65,7 +66,7 @@ def run_one(primitive: str, x: torch.Tensor, rank: int, n: int, c) -> torch.Tens
         c.reduce(out, dst=ROOT) if primitive == "reduce" else c.all_reduce(out)
         return out if primitive == "all_reduce" or rank == ROOT else None
     if primitive == "scatter":
-        out = torch.empty(x.numel() // n)
+        out = torch.empty(x.numel() // n, device=x.device)
         c.scatter(out, list(x.chunk(n)) if rank == ROOT else None, src=ROOT)
         return out
     if primitive == "gather":
@@ -77,7 +78,7 @@ def run_one(primitive: str, x: torch.Tensor, rank: int, n: int, c) -> torch.Tens
         c.all_gather(parts, x)
         return torch.cat(parts)
     if primitive == "reduce_scatter":
-        out = torch.empty(x.numel() // n)
+        out = torch.empty(x.numel() // n, device=x.device)
         c.reduce_scatter(out, list(x.chunk(n)))
         return out
     if primitive == "send_recv":  # ranks 0 and 1 swap tensors, as two pipeline stages would
@@ -95,17 +96,46 @@ def run_one(primitive: str, x: torch.Tensor, rank: int, n: int, c) -> torch.Tens
     raise ValueError(f"unknown primitive {primitive!r}")
 
 
+def reference(primitive: str, inputs: list[torch.Tensor], rank: int) -> torch.Tensor | None:
+    """What each primitive means, written as one process's tensor algebra over every rank's input.
+
+    The distributed runs must agree with this on every rank; it is the definition, the runs are
+    the mechanism.
+    """
+    n, total = len(inputs), torch.stack(inputs).sum(0)
+    definitions = {
+        "broadcast": lambda: inputs[ROOT],
+        "reduce": lambda: total if rank == ROOT else None,
+        "all_reduce": lambda: total,
+        "scatter": lambda: inputs[ROOT].chunk(n)[rank],
+        "gather": lambda: torch.cat(inputs) if rank == ROOT else None,
+        "all_gather": lambda: torch.cat(inputs),
+        "reduce_scatter": lambda: total.chunk(n)[rank],
+        "send_recv": lambda: inputs[1 - rank] if rank < 2 else inputs[rank],
+        "all_to_all": lambda: torch.cat([x.chunk(n)[rank] for x in inputs]),  # a transpose
+    }
+    return definitions[primitive]()
+
+
 def run_primitives(rank: int, world_size: int, impl: str = "torch", length: int = 4) -> dict:
     """On every rank (under launch.run): {primitive: {"before", "after", "perturbed": [per rank]}}."""
+    import torch.distributed as dist
+
+    from refimpl.launch import device_for
+
     c = _implementation(impl)
-    x = labelled(rank, length)
+    x = labelled(rank, length).to(device_for(dist.get_backend()))
     results = {}
     for name in PRIMITIVES:
         after = run_one(name, x, rank, world_size, c)
-        perturbed = [run_one(name, x + PERTURBATION * (k == rank), rank, world_size, c)
+        perturbed = [_cpu(run_one(name, x + PERTURBATION * (k == rank), rank, world_size, c))
                      for k in range(world_size)]
-        results[name] = {"before": x, "after": after, "perturbed": perturbed}
+        results[name] = {"before": x.cpu(), "after": _cpu(after), "perturbed": perturbed}
     return results
+
+
+def _cpu(t):
+    return None if t is None else t.cpu()
 
 
 def _values(t) -> list | None:

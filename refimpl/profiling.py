@@ -21,8 +21,8 @@ import os
 import re
 from pathlib import Path
 
-import torch
-from torch.profiler import ProfilerActivity, profile, record_function, schedule
+# torch is imported inside the capture functions only: the reading half of this module is what the
+# TensorBoard plugin loads, and it should not pay for importing torch.
 
 PHASES = ("forward", "backward", "optimizer")
 _COMM = re.compile(r"^comm:(?P<op>[\w\-]+)(?: (?P<bytes>\d+)B)?$")
@@ -49,11 +49,15 @@ def run_dir(group: str, run: str) -> Path:
 
 def phase(name: str):
     """Label a phase of a step (forward, backward, optimizer, or any compute you name)."""
+    from torch.profiler import record_function
+
     return record_function(name)
 
 
 def comm_span(op: str, nbytes: int | None = None):
     """Label one communication call; bytes in the name let the loader build a bandwidth table."""
+    from torch.profiler import record_function
+
     return record_function(f"comm:{op}" + (f" {int(nbytes)}B" if nbytes is not None else ""))
 
 
@@ -71,6 +75,9 @@ class StepProfiler:
         self.out_dir = Path(out_dir) if out_dir is not None else None
         if not self.enabled:
             return
+        import torch
+        from torch.profiler import ProfilerActivity, profile, schedule
+
         warmup = 1 if steps > 1 else 0
         active = max(1, min(active, steps - warmup))
         activities = [ProfilerActivity.CPU]
@@ -138,7 +145,11 @@ def load_trace(run: str | Path, include_ops: bool = False):
 
     rows = []
     for rank, path in trace_files(run).items():
-        for ev in read_trace(path).get("traceEvents", []):
+        trace = read_trace(path)
+        # Event times are µs after the trace's own base time; adding it puts every rank on the
+        # host's clock, so ranks whose profilers started at different moments still line up.
+        base_ns = int(trace.get("baseTimeNanoseconds", 0))
+        for ev in trace.get("traceEvents", []):
             if ev.get("ph") != "X" or "dur" not in ev:
                 continue
             name = ev.get("name", "")
@@ -150,13 +161,16 @@ def load_trace(run: str | Path, include_ops: bool = False):
                 "rank": rank, "name": name, "category": cat,
                 "op": (m.group("op") if m else name.split(":")[-1]) if cat == "comm" else None,
                 "bytes": int(m.group("bytes")) if m and m.group("bytes") else None,
-                "start_us": float(ev["ts"]), "dur_us": float(ev["dur"]),
+                "start_us": float(ev["ts"]), "base_ns": base_ns, "dur_us": float(ev["dur"]),
                 "thread": ev.get("tid"),
             })
     df = pd.DataFrame(rows, columns=["rank", "name", "category", "op", "bytes", "start_us",
-                                     "dur_us", "thread"])
+                                     "base_ns", "dur_us", "thread"])
+    base_ns = df.pop("base_ns")
     if df.empty:
         return df.assign(step=pd.Series(dtype="Int64"))
+    # Add only the bases' differences (small numbers), not ~1e15 µs, to keep sub-µs precision.
+    df["start_us"] += (base_ns - base_ns.min()) / 1000
     df["start_us"] -= df["start_us"].min()
     df["step"] = _step_of(df)
     return df.sort_values(["rank", "start_us"]).reset_index(drop=True)

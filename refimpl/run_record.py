@@ -13,7 +13,8 @@ writes into the run folder, from rank 0:
     memory/rank<r>/<category>     bytes; model state does not change between steps, and
                                   activations_peak is the run's peak, so each is one value per step
     comm/fraction/rank<r>         share of each profiled step in which rank r communicates
-    comm/exposed_fraction/rank<r> ... communicates while not computing (the cost overlap did not hide)
+    comm/exposed_fraction/rank<r> ... in which it communicates and does not compute (what overlap
+                                  did not hide)
 
 Why rank 0 writes everything: every rank's trace is flushed when its profiler exits, and
 `all_gather_object` below returns only when every rank has got there, so rank 0 can then read all
@@ -68,7 +69,7 @@ def read_run_summary(run: str | Path) -> dict | None:
 
 
 def write_scalars(run: Path, summary: dict) -> Path:
-    """One event file of per-step scalars in the run folder; replaces the one a previous run left."""
+    """One event file of per-step scalars in the run folder, replacing a previous run's."""
     from torch.utils.tensorboard import SummaryWriter
 
     for old in run.glob(f"events.out.tfevents.*{EVENT_SUFFIX}"):

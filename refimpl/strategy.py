@@ -46,6 +46,7 @@ class TrainConfig:
     profile: bool = False
     trace_dir: str | None = None      # where --profile writes; default profiles/cli/<strategy>-<n>
     return_state: bool = False        # include the full state dict in each rank's result
+    init_state: str | None = None     # torch.save'd full state dict to start from (any strategy's)
     model: GPTConfig = field(default_factory=GPTConfig)
     options: dict = field(default_factory=dict)   # strategy-specific knobs, e.g. {"bucket_mb": 25}
 

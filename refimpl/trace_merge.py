@@ -82,7 +82,8 @@ def _has_time(ev: dict) -> bool:
 
 def _lane_metadata(rank: int) -> list[dict]:
     return [
-        {"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
+        {"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
+         "args": {"name": f"rank {rank}"}},
         {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0,
          "args": {"sort_index": rank}},
     ]

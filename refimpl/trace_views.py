@@ -35,13 +35,15 @@ class StepWindow:
             return cls(0, -1)
         if not text:
             return cls(available[0], available[min(DEFAULT_WINDOW, len(available)) - 1])
-        if ":" not in text:
-            return cls(int(text), int(text))
-        lo, hi = text.split(":", 1)
+        lo, hi = text.split(":", 1) if ":" in text else (text, text)
         first = int(lo) if lo.strip() else available[0]
         last = int(hi) if hi.strip() else available[-1]
         if last < first:
             raise ValueError(f"step window {text!r} ends before it starts")
+        first, last = max(first, available[0]), min(last, available[-1])   # what exists of it
+        if last < first:
+            raise ValueError(f"no profiled step in {text!r}: the run has steps "
+                             f"{available[0]} to {available[-1]}")
         return cls(first, last)
 
     def select(self, df):

@@ -39,6 +39,10 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     ctx = RunContext(rank, world_size, backend, launch.device_for(backend), cfg)
     torch.manual_seed(cfg.seed)
     reference = build_model(cfg.model, cfg.seed)
+    if cfg.init_state is not None:
+        # A checkpoint is the reference's full state dict, whatever strategy and world size wrote
+        # it: every strategy places it from the reference model, so it reshards on load.
+        reference.load_state_dict(torch.load(cfg.init_state, map_location="cpu"))
     n_params = count_params(reference)
     strategy = get_strategy(cfg.strategy)(ctx)
     strategy.setup(reference)
@@ -85,12 +89,45 @@ def train_on_ranks(cfg: TrainConfig, timeout: float = 900.0, quiet: bool = True)
     """
     validate(cfg)
     if launch.under_torchrun():
-        per_rank = launch.run(train_rank, cfg.nproc, cfg)
+        # torchrun started one process per rank; each trains, then all exchange their results
+        # so that every process can print the same merged JSON.
+        (per_rank,) = launch.run(_train_rank_and_share, cfg.nproc, cfg)
     elif cfg.nproc == 1 and cfg.strategy == "single":
         per_rank = [train_rank(0, 1, cfg)]   # the reference needs no process group
     else:
         per_rank = launch.run(train_rank, cfg.nproc, cfg, timeout=timeout, quiet=quiet)
     return merge_results(cfg, per_rank)
+
+
+def train_several_on_ranks(cfgs: list[TrainConfig], timeout: float = 900.0,
+                           quiet: bool = True) -> list[dict]:
+    """Several configurations, one after another, in one launch of the same ranks.
+
+    A comparison (dp vs torch-ddp, ...) then pays the process start-up once, and its step times
+    come from the same processes. All configurations must have the same `nproc`.
+    """
+    for cfg in cfgs:
+        validate(cfg)
+    if len({cfg.nproc for cfg in cfgs}) != 1:
+        raise ValueError("train_several_on_ranks needs the same nproc for every configuration")
+    if launch.under_torchrun():
+        runs = launch.run(_train_several, cfgs[0].nproc, cfgs)
+    else:
+        runs = launch.run(_train_several, cfgs[0].nproc, cfgs, timeout=timeout, quiet=quiet)
+    return [merge_results(cfg, [rank_runs[i] for rank_runs in runs]) for i, cfg in enumerate(cfgs)]
+
+
+def _train_several(rank: int, world_size: int, cfgs: list[TrainConfig]) -> list[dict]:
+    return [train_rank(rank, world_size, cfg) for cfg in cfgs]
+
+
+def _train_rank_and_share(rank: int, world_size: int, cfg: TrainConfig) -> list[dict]:
+    import torch.distributed as dist
+
+    mine = train_rank(rank, world_size, cfg)
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    return everyone
 
 
 def merge_results(cfg: TrainConfig, per_rank: list[dict]) -> dict:

@@ -1,17 +1,19 @@
-"""End-to-end: TensorBoard on localhost, a 2-rank run, the rank-timeline plugin in headless Chromium.
+"""End-to-end: TensorBoard on localhost, a 2-rank run, the rank-timeline plugin in headless Chromium
 
     python scripts/e2e_browser.py [--logdir DIR] [--screenshot /tmp/plugin.png] [--docs]
 
 Fails (exit 1) unless, in TensorBoard's own page (http://127.0.0.1:PORT/#refimpl_timeline) and in
-the plugin's standalone page, the timeline renders with bars for every rank, and no request leaves
-127.0.0.1. Every request the browser makes is routed through this script: one to another host is
-recorded and aborted (so the check cannot pass by the network being down), and a Content-Security-
-Policy refusal in the console counts as an attempt too (TensorBoard's CSP blocks scripts from other
-hosts before any request exists). Run by `make e2e`; `tests/test_e2e_browser.py` calls `check()`.
+the plugin's standalone page, the timeline renders with bars for every rank, a 4-rank, 10-step run
+draws in under 2 s (--max-open-s), and no request leaves 127.0.0.1. Every request the browser makes
+is routed through this script: one to another host is recorded and aborted (so the check cannot
+pass by the network being down), and a Content-Security-Policy refusal in the console counts as an
+attempt too (TensorBoard's CSP blocks scripts from other hosts before any request exists).
+Run by `make e2e`; `tests/test_e2e_browser.py` calls `check()`.
 
-The run: `python -m refimpl train --strategy dp --nproc 2 --profile` with small buckets (so
+The runs: `python -m refimpl train --strategy dp --nproc 2 --profile` with small buckets (so
 all-reduces overlap the backward pass), or, if no `dp` strategy is registered, the tests' 2-rank
-all-reduce run.
+all-reduce run; and the tests' synthetic 4-rank, 10-step trace (a real one takes minutes on a
+2-core laptop).
 """
 from __future__ import annotations
 
@@ -35,10 +37,16 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 PLUGIN = "refimpl_timeline"
 
 
-def make_run(logdir: Path) -> Path:
-    """A 2-rank profiled run under logdir; returns its folder."""
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))
+# BIG_RUN: 4 ranks x 10 profiled steps, synthetic; the page must draw it in under 2 s.
+from tests.trace_runs import BIG_RUN, write_synthetic_run  # noqa: E402
+
+
+def make_runs(logdir: Path) -> Path:
+    """A 2-rank profiled run, and a synthetic 4-rank, 10-step one, under logdir."""
     from refimpl.parallel import STRATEGIES
+
+    write_synthetic_run(logdir / BIG_RUN, ranks=4, steps=10)
 
     run = logdir / "e2e" / "dp-n2"
     if "dp" in STRATEGIES:
@@ -144,6 +152,12 @@ def check(logdir: Path, screenshot: Path, chromium: str = CHROMIUM) -> dict:
             page.goto(f"{origin}/data/plugin/{PLUGIN}/index.html")
             frame, state, seconds = _wait_ready(page, lambda: page.main_frame)
             pages["standalone"] = dict(_inspect(frame), state=state, seconds=round(seconds, 2))
+
+            if (logdir / BIG_RUN).is_dir():   # seconds: from asking for the page to a drawn one
+                page.goto(f"{origin}/data/plugin/{PLUGIN}/index.html?run={BIG_RUN}")
+                frame, state, seconds = _wait_ready(page, lambda: page.main_frame)
+                pages["4 ranks x 10 steps"] = dict(_inspect(frame), state=state,
+                                                   seconds=round(seconds, 2))
             context.close()
     finally:
         tb.terminate()
@@ -160,14 +174,21 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--logdir", type=Path, default=None, help="default: a fresh temporary folder")
     p.add_argument("--screenshot", type=Path, default=Path("/tmp/plugin.png"))
-    p.add_argument("--docs", action="store_true", help="also copy the screenshot to docs/plugin.png")
+    p.add_argument("--docs", action="store_true",
+                   help="also copy the screenshot to docs/plugin.png")
+    p.add_argument("--max-open-s", type=float, default=2.0,
+                   help="fail if the 4-rank, 10-step run takes this long to draw")
     args = p.parse_args()
     if not Path(CHROMIUM).exists():
         print(f"{CHROMIUM} not found: `make e2e` installs Debian's chromium", file=sys.stderr)
         return 1
     logdir = args.logdir or Path(tempfile.mkdtemp(prefix="e2e-logdir-"))
-    make_run(logdir)
+    make_runs(logdir)
     result = check(logdir, args.screenshot)
+    big = result["pages"].get("4 ranks x 10 steps", {})
+    if big.get("seconds", float("inf")) >= args.max_open_s:
+        result["ok"] = False
+        result["too_slow"] = f"{BIG_RUN} took {big.get('seconds')} s (limit {args.max_open_s} s)"
     if args.docs:
         (REPO / "docs").mkdir(exist_ok=True)
         shutil.copyfile(args.screenshot, REPO / "docs" / "plugin.png")

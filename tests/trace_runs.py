@@ -56,6 +56,22 @@ def make_run(out: Path, world_size: int = 2, steps: int = 4) -> list[dict]:
     return launch.run(profiled_allreduce, world_size, str(out), steps, timeout=120, quiet=True)
 
 
+REAL_RUN, BIG_RUN = "nb/allreduce-n2", "nb/synthetic-n4"
+
+
+def shared_logdir(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """A logdir holding a real 2-rank, 4-step run (REAL_RUN) and a synthetic 4-rank, 10-step one
+    (BIG_RUN), made once per test session (a launch costs seconds) and shared by the test modules
+    that only read it. Returns the logdir and each rank's result of the real run."""
+    root = tmp_path_factory.getbasetemp() / "trace-logdir"
+    results = root / "allreduce-n2.results.json"
+    if not results.exists():
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(json.dumps(make_run(root / REAL_RUN, world_size=2, steps=4)))
+        write_synthetic_run(root / BIG_RUN, ranks=4, steps=10)
+    return root, json.loads(results.read_text())
+
+
 def write_synthetic_run(out: Path, ranks: int = 4, steps: int = 10, ops_per_step: int = 400,
                         base_ns: int = 1_790_000_000_000_000_000, base_skew_s: int = 0) -> Path:
     """Trace files shaped like the profiler's: ProfilerStep#n, phases, one labelled all-reduce and

@@ -18,8 +18,9 @@ import refimpl.comm as comm
 
 
 def _ints(shape, seed: int, lo: int = -8, hi: int = 9, dtype=torch.float32) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(lo, hi, shape, generator=gen).to(dtype)
+    gen = torch.Generator().manual_seed(seed)  # drawn on the CPU: the same values on any device
+    values = torch.randint(lo, hi, shape, generator=gen, device="cpu")
+    return values.to(dtype=dtype, device=torch.get_default_device())
 
 
 def _row(rows: list, name: str, case: str, ours, theirs) -> None:
@@ -36,15 +37,18 @@ def _twin(fn_name: str):
 
 def compare_with_torch(rank: int, world_size: int, sizes=(1, 7, 13, 1001)) -> list[dict]:
     """Every collective x every case on this rank; returns rows (see module docstring)."""
+    from refimpl.launch import device_for
+
     n, rows = world_size, []
     seed = 1000 * rank
-    for numel in sizes:
-        _all_reduce_cases(rows, numel, seed, n)
-        _rooted_cases(rows, numel, seed, n)
-        _gather_scatter_cases(rows, numel, seed, n, rank)
-    _large_cases(rows, seed, n)
-    _all_to_all_cases(rows, seed, n, rank)
-    _subgroup_cases(rows, seed, n, rank)
+    with torch.device(device_for(dist.get_backend())):  # new tensors on this rank's device
+        for numel in sizes:
+            _all_reduce_cases(rows, numel, seed, n)
+            _rooted_cases(rows, numel, seed, n)
+            _gather_scatter_cases(rows, numel, seed, n, rank)
+        _large_cases(rows, seed, n)
+        _all_to_all_cases(rows, seed, n, rank)
+        _subgroup_cases(rows, seed, n, rank)
     return rows
 
 
@@ -185,6 +189,27 @@ def _subgroup_cases(rows, seed, n, rank):
     comm.all_to_all_single(a, x, group=group)
     dist.all_to_all_single(b, x, group=group)
     _row(rows, "all_to_all_single", f"subgroup {members}", a, b)
+    root = members[-1]  # roots are global ranks, as in torch
+    a, b = x.clone(), x.clone()
+    comm.reduce(a, dst=root, group=group)
+    dist.reduce(b, dst=root, group=group)
+    if rank == root:
+        _row(rows, "reduce", f"subgroup {members} dst={root}", a, b)
+    ours, theirs = [torch.empty_like(x) for _ in range(k)], [torch.empty_like(x) for _ in range(k)]
+    comm.all_gather(ours, x, group=group)
+    dist.all_gather(theirs, x, group=group)
+    _row(rows, "all_gather", f"subgroup {members}", torch.stack(ours), torch.stack(theirs))
+    ours = [torch.empty_like(x) for _ in range(k)] if rank == root else None
+    theirs = [torch.empty_like(x) for _ in range(k)] if rank == root else None
+    comm.gather(x, ours, dst=root, group=group)
+    dist.gather(x, theirs, dst=root, group=group)
+    if rank == root:
+        _row(rows, "gather", f"subgroup {members} dst={root}", torch.stack(ours), torch.stack(theirs))
+    pieces = [_ints((2,), 70 + i) for i in range(k)] if rank == root else None
+    a, b = torch.empty(2), torch.empty(2)
+    comm.scatter(a, pieces, src=root, group=group)
+    dist.scatter(b, pieces, src=root, group=group)
+    _row(rows, "scatter", f"subgroup {members} src={root}", a, b)
     # a rank outside the group does nothing and gets None, like torch
     other = groups[1 - rank % 2]
     _row(rows, "all_reduce", "non-member returns None", comm.all_reduce(x.clone(), group=other) is None,

@@ -87,8 +87,9 @@ def post(g: GroupView, sends=(), recvs=()) -> Posted:
     for tensor, peer in recvs:
         if tensor.numel() == 0:
             continue
-        buf = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        if buf is not tensor:
+        buf = tensor
+        if not tensor.is_contiguous():
+            buf = torch.empty_like(tensor, memory_format=torch.contiguous_format)
             copy_back.append((tensor, buf))
         works.append(dist.irecv(buf, group=g.group, group_src=peer, tag=COLLECTIVE_TAG))
         record_recv(buf.numel() * buf.element_size())

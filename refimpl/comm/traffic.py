@@ -64,10 +64,14 @@ def measure_sent(rank: int, world_size: int, numel: int) -> dict:
     For reduce_scatter M is the input, for all_gather the output, for scatter/gather the root's
     whole list, so every row of the table is about the same M.
     """
+    import torch.distributed as dist
+
+    from refimpl.launch import device_for
+
     n = world_size
-    x = torch.ones(numel)
     piece = numel // n
-    with comm.CommCounter() as counted:
+    with torch.device(device_for(dist.get_backend())), comm.CommCounter() as counted:
+        x = torch.ones(numel)
         comm.all_reduce(x.clone())
         comm.reduce_scatter_tensor(torch.empty(piece), x[: piece * n].clone())
         comm.all_gather_into_tensor(torch.empty(piece * n), torch.ones(piece))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from refimpl.comm.counter import op_scope
 from refimpl.comm.p2p import GroupView
@@ -30,7 +30,10 @@ class Work:
     def __init__(self, future: Future):
         self._future = future
 
-    def wait(self, timeout: float | None = None) -> bool:
+    def wait(self, timeout=None) -> bool:
+        """Block until done (timeout: seconds or a timedelta, as torch's Work.wait takes)."""
+        if hasattr(timeout, "total_seconds"):
+            timeout = timeout.total_seconds()
         self._future.result(timeout)  # re-raises whatever the collective raised
         return True
 
@@ -58,9 +61,11 @@ class _Lane:
             return Work(self._last)
 
     def drain(self) -> None:
+        """Wait until everything issued so far has finished. A failure is not raised here but by
+        its own handle's wait(), so it is reported once, where the caller asked for it."""
         last = self._last
         if last is not None:
-            last.result()
+            wait([last])
 
 
 _LANE = _Lane()

@@ -27,7 +27,10 @@ from refimpl.strategy import LayoutError, Strategy, TrainConfig
 
 
 class DataParallelStrategy(Strategy):
-    """Base of dp-naive, dp, zero1, zero2 and their torch twins (see the module docstring)."""
+    """Base of dp-naive, dp, zero1, zero2 and their torch twins (see the module docstring).
+
+    `setup` must set `self.model`, this rank's replica (for the torch twins, the wrapped module).
+    """
 
     # option name -> default; `validate` rejects any other key so a typo fails before launch.
     default_options: dict = {}
@@ -88,6 +91,11 @@ class DataParallelStrategy(Strategy):
         with comm_span("all_reduce", t.nbytes):
             dist.all_reduce(t)
         return float(t.item()) / self.ctx.world_size
+
+    def activation_exclusions(self) -> list[torch.Tensor]:
+        # Linear's backward saves weight.t(), a view that is not a Parameter: without this the
+        # tracker would count the weights (~5 MB here) as activations.
+        return list(self.model.parameters())
 
     def replicated_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Replicas already hold the full weights: the state dict is local, no communication."""

@@ -5,7 +5,10 @@ policy"), plus what makes FSDP fast:
 
   * forward prefetch: while unit i computes, unit i+1's all-gather is already in flight
     (async_op=True); backward prefetch: while unit i runs its backward, unit i-1's (§3.3.3);
-  * reduce-scatters run in the background and are waited for once, before the optimizer step;
+  * option `overlap_reduce=true`: each reduce-scatter runs in the background of the next unit's
+    backward (FSDP's separate reduce-scatter stream). Off by default: it keeps one more unit's
+    full-size gradient alive, which on these CPU ranks made the peak exceed FSDP2's (FSDP2 on
+    CPU reduce-scatters synchronously); notebook 05 measures both;
   * the unit whose backward comes first (final_norm + lm_head) keeps its parameters after
     forward, as FSDP2 does for the root module -- it would be gathered again immediately.
 
@@ -27,6 +30,7 @@ SHARDING_MODES = ("full", "grad_op")
 
 class FSDP(FullySharded):
     name = "fsdp"
+    option_names = ("offload", "sharding", "overlap_reduce")
 
     @classmethod
     def policy(cls, cfg: TrainConfig) -> ShardingPolicy:
@@ -35,4 +39,5 @@ class FSDP(FullySharded):
             raise LayoutError(f"--set sharding must be one of {', '.join(SHARDING_MODES)} "
                               f"(got {mode!r})")
         return ShardingPolicy(reshard_after_forward=mode == "full", keep_last_unit=True,
-                              prefetch=True, async_reduce=True)
+                              prefetch=True,
+                              async_reduce=bool(cfg.options.get("overlap_reduce", False)))

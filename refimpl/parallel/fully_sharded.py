@@ -49,6 +49,7 @@ class FullySharded(Strategy):
     """Base of `zero3` and `fsdp`; subclasses set `policy(cfg)`."""
 
     min_world_size = 1
+    option_names: tuple[str, ...] = ("offload",)
 
     @classmethod
     def policy(cls, cfg: TrainConfig) -> ShardingPolicy:
@@ -66,10 +67,10 @@ class FullySharded(Strategy):
         if cfg.model.n_experts:
             raise LayoutError(f"strategy {cls.name!r} needs a dense model: an expert that gets no "
                               "token would leave its unit's backward unfinished")
-        unknown = set(cfg.options) - {"offload", "sharding"}
+        unknown = set(cfg.options) - set(cls.option_names)
         if unknown:
             raise LayoutError(f"strategy {cls.name!r} has no option(s) {sorted(unknown)}; "
-                              "known: offload, sharding")
+                              f"known: {', '.join(cls.option_names)}")
         cls.policy(cfg)   # let the subclass reject its own options
 
     def setup(self, model: GPT) -> None:
@@ -81,8 +82,8 @@ class FullySharded(Strategy):
             from refimpl.checkpointing import checkpoint_blocks
 
             checkpoint_blocks(self.model)
-        offload = bool(cfg.options.get("offload", False))
-        master_device = torch.device("cpu") if offload else ctx.device
+        self.offload = bool(cfg.options.get("offload", False))
+        master_device = torch.device("cpu") if self.offload else ctx.device
         self.units: list[ShardedUnit] = []
         for name, modules in gpt_units(self.model):
             named = [(f"{prefix}.{n}", p) for prefix, m in modules for n, p in m.named_parameters()]
@@ -100,6 +101,7 @@ class FullySharded(Strategy):
         first.register_forward_pre_hook(lambda module, args: self._before_forward(i))
         last.register_forward_hook(lambda module, args, out: self._after_forward(i, out))
         for p in unit.flat.params:
+            p.register_hook(lambda grad: unit.prepare_grads())     # before it is accumulated
             p.register_post_accumulate_grad_hook(lambda param: self._grad_ready(i))
 
     def _before_forward(self, i: int) -> None:
@@ -119,7 +121,7 @@ class FullySharded(Strategy):
     def _before_backward(self, i: int) -> None:
         unit = self.units[i]
         unit.wait_gather()
-        unit.prepare_grads()
+        unit.expect_grads()
         if self.pol.prefetch and i > 0:
             self.units[i - 1].gather(async_op=True)   # overlaps with unit i's backward
         self._note_memory()
@@ -130,9 +132,18 @@ class FullySharded(Strategy):
         if unit.grads_left:
             return
         # The unit's last gradient is in: its backward is over (every op that needed its
-        # weights also produced a weight gradient).
-        self._pending_reduce.append(unit.reduce_scatter(async_op=self.pol.async_reduce))
+        # weights also produced a weight gradient), so free its parameters first, then reduce.
+        # At most one reduce-scatter stays in flight: the previous unit's has had this unit's
+        # whole backward to finish, and waiting for it here frees its full-size gradient buffer
+        # before another is sent.
         unit.reshard()
+        self._finish_reduces()
+        self._pending_reduce.append(unit.reduce_scatter(async_op=self.pol.async_reduce))
+
+    def _finish_reduces(self) -> None:
+        for finish in self._pending_reduce:
+            finish()
+        self._pending_reduce.clear()
 
     def _note_memory(self) -> None:
         held = sum(u.gathered_bytes for u in self.units)
@@ -150,9 +161,7 @@ class FullySharded(Strategy):
                 loss = lm_loss(self.model(mb.inputs), mb.targets) / len(micro)
             with phase("backward"):
                 loss.backward()
-                for finish in self._pending_reduce:
-                    finish()
-                self._pending_reduce.clear()
+                self._finish_reduces()
             total += loss.detach().float()
         unfinished = [u.name for u in self.units if u.grads_left or u.gathered]
         if unfinished:
@@ -164,7 +173,7 @@ class FullySharded(Strategy):
         return self._global_mean(total)
 
     def _global_mean(self, local: torch.Tensor) -> float:
-        with comm_span("all_reduce_loss", local.element_size()):
+        with comm_span("all_reduce", local.element_size()):
             dist.all_reduce(local, group=self.group)
         return float(local) / self.ctx.world_size
 
@@ -177,9 +186,18 @@ class FullySharded(Strategy):
         return state
 
     def model_state(self) -> ModelStateBytes:
+        """Bytes on the compute device: the shards, their gradients, Adam's m and v, and any
+        parameters gathered right now. Under offload the shards live on the host instead
+        (`host_state`) and the device keeps only gathered parameters, for as long as needed."""
+        gathered = sum(u.gathered_bytes for u in self.units)
+        if self.offload:
+            return ModelStateBytes(params=gathered, grads=0, optimizer=0)
+        return self.host_state(gathered)
+
+    def host_state(self, extra_params: int = 0) -> ModelStateBytes:
         masters = [u.master for u in self.units]
         return ModelStateBytes(
-            params=tensor_bytes(masters) + sum(u.gathered_bytes for u in self.units),
+            params=tensor_bytes(masters) + extra_params,
             grads=tensor_bytes(m.grad for m in masters),
             optimizer=tensor_bytes(optimizer_state_tensors(self.optimizer)))
 

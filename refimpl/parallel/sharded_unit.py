@@ -104,13 +104,18 @@ class ShardedUnit:
 
     # --- gradients --------------------------------------------------------------------------------
 
+    def expect_grads(self) -> None:
+        """The unit's backward is starting: count down its parameters' gradients from here."""
+        self.grads_left = len(self.flat.params)
+
     def prepare_grads(self) -> None:
         """Give every parameter a .grad that is a view of one zeroed flat buffer, so autograd
-        accumulates straight into the layout that reduce-scatter sends."""
+        accumulates straight into the layout that reduce-scatter sends. Called when the unit's
+        first gradient arrives, not when its backward starts: by then autograd has freed some of
+        the unit's activations (FSDP2 likewise lets gradients appear as they are computed)."""
         if self.grad_full is None:
             self.grad_full = self.flat.empty(self.compute_dtype, self.device)
             self.flat.bind_grads(self.grad_full)
-        self.grads_left = len(self.flat.params)
 
     def reduce_scatter(self, async_op: bool = False):
         """Sum the flat gradient over ranks; this rank keeps its shard (ZeRO-2/3's reduce-scatter).

@@ -42,6 +42,7 @@ class TorchDDP(DataParallelStrategy):
 
     def setup(self, model: GPT) -> None:
         self.ddp = wrap_ddp(self, model)
+        self.model = self.ddp.module
         self.optimizer = make_optimizer(self.ddp.parameters(), self.ctx.cfg)
 
     def train_step(self, batch: Batch) -> float:
@@ -52,7 +53,7 @@ class TorchDDP(DataParallelStrategy):
         return self.global_mean_loss(local)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.replicated_state_dict(self.ddp.module)
+        return self.replicated_state_dict(self.model)
 
     def model_state(self) -> ModelStateBytes:
         return measured_model_state(self.ddp.parameters(), self.optimizer)

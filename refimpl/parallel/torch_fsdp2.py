@@ -78,7 +78,7 @@ class TorchFSDP2(Strategy):
         with phase("optimizer"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=False)
-        with comm_span("all_reduce_loss", total.element_size()):
+        with comm_span("all_reduce", total.element_size()):
             dist.all_reduce(total)
         return float(total) / ctx.world_size
 

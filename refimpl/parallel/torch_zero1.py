@@ -26,6 +26,7 @@ class TorchZero1(DataParallelStrategy):
     def setup(self, model: GPT) -> None:
         cfg = self.ctx.cfg
         self.ddp = wrap_ddp(self, model)
+        self.model = self.ddp.module
         self.optimizer = ZeroRedundancyOptimizer(
             self.ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=cfg.lr,
             weight_decay=cfg.weight_decay, foreach=False)
@@ -38,7 +39,7 @@ class TorchZero1(DataParallelStrategy):
         return self.global_mean_loss(local)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.replicated_state_dict(self.ddp.module)
+        return self.replicated_state_dict(self.model)
 
     def model_state(self) -> ModelStateBytes:
         # .optim is the local optimizer: the states this rank actually holds.

@@ -14,7 +14,7 @@ communication exposed. `fsdp` adds the overlap.
 from __future__ import annotations
 
 from refimpl.parallel.fully_sharded import FullySharded, ShardingPolicy
-from refimpl.strategy import LayoutError, TrainConfig
+from refimpl.strategy import TrainConfig
 
 
 class Zero3(FullySharded):
@@ -22,8 +22,5 @@ class Zero3(FullySharded):
 
     @classmethod
     def policy(cls, cfg: TrainConfig) -> ShardingPolicy:
-        if "sharding" in cfg.options:
-            raise LayoutError("strategy 'zero3' always shards parameters; --set sharding=... is "
-                              "an fsdp option")
         return ShardingPolicy(reshard_after_forward=True, keep_last_unit=False, prefetch=False,
                               async_reduce=False)

@@ -7,8 +7,8 @@ plotly.js that the plotly package ships, served by the plugin itself: no request
 
 It shows, for a run folder under the logdir (one `rank<r>.*.pt.trace.json` per rank):
   * a timeline: a lane per rank, spans coloured by phase and by collective, idle gaps visible;
-  * compute / communication / overlap / idle per step and per rank (refimpl.profiling.summarize);
-  * the communication table: op, count, bytes, time, effective bandwidth (refimpl.profiling.comm_table);
+  * compute / communication / overlap / idle per step and per rank (profiling.summarize);
+  * the communication table: op, count, bytes, time, effective bandwidth (profiling.comm_table);
   * memory per rank by category, from the run_summary.json the training loop writes.
 
 Registered through the `tensorboard_plugins` entry point in pyproject.toml, so `make tensorboard`

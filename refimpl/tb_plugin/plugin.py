@@ -147,8 +147,9 @@ class RankTimelinePlugin(base_plugin.TBPlugin):
         except KeyError:
             return _json(request, {"error": "no such run"}, code=404)
         name = request.args["run"].replace("/", "_") + ".merged.trace.json"
+        download = ("Content-Disposition", f'attachment; filename="{name}"')
         return http_util.Respond(request, json.dumps(merged_trace(run)), "application/json",
-                                 headers=[("Content-Disposition", f'attachment; filename="{name}"')])
+                                 headers=[download])
 
 
 def _json(request, body: dict, code: int = 200):

@@ -3,8 +3,8 @@
 A run is a folder holding `rank<r>.<id>.pt.trace.json[.gz]` files (what `StepProfiler` writes).
 Parsing a rank's trace costs about 0.2 s per 6 MB of JSON on a laptop core, so a viewer must not do
 it on every request: `RunCache` keeps each run's labelled ranges (a small DataFrame) and reloads a
-run only when one of its trace files changed. `warm()` loads every run in a background thread, so
-that by the time a learner clicks the tab the first page is already cheap.
+run only when one of its trace files changed. `warm()` imports what the routes need and loads every
+run in a background thread, so that by the time a learner clicks the tab the first page is cheap.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ TRACE_FILE = re.compile(r"^rank\d+\..*\.pt\.trace\.json(\.gz)?$")
 def find_runs(logdir: Path) -> list[Path]:
     """Every folder under `logdir` (itself included) that holds at least one rank trace."""
     runs = []
-    for folder, dirs, files in os.walk(logdir, followlinks=True):
+    for folder, dirs, files in os.walk(logdir):
         dirs.sort()
         if any(TRACE_FILE.match(f) for f in files):
             runs.append(Path(folder))
@@ -41,12 +41,14 @@ class RunCache:
 
     def __init__(self, logdir: Path):
         self.logdir = logdir
-        self._lock = threading.Lock()
-        self._frames: dict[Path, tuple[tuple, object]] = {}
+        self._lock = threading.Lock()                        # guards _run_locks and _warming
+        self._run_locks: dict[Path, threading.Lock] = {}
+        self._frames: dict[Path, tuple[tuple, object]] = {}  # run -> (signature, DataFrame);
+                                                             # an entry is guarded by its run lock
         self._warming: threading.Thread | None = None
 
     def resolve(self, label: str) -> Path:
-        """A run's label (its path relative to the logdir) -> its folder; never outside the logdir."""
+        """A run's label (its path relative to the logdir) -> its folder, never one outside."""
         run = (self.logdir / label).resolve()
         if not run.is_relative_to(self.logdir.resolve()) or not run.is_dir():
             raise KeyError(label)
@@ -55,18 +57,22 @@ class RunCache:
         return run
 
     def frame(self, run: Path):
-        """The run's labelled ranges (see refimpl.profiling.load_trace)."""
+        """The run's labelled ranges (see refimpl.profiling.load_trace).
+
+        A page asks four routes of the same run at once, and the warm-up thread may be loading it
+        too: one lock per run makes them all wait for a single parse instead of doing four.
+        """
         from refimpl.profiling import load_trace
 
-        sig = _signature(run)
         with self._lock:
+            run_lock = self._run_locks.setdefault(run, threading.Lock())
+        with run_lock:
+            sig = _signature(run)
             cached = self._frames.get(run)
-        if cached is not None and cached[0] == sig:
-            return cached[1]
-        df = load_trace(run)    # outside the lock: other runs stay servable meanwhile
-        with self._lock:
-            self._frames[run] = (sig, df)
-        return df
+            if cached is None or cached[0] != sig:
+                cached = (sig, load_trace(run))
+                self._frames[run] = cached
+        return cached[1]
 
     def warm(self) -> None:
         """Load every run not yet cached, in a background thread (at most one at a time)."""
@@ -78,6 +84,10 @@ class RunCache:
             self._warming.start()
 
     def _load_all(self) -> None:
+        # What the routes import costs seconds too (pandas, torch, plotly for the palette).
+        import refimpl.plots  # noqa: F401
+        import refimpl.trace_views  # noqa: F401
+
         for run in find_runs(self.logdir):
             try:
                 self.frame(run.resolve())

@@ -37,6 +37,7 @@ const PAGE = `
   </section>
   <section>
     <h2>Memory per rank</h2>
+    <p id="memory-note" class="note"></p>
     <div id="memory" class="plot"></div>
   </section>`;
 
@@ -70,7 +71,9 @@ function fmtBytes(n) {
 function fillTable(table, columns, rows) {
   table.replaceChildren();
   const head = table.createTHead().insertRow();
-  for (const [title] of columns) head.append(Object.assign(document.createElement('th'), {textContent: title}));
+  for (const [title] of columns) {
+    head.append(Object.assign(document.createElement('th'), {textContent: title}));
+  }
   const body = table.createTBody();
   for (const row of rows) {
     const tr = body.insertRow();
@@ -89,11 +92,12 @@ function timelineFigure(data) {
   const opColor = {};
   const colorOf = (s) => {
     if (s.category !== 'comm') return data.colors[s.category] || '#888';
-    if (!(s.op in opColor)) {
-      opColor[s.op] = s.op === 'all_reduce' ? data.colors.comm
+    const op = s.op.replace(/_/g, '');   // c10d's "allreduce_" and our "all_reduce" are one op
+    if (!(op in opColor)) {
+      opColor[op] = op === 'allreduce' ? data.colors.comm
         : OP_COLORS[1 + (Object.keys(opColor).length % (OP_COLORS.length - 1))];
     }
-    return opColor[s.op];
+    return opColor[op];
   };
   const groups = new Map();   // legend entry -> spans
   const add = (key, span, lane) => {
@@ -104,7 +108,7 @@ function timelineFigure(data) {
     if (s.row === 'step') {   // the step as background on every row of its rank: gaps show idle
       for (const k of kinds) add('idle (in a step)', s, laneName(s.rank, k));
     } else {
-      add(s.row === 'compute' ? s.name : (s.row === 'comm' ? s.op : `${s.op} (backend)`),
+      add(s.row === 'compute' ? s.name : (s.row === 'comm' ? s.op : s.name),
           s, laneName(s.rank, s.row));
     }
   }
@@ -126,10 +130,10 @@ function timelineFigure(data) {
   }
   traces.sort((a, b) => (b.name.startsWith('idle') ? 1 : 0) - (a.name.startsWith('idle') ? 1 : 0));
   const layout = {
-    barmode: 'overlay', height: 90 + 24 * lanes.length, margin: {l: 140, r: 20, t: 10, b: 40},
+    barmode: 'overlay', height: 110 + 24 * lanes.length, margin: {l: 140, r: 20, t: 40, b: 40},
     xaxis: {title: {text: 'ms since the run\'s first labelled event'}, zeroline: false},
     yaxis: {type: 'category', categoryorder: 'array', categoryarray: lanes, autorange: 'reversed'},
-    legend: {orientation: 'h', y: -0.15}, hovermode: 'closest',
+    legend: {orientation: 'h', x: 0, y: 1.02, yanchor: 'bottom'}, hovermode: 'closest',
   };
   return [traces, layout];
 }
@@ -139,13 +143,17 @@ function timelineFigure(data) {
 function stepsFigure(data, colors) {
   const parts = [['compute', colors.forward], ['overlap', '#8E6C8A'], ['comm', colors.comm],
                  ['idle', colors.idle]];
-  const x = [data.per_step.map((r) => 'step ' + r.step), data.per_step.map((r) => 'rank ' + r.rank)];
+  const x = [data.per_step.map((r) => 'step ' + r.step),      // a two-level axis: step, then rank
+             data.per_step.map((r) => 'rank ' + r.rank)];
   const traces = parts.map(([part, color]) => ({
     type: 'bar', name: part, x, y: data.per_step.map((r) => ms(r[part + '_us'])),
     marker: {color}, hovertemplate: `${part}: %{y:.3f} ms<extra></extra>`,
   }));
-  const layout = {barmode: 'stack', height: 320, margin: {l: 60, r: 20, t: 10, b: 60},
-                  yaxis: {title: {text: 'ms'}}, legend: {orientation: 'h', y: -0.3}};
+  const layout = {
+    barmode: 'stack', height: 320, margin: {l: 60, r: 20, t: 40, b: 60},
+    yaxis: {title: {text: 'ms'}},
+    legend: {orientation: 'h', x: 0, y: 1.02, yanchor: 'bottom', traceorder: 'normal'},
+  };
   return [traces, layout];
 }
 
@@ -162,7 +170,7 @@ function memoryFigure(data) {
   return [traces, layout];
 }
 
-// --- wiring ---------------------------------------------------------------------------------------
+// --- wiring -------------------------------------------------------------------------------------
 
 async function draw(state) {
   const t0 = performance.now();
@@ -184,7 +192,8 @@ async function draw(state) {
   await Plotly.react(q('timeline'), ...timelineFigure(tl), config);
   await Plotly.react(q('steps'), ...stepsFigure(bd, tl.colors), config);
   fillTable(q('ranks'), [
-    ['rank', (r) => r.rank], ['steps', (r) => r.steps], ['time (ms)', (r) => ms(r.step_us).toFixed(2)],
+    ['rank', (r) => r.rank], ['steps', (r) => r.steps],
+    ['time (ms)', (r) => ms(r.step_us).toFixed(2)],
     ['compute', (r) => pct(r.compute_frac)], ['comm', (r) => pct(r.comm_frac)],
     ['overlap', (r) => pct(r.overlap_frac)], ['idle', (r) => pct(r.idle_frac)],
     ['comm hidden', (r) => pct(r.comm_hidden_frac)]], bd.per_rank);
@@ -193,13 +202,17 @@ async function draw(state) {
     ['bytes', (r) => fmtBytes(r.bytes)], ['time (ms)', (r) => ms(r.time_us).toFixed(3)],
     ['GB/s', (r) => (r.GB_per_s == null ? '' : r.GB_per_s.toFixed(3))]], comm.rows);
   if (mem.ranks.length) {
+    q('memory-note').textContent = '';
     await Plotly.react(q('memory'), ...memoryFigure(mem), config);
   } else {
-    q('memory').textContent = 'No run_summary.json in this run: the training loop writes it when profiling.';
+    Plotly.purge(q('memory'));
+    q('memory-note').textContent =
+      'No run_summary.json in this run: the training loop writes one when it profiles.';
   }
   const n = tl.steps.length;
   q('status').textContent = `${tl.ranks.length} ranks, steps ${state.first}–${state.last} of ` +
-    `${n} profiled · ${tl.spans.length} ranges · drawn in ${((performance.now() - t0) / 1000).toFixed(2)} s`;
+    `${n} profiled · ${tl.spans.length} ranges · ` +
+    `drawn in ${((performance.now() - t0) / 1000).toFixed(2)} s`;
   document.body.dataset.state = 'ready';
 }
 
@@ -212,7 +225,9 @@ function shift(state, direction) {
 }
 
 export async function render() {
-  document.head.append(Object.assign(document.createElement('link'), {rel: 'stylesheet', href: 'style.css'}));
+  const style = Object.assign(document.createElement('link'), {rel: 'stylesheet'});
+  style.href = 'style.css';
+  document.head.append(style);
   document.body.innerHTML = PAGE;
   const state = {run: null, first: null, last: null, steps: []};
   const redraw = () => draw(state).catch((e) => {
@@ -228,13 +243,20 @@ export async function render() {
       return;
     }
     for (const r of runs) q('run').append(new Option(`${r.run} (${r.ranks} ranks)`, r.run));
-    state.run = runs[0].run;
+    // index.html?run=<run> opens that run (a link from a notebook or the README can name one).
+    const asked = new URLSearchParams(window.location.search).get('run');
+    state.run = runs.some((r) => r.run === asked) ? asked : runs[0].run;
+    q('run').value = state.run;
   } catch (e) {
     document.body.dataset.state = 'error';
     q('status').textContent = 'error: ' + e.message;
     return;
   }
-  q('run').onchange = () => { state.run = q('run').value; state.first = state.last = null; redraw(); };
+  q('run').onchange = () => {
+    state.run = q('run').value;
+    state.first = state.last = null;   // a new run opens on its first window
+    redraw();
+  };
   const typed = () => { state.first = +q('first').value; state.last = +q('last').value; redraw(); };
   q('first').onchange = typed;
   q('last').onchange = typed;

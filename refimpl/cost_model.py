@@ -1,0 +1,124 @@
+"""The seed's section 2.2 table, computed: what each parallel strategy sends per training step.
+
+For a model of Psi parameters stored in B bytes each, trained on n ranks, per step and per rank:
+
+    strategy       collectives                          calls / step       bytes sent per rank
+    DP             all_reduce of the gradients          1 (per step)       2(n-1)/n * Psi*B
+    ZeRO-3 / FSDP  all_gather params (fwd), again (bwd),  3 per layer        3 (n-1)/n * Psi*B
+                   reduce_scatter grads (bwd)
+    TP             all_reduce of activations: 2 in the    4 per layer per    4L * 2(n-1)/n * b*s*h*B
+                   forward (after attention, after MLP),  micro-batch        per micro-batch
+                   2 in the backward (Megatron's f and g)
+    PP             send/recv of the boundary activation   2 per micro-batch  2 * b*s*h*B per
+                   (fwd) and of its gradient (bwd)                           micro-batch (inner stage)
+
+Sources: DP and the ring, Patarasuk & Yuan 2009; ZeRO-3's 1.5x of DP's volume, Rajbhandari et al.
+2020 (ZeRO, section 7: "3 Psi" vs "2 Psi"); TP's four all-reduces per layer, Shoeybi et al. 2019
+(Megatron-LM, section 3, Figure 4); PP's point-to-point boundary traffic, Huang et al. 2019 (GPipe)
+and Narayanan et al. 2021 (PipeDream-1F1B / Megatron interleaving).
+
+Time: each call costs alpha + M/beta with (alpha, beta) fitted per collective on this machine
+(refimpl.bench.fit_table), so the table's time column is "this hardware, this message size".
+For a 7B model the messages are far beyond any size a laptop sweep measures: that column then
+extrapolates the fitted line, and says what the bandwidth term alone would cost.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+# The seed's qualitative columns (frequency, bottleneck), in English with the Korean beside.
+BOTTLENECK = {
+    "DP": "all-reduce time (All-Reduce 시간)",
+    "ZeRO-3 / FSDP": "re-gathering parameters (메모리 재구성 오버헤드)",
+    "TP": "frequent collectives (빈번한 집합 통신 호출)",
+    "PP": "pipeline bubble, stage sync (파이프라인 버블, 스테이지 간 동기화)",
+}
+
+
+@dataclass(frozen=True)
+class TrainingShape:
+    """The sizes the communication volume depends on."""
+
+    name: str
+    n_params: int          # Psi
+    n_layers: int          # L (transformer blocks)
+    hidden: int            # h
+    seq_len: int           # s
+    micro_batch: int       # b, sequences per micro-batch
+    n_micro_batches: int = 1  # m, micro-batches per step (gradient accumulation / pipeline)
+    bytes_per_value: int = 2  # B: 2 for bf16/fp16 gradients and activations, 4 for fp32
+
+    @property
+    def param_bytes(self) -> int:
+        return self.n_params * self.bytes_per_value
+
+    @property
+    def activation_bytes(self) -> int:
+        """One layer-boundary activation of one micro-batch: b * s * h values."""
+        return self.micro_batch * self.seq_len * self.hidden * self.bytes_per_value
+
+
+# Llama-2-7B's shape (Touvron et al. 2023, "Llama 2", and its released config): 6.74e9 parameters,
+# 32 layers, hidden 4096, context 4096; bf16 gradients and activations.
+LLAMA_7B = TrainingShape("7B (Llama-2-7B shape)", n_params=6_738_415_616, n_layers=32, hidden=4096,
+                         seq_len=4096, micro_batch=1, n_micro_batches=8, bytes_per_value=2)
+
+
+def ring_factor(n: int) -> float:
+    return (n - 1) / n
+
+
+def strategy_traffic(shape: TrainingShape, n: int) -> list[dict]:
+    """Per strategy: the calls one step makes (op, message bytes, count) and bytes sent per rank."""
+    psi_b, act, L, m = shape.param_bytes, shape.activation_bytes, shape.n_layers, shape.n_micro_batches
+    return [
+        {"strategy": "DP", "operations": "all_reduce", "frequency": "once per (accumulated) step",
+         "calls": [("all_reduce", psi_b, 1)],
+         "sent_per_rank": 2 * ring_factor(n) * psi_b},
+        {"strategy": "ZeRO-3 / FSDP", "operations": "all_gather, reduce_scatter",
+         "frequency": "per layer, in forward and in backward",
+         "calls": [("all_gather", psi_b / L, 2 * L), ("reduce_scatter", psi_b / L, L)],
+         "sent_per_rank": 3 * ring_factor(n) * psi_b},
+        {"strategy": "TP", "operations": "all_reduce (+ all_gather, reduce_scatter with SP)",
+         "frequency": "4 per layer per micro-batch",
+         "calls": [("all_reduce", act, 4 * L * m)],
+         "sent_per_rank": 4 * L * m * 2 * ring_factor(n) * act},
+        {"strategy": "PP", "operations": "send / recv",
+         "frequency": "2 per micro-batch per stage boundary",
+         "calls": [("send_recv", act, 2 * m)],
+         "sent_per_rank": 2 * m * act},
+    ]
+
+
+def call_seconds(calls, fits: pd.DataFrame, n: int, impl: str = "torch") -> float:
+    """Sum over calls of count * (alpha + M / beta), with the fit of that op on n ranks."""
+    total = 0.0
+    for op, message, count in calls:
+        row = fits[(fits.op == op) & (fits.world_size == n) & (fits.impl == impl)]
+        if row.empty:
+            return float("nan")
+        alpha, beta = float(row.alpha_s.iloc[0]), float(row.beta_bytes_per_s.iloc[0])
+        total += count * (alpha + message / beta)
+    return total
+
+
+def cost_table(shape: TrainingShape, n: int, fits: pd.DataFrame | None = None,
+               impl: str = "torch") -> pd.DataFrame:
+    """The seed's 2.2 table for `shape` on `n` ranks, with numbers instead of adjectives.
+
+    Columns: strategy, operations, message_bytes (one call), calls_per_step, frequency,
+    sent_per_rank_bytes, predicted_s (when alpha-beta `fits` are given), bottleneck.
+    """
+    rows = []
+    for t in strategy_traffic(shape, n):
+        row = {"strategy": t["strategy"], "operations": t["operations"],
+               "message_bytes": max(message for _, message, _ in t["calls"]),
+               "calls_per_step": sum(count for _, _, count in t["calls"]),
+               "frequency": t["frequency"], "sent_per_rank_bytes": t["sent_per_rank"]}
+        if fits is not None:
+            row["predicted_s"] = call_seconds(t["calls"], fits, n, impl)
+        row["bottleneck"] = BOTTLENECK[t["strategy"]]
+        rows.append(row)
+    return pd.DataFrame(rows)

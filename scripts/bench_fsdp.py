@@ -1,0 +1,93 @@
+"""Our ZeRO-3 / FSDP against PyTorch's FSDP2 (`fully_shard`): step time and peak memory per rank.
+
+    python scripts/bench_fsdp.py                       # 2 ranks, 12 steps
+    python scripts/bench_fsdp.py --nproc 4 --steps 20 --global-batch 16
+
+Same model, same global batch, same rows per rank. Two launches:
+
+  timing   every strategy in the same ranks, unprofiled, in the order A B C ... then ... C B A
+           (so drift in the machine's load favours nobody); each strategy's step time is the
+           median of its steps after the first of each pass, the slowest rank's per step;
+  memory   each strategy once more, profiled with the allocator's events: peak per rank =
+           model state kept between steps + the most the step allocated on top of it
+           (refimpl.trace_memory).
+
+Goal: our step time <= 1.1 x fully_shard's with no more peak memory. A benchmark, not a test:
+it asserts nothing, and its times move with the machine's load (the ratios much less).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+
+import pandas as pd
+
+from refimpl.strategy import TrainConfig
+from refimpl.trace_memory import transient_peak
+from refimpl.train import train_several_on_ranks
+
+# (label, strategy, options, the twin it is compared with)
+CONTENDERS = [
+    ("torch-fsdp2", "torch-fsdp2", {}, "torch-fsdp2"),
+    ("zero3", "zero3", {}, "torch-fsdp2"),
+    ("fsdp", "fsdp", {}, "torch-fsdp2"),
+    ("fsdp overlap_reduce", "fsdp", {"overlap_reduce": True}, "torch-fsdp2"),
+    ("torch-fsdp2-gradop", "torch-fsdp2-gradop", {}, "torch-fsdp2-gradop"),
+    ("fsdp grad_op", "fsdp", {"sharding": "grad_op"}, "torch-fsdp2-gradop"),
+]
+
+
+def timing(base: TrainConfig) -> dict[str, float]:
+    order = CONTENDERS + CONTENDERS[::-1]
+    results = train_several_on_ranks([base.with_(strategy=s, options=o) for _, s, o, _ in order])
+    steps: dict[str, list[float]] = {}
+    for (label, *_), result in zip(order, results):
+        per_step = [max(t) for t in zip(*(r["step_times"] for r in result["per_rank"]))]
+        steps.setdefault(label, []).extend(per_step[1:])
+    return {label: statistics.median(times) for label, times in steps.items()}
+
+
+def memory(base: TrainConfig) -> dict[str, dict]:
+    cfgs, dirs = [], []
+    for label, strategy, options, _ in CONTENDERS:
+        dirs.append(tempfile.mkdtemp(prefix=f"bench-fsdp-{strategy}-"))
+        cfgs.append(base.with_(strategy=strategy, options=options, steps=3, profile=True,
+                               trace_dir=dirs[-1]))
+    out = {}
+    for (label, *_), result, trace in zip(CONTENDERS, train_several_on_ranks(cfgs), dirs):
+        transient = transient_peak(trace)
+        kept = [m["params"] + m["grads"] + m["optimizer"] for m in result["memory"]]
+        out[label] = {"loss": result["losses"][-1], "model_state": max(kept),
+                      "step_peak": max(transient.values()),
+                      "peak": max(k + transient[r] for r, k in enumerate(kept))}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=32)
+    args = p.parse_args()
+    base = TrainConfig(nproc=args.nproc, steps=args.steps, global_batch=args.global_batch,
+                       seq_len=args.seq_len)
+    times, mem = timing(base), memory(base)
+    rows = []
+    for label, _, _, twin in CONTENDERS:
+        m = mem[label]
+        rows.append({"strategy": label, "vs": twin, "loss": m["loss"],
+                     "step_ms": 1e3 * times[label], "time_ratio": times[label] / times[twin],
+                     "model_state_MiB": m["model_state"] / 2**20,
+                     "step_peak_MiB": m["step_peak"] / 2**20, "peak_MiB": m["peak"] / 2**20,
+                     "peak_ratio": m["peak"] / mem[twin]["peak"]})
+    pd.set_option("display.width", 160)
+    print(f"{args.nproc} ranks, global batch {args.global_batch} x {args.seq_len} tokens, "
+          f"{args.steps} steps x 2 passes (per rank: model state kept between steps; step peak "
+          f"= most allocated on top during a step)")
+    print(pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+
+
+if __name__ == "__main__":
+    main()

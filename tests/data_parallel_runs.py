@@ -1,0 +1,120 @@
+"""The data-parallel runs the tests assert on, one launch per world size (start-up is ~3 s each).
+
+Every configuration of a world size runs in the same ranks, one after the other
+(refimpl.train.train_several_on_ranks); results are cached for the session, so test_dp.py and
+test_zero12.py share them.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import tempfile
+from pathlib import Path
+
+import torch
+
+from refimpl.equivalence import TOLERANCE, compare_with_single, reference_run, relative_error
+from refimpl.strategy import TrainConfig
+from refimpl.train import train_on_ranks, train_several_on_ranks
+
+STEPS = 3
+SMALL_BUCKETS = {"bucket_mb": 0.25}          # several buckets on the 5.6 MB model
+WORK = Path(tempfile.mkdtemp(prefix="refimpl-dp-tests-"))
+
+
+def base(world: int, strategy: str, **changes) -> TrainConfig:
+    return TrainConfig(strategy=strategy, nproc=world, steps=STEPS,
+                       global_batch=12 if world == 3 else 8, return_state=True).with_(**changes)
+
+
+def configs(world: int) -> dict[str, TrainConfig]:
+    runs = {
+        "dp-naive": base(world, "dp-naive"),
+        "dp": base(world, "dp", options=SMALL_BUCKETS),
+        "dp-micro2": base(world, "dp", options=SMALL_BUCKETS, micro_batches=2),
+        "torch-ddp": base(world, "torch-ddp"),
+        "zero1": base(world, "zero1", options=SMALL_BUCKETS),
+        "zero2": base(world, "zero2", options=SMALL_BUCKETS),
+        "torch-zero1": base(world, "torch-zero1"),
+    }
+    if world == 2:
+        runs.update({
+            "dp-profiled": base(2, "dp", options=SMALL_BUCKETS, profile=True,
+                                trace_dir=str(WORK / "dp-trace")),
+            "torch-ddp-micro2": base(2, "torch-ddp", micro_batches=2),
+            "zero1-flat": base(2, "zero1", options={"overlap": False}),
+            "zero2-flat": base(2, "zero2", options={"overlap": False}),
+            "zero1-offload": base(2, "zero1", options={"offload": True}),
+            "zero2-offload": base(2, "zero2", options={**SMALL_BUCKETS, "offload": True}),
+            "dp-bf16": base(2, "dp", mixed_precision="bf16"),
+            "zero2-bf16": base(2, "zero2", mixed_precision="bf16"),
+            "dp-checkpointing": base(2, "dp", activation_checkpointing=True),
+            "zero2-checkpointing": base(2, "zero2", activation_checkpointing=True),
+        })
+    if world == 3:
+        # Resharding: the full state zero2 wrote on 2 ranks starts a dp run on 3.
+        runs["dp-from-zero2-checkpoint"] = base(3, "dp", init_state=zero2_checkpoint())
+    return runs
+
+
+@functools.cache
+def runs_on(world: int) -> dict[str, dict]:
+    cfgs = configs(world)
+    results = train_several_on_ranks(list(cfgs.values()), timeout=600)
+    return {name: (cfgs[name], result) for name, result in zip(cfgs, results)}
+
+
+@functools.cache
+def zero2_checkpoint() -> str:
+    path = WORK / "zero2-2ranks.pt"
+    torch.save(runs_on(2)["zero2"][1]["state_dict"], path)
+    return str(path)
+
+
+def model_rel_err(state: dict, reference: dict) -> float:
+    """||w - ref|| / ||ref|| over the whole model (all tensors as one vector)."""
+    flat = lambda sd: torch.cat([sd[k].flatten().double() for k in reference])  # noqa: E731
+    return relative_error(flat(state), flat(reference))
+
+
+def assert_matches_single(cfg: TrainConfig, result: dict) -> None:
+    """Same losses and same final weights as `single` (fp32: relative error <= 1e-5).
+
+    Weights are compared as one vector: per tensor, AdamW's normalisation turns fp32 round-off
+    in near-zero gradient elements into visible differences (see test_dp's bit-exact test for the
+    proof that the arithmetic itself is identical), and attention's key bias has an exactly zero
+    gradient (softmax is shift-invariant), so its whole trajectory is amplified round-off.
+    """
+    ref = reference(cfg)                     # cached: compare_with_single reuses it
+    eq = compare_with_single(cfg, result)
+    assert eq.loss_rel_err <= TOLERANCE, (cfg.strategy, eq.losses, eq.reference_losses)
+    err = model_rel_err(result["state_dict"], ref["state_dict"])
+    assert err <= TOLERANCE, (cfg.strategy, cfg.nproc, err)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run the in-process reference on one thread, as every rank runs: on 2 shared cores a
+    2-thread OpenMP pool spin-waits against the ranks (steps 100x slower under load), and one
+    thread splits each matmul's sums the way a rank does."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def reference(cfg: TrainConfig) -> dict:
+    """refimpl.equivalence.reference_run (cached), computed on one thread."""
+    with one_thread():
+        return reference_run(cfg)
+
+
+def single_accumulating(world: int, global_batch: int) -> dict:
+    """`single` with one micro-batch per rank's rows, in one thread like a rank: each micro-step's
+    gradient is computed with exactly the arithmetic a data-parallel rank uses, and with 2 ranks
+    the sum of two halves is the same in any order -- so DP must be bit-exact with it."""
+    with one_thread():
+        return train_on_ranks(TrainConfig(steps=STEPS, global_batch=global_batch,
+                                          micro_batches=world, return_state=True))

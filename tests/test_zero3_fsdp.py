@@ -1,0 +1,195 @@
+"""ZeRO-3 and FSDP (ours) and FSDP2 (PyTorch's): same maths as `single`, the memory ZeRO predicts,
+and the overlap prefetching buys.
+
+Each launch costs seconds of process start-up, so there is one launch per world size, running
+every configuration the tests need one after another in the same ranks (`runs_on`, cached); each
+run serves several tests: the 2-rank zero3/fsdp runs are also profiled, the 3-rank zero3 run also
+offloads, one 4-rank run also checkpoints activations.
+"""
+from functools import cache
+
+import pytest
+import torch
+
+from refimpl.equivalence import TOLERANCE, compare_with_single, reference_run, relative_error
+from refimpl.memory import model_state_bytes, sharded_state_bytes
+from refimpl.model import GPTConfig, build_model
+from refimpl.parallel.fully_sharded import gpt_units
+from refimpl.profiling import comm_table, load_trace, summarize
+from refimpl.strategy import LayoutError, TrainConfig
+from refimpl.train import train_several_on_ranks, validate
+
+STEPS = 3
+
+
+def config(strategy: str, nproc: int, *, trace_dir=None, **kw) -> TrainConfig:
+    options = kw.pop("options", {})
+    return TrainConfig(strategy=strategy, nproc=nproc, steps=STEPS,
+                       global_batch=12 if nproc == 3 else 8, profile=trace_dir is not None,
+                       trace_dir=trace_dir, return_state=True, options=dict(options), **kw)
+
+
+def run(strategy: str, nproc: int, options: tuple = (), checkpointing: bool = False,
+        mixed_precision: str = "fp32") -> dict:
+    return runs_on(nproc)[(strategy, tuple(options), checkpointing, mixed_precision)]
+
+
+# Every configuration a test below asks for, by world size: one launch per world size runs them all
+# in the same ranks, one after another (train_several_on_ranks), paying start-up three times.
+WANTED = {
+    2: [("zero3", (), False, "fp32"), ("fsdp", (), False, "fp32"),
+        ("fsdp", (("sharding", "grad_op"),), False, "fp32"), ("torch-fsdp2", (), False, "fp32"),
+        ("dp", (), False, "fp32"), ("zero1", (), False, "fp32"), ("zero2", (), False, "fp32"),
+        ("fsdp", (), False, "bf16"), ("torch-fsdp2", (), False, "bf16")],
+    3: [("zero3", (("offload", True),), False, "fp32"), ("fsdp", (), False, "fp32"),
+        ("fsdp", (("sharding", "grad_op"),), False, "fp32"), ("torch-fsdp2", (), False, "fp32")],
+    4: [("zero3", (), False, "fp32"), ("fsdp", (), True, "fp32"),
+        ("fsdp", (("sharding", "grad_op"),), False, "fp32"), ("torch-fsdp2", (), False, "fp32")],
+}
+PROFILED = {"zero3", "fsdp"}     # fp32, 2 ranks: their traces feed the communication tests
+
+
+@cache
+def runs_on(nproc: int) -> dict:
+    import tempfile
+
+    cfgs = []
+    for strategy, options, checkpointing, mp in WANTED[nproc]:
+        profiled = nproc == 2 and strategy in PROFILED and mp == "fp32"
+        trace_dir = tempfile.mkdtemp(prefix=f"{strategy}-") if profiled else None
+        cfgs.append(config(strategy, nproc, trace_dir=trace_dir, options=dict(options),
+                           activation_checkpointing=checkpointing, mixed_precision=mp))
+    results = train_several_on_ranks(cfgs)
+    for cfg, result in zip(cfgs, results):
+        result["cfg"] = cfg
+    return dict(zip(WANTED[nproc], results))
+
+
+# (strategy, world size, options, activation checkpointing)
+CASES = [
+    ("zero3", 2, (), False),
+    ("zero3", 3, (("offload", True),), False),
+    ("zero3", 4, (), False),
+    ("fsdp", 2, (), False),
+    ("fsdp", 3, (), False),
+    ("fsdp", 4, (), True),
+    ("fsdp", 2, (("sharding", "grad_op"),), False),
+    ("fsdp", 3, (("sharding", "grad_op"),), False),
+    ("fsdp", 4, (("sharding", "grad_op"),), False),
+    ("torch-fsdp2", 2, (), False),
+    ("torch-fsdp2", 3, (), False),
+    ("torch-fsdp2", 4, (), False),
+]
+
+
+@pytest.mark.parametrize("strategy,nproc,options,checkpointing", CASES,
+                         ids=[f"{s}-n{n}{''.join(f'-{v}' for _, v in o)}{'-ckpt' if c else ''}"
+                              for s, n, o, c in CASES])
+def test_equivalent_to_single(strategy, nproc, options, checkpointing):
+    result = run(strategy, nproc, options, checkpointing)
+    eq = compare_with_single(result["cfg"], result)
+    assert eq.loss_rel_err <= TOLERANCE, (eq.losses, eq.reference_losses)
+    assert model_rel_err(result["state_dict"], reference_run(result["cfg"])["state_dict"]) \
+        <= TOLERANCE
+
+
+def model_rel_err(state: dict, reference: dict) -> float:
+    """||w - ref|| / ||ref|| with the whole model as one vector (as tests/data_parallel_runs.py).
+
+    Not per tensor: AdamW divides by sqrt(v), so in elements whose gradient is near zero the fp32
+    round-off of a different summation order (rows split over ranks) becomes a visible relative
+    difference -- attention's key bias has an exactly zero gradient (softmax is shift-invariant),
+    so its whole trajectory is amplified round-off.
+    """
+    flat = lambda sd: torch.cat([sd[k].flatten().double() for k in reference])  # noqa: E731
+    return relative_error(flat(state), flat(reference))
+
+
+def unit_sizes() -> list[int]:
+    model = build_model(GPTConfig(), 0)
+    return [sum(p.numel() for _, m in mods for p in m.parameters()) for _, mods in gpt_units(model)]
+
+
+@pytest.mark.parametrize("strategy,nproc,options", [
+    ("zero3", 2, ()), ("fsdp", 3, ()), ("fsdp", 2, (("sharding", "grad_op"),))])
+def test_model_state_matches_zero3_arithmetic_to_the_byte(strategy, nproc, options):
+    # Each unit pads to a multiple of the world size on its own: sum over units, not ceil(N/dp).
+    predicted = sharded_state_bytes(unit_sizes(), dp=nproc, zero_stage=3, param_bytes=4,
+                                    grad_bytes=4, optimizer_bytes=8)
+    for mem in run(strategy, nproc, options)["memory"]:
+        assert (mem["params"], mem["grads"], mem["optimizer"]) == (
+            predicted.params, predicted.grads, predicted.optimizer)
+    assert sum(unit_sizes()) == 1_411_520
+    if nproc == 3:   # per-unit padding costs more than one flat buffer would
+        assert predicted.params > model_state_bytes(1_411_520, dp=3, zero_stage=3,
+                                                    param_bytes=4).params
+
+
+def test_offload_leaves_no_model_state_on_the_device():
+    for mem in run("zero3", 3, (("offload", True),))["memory"]:
+        assert (mem["params"], mem["grads"], mem["optimizer"]) == (0, 0, 0)
+
+
+def test_model_state_falls_stage_by_stage():
+    per_rank = {s: run(s, 2)["memory"][0] for s in ("dp", "zero1", "zero2", "zero3")}
+    totals = [per_rank[s]["params"] + per_rank[s]["grads"] + per_rank[s]["optimizer"]
+              for s in ("dp", "zero1", "zero2", "zero3")]
+    assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4, totals
+
+
+def test_gathered_parameters_are_not_counted_as_activations():
+    # Same rows per rank -> the same activations, whoever gathers the weights and however.
+    peaks = {s: run(s, 2)["memory"][0]["activations_peak"] for s in ("zero3", "fsdp", "torch-fsdp2")}
+    assert len(set(peaks.values())) == 1, peaks
+
+
+def test_activation_checkpointing_saves_activations():
+    plain = run("zero3", 4)["memory"][0]["activations_peak"]
+    checkpointed = run("fsdp", 4, (), True)["memory"][0]["activations_peak"]
+    assert checkpointed < plain / 4, (checkpointed, plain)
+
+
+def test_bf16_matches_fsdp2_and_is_close_to_fp32():
+    ours = run("fsdp", 2, (), False, "bf16")["losses"]
+    twin = run("torch-fsdp2", 2, (), False, "bf16")["losses"]
+    fp32 = run("fsdp", 2)["losses"]
+    assert ours == pytest.approx(twin, rel=1e-6)           # same policy: bf16 gather, fp32 reduce
+    assert ours != fp32 and ours == pytest.approx(fp32, rel=1e-3)
+
+
+def comm_per_step(strategy: str, options=()):
+    result = run(strategy, 2, options)
+    table = comm_table(load_trace(result["trace_dir"]))
+    steps = STEPS - 1                                     # the profiler's first step is warm-up
+    return {(r.rank, r.op): (r.count / steps, r.bytes / steps) for r in table.itertuples()}
+
+
+def test_comm_is_labelled_and_volume_is_three_psi():
+    padded = sum(-(-n // 2) * 2 for n in unit_sizes()) * 4          # fp32 bytes, padded per unit
+    units = len(unit_sizes())
+    for rank in (0, 1):
+        comm = comm_per_step("zero3")
+        # ZeRO §7.2.2: all-gather before forward and again before backward, then reduce-scatter.
+        assert comm[rank, "all_gather"] == (2 * units, 2 * padded)
+        assert comm[rank, "reduce_scatter"] == (units, padded)
+        fsdp = comm_per_step("fsdp")
+        head = -(-unit_sizes()[-1] // 2) * 2 * 4        # kept gathered from forward to backward
+        assert fsdp[rank, "all_gather"] == (2 * units - 1, 2 * padded - head)
+        grad_op = comm_per_step("fsdp", (("sharding", "grad_op"),))
+        assert grad_op[rank, "all_gather"] == (units, padded)      # 2Ψ in all, like ZeRO-2
+
+
+def test_prefetch_hides_communication():
+    hidden = {s: summarize(load_trace(run(s, 2)["trace_dir"])).comm_hidden_frac.min()
+              for s in ("zero3", "fsdp")}
+    assert hidden["zero3"] < 0.02 and hidden["fsdp"] > hidden["zero3"], hidden
+
+
+@pytest.mark.parametrize("strategy,options,message", [
+    ("fsdp", {"sharding": "hybrid"}, "sharding"), ("zero3", {"sharding": "full"}, "no option"),
+    ("torch-fsdp2", {"prefetch": 2}, "no option")])
+def test_bad_options_fail_before_launch(strategy, options, message):
+    with pytest.raises(LayoutError, match=message):
+        validate(TrainConfig(strategy=strategy, nproc=2, options=options))
+    with pytest.raises(LayoutError, match="divide"):
+        validate(TrainConfig(strategy=strategy, nproc=3, global_batch=8))
