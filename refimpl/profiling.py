@@ -63,6 +63,17 @@ def comm_span(op: str, nbytes: int | None = None):
 
 # --- capture ----------------------------------------------------------------------------------------
 
+def _all_threads_config():
+    """Record every thread, not only the one that started the profiler: asynchronous collectives
+    (refimpl.comm's worker thread) run elsewhere, and their overlap with compute is the point."""
+    from torch._C._profiler import _ExperimentalConfig
+
+    try:
+        return _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:            # an older torch without the option: the calling thread only
+        return None
+
+
 class StepProfiler:
     """Profile a loop of steps on this rank; call `.step()` after each one.
 
@@ -89,7 +100,8 @@ class StepProfiler:
             schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
             on_trace_ready=torch.profiler.tensorboard_trace_handler(
                 str(self.out_dir), worker_name=f"rank{rank}"),
-            record_shapes=False, profile_memory=True, with_stack=False)
+            record_shapes=False, profile_memory=True, with_stack=False,
+            experimental_config=_all_threads_config())
 
     def __enter__(self):
         if self.enabled:

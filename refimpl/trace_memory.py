@@ -38,6 +38,11 @@ def step_memory(run: str | Path):
         memory = sorted((ev["ts"], ev["args"]["Total Allocated"], ev["args"]["Bytes"])
                         for ev in events
                         if ev.get("name") == "[memory]" and ev.get("args", {}).get("Device Type") == 0)
+        if steps and not memory:
+            raise ValueError(
+                f"{path} has no allocator events: record with profile_memory=True (StepProfiler "
+                "does) and without _ExperimentalConfig(profile_all_threads=True), which in torch "
+                "2.13 drops every [memory] event")
         for start, end, step in steps:
             inside = [(total, nbytes) for ts, total, nbytes in memory if start <= ts < end]
             if not inside:

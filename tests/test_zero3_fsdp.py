@@ -15,8 +15,10 @@ from refimpl.equivalence import TOLERANCE, compare_with_single, reference_run, r
 from refimpl.memory import model_state_bytes, sharded_state_bytes
 from refimpl.model import GPTConfig, build_model
 from refimpl.parallel.fully_sharded import gpt_units
+from refimpl.comm_volume import total_volume
 from refimpl.profiling import comm_table, load_trace, summarize
 from refimpl.strategy import LayoutError, TrainConfig
+from refimpl.trace_memory import transient_peak
 from refimpl.train import train_several_on_ranks, validate
 
 STEPS = 3
@@ -30,21 +32,25 @@ def config(strategy: str, nproc: int, *, trace_dir=None, **kw) -> TrainConfig:
 
 
 def run(strategy: str, nproc: int, options: tuple = (), checkpointing: bool = False,
-        mixed_precision: str = "fp32") -> dict:
-    return runs_on(nproc)[(strategy, tuple(options), checkpointing, mixed_precision)]
+        mixed_precision: str = "fp32", micro_batches: int = 1) -> dict:
+    return runs_on(nproc)[(strategy, tuple(options), checkpointing, mixed_precision,
+                           micro_batches)]
 
 
 # Every configuration a test below asks for, by world size: one launch per world size runs them all
 # in the same ranks, one after another (train_several_on_ranks), paying start-up three times.
-WANTED = {
-    2: [("zero3", (), False, "fp32"), ("fsdp", (), False, "fp32"),
-        ("fsdp", (("sharding", "grad_op"),), False, "fp32"), ("torch-fsdp2", (), False, "fp32"),
-        ("dp", (), False, "fp32"), ("zero1", (), False, "fp32"), ("zero2", (), False, "fp32"),
-        ("fsdp", (), False, "bf16"), ("torch-fsdp2", (), False, "bf16")],
-    3: [("zero3", (("offload", True),), False, "fp32"), ("fsdp", (), False, "fp32"),
-        ("fsdp", (("sharding", "grad_op"),), False, "fp32"), ("torch-fsdp2", (), False, "fp32")],
-    4: [("zero3", (), False, "fp32"), ("fsdp", (), True, "fp32"),
-        ("fsdp", (("sharding", "grad_op"),), False, "fp32"), ("torch-fsdp2", (), False, "fp32")],
+GRAD_OP, OFFLOAD = (("sharding", "grad_op"),), (("offload", True),)
+WANTED = {   # (strategy, options, activation checkpointing, precision, micro-batches)
+    2: [("zero3", (), False, "fp32", 1), ("fsdp", (), False, "fp32", 1),
+        ("fsdp", GRAD_OP, False, "fp32", 1), ("torch-fsdp2", (), False, "fp32", 1),
+        ("dp", (), False, "fp32", 1), ("zero1", (), False, "fp32", 1),
+        ("zero2", (), False, "fp32", 1), ("zero3", (), False, "fp32", 2),
+        ("fsdp", (), False, "bf16", 1), ("torch-fsdp2", (), False, "bf16", 1),
+        ("fsdp", OFFLOAD + (("overlap_reduce", True),), True, "bf16", 1)],
+    3: [("zero3", OFFLOAD, False, "fp32", 1), ("fsdp", (), False, "fp32", 1),
+        ("fsdp", GRAD_OP, False, "fp32", 1), ("torch-fsdp2", (), False, "fp32", 1)],
+    4: [("zero3", (), False, "fp32", 1), ("fsdp", (), True, "fp32", 1),
+        ("fsdp", GRAD_OP, False, "fp32", 1), ("torch-fsdp2", (), False, "fp32", 1)],
 }
 PROFILED = {"zero3", "fsdp"}     # fp32, 2 ranks: their traces feed the communication tests
 
@@ -54,11 +60,12 @@ def runs_on(nproc: int) -> dict:
     import tempfile
 
     cfgs = []
-    for strategy, options, checkpointing, mp in WANTED[nproc]:
-        profiled = nproc == 2 and strategy in PROFILED and mp == "fp32"
+    for strategy, options, checkpointing, mp, micro in WANTED[nproc]:
+        profiled = nproc == 2 and strategy in PROFILED and mp == "fp32" and micro == 1
         trace_dir = tempfile.mkdtemp(prefix=f"{strategy}-") if profiled else None
         cfgs.append(config(strategy, nproc, trace_dir=trace_dir, options=dict(options),
-                           activation_checkpointing=checkpointing, mixed_precision=mp))
+                           activation_checkpointing=checkpointing, mixed_precision=mp,
+                           micro_batches=micro))
     results = train_several_on_ranks(cfgs)
     for cfg, result in zip(cfgs, results):
         result["cfg"] = cfg
@@ -103,6 +110,23 @@ def model_rel_err(state: dict, reference: dict) -> float:
     """
     flat = lambda sd: torch.cat([sd[k].flatten().double() for k in reference])  # noqa: E731
     return relative_error(flat(state), flat(reference))
+
+
+def test_gradient_accumulation_over_micro_batches():
+    # Each micro-batch's backward reduce-scatters and adds into the gradient shard.
+    result = run("zero3", 2, micro_batches=2)
+    assert compare_with_single(result["cfg"], result).loss_rel_err <= TOLERANCE
+    assert model_rel_err(result["state_dict"], reference_run(result["cfg"])["state_dict"]) \
+        <= TOLERANCE
+
+
+def test_options_combine():
+    # bf16 + offload + overlapped reduce-scatter + activation checkpointing: recomputation
+    # repeats the same bf16 arithmetic and offload moves the same bits, so the losses are
+    # bf16's own, to the bit.
+    combined = run("fsdp", 2, OFFLOAD + (("overlap_reduce", True),), True, "bf16")
+    assert combined["losses"] == run("fsdp", 2, (), False, "bf16")["losses"]
+    assert all(m["params"] == m["grads"] == m["optimizer"] == 0 for m in combined["memory"])
 
 
 def unit_sizes() -> list[int]:
@@ -177,6 +201,17 @@ def test_comm_is_labelled_and_volume_is_three_psi():
         assert fsdp[rank, "all_gather"] == (2 * units - 1, 2 * padded - head)
         grad_op = comm_per_step("fsdp", (("sharding", "grad_op"),))
         assert grad_op[rank, "all_gather"] == (units, padded)      # 2Ψ in all, like ZeRO-2
+
+
+def test_volume_in_paper_units_and_transient_memory_from_the_trace():
+    psi = 4 * sum(unit_sizes())
+    assert total_volume(run("zero3", 2)["trace_dir"]) == {0: 3 * psi, 1: 3 * psi}   # ZeRO §7.2.2
+    # The allocator's events: FULL_SHARD holds one unit (zero3) or two (fsdp prefetching) at a
+    # time; SHARD_GRAD_OP holds every unit from its forward to its backward.
+    peak = {name: max(transient_peak(run("fsdp", 2, options)["trace_dir"]).values())
+            for name, options in (("full", ()), ("grad_op", GRAD_OP))}
+    zero3 = max(transient_peak(run("zero3", 2)["trace_dir"]).values())
+    assert zero3 < peak["full"] < peak["grad_op"], (zero3, peak)
 
 
 def test_prefetch_hides_communication():

@@ -93,7 +93,6 @@ class FullySharded(Strategy):
             self.units.append(unit)
         self.optimizer = make_optimizer([u.master for u in self.units], cfg)
         self._pending_reduce: list = []
-        self.peak_gathered_bytes = 0
 
     # --- the schedule -----------------------------------------------------------------------------
 
@@ -109,13 +108,13 @@ class FullySharded(Strategy):
         unit.wait_gather()
         if self.pol.prefetch and i + 1 < len(self.units):
             self.units[i + 1].gather(async_op=True)   # overlaps with unit i's compute
-        self._note_memory()
 
     def _after_forward(self, i: int, out: torch.Tensor) -> None:
-        last = i == len(self.units) - 1
-        if self.pol.reshard_after_forward and not (self.pol.keep_last_unit and last):
+        backward_follows = torch.is_grad_enabled() and out.requires_grad
+        keep = self.pol.keep_last_unit and i == len(self.units) - 1
+        if not backward_follows or (self.pol.reshard_after_forward and not keep):
             self.units[i].reshard()
-        if torch.is_grad_enabled() and out.requires_grad:
+        if backward_follows:
             out.register_hook(lambda grad: self._before_backward(i))
 
     def _before_backward(self, i: int) -> None:
@@ -124,7 +123,6 @@ class FullySharded(Strategy):
         unit.expect_grads()
         if self.pol.prefetch and i > 0:
             self.units[i - 1].gather(async_op=True)   # overlaps with unit i's backward
-        self._note_memory()
 
     def _grad_ready(self, i: int) -> None:
         unit = self.units[i]
@@ -144,10 +142,6 @@ class FullySharded(Strategy):
         for finish in self._pending_reduce:
             finish()
         self._pending_reduce.clear()
-
-    def _note_memory(self) -> None:
-        held = sum(u.gathered_bytes for u in self.units)
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, held)
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -188,21 +182,20 @@ class FullySharded(Strategy):
     def model_state(self) -> ModelStateBytes:
         """Bytes on the compute device: the shards, their gradients, Adam's m and v, and any
         parameters gathered right now. Under offload the shards live on the host instead
-        (`host_state`) and the device keeps only gathered parameters, for as long as needed."""
+        (`shard_state`) and the device keeps only gathered parameters, for as long as needed."""
         gathered = sum(u.gathered_bytes for u in self.units)
         if self.offload:
             return ModelStateBytes(params=gathered, grads=0, optimizer=0)
-        return self.host_state(gathered)
+        shards = self.shard_state()
+        return ModelStateBytes(shards.params + gathered, shards.grads, shards.optimizer)
 
-    def host_state(self, extra_params: int = 0) -> ModelStateBytes:
+    def shard_state(self) -> ModelStateBytes:
+        """Bytes of this rank's fp32 shards, their gradients and Adam's m and v, wherever they
+        live (the host, under offload)."""
         masters = [u.master for u in self.units]
-        return ModelStateBytes(
-            params=tensor_bytes(masters) + extra_params,
-            grads=tensor_bytes(m.grad for m in masters),
-            optimizer=tensor_bytes(optimizer_state_tensors(self.optimizer)))
-
-    def unit_sizes(self) -> list[int]:
-        return [u.numel for u in self.units]
+        return ModelStateBytes(params=tensor_bytes(masters),
+                               grads=tensor_bytes(m.grad for m in masters),
+                               optimizer=tensor_bytes(optimizer_state_tensors(self.optimizer)))
 
     def activation_exclusions(self) -> list[torch.Tensor]:
         # Gathered parameter buffers are model state: autograd saves views of them (W for dX).
