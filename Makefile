@@ -29,8 +29,11 @@ test: install
 tensorboard: install
 	$(BIN)/tensorboard --logdir profiles --host 127.0.0.1 --port $(PORT)
 
+# Speed is a benchmark, not a test: each script compares ours with PyTorch's in one run, as ratios.
 bench: install
 	$(BIN)/python scripts/bench_collectives.py
+	$(BIN)/python scripts/bench_dp.py
+	$(BIN)/python scripts/bench_fsdp.py
 
 # Execute every notebook and export it with its figures as offline HTML: report/index.html.
 report: install

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args) -> "TrainConfig":
+def config_from_args(args):
     from refimpl.strategy import LayoutError, TrainConfig
 
     nproc = args.nproc

@@ -46,14 +46,25 @@ def main() -> None:
                            float(os.environ["REFIMPL_TIMEOUT"]))
         result = job["fn"](rank, world_size, *job["args"], **job["kwargs"])
         (outdir / f"result{rank}.pkl").write_bytes(cloudpickle.dumps(result))
+        import gc
+
         import torch.distributed as dist
 
+        gc.collect()    # drop reference cycles holding tensors/hooks while the group still exists
         if dist.is_initialized():
             dist.destroy_process_group()
     except BaseException:
         (outdir / f"error{rank}.txt").write_text(traceback.format_exc())
-        sys.stdout.flush()
-        os._exit(1)
+        _flush_and_exit(1)
+    # The result is written: skip interpreter teardown, where C++ destructors of leftover
+    # distributed objects have been seen to abort ("terminate called without an active exception").
+    _flush_and_exit(0)
+
+
+def _flush_and_exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -52,13 +52,14 @@ def model_state_bytes(n_params: int, *, dp: int = 1, zero_stage: int = 0, param_
     optimizer_bytes=8.
 
     Stage 1 shards the optimizer states over dp ranks, stage 2 also the gradients, stage 3 also the
-    parameters. With `padded` (and dp > 1) the count is what flat-buffer implementations allocate
-    (refimpl.parallel.flat_param): a shard is S = ceil(N/dp) elements and an unsharded flat buffer
-    dp·S, the zero padding that makes every rank's shard equal. Without, exactly N/dp and N.
+    parameters. With `padded` (and dp > 1, zero_stage >= 1) the count is what flat-buffer
+    implementations allocate (refimpl.parallel.flat_param): a shard is S = ceil(N/dp) elements and
+    an unsharded flat buffer dp·S, the zero padding that makes every rank's shard equal. Without
+    (and for plain DP, which shards nothing and so pads nothing), exactly N/dp and N.
     """
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
-    if padded and dp > 1:
+    if padded and dp > 1 and zero_stage >= 1:
         shard = shard_numel(n_params, dp)
         full = shard * dp
     else:

@@ -57,7 +57,10 @@ class CausalSelfAttention(nn.Module):
         d = cfg.d_model
         self.n_heads = cfg.n_heads
         self.q = nn.Linear(d, d)
-        self.k = nn.Linear(d, d)
+        # No bias on K: adding the same vector to every key adds q·b_k to a whole row of scores,
+        # which softmax cancels, so its gradient is exactly zero. Adam would then turn fp32
+        # round-off in that zero (it differs between 1 and N ranks) into full-size steps.
+        self.k = nn.Linear(d, d, bias=False)
         self.v = nn.Linear(d, d)
         self.o = nn.Linear(d, d)
 

@@ -63,9 +63,16 @@ def comm_span(op: str, nbytes: int | None = None):
 
 # --- capture ----------------------------------------------------------------------------------------
 
-def _all_threads_config():
-    """Record every thread, not only the one that started the profiler: asynchronous collectives
-    (refimpl.comm's worker thread) run elsewhere, and their overlap with compute is the point."""
+def _all_threads_config(all_threads: bool):
+    """Optionally record every thread, not only the one that started the profiler.
+
+    refimpl.comm's asynchronous collectives run on a worker thread of their own, which the default
+    profiler does not see (the backends' own threads, gloo's and NCCL's, are recorded either way).
+    It is opt-in because in torch 2.13 recording all threads drops the allocator's memory events,
+    which TensorBoard's memory view needs.
+    """
+    if not all_threads:
+        return None
     from torch._C._profiler import _ExperimentalConfig
 
     try:
@@ -81,7 +88,8 @@ class StepProfiler:
     With a single step, that step is recorded.
     """
 
-    def __init__(self, out_dir: str | Path | None, rank: int, steps: int, active: int = 3):
+    def __init__(self, out_dir: str | Path | None, rank: int, steps: int, active: int = 3,
+                 all_threads: bool = False):
         self.enabled = out_dir is not None
         self.out_dir = Path(out_dir) if out_dir is not None else None
         if not self.enabled:
@@ -101,7 +109,7 @@ class StepProfiler:
             on_trace_ready=torch.profiler.tensorboard_trace_handler(
                 str(self.out_dir), worker_name=f"rank{rank}"),
             record_shapes=False, profile_memory=True, with_stack=False,
-            experimental_config=_all_threads_config())
+            experimental_config=_all_threads_config(all_threads))
 
     def __enter__(self):
         if self.enabled:

@@ -9,6 +9,7 @@ strategy (refimpl.strategy.Strategy) owns placement, the step and gathering the 
 """
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 
@@ -93,7 +94,7 @@ def train_on_ranks(cfg: TrainConfig, timeout: float = 900.0, quiet: bool = True)
         # so that every process can print the same merged JSON.
         (per_rank,) = launch.run(_train_rank_and_share, cfg.nproc, cfg)
     elif cfg.nproc == 1 and cfg.strategy == "single":
-        per_rank = [train_rank(0, 1, cfg)]   # the reference needs no process group
+        per_rank = [_in_this_process(train_rank, 0, 1, cfg)]   # the reference needs no group
     else:
         per_rank = launch.run(train_rank, cfg.nproc, cfg, timeout=timeout, quiet=quiet)
     return merge_results(cfg, per_rank)
@@ -118,7 +119,23 @@ def train_several_on_ranks(cfgs: list[TrainConfig], timeout: float = 900.0,
 
 
 def _train_several(rank: int, world_size: int, cfgs: list[TrainConfig]) -> list[dict]:
-    return [train_rank(rank, world_size, cfg) for cfg in cfgs]
+    results = [train_rank(rank, world_size, cfg) for cfg in cfgs]
+    # Free the strategies' reference cycles (models, hooks, DDP reducers) now, while torch and the
+    # process group are alive: left to the interpreter's exit they can abort the rank
+    # ("terminate called without an active exception").
+    gc.collect()
+    return results
+
+
+def _in_this_process(fn, *args):
+    """Run the reference here on one thread, as every rank runs: it does not fight the ranks of a
+    comparison for the cores, and its matmuls sum in the same order as a rank's would."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _train_rank_and_share(rank: int, world_size: int, cfg: TrainConfig) -> list[dict]:

@@ -68,7 +68,8 @@ def main(argv=None) -> int:
         mem = last[name]["memory"]
         cols = [" / ".join(f"{m[k] / mib:.2f}" for m in mem[:2])
                 for k in ("params", "grads", "optimizer")]
-        print(f"{name:<12} {last[name]['losses'][-1]:>10.6f}  " + "  ".join(f"{c:>13}" for c in cols)
+        loss = last[name]["losses"][-1]
+        print(f"{name:<12} {loss:>10.6f}  " + "  ".join(f"{c:>13}" for c in cols)
               + f"  {median[name] * 1e3:>8.2f} ms")
     for ours, theirs in pairs:
         same = last[ours]["losses"] == last[theirs]["losses"]

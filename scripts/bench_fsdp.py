@@ -8,8 +8,8 @@ Same model, same global batch, same rows per rank. Two launches:
   timing   every strategy in the same ranks, unprofiled, in the order A B C ... then ... C B A
            (so drift in the machine's load favours nobody); each strategy's step time is the
            median of its steps after the first of each pass, the slowest rank's per step;
-  memory   each strategy once more, profiled with the allocator's events: peak per rank =
-           model state kept between steps + the most the step allocated on top of it
+  memory   each strategy once more, with the CPU allocator's events recorded: peak per rank =
+           model state kept between steps + the most a step allocated on top of it
            (refimpl.trace_memory).
 
 Goal: our step time <= 1.1 x fully_shard's with no more peak memory. A benchmark, not a test:
@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 
 import pandas as pd
 
 from refimpl.strategy import TrainConfig
-from refimpl.trace_memory import transient_peak
+from refimpl.trace_memory import train_several_recording_memory
 from refimpl.train import train_several_on_ranks
 
 # (label, strategy, options, the twin it is compared with)
@@ -49,14 +48,11 @@ def timing(base: TrainConfig) -> dict[str, float]:
 
 
 def memory(base: TrainConfig) -> dict[str, dict]:
-    cfgs, dirs = [], []
-    for label, strategy, options, _ in CONTENDERS:
-        dirs.append(tempfile.mkdtemp(prefix=f"bench-fsdp-{strategy}-"))
-        cfgs.append(base.with_(strategy=strategy, options=options, steps=3, profile=True,
-                               trace_dir=dirs[-1]))
+    cfgs = [base.with_(strategy=s, options=o, steps=3) for _, s, o, _ in CONTENDERS]
     out = {}
-    for (label, *_), result, trace in zip(CONTENDERS, train_several_on_ranks(cfgs), dirs):
-        transient = transient_peak(trace)
+    for (label, *_), result in zip(CONTENDERS, train_several_recording_memory(
+            cfgs, [True] * len(cfgs))):
+        transient = result["transient_peak"]
         kept = [m["params"] + m["grads"] + m["optimizer"] for m in result["memory"]]
         out[label] = {"loss": result["losses"][-1], "model_state": max(kept),
                       "step_peak": max(transient.values()),

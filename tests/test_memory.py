@@ -4,9 +4,8 @@ import math
 import pytest
 import torch
 
-from refimpl.memory import (GB, ActivationTracker, activation_bytes_per_layer,
-                            measured_model_state, model_state_bytes, training_flops)
-from refimpl.model import GPTConfig, build_model, count_params, lm_loss, synthetic_batch
+from refimpl.memory import (GB, ActivationTracker, activation_bytes_per_layer, model_state_bytes,
+                            training_flops)
 from refimpl.strategy import TrainConfig
 from refimpl.train import train_on_ranks
 

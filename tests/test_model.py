@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from refimpl.model import GPT, GPTConfig, build_model, count_params, lm_loss, synthetic_batch
+from refimpl.model import GPTConfig, build_model, count_params, lm_loss, synthetic_batch
 from refimpl.strategy import TrainConfig
 from refimpl.train import train_on_ranks
 

@@ -18,14 +18,13 @@ so nothing overlaps; try --set bucket_mb=0.25 to see several buckets leave durin
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from refimpl.memory import ModelStateBytes, measured_model_state
 from refimpl.model import Batch, GPT
 from refimpl.parallel.data_parallel import DataParallelStrategy
 from refimpl.parallel.flat_param import FlatParams
-from refimpl.parallel.grad_buckets import Bucket, GradBuckets
-from refimpl.profiling import comm_span, phase
+from refimpl.parallel.grad_buckets import GradBuckets, all_reduce_sum
+from refimpl.profiling import phase
 from refimpl.strategy import LayoutError, TrainConfig, make_optimizer
 
 MiB = 2 ** 20
@@ -47,14 +46,9 @@ class BucketedDataParallel(DataParallelStrategy):
         layout = FlatParams(list(self.model.named_parameters()), world_size=1)
         self.flat_grad = layout.empty(device=self.ctx.device)
         self.buckets = GradBuckets(layout, float(self.option("bucket_mb")) * MiB,
-                                   reduce=self._all_reduce_bucket)
+                                   reduce=all_reduce_sum)
         self.buckets.attach(self.flat_grad)
         self.optimizer = make_optimizer(self.model.parameters(), self.ctx.cfg)
-
-    def _all_reduce_bucket(self, bucket: Bucket, grads: torch.Tensor) -> dist.Work:
-        grads.div_(self.ctx.world_size)      # pre-divide, as DDP does
-        with comm_span("all_reduce", grads.nbytes):
-            return dist.all_reduce(grads, async_op=True)
 
     def train_step(self, batch: Batch) -> float:
         local = self.forward_backward(self.model, batch, micro_step=self.buckets.micro_step)

@@ -4,7 +4,7 @@
   2. data split (데이터 분할): rank r takes its 1/world of the global batch;
   3. parallel processing (병렬 처리): forward and backward on its rows alone;
   4. gradient synchronisation (그래디언트 동기화): after backward, one all-reduce per parameter
-     tensor, averaged;
+     tensor, averaged (the 1/world is applied to each rank's loss, the all-reduce sums);
   5. parameter update (파라미터 업데이트): every rank runs the same AdamW step on the same averaged
      gradient, so the replicas stay identical without ever exchanging weights.
 
@@ -40,11 +40,8 @@ class NaiveDataParallel(DataParallelStrategy):
         return self.global_mean_loss(local)
 
     def all_reduce_gradients(self) -> None:
-        # Divide before summing, as DDP does (Li et al. 2020, §4.2): the sum of W pre-divided
-        # gradients cannot overflow where the plain sum might (it matters in fp16).
-        world = self.ctx.world_size
+        # A sum: each rank's loss was already scaled by 1/W (refimpl.parallel.data_parallel).
         for p in self.model.parameters():
-            p.grad.div_(world)
             with comm_span("all_reduce", p.grad.nbytes):
                 dist.all_reduce(p.grad)
 

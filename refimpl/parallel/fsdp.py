@@ -1,19 +1,19 @@
-"""`fsdp`: FSDP-style fully sharded data parallel, with prefetching (Zhao et al. 2023, §3-4).
+"""`fsdp`: FSDP-style fully sharded data parallel, with prefetching (Zhao et al. 2023, §3).
 
 The same units and shards as `zero3` (one unit per transformer block: the "transformer auto-wrap
 policy"), plus what makes FSDP fast:
 
   * forward prefetch: while unit i computes, unit i+1's all-gather is already in flight
-    (async_op=True); backward prefetch: while unit i runs its backward, unit i-1's (§3.3.3);
+    (async_op=True); backward prefetch: while unit i runs its backward, unit i-1's (§3.3);
   * option `overlap_reduce=true`: each reduce-scatter runs in the background of the next unit's
     backward (FSDP's separate reduce-scatter stream). Off by default: it keeps one more unit's
-    full-size gradient alive, which on these CPU ranks made the peak exceed FSDP2's (FSDP2 on
-    CPU reduce-scatters synchronously); notebook 05 measures both;
+    full-size gradient alive, which on these CPU ranks made the peak exceed FSDP2's; notebook 05
+    and scripts/bench_fsdp.py measure both;
   * the unit whose backward comes first (final_norm + lm_head) keeps its parameters after
     forward, as FSDP2 does for the root module -- it would be gathered again immediately.
 
-Option `sharding` picks the strategy of §3.2.1 (the seed: FULL_SHARD ≈ ZeRO-3, SHARD_GRAD_OP ≈
-ZeRO-2):
+Option `sharding` picks PyTorch FSDP's ShardingStrategy (the seed: FULL_SHARD ≈ ZeRO-3,
+SHARD_GRAD_OP ≈ ZeRO-2):
   full     FULL_SHARD: free each unit's parameters after its forward, gather again for backward
   grad_op  SHARD_GRAD_OP: keep them from forward to the end of backward -- a full copy of the
            parameters at the peak, like ZeRO-2, but one all-gather per step instead of two

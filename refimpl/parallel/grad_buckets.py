@@ -18,13 +18,15 @@ no copy is needed (DDP's `gradient_as_bucket_view=True`, §4.2 of the paper desc
 saves). With gradient accumulation, only the last micro-step's backward launches communication;
 the earlier ones just accumulate locally (DDP's `no_sync`).
 
-What a bucket's collective *is* belongs to the strategy: an all-reduce for DP and ZeRO-1, a reduce
-to the rank that owns that range for ZeRO-2 (`cut_at` then splits buckets at shard boundaries so
-each bucket has exactly one owner).
+What a bucket's collective *is* belongs to the strategy: `all_reduce_sum` for DP and ZeRO-1,
+`reduce_sum_to_owner` for ZeRO-2 (`cut_at` then splits buckets at shard boundaries so that each
+bucket has exactly one owner). Both sum: the 1/world of the average was applied to each rank's
+loss (refimpl.parallel.data_parallel explains why not to every gradient element, as DDP does).
 """
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -78,11 +80,22 @@ def assign_buckets(layout: FlatParams, cap_bytes: float, element_size: int = 4,
     return buckets
 
 
+def all_reduce_sum(bucket: Bucket, grads: torch.Tensor) -> dist.Work:
+    """Every rank gets the bucket's summed gradient (async)."""
+    with comm_span("all_reduce", grads.nbytes):
+        return dist.all_reduce(grads, async_op=True)
+
+
+def reduce_sum_to_owner(bucket: Bucket, grads: torch.Tensor, shard_numel: int) -> dist.Work:
+    """Only the rank whose shard holds this bucket gets its summed gradient (async)."""
+    with comm_span("reduce", grads.nbytes):
+        return dist.reduce(grads, dst=bucket.start // shard_numel, async_op=True)
+
+
 class GradBuckets:
     """Launches one collective per bucket from gradient hooks; `wait()` before the optimizer.
 
-        buckets = GradBuckets(layout, cap_bytes, reduce=lambda bucket, grads: dist.all_reduce(
-                              grads, async_op=True))
+        buckets = GradBuckets(layout, cap_bytes, reduce=all_reduce_sum)
         buckets.attach(flat_grad)          # params' .grad become views of flat_grad
         with buckets.micro_step(sync=True):   # communicate this backward? (False: accumulate)
             loss.backward()                    # hooks launch the buckets as they fill
@@ -101,8 +114,13 @@ class GradBuckets:
         self.flat_grad: torch.Tensor | None = None
         self._sync = False
         self._next = 0                                  # the next bucket to launch, in order
+        # No reference cycles through the parameters' hooks (so `reduce` should not be a bound
+        # method of an object holding this one, and the hooks hold `self` weakly): a cycle is
+        # freed only by the garbage collector, possibly at interpreter exit, and destroying a
+        # Python hook owned by a C++ tensor there aborts the process ("terminate called...").
+        this = weakref.ref(self)
         self._handles = [p.register_post_accumulate_grad_hook(
-            lambda _p, i=i: self._on_gradient_ready(i)) for i, p in enumerate(layout.params)]
+            lambda _p, i=i: this()._on_gradient_ready(i)) for i, p in enumerate(layout.params)]
 
     def attach(self, flat_grad: torch.Tensor) -> None:
         """Point every parameter's .grad into `flat_grad`, where autograd will accumulate."""

@@ -111,8 +111,9 @@ class ShardedUnit:
     def prepare_grads(self) -> None:
         """Give every parameter a .grad that is a view of one zeroed flat buffer, so autograd
         accumulates straight into the layout that reduce-scatter sends. Called when the unit's
-        first gradient arrives, not when its backward starts: by then autograd has freed some of
-        the unit's activations (FSDP2 likewise lets gradients appear as they are computed)."""
+        first gradient arrives rather than when its backward starts, so the buffer is not yet
+        allocated while the unit's first backward op runs (FSDP2 likewise lets gradients appear
+        as they are computed)."""
         if self.grad_full is None:
             self.grad_full = self.flat.empty(self.compute_dtype, self.device)
             self.flat.bind_grads(self.grad_full)
@@ -137,8 +138,9 @@ class ShardedUnit:
             if async_op:
                 with comm_span("wait"):
                     work.wait()
-            # Each rank's loss is the mean over its rows: the global mean gradient is sum / ranks.
-            self.master.grad.add_(shard.div_(self.world_size).to(self.master.device))
+            # Each rank's loss was already scaled by 1/ranks before backward, so the sum over
+            # ranks is the global mean gradient (no per-element division, which is inexact).
+            self.master.grad.add_(shard.to(self.master.device))
             send.untyped_storage().resize_(0)   # free the full-size gradient now, not at GC
 
         if not async_op:

@@ -43,5 +43,9 @@ class Single(Strategy):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
+    def activation_exclusions(self) -> list[torch.Tensor]:
+        # Linear layers save a transposed *view* of their weight: model state, not an activation.
+        return list(self.model.parameters())
+
     def model_state(self) -> ModelStateBytes:
         return measured_model_state(self.model.parameters(), self.optimizer)

@@ -39,6 +39,7 @@ def ddp_micro_step(ddp: DDP):
 class TorchDDP(DataParallelStrategy):
     name = "torch-ddp"
     default_options = {"bucket_mb": 25.0}
+    scales_loss_by_world = False         # DDP averages by dividing each gradient by the world size
 
     def setup(self, model: GPT) -> None:
         self.ddp = wrap_ddp(self, model)

@@ -1,8 +1,8 @@
 """`torch-fsdp2` (and `torch-fsdp2-gradop`): PyTorch's own FSDP2, the twin of `zero3` / `fsdp`.
 
-`torch.distributed.fsdp.fully_shard` applied as torchtitan does: to the embeddings, to each
-transformer block, then to the root (which then owns final_norm + lm_head) -- the same units as
-our `fsdp`. Each parameter becomes a DTensor sharded on dim 0 (FSDP2 pads each parameter's dim 0
+`torch.distributed.fsdp.fully_shard` applied bottom-up as torchtitan does -- each transformer
+block, then the root -- with the embeddings as a unit of their own, so that the units are exactly
+our `fsdp`'s (the root keeps final_norm + lm_head). Each parameter becomes a DTensor sharded on dim 0 (FSDP2 pads each parameter's dim 0
 to a multiple of the world size, rather than one flat buffer per unit as FSDP1 and our
 FlatParams do); the optimizer then runs on the local shards.
 

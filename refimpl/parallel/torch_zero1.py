@@ -22,6 +22,7 @@ from refimpl.profiling import phase
 class TorchZero1(DataParallelStrategy):
     name = "torch-zero1"
     default_options = {"bucket_mb": 25.0}
+    scales_loss_by_world = False         # DDP averages by dividing each gradient by the world size
 
     def setup(self, model: GPT) -> None:
         cfg = self.ctx.cfg

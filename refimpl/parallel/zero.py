@@ -7,27 +7,32 @@ time, over the flat padded buffer of refimpl.parallel.flat_param (rank r owns [r
 S = ceil(N / W)):
 
   stage 1 (P_os, 옵티마이저 상태 분할): each rank keeps AdamW's m and v for its shard only and
-      updates only its shard of the parameters. Gradients are still all-reduced in full (every rank
-      holds all of them); after the step the updated shards are all-gathered into the flat buffer
-      the model's parameters view, so every rank again holds the full, identical weights.
+      updates only its shard of the parameters. It still holds a full gradient buffer, but only
+      its own shard of it needs the sum over ranks, so gradients are reduce-scattered, not
+      all-reduced; after the step the updated shards are all-gathered into the flat buffer the
+      model's parameters view, so every rank again holds the full, identical weights.
   stage 2 (P_os+g, + 그래디언트 분할): a rank only needs the gradient of its own shard, so the
       all-reduce becomes a reduce-scatter (합을 계산한 뒤 결과를 즉시 분산): each rank receives
       just its summed shard and frees the full gradient buffer.
 
-Communication volume (§7): all-reduce = reduce-scatter + all-gather, so stages 1 and 2 move the
-same bytes per step as DP: 2·Ψ per rank in a ring.
+Communication volume per rank and step, in a ring (§7.2.1): all-reduce = reduce-scatter +
+all-gather = 2Ψ. Stages 1 and 2 both reduce-scatter the gradients (Ψ) and all-gather the updated
+parameters (Ψ): 2Ψ, DP's volume. The two stages differ only in what they keep, not in what they
+send. (All-reducing in stage 1 would also work, but would move 3Ψ for nothing.)
 
 Options:
   bucket_mb (25)   with overlap, gradients leave in buckets from hooks during backward
-                   (refimpl.parallel.grad_buckets): stage 1 all-reduces each bucket; stage 2 cuts
-                   buckets at shard boundaries and reduces each one to the rank that owns it
+                   (refimpl.parallel.grad_buckets), cut at shard boundaries, each one reduced to
+                   the rank that owns it
                    (together those reduces are the reduce-scatter; DeepSpeed's stage 2 does the
                    same, `average_tensor` in deepspeed/runtime/zero/stage_1_and_2.py)
-  overlap (true)   false: one all-reduce (stage 1) / reduce_scatter_tensor (stage 2) of the whole
-                   flat gradient after backward -- the textbook picture, nothing hidden
+  overlap (true)   false: one reduce_scatter_tensor of the whole flat gradient after backward --
+                   the textbook picture, nothing hidden
   offload (false)  ZeRO-Offload (Ren et al. 2021): see refimpl.parallel.sharded_adamw
 """
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -36,7 +41,7 @@ from refimpl.memory import ModelStateBytes, measured_model_state
 from refimpl.model import Batch, GPT
 from refimpl.parallel.data_parallel import DataParallelStrategy
 from refimpl.parallel.flat_param import FlatParams
-from refimpl.parallel.grad_buckets import Bucket, GradBuckets
+from refimpl.parallel.grad_buckets import GradBuckets, reduce_sum_to_owner
 from refimpl.parallel.sharded_adamw import ShardedAdamW
 from refimpl.profiling import comm_span, phase
 from refimpl.strategy import LayoutError, TrainConfig
@@ -74,16 +79,24 @@ class ZeroDataParallel(DataParallelStrategy):
         self.buckets = None
         if self.option("overlap"):
             self.buckets = GradBuckets(self.layout, float(self.option("bucket_mb")) * MiB,
-                                       reduce=self.reduce_bucket, cut_at=self.bucket_cuts())
+                                       reduce=self.bucket_collective(), cut_at=self.bucket_cuts())
         self.attach_gradients()
 
     # --- the parts a stage decides --------------------------------------------------------------
 
     def bucket_cuts(self) -> list[int]:
-        return []
+        # A bucket never straddles two ranks' shards, so each has exactly one owner to reduce to.
+        return [r * self.layout.shard_numel for r in range(1, self.ctx.world_size)]
 
-    def reduce_bucket(self, bucket: Bucket, grads: torch.Tensor) -> dist.Work:
-        raise NotImplementedError
+    def bucket_collective(self):
+        """Each bucket is summed onto the rank that owns its range: together, a reduce-scatter."""
+        return partial(reduce_sum_to_owner, shard_numel=self.layout.shard_numel)
+
+    def reduce_scatter_flat(self, out: torch.Tensor) -> torch.Tensor:
+        """Without buckets: one reduce-scatter of the whole flat gradient into `out`."""
+        with comm_span("reduce_scatter", self.flat_grad.nbytes):
+            dist.reduce_scatter_tensor(out, self.flat_grad)
+        return out
 
     def reduce_gradients(self) -> torch.Tensor:
         """Make this rank's shard of the averaged gradient; return it."""
@@ -144,18 +157,14 @@ class Zero1(ZeroDataParallel):
     name = "zero1"
     stage = 1
 
-    def reduce_bucket(self, bucket: Bucket, grads: torch.Tensor) -> dist.Work:
-        grads.div_(self.ctx.world_size)
-        with comm_span("all_reduce", grads.nbytes):
-            return dist.all_reduce(grads, async_op=True)
-
     def reduce_gradients(self) -> torch.Tensor:
+        mine = self.layout.shard(self.flat_grad, self.ctx.rank)
         if self.buckets is None:
-            self.flat_grad.div_(self.ctx.world_size)
-            with comm_span("all_reduce", self.flat_grad.nbytes):
-                dist.all_reduce(self.flat_grad)
-        # Every rank now holds the full averaged gradient; its optimizer reads only its shard.
-        return self.layout.shard(self.flat_grad, self.ctx.rank)
+            # reduce_scatter_tensor's output may not alias its input: reduce, then copy in place.
+            mine.copy_(self.reduce_scatter_flat(torch.empty_like(mine)))
+        # Only this rank's shard of the full buffer holds the sum over ranks; the rest is this
+        # rank's own gradient, which nothing reads. The optimizer reads only the shard.
+        return mine
 
     def after_step(self) -> None:
         self.flat_grad.zero_()
@@ -172,24 +181,11 @@ class Zero2(ZeroDataParallel):
         self.grad_shard = (None if self.optimizer.offload else
                            torch.zeros(self.layout.shard_numel, device=self.ctx.device))
 
-    def bucket_cuts(self) -> list[int]:
-        # A bucket never straddles two ranks' shards, so each has exactly one owner to reduce to.
-        return [r * self.layout.shard_numel for r in range(1, self.ctx.world_size)]
-
-    def reduce_bucket(self, bucket: Bucket, grads: torch.Tensor) -> dist.Work:
-        owner = bucket.start // self.layout.shard_numel
-        grads.div_(self.ctx.world_size)
-        with comm_span("reduce", grads.nbytes):
-            return dist.reduce(grads, dst=owner, async_op=True)
-
     def reduce_gradients(self) -> torch.Tensor:
         if self.buckets is None:
-            mine = self.grad_shard if self.grad_shard is not None else torch.empty(
-                self.layout.shard_numel, device=self.ctx.device)
-            self.flat_grad.div_(self.ctx.world_size)
-            with comm_span("reduce_scatter", self.flat_grad.nbytes):
-                dist.reduce_scatter_tensor(mine, self.flat_grad)
-            return mine
+            return self.reduce_scatter_flat(self.grad_shard if self.grad_shard is not None else
+                                            torch.empty(self.layout.shard_numel,
+                                                        device=self.ctx.device))
         # The buckets were reduced to their owners: this rank's shard of flat_grad holds the sum.
         mine = self.layout.shard(self.flat_grad, self.ctx.rank)
         if self.grad_shard is None:
