@@ -132,6 +132,15 @@ class Strategy(ABC):
         return []
 
 
+def require_equal_rows(cfg: TrainConfig, ranks: int) -> None:
+    """Data-parallel ranks each take an equal share of the global batch, cut into micro-batches."""
+    rows = ranks * cfg.micro_batches
+    if cfg.global_batch % rows:
+        raise LayoutError(f"global batch {cfg.global_batch} must be a multiple of {ranks} data-"
+                          f"parallel rank(s) x --micro-batches {cfg.micro_batches} (= {rows}): "
+                          f"every rank takes equal rows")
+
+
 def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
     """The one optimizer every strategy uses: AdamW, so the arithmetic has m and v.
 

@@ -7,7 +7,6 @@ test_zero12.py share them.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import shutil
 import tempfile
@@ -83,29 +82,14 @@ def assert_matches_single(cfg: TrainConfig, result: dict) -> None:
     assert eq.weight_rel_err <= weight_tolerance(cfg), (cfg.strategy, cfg.nproc, eq.weight_rel_err)
 
 
-@contextlib.contextmanager
-def one_thread():
-    """Run the in-process reference on one thread, as every rank runs: on 2 shared cores a
-    2-thread OpenMP pool spin-waits against the ranks (steps 100x slower under load), and one
-    thread splits each matmul's sums the way a rank does."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 def reference(cfg: TrainConfig) -> dict:
-    """refimpl.equivalence.reference_run (cached), computed on one thread."""
-    with one_thread():
-        return reference_run(cfg)
+    """refimpl.equivalence.reference_run (cached; in-process runs use one thread, as ranks do)."""
+    return reference_run(cfg)
 
 
 def single_accumulating(world: int, global_batch: int) -> dict:
     """`single` with one micro-batch per rank's rows, in one thread like a rank: each micro-step's
     gradient is computed with exactly the arithmetic a data-parallel rank uses, and with 2 ranks
     the sum of two halves is the same in any order -- so DP must be bit-exact with it."""
-    with one_thread():
-        return train_on_ranks(TrainConfig(steps=STEPS, global_batch=global_batch,
-                                          micro_batches=world, return_state=True))
+    return train_on_ranks(TrainConfig(steps=STEPS, global_batch=global_batch,
+                                      micro_batches=world, return_state=True))

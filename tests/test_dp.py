@@ -90,7 +90,7 @@ def test_bucketed_dp_traces_label_comm_on_every_rank_and_hide_some_of_it():
 
 
 def test_layout_errors_are_one_line_before_launch():
-    with pytest.raises(LayoutError, match="multiple of --nproc 3"):
+    with pytest.raises(LayoutError, match="multiple of 3 data-parallel"):
         validate(TrainConfig(strategy="dp", nproc=3, global_batch=8))
     with pytest.raises(LayoutError, match="no option"):
         validate(TrainConfig(strategy="dp", nproc=2, options={"bucket_size": 1}))

@@ -218,5 +218,5 @@ def test_prefetch_hides_communication():
 def test_bad_options_fail_before_launch(strategy, options, message):
     with pytest.raises(LayoutError, match=message):
         validate(TrainConfig(strategy=strategy, nproc=2, options=options))
-    with pytest.raises(LayoutError, match="divide"):
+    with pytest.raises(LayoutError, match="multiple of 3 data-parallel"):
         validate(TrainConfig(strategy=strategy, nproc=3, global_batch=8))

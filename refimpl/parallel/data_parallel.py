@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from refimpl.model import Batch, lm_loss
 from refimpl.profiling import comm_span, phase
-from refimpl.strategy import LayoutError, Strategy, TrainConfig
+from refimpl.strategy import LayoutError, Strategy, TrainConfig, require_equal_rows
 
 
 class DataParallelStrategy(Strategy):
@@ -46,11 +46,7 @@ class DataParallelStrategy(Strategy):
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
         super().validate(cfg)
-        rows = cfg.nproc * cfg.micro_batches
-        if cfg.global_batch % rows:
-            raise LayoutError(f"global batch {cfg.global_batch} must be a multiple of --nproc "
-                              f"{cfg.nproc} x --micro-batches {cfg.micro_batches} (= {rows}): "
-                              f"every rank takes equal rows")
+        require_equal_rows(cfg, cfg.nproc)
         unknown = set(cfg.options) - set(cls.default_options)
         if unknown:
             known = ", ".join(sorted(cls.default_options)) or "none"

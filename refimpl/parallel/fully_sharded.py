@@ -24,7 +24,8 @@ from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_byte
 from refimpl.model import Batch, GPT, lm_loss
 from refimpl.parallel.sharded_unit import ShardedUnit
 from refimpl.profiling import comm_span, phase
-from refimpl.strategy import LayoutError, Strategy, TrainConfig, make_optimizer
+from refimpl.strategy import (LayoutError, Strategy, TrainConfig, make_optimizer,
+                              require_equal_rows)
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,7 @@ class FullySharded(Strategy):
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
         super().validate(cfg)
-        if cfg.global_batch % (cfg.nproc * cfg.micro_batches):
-            raise LayoutError(f"--global-batch {cfg.global_batch} must divide by --nproc x "
-                              f"--micro-batches = {cfg.nproc * cfg.micro_batches}")
+        require_equal_rows(cfg, cfg.nproc)
         if cfg.model.tie_embeddings:
             raise LayoutError(f"strategy {cls.name!r} does not support tied embeddings (the tied "
                               "weight would belong to two units)")

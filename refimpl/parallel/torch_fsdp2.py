@@ -21,7 +21,8 @@ import torch.distributed as dist
 from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
 from refimpl.model import Batch, GPT, lm_loss
 from refimpl.profiling import comm_span, phase
-from refimpl.strategy import LayoutError, Strategy, TrainConfig, make_optimizer
+from refimpl.strategy import (LayoutError, Strategy, TrainConfig, make_optimizer,
+                              require_equal_rows)
 
 
 class TorchFSDP2(Strategy):
@@ -31,9 +32,7 @@ class TorchFSDP2(Strategy):
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
         super().validate(cfg)
-        if cfg.global_batch % (cfg.nproc * cfg.micro_batches):
-            raise LayoutError(f"--global-batch {cfg.global_batch} must divide by --nproc x "
-                              f"--micro-batches = {cfg.nproc * cfg.micro_batches}")
+        require_equal_rows(cfg, cfg.nproc)
         unknown = set(cfg.options) - {"offload"}
         if unknown:
             raise LayoutError(f"strategy {cls.name!r} has no option(s) {sorted(unknown)}; "
