@@ -147,13 +147,16 @@ def test_under_torchrun_each_process_runs_fn_for_its_own_rank(tmp_path):
         from refimpl.launch import run
         from tests.test_launch import _all_reduce_rank
         out = run(_all_reduce_rank, 99, 1.0)        # world_size comes from torchrun, not 99
-        print("RESULT", os.environ["RANK"], len(out), out[0]["rank"], out[0]["sum"])
+        # one file per process: two processes printing to torchrun's shared stdout can interleave
+        with open(os.path.join(os.path.dirname(__file__), "result" + os.environ["RANK"]), "w") as f:
+            f.write(" ".join(map(str, ("RESULT", os.environ["RANK"], len(out), out[0]["rank"],
+                                       out[0]["sum"]))))
     """))
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--standalone", str(script)], capture_output=True, text=True,
                           env=env, timeout=120)
-    lines = sorted(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
     assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = sorted((tmp_path / f"result{r}").read_text() for r in range(2))
     assert lines == ["RESULT 0 1 0 3.0", "RESULT 1 1 1 3.0"]
