@@ -36,7 +36,7 @@ def memory_bars(df, title: str = "Memory per category") -> go.Figure:
 def rank_timeline(df, title: str = "Per-rank timeline", max_events: int = 4000) -> go.Figure:
     """One lane per rank; each labelled range a horizontal bar coloured by its category.
 
-    `df` is refimpl.profiling.load_trace(...); ranges are drawn on a shared time axis (ms).
+    `df` is refimpl.trace.profiling.load_trace(...); ranges are drawn on a shared time axis (ms).
     """
     shown = df[df.category.isin(list(PHASE_COLORS))].head(max_events)
     fig = go.Figure()
@@ -70,7 +70,7 @@ def line_chart(df, x: str, y: str, color: str | None = None, title: str = "",
 def reach_heatmaps(reach: dict, title: str = "Whose data reaches whom") -> go.Figure:
     """One small heatmap per primitive: cell (k, j) lit when rank k's input reached rank j.
 
-    `reach` maps a primitive's name to its n x n 0/1 matrix (refimpl.primitives.dependency).
+    `reach` maps a primitive's name to its n x n 0/1 matrix (refimpl.comm.primitives.dependency).
     """
     from plotly.subplots import make_subplots
 
@@ -158,7 +158,7 @@ def comm_time_bars(df, title: str = "Time in each communication op, per rank") -
 def time_split_bars(summary, title: str = "Where a step's time goes") -> go.Figure:
     """Stacked bars per (strategy, rank): compute only, comm hidden under compute, comm only, idle.
 
-    `summary` is refimpl.profiling.summarize(...) for several runs, concatenated with a
+    `summary` is refimpl.trace.profiling.summarize(...) for several runs, concatenated with a
     `strategy` column.
     """
     parts = [("compute_frac", "compute only", PHASE_COLORS["forward"]),

@@ -19,8 +19,8 @@ from refimpl import launch
 from refimpl.memory import ActivationTracker
 from refimpl.model import build_model, count_params, synthetic_batch
 from refimpl.parallel import get_strategy
-from refimpl.profiling import StepProfiler, profiles_root
-from refimpl.run_record import record_run
+from refimpl.trace.profiling import StepProfiler, profiles_root
+from refimpl.trace.run_record import record_run
 from refimpl.strategy import RunContext, TrainConfig
 
 

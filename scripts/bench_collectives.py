@@ -15,7 +15,7 @@ import argparse
 
 import pandas as pd
 
-from refimpl import bench
+from refimpl.cost import bench
 
 
 def parse_bytes(text: str) -> int:

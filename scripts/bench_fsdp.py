@@ -10,7 +10,7 @@ Same model, same global batch, same rows per rank. Two launches:
            median of its steps after the first of each pass, the slowest rank's per step;
   memory   each strategy once more, with the CPU allocator's events recorded: peak per rank =
            model state kept between steps + the most a step allocated on top of it
-           (refimpl.trace_memory).
+           (refimpl.trace.memory_events).
 
 Goal: our step time <= 1.1 x fully_shard's with no more peak memory. A benchmark, not a test:
 it asserts nothing, and its times move with the machine's load (the ratios much less).
@@ -23,7 +23,7 @@ import statistics
 import pandas as pd
 
 from refimpl.strategy import TrainConfig
-from refimpl.trace_memory import train_several_recording_memory
+from refimpl.trace.memory_events import train_several_recording_memory
 from refimpl.train import train_several_on_ranks
 
 # (label, strategy, options, the twin it is compared with)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from refimpl.equivalence import TOLERANCE, compare_with_single, reference_run, weight_tolerance
+from refimpl.parallel.equivalence import TOLERANCE, compare_with_single, reference_run, weight_tolerance
 from refimpl.strategy import TrainConfig
 from refimpl.train import train_on_ranks, train_several_on_ranks
 
@@ -75,7 +75,7 @@ def zero2_checkpoint() -> str:
 
 def assert_matches_single(cfg: TrainConfig, result: dict) -> None:
     """Same losses and same final weights as `single` (fp32: relative error <= 1e-5, the weights
-    as one vector; refimpl.equivalence explains why not tensor by tensor)."""
+    as one vector; refimpl.parallel.equivalence explains why not tensor by tensor)."""
     reference(cfg)                           # cached on one thread; compare_with_single reuses it
     eq = compare_with_single(cfg, result)
     assert eq.loss_rel_err <= TOLERANCE, (cfg.strategy, cfg.nproc, eq.losses, eq.reference_losses)
@@ -83,7 +83,7 @@ def assert_matches_single(cfg: TrainConfig, result: dict) -> None:
 
 
 def reference(cfg: TrainConfig) -> dict:
-    """refimpl.equivalence.reference_run (cached; in-process runs use one thread, as ranks do)."""
+    """refimpl.parallel.equivalence.reference_run (cached; in-process runs use one thread, as ranks do)."""
     return reference_run(cfg)
 
 

@@ -1,11 +1,11 @@
-"""refimpl.bench and refimpl.cost_model: the arithmetic, no ranks needed."""
+"""refimpl.bench and refimpl.cost.strategy_cost: the arithmetic, no ranks needed."""
 import math
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from refimpl import bench, cost_model
+from refimpl.cost import bench, strategy_cost
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
@@ -66,13 +66,13 @@ def test_fit_table_and_predictions_cover_each_group():
     assert np.allclose(pred.predicted_s, pred.time_s)
 
 
-TINY = cost_model.TrainingShape("tiny", n_params=1_000_000, n_layers=4, hidden=192, seq_len=64,
+TINY = strategy_cost.TrainingShape("tiny", n_params=1_000_000, n_layers=4, hidden=192, seq_len=64,
                                 micro_batch=8, n_micro_batches=4, bytes_per_value=4)
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_cost_table_bytes_per_strategy(n):
-    t = cost_model.cost_table(TINY, n).set_index("strategy")
+    t = strategy_cost.cost_table(TINY, n).set_index("strategy")
     psi_b = 4_000_000
     act = 8 * 64 * 192 * 4
     assert t.loc["DP", "sent_per_rank_bytes"] == pytest.approx(2 * (n - 1) / n * psi_b)
@@ -90,12 +90,12 @@ def test_cost_table_times_use_the_fitted_model():
     fits = pd.DataFrame([{"impl": "torch", "op": op, "world_size": 2, "alpha_s": 1e-4,
                           "beta_bytes_per_s": 1e9}
                          for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")])
-    t = cost_model.cost_table(TINY, 2, fits).set_index("strategy")
+    t = strategy_cost.cost_table(TINY, 2, fits).set_index("strategy")
     assert t.loc["DP", "predicted_s"] == pytest.approx(1e-4 + 4e6 / 1e9)
     assert t.loc["ZeRO-3 / FSDP", "predicted_s"] == pytest.approx(12 * 1e-4 + 3 * 4e6 / 1e9)
-    assert cost_model.cost_table(TINY, 4, fits)["predicted_s"].isna().all()  # no fit for 4 ranks
+    assert strategy_cost.cost_table(TINY, 4, fits)["predicted_s"].isna().all()  # no fit for 4 ranks
 
 
 def test_7b_dp_traffic_on_8_ranks():
-    t = cost_model.cost_table(cost_model.LLAMA_7B, 8).set_index("strategy")
+    t = strategy_cost.cost_table(strategy_cost.LLAMA_7B, 8).set_index("strategy")
     assert t.loc["DP", "sent_per_rank_bytes"] / 1e9 == pytest.approx(2 * 7 / 8 * 6.738415616 * 2, rel=1e-9)

@@ -44,8 +44,8 @@ def _async_checks(rank: int, world_size: int) -> dict:
 
 
 def _all_checks(rank: int, world_size: int) -> dict:
-    from refimpl import primitives
-    from refimpl.comm.equivalence import compare_with_torch
+    from refimpl.comm import primitives
+    from refimpl.comm.versus_torch import compare_with_torch
     from refimpl.comm.traffic import measure_sent
 
     out = {"rows": compare_with_torch(rank, world_size),
@@ -109,7 +109,7 @@ def test_async_handle(results):
 
 
 def test_primitive_table_derived_from_runs_matches_the_seed():
-    from refimpl import primitives
+    from refimpl.comm import primitives
 
     _, per_rank = _launch(4)              # the seed's table is shown on 4 ranks
     torch_runs = [res["primitives"]["torch"] for res in per_rank]

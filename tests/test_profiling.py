@@ -2,14 +2,14 @@
 import pandas as pd
 
 from refimpl.launch import run
-from refimpl.profiling import comm_table, load_trace, summarize
+from refimpl.trace.profiling import comm_table, load_trace, summarize
 
 
 def _profiled_all_reduce(rank, world_size, out_dir, steps):
     import torch
     import torch.distributed as dist
 
-    from refimpl.profiling import StepProfiler, comm_span, phase
+    from refimpl.trace.profiling import StepProfiler, comm_span, phase
 
     x = torch.randn(256, 256)
     with StepProfiler(out_dir, rank, steps) as prof:

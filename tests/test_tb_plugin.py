@@ -11,7 +11,7 @@ import pytest
 from tensorboard.plugins.base_plugin import TBContext
 from werkzeug.test import Client
 
-from refimpl.profiling import PHASES, load_trace, summarize
+from refimpl.trace.profiling import PHASES, load_trace, summarize
 from refimpl.tb_plugin.plugin import STATIC, RankTimelinePlugin, plotly_js_path
 from tests.trace_runs import BIG_RUN as BIG
 from tests.trace_runs import GRAD_NUMEL, shared_logdir

@@ -3,7 +3,7 @@ optimizer states (stage 1) and gradients (stage 2) partitioned across the ranks.
 import pytest
 import torch
 
-from refimpl.equivalence import compare_states
+from refimpl.parallel.equivalence import compare_states
 from refimpl.memory import model_state_bytes
 from refimpl.parallel.sharded_adamw import ShardedAdamW
 from refimpl.strategy import TrainConfig

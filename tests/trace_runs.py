@@ -20,8 +20,8 @@ def profiled_allreduce(rank: int, world_size: int, out: str, steps: int) -> dict
     import torch
     import torch.distributed as dist
 
-    from refimpl.profiling import StepProfiler, comm_span, phase
-    from refimpl.run_record import record_run
+    from refimpl.trace.profiling import StepProfiler, comm_span, phase
+    from refimpl.trace.run_record import record_run
 
     torch.manual_seed(rank)
     x = torch.randn(128 * (rank + 1), 128)     # rank r computes (r+1)x as much

@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from refimpl.comm.counter import op_scope
 from refimpl.comm.p2p import GroupView
-from refimpl.profiling import comm_span
+from refimpl.trace.profiling import comm_span
 
 
 class Work:
@@ -76,7 +76,7 @@ def issue(name: str, group, async_op: bool, body, nbytes: int | None = None):
 
     Returns None (blocking) or a `Work` (async), as torch.distributed does; a rank outside `group`
     does nothing and gets None, again as torch does. The trace label is `comm:<name> <nbytes>B`
-    (refimpl.profiling's convention), nbytes being the collective's message size M as nccl-tests
+    (refimpl.trace.profiling's convention), nbytes being the collective's message size M as nccl-tests
     counts it, so a trace alone gives each call's bandwidth.
     """
     g = GroupView.of(group)

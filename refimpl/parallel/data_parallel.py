@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from refimpl.model import Batch, lm_loss
-from refimpl.profiling import comm_span, phase
+from refimpl.trace.profiling import comm_span, phase
 from refimpl.strategy import LayoutError, Strategy, TrainConfig, require_equal_rows
 
 
@@ -61,7 +61,7 @@ class DataParallelStrategy(Strategy):
         broadcast is needed), with activation checkpointing applied when asked for."""
         model = model.to(self.ctx.device)
         if self.ctx.cfg.activation_checkpointing:
-            from refimpl.checkpointing import checkpoint_blocks
+            from refimpl.parallel.checkpointing import checkpoint_blocks
 
             checkpoint_blocks(model)
         return model

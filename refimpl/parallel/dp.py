@@ -24,7 +24,7 @@ from refimpl.model import Batch, GPT
 from refimpl.parallel.data_parallel import DataParallelStrategy
 from refimpl.parallel.flat_param import FlatParams
 from refimpl.parallel.grad_buckets import GradBuckets, all_reduce_sum
-from refimpl.profiling import phase
+from refimpl.trace.profiling import phase
 from refimpl.strategy import LayoutError, TrainConfig, make_optimizer
 
 MiB = 2 ** 20

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from refimpl.memory import ModelStateBytes, measured_model_state
 from refimpl.model import Batch, GPT
 from refimpl.parallel.data_parallel import DataParallelStrategy
-from refimpl.profiling import comm_span, phase
+from refimpl.trace.profiling import comm_span, phase
 from refimpl.strategy import make_optimizer
 
 

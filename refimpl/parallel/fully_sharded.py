@@ -23,7 +23,7 @@ import torch.distributed as dist
 from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
 from refimpl.model import Batch, GPT, lm_loss
 from refimpl.parallel.sharded_unit import ShardedUnit
-from refimpl.profiling import comm_span, phase
+from refimpl.trace.profiling import comm_span, phase
 from refimpl.strategy import (LayoutError, Strategy, TrainConfig, make_optimizer,
                               require_equal_rows)
 
@@ -78,7 +78,7 @@ class FullySharded(Strategy):
         self.group = dist.group.WORLD if dist.is_initialized() else None
         self.model = model.to(ctx.device)
         if cfg.activation_checkpointing:
-            from refimpl.checkpointing import checkpoint_blocks
+            from refimpl.parallel.checkpointing import checkpoint_blocks
 
             checkpoint_blocks(self.model)
         self.offload = bool(cfg.options.get("offload", False))

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from refimpl.parallel.flat_param import FlatParams
-from refimpl.profiling import comm_span
+from refimpl.trace.profiling import comm_span
 
 
 @dataclass

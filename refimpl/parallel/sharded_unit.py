@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from refimpl.parallel.flat_param import FlatParams
-from refimpl.profiling import comm_span
+from refimpl.trace.profiling import comm_span
 
 
 class ShardedUnit:

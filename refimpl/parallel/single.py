@@ -10,7 +10,7 @@ import torch
 
 from refimpl.memory import ModelStateBytes, measured_model_state
 from refimpl.model import Batch, GPT, lm_loss
-from refimpl.profiling import phase
+from refimpl.trace.profiling import phase
 from refimpl.strategy import Strategy, make_optimizer
 
 
@@ -21,7 +21,7 @@ class Single(Strategy):
     def setup(self, model: GPT) -> None:
         self.model = model.to(self.ctx.device)
         if self.ctx.cfg.activation_checkpointing:
-            from refimpl.checkpointing import checkpoint_blocks
+            from refimpl.parallel.checkpointing import checkpoint_blocks
 
             checkpoint_blocks(self.model)
         self.optimizer = make_optimizer(self.model.parameters(), self.ctx.cfg)

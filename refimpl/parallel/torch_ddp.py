@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from refimpl.memory import ModelStateBytes, measured_model_state
 from refimpl.model import Batch, GPT
 from refimpl.parallel.data_parallel import DataParallelStrategy
-from refimpl.profiling import phase
+from refimpl.trace.profiling import phase
 from refimpl.strategy import make_optimizer
 
 

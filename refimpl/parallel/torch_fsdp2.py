@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
 from refimpl.model import Batch, GPT, lm_loss
-from refimpl.profiling import comm_span, phase
+from refimpl.trace.profiling import comm_span, phase
 from refimpl.strategy import (LayoutError, Strategy, TrainConfig, make_optimizer,
                               require_equal_rows)
 
@@ -44,7 +44,7 @@ class TorchFSDP2(Strategy):
         ctx, cfg = self.ctx, self.ctx.cfg
         self.model = model.to(ctx.device)
         if cfg.activation_checkpointing:
-            from refimpl.checkpointing import checkpoint_blocks
+            from refimpl.parallel.checkpointing import checkpoint_blocks
 
             checkpoint_blocks(self.model)   # before wrapping, the order torchtitan uses
         kw = {"reshard_after_forward": self.reshard_after_forward}

@@ -16,7 +16,7 @@ from refimpl.memory import ModelStateBytes, measured_model_state
 from refimpl.model import Batch, GPT
 from refimpl.parallel.data_parallel import DataParallelStrategy
 from refimpl.parallel.torch_ddp import ddp_micro_step, wrap_ddp
-from refimpl.profiling import phase
+from refimpl.trace.profiling import phase
 
 
 class TorchZero1(DataParallelStrategy):

@@ -43,7 +43,7 @@ from refimpl.parallel.data_parallel import DataParallelStrategy
 from refimpl.parallel.flat_param import FlatParams
 from refimpl.parallel.grad_buckets import GradBuckets, reduce_sum_to_owner
 from refimpl.parallel.sharded_adamw import ShardedAdamW
-from refimpl.profiling import comm_span, phase
+from refimpl.trace.profiling import comm_span, phase
 from refimpl.strategy import LayoutError, TrainConfig
 
 MiB = 2 ** 20

@@ -23,7 +23,7 @@ def volume_per_step(run: str | Path, min_bytes: int = 1024):
 
     Collectives smaller than `min_bytes` (the all-reduce of the scalar loss) are left out.
     """
-    from refimpl.profiling import comm_table, load_trace
+    from refimpl.trace.profiling import comm_table, load_trace
 
     df = load_trace(run)
     steps = df[df.category == "step"].groupby("rank").size()

@@ -29,7 +29,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from refimpl.profiling import read_trace
+from refimpl.trace.profiling import read_trace
 from refimpl.strategy import TrainConfig
 
 

@@ -1,6 +1,6 @@
 """JSON-ready views of one run's traces: what a timeline page, a table or a scalar chart needs.
 
-Everything here starts from `refimpl.profiling.load_trace(run)` and its `summarize` / `comm_table`,
+Everything here starts from `refimpl.trace.profiling.load_trace(run)` and its `summarize` / `comm_table`,
 so the numbers a viewer shows are the numbers a notebook computes; this module only slices them
 by step and turns them into lists of plain dicts.
 
@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from refimpl.profiling import PHASES, comm_table, summarize
+from refimpl.trace.profiling import PHASES, comm_table, summarize
 
 DEFAULT_WINDOW = 4   # steps shown when a viewer asks for none: enough to see a steady state
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from refimpl.profiling import read_trace, trace_files
+from refimpl.trace.profiling import read_trace, trace_files
 
 MERGED_NAME = "merged.trace.json"
 
