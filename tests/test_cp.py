@@ -144,3 +144,23 @@ def test_context_parallel_model_equals_single(single_run, world):
         flat = torch.cat([r["state"][k].flatten() for k in reference["state"]])
         ref = torch.cat([v.flatten() for v in reference["state"].values()])
         assert ((flat - ref).norm() / ref.norm()).item() <= 1e-5
+
+
+# --- through the loop: `--cp` with any data-parallel flavour on dp x cp ---------------------------
+
+@pytest.mark.parametrize("strategy,nproc,cp", [("dp", 2, 2), ("zero2", 4, 2)])
+def test_loop_with_context_parallel_equals_single(strategy, nproc, cp):
+    from refimpl.parallel.equivalence import compare_with_single
+    from refimpl.strategy import TrainConfig
+
+    eq = compare_with_single(TrainConfig(strategy=strategy, nproc=nproc, cp=cp, steps=3))
+    assert eq.ok, eq
+
+
+def test_sequence_must_split_into_2cp_chunks():
+    from refimpl.mesh import LayoutError
+    from refimpl.strategy import TrainConfig
+    from refimpl.train import validate
+
+    with pytest.raises(LayoutError, match="divisible by 2 x cp = 8"):
+        validate(TrainConfig(strategy="dp", nproc=4, cp=4, seq_len=36))
