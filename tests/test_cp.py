@@ -93,68 +93,91 @@ def test_one_rank_is_plain_causal_attention(reference):
         torch.testing.assert_close(got, reference[name], rtol=1e-5, atol=1e-6)
 
 
-# --- the whole model: context parallel training equals the one-process reference -----------------
+# --- the whole model ----------------------------------------------------------------------------
 
-STEPS, LR = 3, 3e-3
+def _train(rank: int, world: int, dtype: str = "float32", attention=None) -> dict:
+    """`world` cp ranks (1: the reference) train the default tiny GPT for 3 AdamW steps on the
+    loop's data, summing the 1/cp-scaled gradients over the cp group (what the loop's dp x cp
+    sync does). `attention`: replace the reference attention in a one-process run."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        return _train_steps(rank, world, attention)
+    finally:   # the reference runs in the test process: leave its default as it was
+        torch.set_default_dtype(previous)
 
 
-def _train(rank: int, world: int, balanced: bool = True) -> dict:
-    """`world` cp ranks (1: the reference) train the tiny GPT for STEPS AdamW steps."""
+def _train_steps(rank: int, world: int, attention) -> dict:
     import torch.distributed as dist
 
     from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
     from refimpl.parallel.cp_model import apply_context_parallel, shard_batch
 
-    cfg = GPTConfig(n_layers=2)
+    cfg = GPTConfig()
     group = dist.new_group(list(range(world))) if world > 1 else None
-    model = apply_context_parallel(build_model(cfg, seed=0), group, balanced=balanced)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    model = apply_context_parallel(build_model(cfg, seed=0), group)
+    if attention is not None:
+        for block in model.blocks:
+            a = block.attn
+            a.forward = lambda x, a=a: a.o(attention(a.q(x), a.k(x), a.v(x), a.n_heads))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, foreach=False)
     losses = []
-    for step in range(STEPS):
-        local = shard_batch(synthetic_batch(cfg, 8, 32, seed=0, step=step), rank, world,
-                            balanced=balanced)
+    for step in range(3):
+        local = shard_batch(synthetic_batch(cfg, 8, 32, seed=0, step=step), rank, world)
         loss = lm_loss(model(local.inputs), local.targets) / world
         loss.backward()
         reported = loss.detach().clone()
-        if group is not None:   # the dp_cp sync: sum the 1/cp-scaled gradients and losses
+        if group is not None:
             for p in model.parameters():
                 dist.all_reduce(p.grad, group=group)
             dist.all_reduce(reported, group=group)
         opt.step()
         opt.zero_grad()
         losses.append(float(reported))
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "state": {k: v.detach().double() for k, v in model.state_dict().items()}}
 
 
-@pytest.fixture(scope="module")
-def single_run():
-    return _train(0, 1)
+def _weight_error(state, reference) -> float:
+    assert state.keys() == reference.keys()   # parameter names unchanged by the transform
+    diff = sum(float((state[k] - reference[k]).pow(2).sum()) for k in reference)
+    return (diff / sum(float(v.pow(2).sum()) for v in reference.values())) ** 0.5
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_context_parallel_model_equals_single(single_run, world):
-    # Global batch 8 as in the data-parallel tests: at 4 rows the round-off of the reordered
-    # softmax sums, amplified by Adam in near-zero-gradient elements, reached 1.03e-5 on 2 ranks.
-    reference = single_run
-    results = run(_train, world)
-    for r in results:
-        for got, want in zip(r["losses"], reference["losses"]):
-            assert abs(got - want) / abs(want) <= 1e-5
-        assert r["state"].keys() == reference["state"].keys()   # parameter names unchanged
-        flat = torch.cat([r["state"][k].flatten() for k in reference["state"]])
-        ref = torch.cat([v.flatten() for v in reference["state"].values()])
-        assert ((flat - ref).norm() / ref.norm()).item() <= 1e-5
+def test_context_parallel_model_is_exact_in_float64(world):
+    """In float64 the mechanism's own error shows: none beyond round-off of 1e-16 numbers."""
+    reference = _train(0, 1, "float64")
+    for r in run(_train, world, "float64"):
+        assert max(abs(a - b) / b for a, b in zip(r["losses"], reference["losses"])) <= 1e-12
+        assert _weight_error(r["state"], reference["state"]) <= 1e-12
+
+
+@pytest.fixture(scope="module")
+def reformulation_floor():
+    """How far fp32 weights move, in one process, when the reference attention is swapped for a
+    mathematically identical one (PyTorch's scaled_dot_product_attention): round-off that AdamW
+    amplifies in near-zero gradients. Ring attention reorders the softmax sums too, so its fp32
+    distance to `single` is of this size, whatever the layout; it was 1.5e-5 here."""
+    import torch.nn.functional as F
+
+    def sdpa(q, k, v, n_heads):
+        b, s, w = q.shape
+        q, k, v = (t.view(b, s, n_heads, w // n_heads).transpose(1, 2) for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, w)
+
+    return _weight_error(_train(0, 1, attention=sdpa)["state"], _train(0, 1)["state"])
 
 
 # --- through the loop: `--cp` with any data-parallel flavour on dp x cp ---------------------------
 
-@pytest.mark.parametrize("strategy,nproc,cp", [("dp", 2, 2), ("zero2", 4, 2)])
-def test_loop_with_context_parallel_equals_single(strategy, nproc, cp):
-    from refimpl.parallel.equivalence import compare_with_single
+@pytest.mark.parametrize("strategy,nproc,cp", [("dp", 2, 2), ("dp", 4, 4), ("zero2", 4, 2)])
+def test_loop_with_context_parallel_equals_single(reformulation_floor, strategy, nproc, cp):
+    from refimpl.parallel.equivalence import TOLERANCE, compare_with_single
     from refimpl.strategy import TrainConfig
 
     eq = compare_with_single(TrainConfig(strategy=strategy, nproc=nproc, cp=cp, steps=3))
-    assert eq.ok, eq
+    assert eq.loss_rel_err <= TOLERANCE, eq
+    assert eq.weight_rel_err <= max(TOLERANCE, 2 * reformulation_floor), (eq, reformulation_floor)
 
 
 def test_sequence_must_split_into_2cp_chunks():

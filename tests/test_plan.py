@@ -106,6 +106,9 @@ def test_cli_prints_the_seeds_70b_table(capsys):
     best = plan(**shape.to_dict(), global_batch=batch, gpus=64).iloc[0]
     assert lines[1].split()[:4] == [str(best.dp), str(best.tp), str(best.pp), str(best.cp)]
     assert plan_main(["--model", "nope", "--gpus", "64"]) == 2
+    from refimpl.__main__ import main   # the same table through `python -m refimpl plan`
+    assert main(["plan", "--model", "70b", "--gpus", "64", "--top", "3"]) == 0
+    assert capsys.readouterr().out.strip().splitlines() == lines
     assert plan_main(["--layers", "2", "--d-model", "64", "--heads", "3", "--vocab", "10",
                       "--seq-len", "8", "--global-batch", "5", "--gpus", "7"]) == 2
 

@@ -98,6 +98,12 @@ def _scores(q, k, scale, diagonal):
     return s
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What is summed across blocks (the output and its log-sum-exp, dQ, dK, dV) is kept in at
+    least fp32, as FlashAttention accumulates bf16 inputs in fp32 (Dao et al. 2022, §3.1)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _merge(o, lse, o_new, lse_new):
     """Combine two partial softmax outputs by their log-sum-exp (None: nothing yet)."""
     if o is None:
@@ -132,7 +138,7 @@ class RingAttention(torch.autograd.Function):
         ring = _Ring(group)
         cp, rank, scale = ring.size, ring.rank, 1.0 / math.sqrt(q.shape[-1])
         mine = chunk_ids(rank, cp, balanced)
-        qs = q.chunk(2, dim=-2)
+        qs, acc = q.chunk(2, dim=-2), accumulation_dtype(q.dtype)
         out, lse = [None, None], [None, None]
         kv = torch.stack([k, v]).contiguous()
         for step in range(cp):
@@ -144,14 +150,14 @@ class RingAttention(torch.autograd.Function):
                 s = _scores(qs[a], ks[b], scale, diagonal)
                 block_lse = torch.logsumexp(s, dim=-1)
                 block_out = (s - block_lse.unsqueeze(-1)).exp() @ vs[b]
-                out[a], lse[a] = _merge(out[a], lse[a], block_out, block_lse)
+                out[a], lse[a] = _merge(out[a], lse[a], block_out.to(acc), block_lse.to(acc))
             if stats is not None:
                 stats["score_blocks"] = stats.get("score_blocks", 0) + len(blocks_to_compute(mine, theirs))
             if step < cp - 1:
                 pending.wait()
                 kv = incoming
         # Every query chunk met its own diagonal block at step 0, so no row is left empty.
-        out, lse = torch.cat(out, dim=-2), torch.cat(lse, dim=-1)
+        out, lse = torch.cat(out, dim=-2).to(q.dtype), torch.cat(lse, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.balanced = group, balanced
         return out
@@ -164,13 +170,14 @@ class RingAttention(torch.autograd.Function):
         mine = chunk_ids(rank, cp, ctx.balanced)
         grad_out = grad_out.contiguous()
         # D_i = rowsum(dO ∘ O): the softmax Jacobian's correction term (FlashAttention Alg. 2).
-        delta = (grad_out * out).sum(-1)
+        acc = lse.dtype
+        delta = (grad_out.to(acc) * out.to(acc)).sum(-1)
         qs, dos, lses, deltas = (t.chunk(2, dim=-2 if t.dim() == 4 else -1)
                                  for t in (q, grad_out, lse, delta))
-        dq = torch.zeros_like(q)
+        dq = torch.zeros_like(q, dtype=acc)
         dqs = dq.chunk(2, dim=-2)
         kv = torch.stack([k, v]).contiguous()
-        dkv = torch.zeros_like(kv)   # gradient of the block we hold; travels with it
+        dkv = torch.zeros_like(kv, dtype=acc)   # gradient of the block we hold; travels with it
         for step in range(cp):
             if step < cp - 1:
                 pending, incoming = ring.shift(kv)
@@ -179,8 +186,8 @@ class RingAttention(torch.autograd.Function):
             dks, dvs = dkv[0].chunk(2, dim=-2), dkv[1].chunk(2, dim=-2)
             for a, b, diagonal in blocks_to_compute(mine, theirs):
                 p = (_scores(qs[a], ks[b], scale, diagonal) - lses[a].unsqueeze(-1)).exp()
-                dvs[b].add_(p.transpose(-2, -1) @ dos[a])
-                ds = p * (dos[a] @ vs[b].transpose(-2, -1) - deltas[a].unsqueeze(-1))
+                dvs[b].add_(p.to(q.dtype).transpose(-2, -1) @ dos[a])
+                ds = (p * (dos[a] @ vs[b].transpose(-2, -1) - deltas[a].unsqueeze(-1))).to(q.dtype)
                 dqs[a].add_(ds @ ks[b], alpha=scale)
                 dks[b].add_(ds.transpose(-2, -1) @ qs[a], alpha=scale)
             if cp > 1:   # the accumulated dK/dV follow their block; after cp hops they are home
@@ -189,7 +196,7 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 pending.wait()
                 kv = incoming
-        return dq, dkv[0], dkv[1], None, None, None
+        return dq.to(q.dtype), dkv[0].to(q.dtype), dkv[1].to(q.dtype), None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int, group=None, *,

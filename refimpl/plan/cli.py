@@ -99,7 +99,11 @@ def plan_main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m refimpl plan",
                                 description="rank parallel layouts by predicted step time")
     add_arguments(p)
-    args = p.parse_args(argv)
+    return plan_from_args(p.parse_args(argv))
+
+
+def plan_from_args(args) -> int:
+    """Print the table for parsed arguments; 2 with one line on bad input (both entry points)."""
     try:
         df = run_plan(args)
     except ValueError as e:
