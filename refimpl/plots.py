@@ -236,3 +236,14 @@ def plan_scatter(df, title: str = "Every layout: memory per GPU vs predicted ste
     fig.update_layout(title=title, xaxis_title="GB per GPU", yaxis_title="step time (s)",
                       yaxis_type="log", height=420)
     return fig
+
+
+def cp_work_bars(df, title: str = "Ring attention: score blocks each rank computes") -> go.Figure:
+    """Grouped bars per rank, one bar per sequence layout (head-tail vs contiguous).
+    `df` columns: rank, layout, score_blocks (refimpl.parallel.cp.score_blocks_per_rank)."""
+    fig = go.Figure()
+    for layout, g in df.groupby("layout", sort=False):
+        fig.add_bar(name=str(layout), x=g["rank"].astype(str), y=g["score_blocks"])
+    fig.update_layout(title=title, barmode="group", xaxis_title="cp rank",
+                      yaxis_title="chunk x chunk score blocks", height=360)
+    return fig

@@ -170,12 +170,18 @@ def reformulation_floor():
 
 # --- through the loop: `--cp` with any data-parallel flavour on dp x cp ---------------------------
 
-@pytest.mark.parametrize("strategy,nproc,cp", [("dp", 2, 2), ("dp", 4, 4), ("zero2", 4, 2)])
-def test_loop_with_context_parallel_equals_single(reformulation_floor, strategy, nproc, cp):
+@pytest.mark.parametrize("strategy,nproc,cp,checkpointing", [
+    ("dp", 2, 2, True),      # the ring runs again inside each block's recomputed forward
+    ("dp", 4, 4, False),
+    ("zero2", 4, 2, False),  # dp 2 x cp 2: ZeRO shards over all four
+])
+def test_loop_with_context_parallel_equals_single(reformulation_floor, strategy, nproc, cp,
+                                                  checkpointing):
     from refimpl.parallel.equivalence import TOLERANCE, compare_with_single
     from refimpl.strategy import TrainConfig
 
-    eq = compare_with_single(TrainConfig(strategy=strategy, nproc=nproc, cp=cp, steps=3))
+    eq = compare_with_single(TrainConfig(strategy=strategy, nproc=nproc, cp=cp, steps=3,
+                                         activation_checkpointing=checkpointing))
     assert eq.loss_rel_err <= TOLERANCE, eq
     assert eq.weight_rel_err <= max(TOLERANCE, 2 * reformulation_floor), (eq, reformulation_floor)
 

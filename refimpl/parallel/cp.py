@@ -212,3 +212,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: i
     q, k, v = (t.view(b, s, n_heads, hd).transpose(1, 2) for t in (q, k, v))
     out = RingAttention.apply(q, k, v, group, balanced, stats)
     return out.transpose(1, 2).reshape(b, s, width)
+
+
+def work_table(cp: int):
+    """score_blocks_per_rank for both layouts as a DataFrame (rank, layout, score_blocks)."""
+    import pandas as pd
+
+    return pd.DataFrame([{"rank": r, "layout": name, "score_blocks": n}
+                         for name, balanced in (("head-tail", True), ("contiguous", False))
+                         for r, n in enumerate(score_blocks_per_rank(cp, balanced))])
