@@ -14,30 +14,11 @@ from refimpl.plan.cpu import compare_rankings, predict_cpu_runs
 from refimpl.plan.hardware import GPUS, cpu_preset
 from refimpl.plan.models import MODELS, megatron_flops
 from refimpl.plan.predict import predict, predict_memory
-
-TECHNIQUES_2021 = dict(zero_stages=(0,), recompute=("full",), sequence_parallel=(False,),
-                       cp_sizes=(1,))
-
-
-def _plan_run(run, **space):
-    return plan(**run["shape"].to_dict(), global_batch=run["global_batch"], gpus=run["gpus"],
-                **space)
-
+from refimpl.plan.published import TECHNIQUES_2021, compare_with_megatron
 
 @pytest.fixture(scope="module")
 def megatron_table():
-    rows = []
-    for run in megatron_runs():
-        df = _plan_run(run, **TECHNIQUES_2021)
-        grids = best_per_grid(df)
-        theirs = grids[(grids.tp == run["tp"]) & (grids.pp == run["pp"])]
-        assert len(theirs) == 1, f"{run['params_b']}B: their layout is not predicted to fit"
-        rows.append({"params_b": run["params_b"], "tp": run["tp"], "pp": run["pp"],
-                     "grid_rank": int(theirs.index[0]),
-                     "slower_than_best": float(theirs.step_time_s.iloc[0] / grids.step_time_s.iloc[0] - 1),
-                     "predicted_tflops": float(theirs.tflops_per_gpu.iloc[0]),
-                     "achieved_tflops": run["achieved_tflops"]})
-    return pd.DataFrame(rows)
+    return compare_with_megatron(with_all_techniques=False)
 
 
 def test_published_throughput_is_predicted_within_15_percent(megatron_table):
@@ -51,6 +32,18 @@ def test_published_grid_is_among_the_best_few(megatron_table):
     top3 = megatron_table.grid_rank <= 2
     assert top3.sum() >= 8, megatron_table.to_string()
     assert (megatron_table.slower_than_best <= 0.12).all(), megatron_table.to_string()
+
+
+def test_gpt3_on_1024_gpus_takes_about_34_days():
+    from refimpl.plan.models import GPT3_ON_1024 as g, training_days_of
+
+    shape, _ = MODELS[g["model"]]
+    df = plan(**shape.to_dict(), global_batch=g["global_batch"], gpus=g["gpus"], **TECHNIQUES_2021)
+    grids = best_per_grid(df)
+    theirs = grids[(grids.tp == g["tp"]) & (grids.pp == g["pp"])]
+    assert int(theirs.index[0]) <= 2, grids.head().to_string()
+    days = training_days_of(theirs.step_time_s.iloc[0], g["global_batch"], shape.seq_len, g["tokens"])
+    assert abs(days / g["days"] - 1) <= 0.15, days   # predicted 30.1 days
 
 
 def test_executed_flops_match_megatrons_formula():

@@ -97,3 +97,15 @@ def get_model(name: str) -> tuple[ModelShape, int]:
         return MODELS[name]
     except KeyError:
         raise ValueError(f"unknown model {name!r}; presets: {', '.join(MODELS)}") from None
+
+
+# Narayanan et al. 2021, §5.1 (end-to-end training time, their eq. 4: 8·T·P / (n·X)): GPT-3 175B on
+# 1024 A100s, batch 1536, 300B tokens, at X = 140 teraFLOP/s per GPU, takes about 34 days; the
+# layout cited for it is t = 8, p = 8 (dp = 16).
+GPT3_ON_1024 = {"model": "gpt3-175b", "gpus": 1024, "global_batch": 1536, "tokens": 300e9,
+                "tp": 8, "pp": 8, "tflops": 140, "days": 34}
+
+
+def training_days_of(step_time_s: float, global_batch: int, seq_len: int, tokens: float) -> float:
+    """Days to see `tokens` tokens at one step of global_batch sequences per step_time_s."""
+    return tokens / (global_batch * seq_len) * step_time_s / 86400
