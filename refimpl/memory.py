@@ -126,6 +126,34 @@ def block_activation_bytes(seq: int, batch: int, hidden: int, heads: int, *, mlp
             + 2 * 2 * sb * 4)                 # LayerNorm mean and rstd, fp32, two norms
 
 
+def tp_block_activation_bytes(seq: int, batch: int, hidden: int, heads: int, *, tp: int = 1,
+                               sequence_parallel: bool = False, mlp_ratio: int = 4,
+                               dtype_bytes: int = 4) -> float:
+    """What autograd saves for one block of refimpl.model.GPT on one of `tp` tensor-parallel ranks
+    (refimpl.parallel.tp); tp=1 is `block_activation_bytes`.
+
+    Of the 16 s·b·h-sized tensors, the 12 inside the column/row pairs (Q, K, V, attention output,
+    the MLP's 4h up-projection and GELU output) are split by t; the 4 around the LayerNorms (LN1 and
+    LN2 inputs and outputs) are replicated, and so are the LayerNorm statistics. The softmax output
+    is split by heads: a/t·s²·b values. Korthikanti's Table 2 has the same 24/t split part at 16
+    bits; its replicated 10·s·b·h is our 4 tensors (8) plus two 1-byte dropout masks we do not have.
+
+    With sequence parallelism the LayerNorm inputs and statistics hold s/t tokens, but the
+    all-gathered LN outputs stay whole: the column-parallel layers save the gathered input they
+    multiplied. Megatron instead saves only its s/t slice and all-gathers it again in backward
+    (Korthikanti §4.2.2), which is how the paper reaches 34/t; we keep the simpler version and pay
+    2 full s·b·h tensors per block for it (one all-gather per column layer fewer in backward).
+    """
+    assert mlp_ratio == 4, "the 16-tensor count assumes the 4h MLP"
+    sbh, sb, t = seq * batch * hidden, seq * batch, tp
+    if sequence_parallel:
+        full, split, stats = 2 * sbh, 14 * sbh / t, 2 * 2 * sb * 4 / t
+    else:
+        full, split, stats = 4 * sbh, 12 * sbh / t, 2 * 2 * sb * 4
+    return ((full + split) * dtype_bytes + heads * seq * seq * batch * dtype_bytes / t
+            + seq * seq + stats)
+
+
 def training_flops(n_params: int, tokens: int, *, n_layers: int = 0, seq: int = 0,
                    hidden: int = 0) -> float:
     """FLOPs to train on `tokens` tokens: 6·N·D (2 forward + 4 backward per parameter per token;
