@@ -241,17 +241,19 @@ class ActivationTracker:
     def reset_peak(self) -> None:
         self.peak = self.current
 
-    def _pack(self, t: torch.Tensor):
+    def _pack(self, saved: torch.Tensor):
+        t = _local(saved)
         key = t.untyped_storage().data_ptr()
-        if _storage_id(t) in self._excluded or isinstance(t, torch.nn.Parameter) or t.numel() == 0:
-            return t
+        if (_storage_id(t) in self._excluded or isinstance(saved, torch.nn.Parameter)
+                or t.numel() == 0):
+            return saved
         entry = self._live.get(key)
         if entry is None:
             entry = self._live[key] = [0, t.untyped_storage().nbytes()]
             self.current += entry[1]
             self.peak = max(self.peak, self.current)
         entry[0] += 1
-        return _Saved(t, self, key)
+        return _Saved(saved, self, key)
 
     @staticmethod
     def _unpack(saved):
@@ -265,9 +267,15 @@ class ActivationTracker:
             del self._live[key]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose bytes this rank holds: a DTensor's local shard, else the tensor itself
+    (a DTensor is a wrapper without storage of its own)."""
+    return getattr(t, "_local_tensor", t)
+
+
 def _storage_id(t: torch.Tensor) -> int:
     """The storage object behind a tensor (stable while it lives, even if resized)."""
-    return t.untyped_storage()._cdata
+    return _local(t).untyped_storage()._cdata
 
 
 class _Saved:
