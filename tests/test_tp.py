@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from refimpl.memory import activation_bytes_per_layer, block_activation_bytes, tp_block_activation_bytes
 from refimpl.model import GPTConfig
-from refimpl.parallel.placement import Placement
+from refimpl.parallel.placement import Shard
 from refimpl.parallel.tp import ColumnParallelLinear, RowParallelLinear
 from refimpl.parallel.tp_mappings import TPCommLog
 from refimpl.parallel.tp_model import tp_layout_problem
@@ -126,11 +126,13 @@ def test_fp32_weights_drift_only_by_adam_amplified_round_off(world):
 def test_placements_and_per_rank_parameters(world):
     r = ranks(world)[0]["model"][True]
     place = r["placements"]
-    assert place["blocks.0.attn.q.weight"] == Placement("shard", "tp", 0, 160)
-    assert place["blocks.0.attn.o.weight"] == Placement("shard", "tp", 1, 160)
-    assert place["lm_head.weight"] == Placement("shard", "tp", 0, 510 if world == 4 else 512)
-    assert place["blocks.0.ln1.weight"].sequence_partial and place["blocks.0.mlp.down.bias"].sequence_partial
-    assert not place["blocks.0.mlp.up.bias"].sequence_partial
+    assert place["blocks.0.attn.q.weight"] == (Shard("tp", 0, 160), False)
+    assert place["blocks.0.attn.o.weight"] == (Shard("tp", 1, 160), False)
+    assert place["lm_head.weight"] == (Shard("tp", 0, 510 if world == 4 else 512), False)
+    # replicated, with gradients partial over the sequence under SP (summed over tp in backward)
+    for name in ("blocks.0.ln1.weight", "blocks.0.mlp.down.bias", "embed.pos.weight"):
+        assert place[name] == (None, True)
+    assert place["blocks.0.mlp.up.bias"] == (Shard("tp", 0, 640), False)
     # Everything inside the column/row pairs and the vocabulary is split; LayerNorms, row biases
     # and positions are replicated (cfg defaults: d=160, 4 layers, vocab padded to 512, seq 64).
     d, L, vpad = 160, 4, 512

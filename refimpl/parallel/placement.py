@@ -1,85 +1,92 @@
-"""Where each parameter of a rank's model lives, recorded on the parameter itself.
+"""Where each parameter lives, recorded on the parameter, and one function that reassembles the
+reference model's full state dict from any layout.
 
-A model transformed for tensor parallelism (or any axis that slices tensors) keeps the reference's
-parameter names, and each parameter carries a `Placement`:
+A transform that slices or moves a parameter says so once, with `set_placement`:
 
-    Shard(dim=d, axis="tp", full_size=n)   this rank holds the r-th of t equal slices of dim d of a
-                                           reference tensor whose dim d has n entries (the last
-                                           slice may end in zero padding: a vocabulary tp does
-                                           not divide)
-    Replicate(axis="tp", sequence_partial) every rank holds all of it; with sequence_partial its
-                                           gradient on each rank covers only this rank's tokens
-                                           (sequence parallelism) and must be summed over the axis
+    replicated             every rank of the axis holds the whole tensor (the default: DP)
+    Shard(axis, dim, full) this rank holds its part of dim `dim`, cut evenly over `axis`'s group;
+                           `full` is the reference size of that dim (a padded vocabulary is
+                           longer on the ranks than in the reference, and is cut back)
+    stage-local            under a pipeline a rank holds only its stage's parameters: the full
+                           state dict is the union over the pp group
 
-so `gather_full_state_dict` can rebuild the reference state dict from any rank's pieces without
-knowing which layer did what (DESIGN: "one function gathers any layout's full state dict").
-Megatron keeps the same facts as attributes `tensor_model_parallel`, `partition_dim`, and
-`sequence_parallel` on its parameters.
+`gather_full_state_dict` applies these in one order -- undo the shards (all-gather over their
+axis), then merge the pipeline stages -- so ZeRO-3 (which first reassembles each unit's flat
+buffer over dp) and every model-parallel axis share it, and any checkpoint reshards onto any
+other layout: a checkpoint is always the reference's state dict.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+import torch.nn as nn
 
-ATTR = "placement"
+from refimpl.trace.profiling import comm_span
+
+ATTRIBUTE = "_refimpl_placement"
 
 
 @dataclass(frozen=True)
-class Placement:
-    kind: str                    # "shard" or "replicate"
-    axis: str = "tp"
-    dim: int | None = None       # shard: the sliced dimension
-    full_size: int | None = None  # shard: that dimension's size in the reference (before padding)
-    sequence_partial: bool = False  # replicate: gradient partial over the sequence (SP)
+class Shard:
+    axis: str          # a mesh axis: "tp", "ep", ...
+    dim: int           # the tensor dimension cut over that axis
+    full: int          # the reference's size of that dimension
 
 
-def sharded(p: torch.Tensor, dim: int, full_size: int, axis: str = "tp") -> torch.Tensor:
-    setattr(p, ATTR, Placement("shard", axis, dim, full_size))
-    return p
+def set_placement(tensor: torch.Tensor, placement: Shard | None) -> None:
+    setattr(tensor, ATTRIBUTE, placement)
 
 
-def replicated(p: torch.Tensor, axis: str = "tp", sequence_partial: bool = False) -> torch.Tensor:
-    setattr(p, ATTR, Placement("replicate", axis, sequence_partial=sequence_partial))
-    return p
+def placement_of(tensor: torch.Tensor) -> Shard | None:
+    return getattr(tensor, ATTRIBUTE, None)
 
 
-def placement_of(p: torch.Tensor) -> Placement:
-    """A parameter nobody marked is replicated: the reference layout."""
-    return getattr(p, ATTR, None) or Placement("replicate")
+def placements(model: nn.Module) -> dict[str, Shard]:
+    """State-dict name -> Shard, for the model's sharded parameters and buffers."""
+    found = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        p = placement_of(t)
+        if p is not None:
+            found[name] = p
+    return found
 
 
-def gather_full(local: torch.Tensor, placement: Placement, group) -> torch.Tensor:
-    """The reference tensor from this rank's piece: all-gather the slices of a sharded dim, trim
-    the padding. Collective over `group` for a shard; a replicated tensor is returned as is."""
-    local = local.detach()
-    if placement.kind != "shard" or group is None or dist.get_world_size(group) == 1:
-        full = local
-    else:
-        front = local.movedim(placement.dim, 0).contiguous()
-        out = torch.empty((dist.get_world_size(group) * front.shape[0],) + front.shape[1:],
-                          dtype=local.dtype, device=local.device)
-        dist.all_gather_into_tensor(out, front, group=group)
-        full = out.movedim(0, placement.dim)
-    if placement.kind == "shard":
-        full = full.narrow(placement.dim, 0, placement.full_size)
-    return full.cpu().clone()
+def unshard(tensor: torch.Tensor, shard: Shard, mesh, comm) -> torch.Tensor:
+    """All-gather `tensor`'s parts over `shard.axis` along `shard.dim`; cut to the reference size."""
+    group_size = mesh.size(shard.axis)
+    if group_size > 1:
+        parts = [torch.empty_like(tensor) for _ in range(group_size)]
+        with comm_span("all_gather", tensor.nbytes * group_size):
+            comm.all_gather(parts, tensor.contiguous(), group=mesh.group(shard.axis))
+        tensor = torch.cat(parts, dim=shard.dim)
+    return tensor.narrow(shard.dim, 0, shard.full)
 
 
-def gather_full_state_dict(model: torch.nn.Module, groups: dict, grads: bool = False) -> dict:
-    """Reference-named, reference-shaped copies of every parameter (or its gradient) on CPU.
+def gather_full_state_dict(local: dict[str, torch.Tensor], model: nn.Module, mesh,
+                           comm) -> dict[str, torch.Tensor]:
+    """The reference's full state dict on every rank, from this rank's `local` state dict.
 
-    `groups` maps an axis name ("tp") to this rank's process group on it. Collective: every rank of
-    each group calls it, in the same parameter order, and gets the same dict.
-    """
-    out = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if name in out:
-            continue
-        place = placement_of(p)
-        tensor = p.grad if grads else p
-        if tensor is None:
-            tensor = torch.zeros_like(p)
-        out[name] = gather_full(tensor, place, groups.get(place.axis))
-    return out
+    Collective over every axis the model is sharded on (every rank must call it)."""
+    sharded = placements(model)
+    full = {}
+    for name in sorted(local):   # the same order on every rank: the all-gathers must match
+        tensor = local[name].detach()
+        if name in sharded:
+            tensor = unshard(tensor, sharded[name], mesh, comm)
+        full[name] = tensor.cpu().clone()
+    if mesh.size("pp") > 1:
+        full = merge_stages(full, mesh)
+    return full
+
+
+def merge_stages(stage_state: dict[str, torch.Tensor], mesh) -> dict[str, torch.Tensor]:
+    """Under a pipeline each stage holds some of the names: the union over the pp group."""
+    import torch.distributed as dist
+
+    every: list = [None] * mesh.size("pp")
+    dist.all_gather_object(every, stage_state, group=mesh.group("pp"))
+    merged = {}
+    for part in every:
+        merged.update(part)
+    return merged

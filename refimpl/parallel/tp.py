@@ -31,10 +31,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from refimpl.model import attention
-from refimpl.parallel.placement import replicated, sharded
+from refimpl.parallel.placement import Shard, set_placement
 from refimpl.parallel.tp_mappings import (copy_to_region, gather_from_sequence, gather_last_dim,
-                                          group_rank, group_size, reduce_from_region,
-                                          scatter_to_sequence, split_last_dim)
+                                          group_rank, group_size, mark_sequence_partial,
+                                          reduce_from_region, scatter_to_sequence, split_last_dim)
 
 
 def _rows(full: torch.Tensor, group, pad_to_multiple: bool) -> torch.Tensor:
@@ -71,9 +71,9 @@ class ColumnParallelLinear(nn.Module):
         self.out_start = group_rank(group) * self.out_local    # first output index this rank holds
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
-        sharded(self.weight, dim=0, full_size=out_full)
+        set_placement(self.weight, Shard("tp", 0, out_full))
         if self.bias is not None:
-            sharded(self.bias, dim=0, full_size=out_full)
+            set_placement(self.bias, Shard("tp", 0, out_full))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, gather_output: bool = False, *,
@@ -109,11 +109,11 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
-        sharded(self.weight, dim=1, full_size=weight.shape[1] * group_size(group))
-        if self.bias is not None:
-            # Added after the reduction, so every rank holds all of it; under sequence parallelism
-            # each rank adds it to its own tokens only, so its gradient is partial over s.
-            replicated(self.bias, sequence_partial=sequence_parallel)
+        set_placement(self.weight, Shard("tp", 1, weight.shape[1] * group_size(group)))
+        if self.bias is not None and sequence_parallel:
+            # Added after the reduction, so every rank holds all of it (replicated); under sequence
+            # parallelism each rank adds it to its own tokens only: its gradient is partial over s.
+            mark_sequence_partial(self.bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, input_is_parallel: bool = True, *,

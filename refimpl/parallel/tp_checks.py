@@ -16,11 +16,11 @@ import torch.nn as nn
 
 from refimpl.memory import measure_block_activations
 from refimpl.model import Block, GPTConfig, build_model, lm_loss, synthetic_batch
-from refimpl.parallel.placement import gather_full, placement_of
+from refimpl.parallel.placement import placement_of, unshard
 from refimpl.parallel.tp import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention,
                                  RowParallelLinear)
-from refimpl.parallel.tp_mappings import TPCommLog, group_rank
-from refimpl.parallel.tp_model import gather_tp_state_dict, parallelize_tp, tp_lm_loss
+from refimpl.parallel.tp_mappings import TPCommLog, group_rank, is_sequence_partial
+from refimpl.parallel.tp_model import _TPOnly, gather_tp_state_dict, parallelize_tp, tp_lm_loss
 from refimpl.strategy import TrainConfig, make_optimizer
 
 BLOCK_CFG = GPTConfig(d_model=64, n_heads=8, n_layers=1, seq_len=16)
@@ -43,8 +43,12 @@ def _log(log: TPCommLog) -> list:
 def _grad_errors(ref: nn.Module, tp: nn.Module, group) -> float:
     """Worst relative error of tp's gradients (gathered to full shape) against ref's, by name."""
     ref_grads = dict(ref.named_parameters())
-    return max(rel(gather_full(p.grad, placement_of(p), group), ref_grads[n].grad)
-               for n, p in tp.named_parameters())
+    return max(rel(_full(p.grad, p, group), ref_grads[n].grad) for n, p in tp.named_parameters())
+
+
+def _full(t: torch.Tensor, p: torch.Tensor, group) -> torch.Tensor:
+    shard = placement_of(p)
+    return t if shard is None else unshard(t, shard, _TPOnly(group), dist)
 
 
 def linear_checks(group) -> dict:
@@ -115,7 +119,7 @@ def _sp_grad_error(ref: nn.Module, block: nn.Module, group) -> float:
     """Under SP the LayerNorm and row-bias gradients cover this rank's tokens: sum them first (what
     parallelize_tp's hooks do inside backward) and then compare everything."""
     for p in block.parameters():
-        if placement_of(p).kind == "replicate" and p.grad is not None:
+        if placement_of(p) is None and p.grad is not None:
             dist.all_reduce(p.grad, group=group)
     return _grad_errors(ref, block, group)
 
@@ -167,7 +171,8 @@ def model_checks(group, t: int, vocab: int, dtype=torch.float32, steps: int = 3)
                    "keys_equal": final.keys() == ref_state.keys(), "log": first_log,
                    "local_numel": local_numel, "reference_numel": sum(
                        p.numel() for p in ref.parameters()),
-                   "placements": {n: placement_of(p) for n, p in model.named_parameters()}}
+                   "placements": {n: (placement_of(p), is_sequence_partial(p))
+                                  for n, p in model.named_parameters()}}
     return out
 
 

@@ -224,6 +224,19 @@ scatter_to_sequence = _one_rank_or(_ScatterToSequence)
 split_sequence = _one_rank_or(_SplitSequence)
 
 
+# A replicated parameter applied to sequence-split tokens (LayerNorm, row-parallel bias, positions)
+# gets a gradient partial over the sequence on each rank; tp_model sums it over tp in backward.
+SEQUENCE_PARTIAL = "_refimpl_sequence_partial"
+
+
+def mark_sequence_partial(p: torch.Tensor) -> None:
+    setattr(p, SEQUENCE_PARTIAL, True)
+
+
+def is_sequence_partial(p: torch.Tensor) -> bool:
+    return getattr(p, SEQUENCE_PARTIAL, False)
+
+
 def all_reduce_logged(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """A plain (non-autograd) all-reduce of a copy of x, labelled and logged as a forward call:
     the vocabulary-parallel cross-entropy's max and sum-exp reductions use it."""

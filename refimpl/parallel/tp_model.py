@@ -26,12 +26,16 @@ their gradients are already equal.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from refimpl.parallel.placement import gather_full_state_dict, placement_of, replicated
+from refimpl.parallel.placement import gather_full_state_dict
 from refimpl.parallel.tp import ColumnParallelLinear, ParallelMLP, ParallelSelfAttention
-from refimpl.parallel.tp_mappings import all_reduce_grad_logged, group_size
+from refimpl.parallel.tp_mappings import (all_reduce_grad_logged, group_size, is_sequence_partial,
+                                          mark_sequence_partial)
 from refimpl.parallel.tp_vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
@@ -62,23 +66,26 @@ def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False) -> 
         block.attn = ParallelSelfAttention.from_attention(block.attn, group, sp)
         block.mlp = ParallelMLP.from_mlp(block.mlp, group, sp)
         for norm in (block.ln1, block.ln2):
-            _replicate_module(norm, sp)
-    _replicate_module(model.final_norm, sp)
+            _mark_norm(norm, sp)
+    _mark_norm(model.final_norm, sp)
     # The output layer reads the final norm's output: full tokens (copy) or gathered ones (SP).
     model.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group, sequence_parallel=sp,
                                                      pad=True)
     if tied:   # same vocabulary split, same padding: the two modules can share one shard
         model.lm_head.weight = model.embed.tok.weight
     model.tp_group, model.sequence_parallel = group, sp
+    # The loss that reads vocabulary-split logits: the step runner uses a model's own `loss_fn`.
+    model.loss_fn = functools.partial(tp_lm_loss, model)
     for p in model.parameters():
-        if placement_of(p).sequence_partial:
+        if is_sequence_partial(p):
             p.register_hook(lambda grad: all_reduce_grad_logged(grad, group))
     return model
 
 
-def _replicate_module(module: nn.Module, sequence_partial: bool) -> None:
-    for p in module.parameters():
-        replicated(p, sequence_partial=sequence_partial)
+def _mark_norm(module: nn.Module, sequence_parallel: bool) -> None:
+    if sequence_parallel:
+        for p in module.parameters():
+            mark_sequence_partial(p)
 
 
 def tp_lm_loss(model: nn.Module, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -90,5 +97,21 @@ def tp_lm_loss(model: nn.Module, logits: torch.Tensor, targets: torch.Tensor) ->
 
 
 def gather_tp_state_dict(model: nn.Module, group, grads: bool = False) -> dict:
-    """The reference model's full state dict (or gradients) rebuilt from the tp ranks' shards."""
-    return gather_full_state_dict(model, {"tp": group}, grads=grads)
+    """The reference model's full state dict (or gradients) rebuilt from the tp ranks' shards,
+    with refimpl.parallel.placement's one gather (here on an explicit group, not a mesh)."""
+    local = ({n: (p.grad if p.grad is not None else torch.zeros_like(p))
+              for n, p in model.named_parameters()} if grads else model.state_dict())
+    return gather_full_state_dict(local, model, _TPOnly(group), dist)
+
+
+class _TPOnly:
+    """The two questions placement.gather_full_state_dict asks a mesh, for a bare tp group."""
+
+    def __init__(self, group):
+        self._group = group
+
+    def size(self, axis: str) -> int:
+        return group_size(self._group) if axis == "tp" else 1
+
+    def group(self, axis: str):
+        return self._group if axis == "tp" else None

@@ -26,9 +26,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from refimpl.parallel.placement import replicated, sharded
+from refimpl.parallel.placement import Shard, set_placement
 from refimpl.parallel.tp import _rows, exit_region
-from refimpl.parallel.tp_mappings import all_reduce_logged, group_rank, group_size
+from refimpl.parallel.tp_mappings import (all_reduce_logged, group_rank, group_size,
+                                          mark_sequence_partial)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -47,8 +48,9 @@ class VocabParallelEmbedding(nn.Module):
         self.tok = nn.Embedding(*tok_local.shape, _weight=tok_local)
         self.pos = nn.Embedding(*pos.shape, _weight=pos)
         self.start = group_rank(group) * tok_local.shape[0]
-        sharded(self.tok.weight, dim=0, full_size=vocab_size)
-        replicated(self.pos.weight, sequence_partial=sequence_parallel)
+        set_placement(self.tok.weight, Shard("tp", 0, vocab_size))
+        if sequence_parallel:
+            mark_sequence_partial(self.pos.weight)
 
     @classmethod
     def from_embedding(cls, embed: nn.Module, group=None,
