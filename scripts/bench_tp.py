@@ -34,14 +34,14 @@ def main(argv=None) -> int:
     variants = [(name, sp) for sp in (False, True) for name in ("tp", "torch-tp")]
     base = TrainConfig(nproc=args.nproc, steps=args.steps, global_batch=args.global_batch,
                        seq_len=args.seq_len)
-    cfgs = [base.with_(strategy=name, options={"sequence_parallel": sp})
+    cfgs = [base.with_(strategy=name, sequence_parallel=sp)
             for _ in range(args.rounds) for name, sp in variants]
     results = train_several_on_ranks(cfgs, timeout=1800)
 
     times = {v: [] for v in variants}
     last = {}
     for cfg, result in zip(cfgs, results):
-        key = (cfg.strategy, cfg.options["sequence_parallel"])
+        key = (cfg.strategy, cfg.sequence_parallel)
         per_step = [max(ts) for ts in zip(*(r["step_times"] for r in result["per_rank"]))]
         times[key] += per_step[1:]
         last[key] = result

@@ -27,7 +27,7 @@ def weight_tolerance(cfg: TrainConfig) -> float:
     binary, so each element carries one more rounding than `single`'s, which AdamW amplifies to
     ~1.1e-5 after 3 steps. Our strategies scale the loss by 1/W before backward and sum instead,
     and stay at ~5e-6 on the same runs. The twins are compared as PyTorch ships them.
-    """
+
     Tensor parallelism (tp > 1) changes the order of the sums inside the matmuls themselves (a
     row-parallel layer adds t partial products; every input gradient of a column-parallel one
     too), so its gradients differ from single's by ~1e-6 relative, element by element. AdamW's
