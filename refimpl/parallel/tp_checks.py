@@ -28,7 +28,7 @@ B, S = 2, 16
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
@@ -51,9 +51,10 @@ def _full(t: torch.Tensor, p: torch.Tensor, group) -> torch.Tensor:
     return t if shard is None else unshard(t, shard, _TPOnly(group), dist)
 
 
-def linear_checks(group) -> dict:
+def linear_checks(group, device="cpu") -> dict:
     torch.manual_seed(1)
     lin, x, dy = nn.Linear(16, 24), torch.randn(3, 5, 16), torch.randn(3, 5, 24)
+    lin, x, dy = lin.to(device), x.to(device), dy.to(device)
     xr = x.clone().requires_grad_()
     lin(xr).backward(dy)
     out = {}
@@ -77,13 +78,13 @@ def linear_checks(group) -> dict:
     return out
 
 
-def block_checks(group, t: int) -> dict:
+def block_checks(group, t: int, device="cpu") -> dict:
     """Parallel MLP, attention and a whole block against the reference block, with/without SP."""
     torch.manual_seed(2)
     out = {}
     for sp in (False, True):
-        ref = Block(BLOCK_CFG)
-        x, dy = torch.randn(B, S, BLOCK_CFG.d_model), torch.randn(B, S, BLOCK_CFG.d_model)
+        ref = Block(BLOCK_CFG).to(device)
+        x, dy = (torch.randn(B, S, BLOCK_CFG.d_model).to(device) for _ in range(2))
         for part in ("mlp", "attn", "block"):
             ref.zero_grad()
             ref_part = ref if part == "block" else getattr(ref, part)
@@ -124,20 +125,21 @@ def _sp_grad_error(ref: nn.Module, block: nn.Module, group) -> float:
     return _grad_errors(ref, block, group)
 
 
-def model_checks(group, t: int, vocab: int, dtype=torch.float32, steps: int = 3) -> dict:
+def model_checks(group, t: int, vocab: int, dtype=torch.float32, steps: int = 3,
+                 device="cpu") -> dict:
     """parallelize_tp'd GPT vs the reference: state at init, first-step loss and grads, and
     `steps` AdamW steps (losses, final weights), with and without sequence parallelism."""
     cfg = GPTConfig(vocab_size=vocab)   # the loop's default model, as the equivalence gate uses
     train = TrainConfig()
 
     def fresh():
-        return build_model(cfg, 0).to(dtype)
+        return build_model(cfg, 0).to(device=device, dtype=dtype)
 
     ref = fresh()
     ref_opt = make_optimizer(ref.parameters(), train)
     ref_losses, ref_grads = [], None
     for step in range(steps):
-        batch = synthetic_batch(cfg, 8, 32, 0, step)
+        batch = synthetic_batch(cfg, 8, 32, 0, step).to(device)
         loss = lm_loss(ref(batch.inputs), batch.targets)
         loss.backward()
         ref_grads = ref_grads or {n: p.grad.clone() for n, p in ref.named_parameters()}
@@ -147,11 +149,11 @@ def model_checks(group, t: int, vocab: int, dtype=torch.float32, steps: int = 3)
     for sp in (False, True):
         model = parallelize_tp(fresh(), group, sequence_parallel=sp)
         init = gather_tp_state_dict(model, group)
-        same_init = all(torch.equal(init[k], v) for k, v in fresh().state_dict().items())
+        same_init = all(torch.equal(init[k], v.cpu()) for k, v in fresh().state_dict().items())
         opt = make_optimizer(model.parameters(), train)
         losses, grad_err, local_numel = [], None, sum(p.numel() for p in model.parameters())
         for step in range(steps):
-            batch = synthetic_batch(cfg, 8, 32, 0, step)
+            batch = synthetic_batch(cfg, 8, 32, 0, step).to(device)
             with TPCommLog() as log:
                 loss = tp_lm_loss(model, model(batch.inputs), batch.targets)
                 loss.backward()
@@ -162,7 +164,7 @@ def model_checks(group, t: int, vocab: int, dtype=torch.float32, steps: int = 3)
             opt.step(), opt.zero_grad()
             losses.append(float(loss))
         final = gather_tp_state_dict(model, group)
-        ref_state = ref.state_dict()
+        ref_state = {k: v.cpu() for k, v in ref.state_dict().items()}
         diff = sum(float((final[k].double() - v.double()).pow(2).sum()) for k, v in ref_state.items())
         norm = sum(float(v.double().pow(2).sum()) for v in ref_state.values())
         out[sp] = {"same_init": same_init,
@@ -177,13 +179,17 @@ def model_checks(group, t: int, vocab: int, dtype=torch.float32, steps: int = 3)
 
 
 def all_checks(rank: int, world: int, vocab: int = 512, models=("fp32", "fp64")) -> dict:
-    """Every check on a tp group of the whole world; `models` picks the whole-model runs."""
+    """Every check on a tp group of the whole world, on the rank's device (a GPU under NCCL);
+    `models` picks the whole-model runs."""
+    from refimpl.launch import device_for
+
     group = dist.new_group(list(range(world)))
-    out = {"linear": linear_checks(group), "block": block_checks(group, world)}
+    device = device_for(dist.get_backend())
+    out = {"linear": linear_checks(group, device), "block": block_checks(group, world, device)}
     if "fp32" in models:
-        out["model"] = model_checks(group, world, vocab)
+        out["model"] = model_checks(group, world, vocab, device=device)
     if "fp64" in models:
-        out["model64"] = model_checks(group, world, vocab, dtype=torch.float64)
+        out["model64"] = model_checks(group, world, vocab, dtype=torch.float64, device=device)
     return out
 
 
