@@ -238,9 +238,6 @@ class ActivationTracker:
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
 
-    def reset_peak(self) -> None:
-        self.peak = self.current
-
     def _pack(self, saved: torch.Tensor):
         t = _local(saved)
         key = t.untyped_storage().data_ptr()
