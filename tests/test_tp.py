@@ -152,6 +152,13 @@ def test_whole_model_communication_per_pass(world):
     assert [c[2] for c in log if c[2] != 8 * 32 * 160 * 4] == [8 * 32 * 4] * 3
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_tied_embeddings_share_one_vocabulary_shard(world):
+    for r in ranks(world):
+        tied = r["tied"]
+        assert tied["shared"] and tied["same_state"] and max(tied["loss"], tied["grads"]) < 1e-5, tied
+
+
 def test_one_rank_layers_are_the_linear_itself():
     lin, x = nn.Linear(8, 12), torch.randn(2, 8)
     with TPCommLog() as log:

@@ -20,7 +20,7 @@ from refimpl.parallel.placement import placement_of, unshard
 from refimpl.parallel.tp import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention,
                                  RowParallelLinear)
 from refimpl.parallel.tp_mappings import TPCommLog, group_rank, is_sequence_partial
-from refimpl.parallel.tp_model import _TPOnly, gather_tp_state_dict, parallelize_tp, tp_lm_loss
+from refimpl.parallel.tp_model import TPOnlyMesh, gather_tp_state_dict, parallelize_tp, tp_lm_loss
 from refimpl.strategy import TrainConfig, make_optimizer
 
 BLOCK_CFG = GPTConfig(d_model=64, n_heads=8, n_layers=1, seq_len=16)
@@ -48,7 +48,7 @@ def _grad_errors(ref: nn.Module, tp: nn.Module, group) -> float:
 
 def _full(t: torch.Tensor, p: torch.Tensor, group) -> torch.Tensor:
     shard = placement_of(p)
-    return t if shard is None else unshard(t, shard, _TPOnly(group), dist)
+    return t if shard is None else unshard(t, shard, TPOnlyMesh(group), dist)
 
 
 def linear_checks(group, device="cpu") -> dict:
@@ -178,6 +178,23 @@ def model_checks(group, t: int, vocab: int, dtype=torch.float32, steps: int = 3,
     return out
 
 
+def tied_embedding_check(group, device="cpu") -> dict:
+    """lm_head sharing embed.tok's weight: one shard serves both, and both names gather back."""
+    cfg = GPTConfig(n_layers=1, tie_embeddings=True)
+    ref = build_model(cfg, 0).to(device)
+    model = parallelize_tp(build_model(cfg, 0).to(device), group)
+    batch = synthetic_batch(cfg, 4, 32, 0, 0).to(device)
+    ref_loss = lm_loss(ref(batch.inputs), batch.targets)
+    ref_loss.backward()
+    loss = tp_lm_loss(model, model(batch.inputs), batch.targets)
+    loss.backward()
+    state, grads = gather_tp_state_dict(model, group), gather_tp_state_dict(model, group, grads=True)
+    return {"shared": model.lm_head.weight is model.embed.tok.weight,
+            "same_state": all(torch.equal(state[k], v.cpu()) for k, v in ref.state_dict().items()),
+            "loss": rel(loss, ref_loss),
+            "grads": max(rel(grads[n], p.grad) for n, p in ref.named_parameters())}
+
+
 def all_checks(rank: int, world: int, vocab: int = 512, models=("fp32", "fp64")) -> dict:
     """Every check on a tp group of the whole world, on the rank's device (a GPU under NCCL);
     `models` picks the whole-model runs."""
@@ -186,6 +203,7 @@ def all_checks(rank: int, world: int, vocab: int = 512, models=("fp32", "fp64"))
     group = dist.new_group(list(range(world)))
     device = device_for(dist.get_backend())
     out = {"linear": linear_checks(group, device), "block": block_checks(group, world, device)}
+    out["tied"] = tied_embedding_check(group, device)
     if "fp32" in models:
         out["model"] = model_checks(group, world, vocab, device=device)
     if "fp64" in models:

@@ -101,10 +101,10 @@ def gather_tp_state_dict(model: nn.Module, group, grads: bool = False) -> dict:
     with refimpl.parallel.placement's one gather (here on an explicit group, not a mesh)."""
     local = ({n: (p.grad if p.grad is not None else torch.zeros_like(p))
               for n, p in model.named_parameters()} if grads else model.state_dict())
-    return gather_full_state_dict(local, model, _TPOnly(group), dist)
+    return gather_full_state_dict(local, model, TPOnlyMesh(group), dist)
 
 
-class _TPOnly:
+class TPOnlyMesh:
     """The two questions placement.gather_full_state_dict asks a mesh, for a bare tp group."""
 
     def __init__(self, group):
