@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from refimpl.model import attention
+from refimpl.trace.profiling import phase
 from refimpl.parallel.placement import Shard, set_placement
 from refimpl.parallel.tp_mappings import (copy_to_region, gather_from_sequence, gather_last_dim,
                                           group_rank, group_size, mark_sequence_partial,
@@ -148,6 +149,7 @@ class ParallelMLP(nn.Module):
     def __init__(self, up: ColumnParallelLinear, down: RowParallelLinear):
         super().__init__()
         self.up, self.down = up, down
+        self.label = "tp:mlp"          # a profiler range; parallelize_tp names the block
 
     @classmethod
     def from_mlp(cls, mlp: nn.Module, group=None, sequence_parallel: bool = False) -> "ParallelMLP":
@@ -155,7 +157,8 @@ class ParallelMLP(nn.Module):
                    RowParallelLinear.from_linear(mlp.down, group, sequence_parallel=sequence_parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
+        with phase(self.label):
+            return self.down(F.gelu(self.up(x)))
 
 
 class ParallelSelfAttention(nn.Module):
@@ -172,6 +175,7 @@ class ParallelSelfAttention(nn.Module):
         self.q, self.k, self.v, self.o = q, k, v, o
         self.n_heads = n_heads_local
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.label = "tp:attn"         # a profiler range; parallelize_tp names the block
 
     @classmethod
     def from_attention(cls, attn: nn.Module, group=None,
@@ -187,5 +191,6 @@ class ParallelSelfAttention(nn.Module):
         return cls(q, k, v, o, attn.n_heads // t, group, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = enter_region(x, self.group, self.sequence_parallel)
-        return self.o(attention(self.q(x), self.k(x), self.v(x), self.n_heads))
+        with phase(self.label):
+            x = enter_region(x, self.group, self.sequence_parallel)
+            return self.o(attention(self.q(x), self.k(x), self.v(x), self.n_heads))

@@ -62,9 +62,11 @@ def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False) -> 
     sp = sequence_parallel and t > 1
     tied = model.cfg.tie_embeddings
     model.embed = VocabParallelEmbedding.from_embedding(model.embed, group, sp)
-    for block in model.blocks:
+    for i, block in enumerate(model.blocks):
         block.attn = ParallelSelfAttention.from_attention(block.attn, group, sp)
         block.mlp = ParallelMLP.from_mlp(block.mlp, group, sp)
+        # forward ranges "tp:blocks.<i>.attn" / ".mlp" around each layer's collectives in a trace
+        block.attn.label, block.mlp.label = f"tp:blocks.{i}.attn", f"tp:blocks.{i}.mlp"
         for norm in (block.ln1, block.ln2):
             _mark_norm(norm, sp)
     _mark_norm(model.final_norm, sp)
