@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--experts", type=int, default=0, help="experts per MoE layer (0: dense MLP)")
     grid = t.add_argument_group("the rank grid (refimpl.mesh): dp = nproc / (pp x cp x tp)")
     grid.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    grid.add_argument("--sequence-parallel", action="store_true",
+                      help="with --tp: LayerNorm regions split along the sequence")
     grid.add_argument("--pp", type=int, default=1, help="pipeline stages")
     grid.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
     grid.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides dp x cp)")
@@ -87,7 +89,7 @@ def config_from_args(args):
                        activation_checkpointing=args.checkpointing, profile=args.profile,
                        trace_dir=args.trace_dir, model=model, options=dict(args.options),
                        tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
-                       collectives=args.collectives,
+                       sequence_parallel=args.sequence_parallel, collectives=args.collectives,
                        record_memory=not args.profile)   # memory[r].peak (not under --profile)
 
 

@@ -76,6 +76,7 @@ class TrainConfig:
     cp: int = 1
     ep: int = 1
     replicas: int = 1                 # independent copies of the layout (tests: group isolation)
+    sequence_parallel: bool = False   # with tp > 1: LayerNorm regions split along the sequence
     collectives: str = "torch"        # "refimpl": every collective from refimpl.comm's send/recv
 
     def with_(self, **changes) -> "TrainConfig":
@@ -194,6 +195,9 @@ class Strategy(ABC):
     options: dict[str, Option] = {}
     # True: backward runs on loss / W and the gradients are summed (see the module docstring).
     scales_loss_by_world: bool = True
+    # A shorthand that puts the whole world on one model-parallel axis: `--strategy tp --nproc 4`
+    # is tp = 4 (refimpl.train.resolve_layout), unless that axis was given explicitly.
+    whole_world_axis: str | None = None
 
     def __init__(self, ctx: RunContext):
         self.ctx = ctx
@@ -231,8 +235,11 @@ class Strategy(ABC):
     def train_step(self, batch: Batch) -> torch.Tensor:
         """One optimizer step on the global batch; returns the global mean loss as a 0-d tensor
         (equal on every rank). The loop reads it once per step: no sync per micro-batch."""
+        # A transform that changes the logits' layout (the vocabulary split over tp) attaches
+        # the loss that reads them to the model as `loss_fn`.
+        loss_fn = getattr(self.model, "loss_fn", self.loss_fn)
         local = forward_backward(self.forward_model, self.local_micro_batches(batch),
-                                 loss_fn=self.loss_fn, divisor=self.loss_divisor,
+                                 loss_fn=loss_fn, divisor=self.loss_divisor,
                                  micro_step=self.micro_step, autocast=self.ctx.autocast)
         self.sync_gradients()
         with phase("optimizer"):

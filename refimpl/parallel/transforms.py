@@ -15,7 +15,7 @@ from refimpl.mesh import LayoutError
 from refimpl.parallel.checkpointing import checkpoint_blocks
 
 # Axes whose transform exists; each model-parallel chapter adds its own with its validation.
-BUILT_AXES: tuple[str, ...] = ("cp",)
+BUILT_AXES: tuple[str, ...] = ("tp", "cp")
 
 
 def validate_model_parallel(cfg) -> None:
@@ -28,11 +28,24 @@ def validate_model_parallel(cfg) -> None:
                           "ring attention cuts each sequence into 2·cp equal chunks")
     if cfg.ep > 1 or cfg.model.n_experts:
         raise LayoutError("--experts / --ep: the mixture-of-experts layer is not built yet")
+    if cfg.sequence_parallel and cfg.tp == 1:
+        raise LayoutError("--sequence-parallel needs --tp > 1 (it splits what tensor parallelism "
+                          "leaves replicated)")
+    if cfg.tp > 1:
+        from refimpl.parallel.tp_model import tp_layout_problem
+
+        problem = tp_layout_problem(cfg.model, cfg.tp, cfg.seq_len, cfg.sequence_parallel)
+        if problem:
+            raise LayoutError(problem)
 
 
 def model_parallel(model: nn.Module, ctx) -> nn.Module:
     """This rank's share of the reference model, on its device, before data parallelism."""
     model = model.to(ctx.device)
+    if ctx.mesh.size("tp") > 1:
+        from refimpl.parallel.tp_model import parallelize_tp
+
+        parallelize_tp(model, ctx.mesh.group("tp"), sequence_parallel=ctx.cfg.sequence_parallel)
     if ctx.cfg.cp > 1:   # ring attention in every block, global positions (parallel/cp_model.py)
         from refimpl.parallel.cp_model import apply_context_parallel
         apply_context_parallel(model, ctx.mesh.group("cp"))
