@@ -199,3 +199,23 @@ def comm_volume_bars(df, psi_bytes: float, title: str = "Bytes moved per rank pe
         fig.add_bar(name=str(op), x=g["strategy"], y=g["volume"] / psi_bytes)
     fig.update_layout(title=title, barmode="stack", yaxis_title="volume / Ψ", height=380)
     return fig
+
+
+def pipeline_gantt(df, title: str = "Pipeline schedule") -> go.Figure:
+    """One lane per pipeline rank; each action (F3, B3, W3, F3.1) a bar labelled with its name.
+
+    `df` columns: rank, action, start, end (unit times from refimpl.parallel.pp_simulate, or ms
+    from a trace): forward blue, backward orange, weight gradient (zero-bubble W) purple; the
+    white gaps are the bubble.
+    """
+    colors = {"F": PHASE_COLORS["forward"], "B": PHASE_COLORS["backward"], "W": "#B279A2"}
+    fig = go.Figure()
+    for kind, g in df.groupby(df["action"].str[0], sort=False):
+        fig.add_bar(name={"F": "forward", "B": "backward", "W": "weight grad"}[kind],
+                    orientation="h", base=g["start"], x=g["end"] - g["start"],
+                    y=[f"stage {r}" for r in g["rank"]], marker_color=colors[kind],
+                    marker_line_color="white", marker_line_width=1, text=g["action"],
+                    textposition="inside", insidetextanchor="middle", hoverinfo="text+x")
+    fig.update_layout(title=title, barmode="overlay", xaxis_title="time", yaxis_autorange="reversed",
+                      height=120 + 50 * max(1, df["rank"].nunique()))
+    return fig
