@@ -99,13 +99,13 @@ class _Links:
         self.sends.clear()
 
 
-def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch], group,
-                 loss_scale: float | None = None) -> float | None:
+def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch], group, *,
+                 divisor: int = 1, autocast=nullcontext) -> float | None:
     """Run this rank's `actions` (one row of a schedule table) on `micro`, accumulating gradients
-    into the chunks' parameters. Returns the sum of the scaled micro-batch losses on the rank that
-    holds the last piece (the mean loss of the batch with the default scale 1/m), None elsewhere."""
+    into the chunks' parameters. Returns the mean loss over the micro-batches (each scaled by 1/m,
+    then summed) on the rank that holds the last piece, None elsewhere. Gradients are those of
+    loss / `divisor` (refimpl.step's convention: W for data-parallel replicas that sum)."""
     m = len(micro)
-    scale = 1.0 / m if loss_scale is None else loss_scale
     parsed = [Action.parse(a) for a in actions]
     split = any(a.kind == "W" for a in parsed)
     links = _Links(group, len(chunks), m)
@@ -125,10 +125,13 @@ def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch
             record = WeightGradRecord() if split else None
             with phase("forward"), phase(f"pp:{label}"):
                 with (record_weight_grads(chunk, record) if split else nullcontext([])) as embeds:
-                    out = chunk(x)
+                    with autocast():
+                        out = chunk(x)
                 if chunk.is_last:
-                    out = lm_loss(out, micro[a.micro_batch].targets) * scale
-                    total = (total or 0.0) + out.item()
+                    with autocast():
+                        loss = lm_loss(out, micro[a.micro_batch].targets) / m
+                    total = (total or 0.0) + loss.item()
+                    out = loss / divisor if divisor != 1 else loss
                 else:
                     links.send(out.detach(), ACTIVATION, a.micro_batch, k + 1)
             saved[key], records[key] = (x, embeds, out), record

@@ -50,12 +50,15 @@ def _dependencies(a: Action, rank: int, p: int, n_virtual: int) -> list[tuple[st
     return [("B", a.micro_batch, k)]
 
 
-def simulate(table, F: float = 1.0, B: float = 1.0, W: float = 0.0, comm: float = 0.0) -> list[Slot]:
+def simulate(table, F: float = 1.0, B: float = 1.0, W: float = 0.0, comm: float = 0.0,
+             per_rank: list[dict] | None = None) -> list[Slot]:
     """Earliest start of every action given the table's per-rank order; `comm` is added to every
-    dependency that crosses ranks. Raises ScheduleError if the ranks would wait on each other forever."""
+    dependency that crosses ranks; `per_rank[r]` ({"F": .., "B": .., "W": ..}) overrides the
+    durations on rank r (stages that are not equal: the first embeds, the last has the head).
+    Raises ScheduleError if the ranks would wait on each other forever."""
     ranks = _parse(table)
     p, n_virtual = len(ranks), len(ranks) * _virtual_stages(ranks)
-    duration = {"F": F, "B": B, "W": W}
+    durations = [{"F": F, "B": B, "W": W, **(per_rank[r] if per_rank else {})} for r in range(p)]
     end: dict[tuple[str, int, int], float] = {}
     owner: dict[tuple[str, int, int], int] = {}
     nxt, free, slots = [0] * p, [0.0] * p, []
@@ -69,7 +72,7 @@ def simulate(table, F: float = 1.0, B: float = 1.0, W: float = 0.0, comm: float 
                     break
                 start = max([free[r]] + [end[d] + (comm if owner[d] != r else 0.0) for d in deps])
                 key = (a.kind, a.micro_batch, a.chunk * p + r)
-                end[key], owner[key] = start + duration[a.kind], r
+                end[key], owner[key] = start + durations[r][a.kind], r
                 free[r] = end[key]
                 slots.append(Slot(r, table[r][nxt[r]], start, end[key]))
                 nxt[r] += 1

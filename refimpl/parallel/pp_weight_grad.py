@@ -73,6 +73,9 @@ def _grad_buffer(param: torch.Tensor) -> torch.Tensor:
 
 
 def _accumulate(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> None:
+    dtype = module.weight.dtype          # under autocast X or dY may be bf16; master weights are not
+    dy = dy.to(dtype)
+    x = x if isinstance(module, nn.Embedding) else x.to(dtype)
     with torch.no_grad():
         if isinstance(module, nn.Linear):
             dy2 = dy.reshape(-1, dy.shape[-1])
