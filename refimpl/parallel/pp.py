@@ -132,16 +132,16 @@ def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch
                         loss = lm_loss(out, micro[a.micro_batch].targets) / m
                     total = (total or 0.0) + loss.item()
                     out = loss / divisor if divisor != 1 else loss
-                else:
-                    links.send(out.detach(), ACTIVATION, a.micro_batch, k + 1)
+            if not chunk.is_last:   # after the compute range closes: a trace then shows the wait
+                links.send(out.detach(), ACTIVATION, a.micro_batch, k + 1)
             saved[key], records[key] = (x, embeds, out), record
         elif a.kind == "B":
             x, embeds, out = saved.pop(key)
             grad = None if chunk.is_last else links.take(a, shape(a.micro_batch))
             with phase("backward"), phase(f"pp:{label}"):
                 dx = _backward(out, grad, x if k > 0 else None, embeds, split)
-                if k > 0:
-                    links.send(dx, GRADIENT, a.micro_batch, k - 1)
+            if k > 0:
+                links.send(dx, GRADIENT, a.micro_batch, k - 1)
         else:
             with phase("backward"), phase(f"pp:{label}"):
                 records.pop(key).apply()
