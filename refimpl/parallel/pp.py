@@ -162,3 +162,18 @@ def _backward(out, grad, x, embeds, split: bool):
     for (entry, _), g in zip(embeds, grads):
         entry[2] = g
     return None
+
+
+def pipeline_forward_backward(stage, micro: list[Batch], *, divisor: int = 1,
+                              autocast=nullcontext) -> torch.Tensor:
+    """The step runner's pipeline branch (refimpl.step.forward_backward's contract): run this
+    rank's row of the table on `micro`; returns the mean loss over the micro-batches as a float64
+    0-d tensor on the last stage, zero elsewhere (global_mean_loss broadcasts it over pp)."""
+    if stage.twin is not None:
+        whole = Batch(torch.cat([mb.inputs for mb in micro]), torch.cat([mb.targets for mb in micro]))
+        with phase("forward-backward"):
+            loss = stage.twin.step(whole)
+    else:
+        loss = run_schedule(stage.chunks, stage.actions, micro, stage.group, divisor=divisor,
+                            autocast=autocast)
+    return torch.tensor(0.0 if loss is None else loss, dtype=torch.float64)

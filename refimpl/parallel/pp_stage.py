@@ -72,3 +72,41 @@ def stage_state_dict(chunks: list[StageChunk]) -> dict[str, torch.Tensor]:
     for chunk in chunks:
         out.update({k: v.detach().cpu().clone() for k, v in chunk.state_dict().items()})
     return out
+
+
+class PipelineStageModel(nn.Module):
+    """This rank's whole share of a pipeline: its chunks, as one module with the reference's
+    parameter names (so data-parallel wrapping, the optimizer, memory accounting and the full-state
+    gather treat it like any model), plus what the step needs: the chunks in order, this rank's
+    row of the schedule table and the pp group. Its own forward is not the pipeline: the step runs
+    `refimpl.parallel.pp.pipeline_forward_backward` instead (Strategy.train_step dispatches)."""
+
+    is_pipeline_stage = True
+
+    def __init__(self, chunks: list[StageChunk], actions: list[str], group, schedule: str):
+        super().__init__()
+        self.embed = next((c.embed for c in chunks if c.embed is not None), None)
+        self.blocks = nn.ModuleDict({k: b for c in chunks for k, b in c.blocks.items()})
+        last = next((c for c in chunks if c.is_last), None)
+        self.final_norm = last.final_norm if last else None
+        self.lm_head = last.lm_head if last else None
+        self.chunks = list(chunks)       # a plain list: the modules are registered once, above
+        self.actions, self.group, self.schedule = actions, group, schedule
+        self.twin = None                 # PyTorch's schedule, for the torch-pp-* twins
+
+    def forward(self, *_):
+        raise RuntimeError("a pipeline stage runs through pipeline_forward_backward, not forward()")
+
+
+def split_for_pipeline(model: GPT, ctx) -> PipelineStageModel:
+    """The pipeline transform (refimpl.parallel.transforms): this rank's stage of `model` on the mesh's
+    pp axis, with its row of the schedule table (validated before launch by validate_pipeline)."""
+    from refimpl.parallel.pp_schedules import schedule_table
+    from refimpl.parallel.pp_strategy import pipeline_schedule
+
+    cfg, mesh = ctx.cfg, ctx.mesh
+    p, stage, v = mesh.size("pp"), mesh.index("pp"), getattr(cfg, "virtual_stages", 1)
+    schedule = pipeline_schedule(cfg)
+    chunks = build_chunks(model, p, stage, v)
+    actions = schedule_table(p, cfg.micro_batches, schedule, v)[stage]
+    return PipelineStageModel(chunks, actions, mesh.group("pp"), schedule)
