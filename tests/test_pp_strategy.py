@@ -9,6 +9,7 @@ import pytest
 from refimpl.__main__ import build_parser, config_from_args
 from refimpl.model import GPTConfig
 from refimpl.parallel.equivalence import compare_with_single
+from refimpl.parallel.pp_strategy import reference_config
 from refimpl.strategy import LayoutError, TrainConfig
 from refimpl.train import train_several_on_ranks, validate
 
@@ -36,12 +37,6 @@ RUNS = {
 }
 
 
-def as_reference(config):
-    """What `single` must run: the same model, batches, micro-batches; no grid (reference_run sets
-    strategy and nproc, the pipeline's own fields are cleared here)."""
-    return config.with_(pp=1, replicas=1, schedule=None, virtual_stages=1, nproc=config.nproc // config.replicas)
-
-
 @functools.lru_cache(maxsize=None)
 def results(world):
     names = list(RUNS[world])
@@ -51,7 +46,7 @@ def results(world):
 @pytest.mark.parametrize("world,name", [(w, n) for w, runs in RUNS.items() for n in runs])
 def test_pipeline_strategies_match_single(world, name):
     config, result = RUNS[world][name], results(world)[name]
-    eq = compare_with_single(as_reference(config), result)
+    eq = compare_with_single(reference_config(config), result)
     assert eq.ok, (eq.loss_rel_err, eq.weight_rel_err)
     assert len({tuple(r["losses"]) for r in result["per_rank"]}) == 1   # every rank returns the loss
 

@@ -90,3 +90,9 @@ class TorchPipelineParallel(PipelineParallel):
         cfg = self.ctx.cfg
         self.model.twin = TorchPipeline(self.model.chunks, self.model.group, cfg.pp,
                                         pipeline_schedule(cfg), cfg.micro_batches, self.ctx.device)
+
+
+def reference_config(cfg: TrainConfig) -> TrainConfig:
+    """The layout `single` must match: same model, batches and micro-batches, no grid. (The
+    equivalence helpers set strategy and nproc; the pipeline's own fields are cleared here.)"""
+    return cfg.with_(pp=1, replicas=1, schedule=None, virtual_stages=1, nproc=cfg.nproc // cfg.replicas)
