@@ -21,6 +21,7 @@ from refimpl.mesh import Mesh
 from refimpl.model import build_model, count_params, synthetic_batch
 from refimpl.parallel import get_strategy
 from refimpl.parallel.transforms import validate_model_parallel
+from refimpl.trace.memory_events import StepPeak
 from refimpl.trace.profiling import StepProfiler, profiles_root
 from refimpl.trace.run_record import record_run
 from refimpl.strategy import RunContext, TrainConfig
@@ -55,10 +56,12 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
 
     losses, step_times, activation_peak = [], [], 0
     trace_dir = (cfg.trace_dir or default_trace_dir(cfg)) if cfg.profile else None
-    with StepProfiler(trace_dir, rank, cfg.steps) as profiler:
+    peak = StepPeak(ctx.device, enabled=cfg.record_memory and not cfg.profile)
+    with StepProfiler(trace_dir, rank, cfg.steps) as profiler, peak:
         for step in range(cfg.steps):
             batch = synthetic_batch(cfg.model, cfg.global_batch, cfg.seq_len, cfg.seed, step)
             tracker = ActivationTracker(exclude=strategy.activation_exclusions())
+            peak.step_begins(step)
             _sync(ctx)
             start = time.perf_counter()
             with tracker:
@@ -77,7 +80,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         "n_params": n_params,
         "memory": {"params": int(state.params), "grads": int(state.grads),
                    "optimizer": int(state.optimizer), "activations_peak": int(activation_peak),
-                   "total": int(state.total + activation_peak)},
+                   "total": int(state.total + activation_peak),
+                   **peak.result(kept_bytes=int(state.total))},
         "trace_dir": trace_dir,
     }
     if cfg.return_state:
