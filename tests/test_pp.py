@@ -128,3 +128,27 @@ def test_first_and_last_stage_own_embedding_and_head():
     assert [c.embed is not None for c in chunks] == [True, False, False]
     assert [c.lm_head is not None for c in chunks] == [False, False, True]
     assert [list(c.blocks) for c in chunks] == [["0", "1"], ["2"], ["3"]]
+
+
+def test_zero_bubble_b_skips_the_weight_products():
+    # Counted, not timed: B (input gradient) must not also compute dW = X^T dY, or zero bubble
+    # would defer nothing. B + W does the full backward's matrix products, B alone about half.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    (chunk,) = build_chunks(build_model(config(2), SEED), 2, 1)   # block 1 + head: no embedding
+    x0 = torch.randn(4, SEQ, 32)
+
+    def flops(fn):
+        with FlopCounterMode(display=False) as counter:
+            fn()
+        return counter.get_total_flops()
+
+    x = x0.clone().requires_grad_()
+    loss = chunk(x).square().mean()
+    full = flops(loss.backward)
+    record, x = WeightGradRecord(), x0.clone().requires_grad_()
+    with record_weight_grads(chunk, record):
+        out = chunk(x).square().mean()
+    b = flops(lambda: torch.autograd.grad(out, [x]))
+    w = flops(record.apply)
+    assert b + w == full and 0.3 * full < b < 0.7 * full
