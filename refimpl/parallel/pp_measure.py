@@ -13,7 +13,9 @@ so stage imbalance (embedding on the first, head and loss on the last) is in the
 
 Activations. Saved-for-backward bytes are counted per rank with memory.ActivationTracker. A stage
 holds the activations of every micro-batch in flight (F done, backward not yet), so the prediction
-is (peak in-flight of its row of the table) x (bytes one forward of the stage saves).
+is (peak in-flight of its row of the table) x (bytes one forward of the stage saves). For zb-h1 the
+tracker sees only what autograd saves: the layer inputs and output gradients that pp_weight_grad
+keeps from B until W are not autograd's and are not in its count.
 """
 from __future__ import annotations
 
