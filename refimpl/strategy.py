@@ -78,6 +78,8 @@ class TrainConfig:
     replicas: int = 1                 # independent copies of the layout (tests: group isolation)
     sequence_parallel: bool = False   # with tp > 1: LayerNorm regions split along the sequence
     collectives: str = "torch"        # "refimpl": every collective from refimpl.comm's send/recv
+    schedule: str | None = None       # pipeline schedule (pp > 1): gpipe, 1f1b, interleaved, zb-h1
+    virtual_stages: int = 1           # model chunks per pipeline rank (interleaved)
 
     def with_(self, **changes) -> "TrainConfig":
         return replace(self, **changes)
@@ -94,7 +96,7 @@ class TrainConfig:
                     "micro-batches": self.micro_batches, "layers": self.model.n_layers,
                     "d-model": self.model.d_model, "heads": self.model.n_heads,
                     "vocab": self.model.vocab_size, "tp": self.tp, "pp": self.pp, "cp": self.cp,
-                    "ep": self.ep, "replicas": self.replicas}
+                    "ep": self.ep, "replicas": self.replicas, "virtual-stages": self.virtual_stages}
         for flag, value in positive.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"--{flag} must be a positive integer (got {value!r})")
@@ -238,9 +240,15 @@ class Strategy(ABC):
         # A transform that changes the logits' layout (the vocabulary split over tp) attaches
         # the loss that reads them to the model as `loss_fn`.
         loss_fn = getattr(self.model, "loss_fn", self.loss_fn)
-        local = forward_backward(self.forward_model, self.local_micro_batches(batch),
-                                 loss_fn=loss_fn, divisor=self.loss_divisor,
-                                 micro_step=self.micro_step, autocast=self.ctx.autocast)
+        if getattr(self.model, "is_pipeline_stage", False):   # pp > 1: a schedule's table
+            from refimpl.parallel.pp import pipeline_forward_backward
+
+            local = pipeline_forward_backward(self.model, self.local_micro_batches(batch),
+                                              divisor=self.loss_divisor, autocast=self.ctx.autocast)
+        else:
+            local = forward_backward(self.forward_model, self.local_micro_batches(batch),
+                                     loss_fn=loss_fn, divisor=self.loss_divisor,
+                                     micro_step=self.micro_step, autocast=self.ctx.autocast)
         self.sync_gradients()
         with phase("optimizer"):
             self.optimizer_step()

@@ -15,7 +15,7 @@ from refimpl.mesh import LayoutError
 from refimpl.parallel.checkpointing import checkpoint_blocks
 
 # Axes whose transform exists; each model-parallel chapter adds its own with its validation.
-BUILT_AXES: tuple[str, ...] = ("tp", "cp")
+BUILT_AXES: tuple[str, ...] = ("pp", "tp", "cp")
 
 
 def validate_model_parallel(cfg) -> None:
@@ -37,6 +37,9 @@ def validate_model_parallel(cfg) -> None:
         problem = tp_layout_problem(cfg.model, cfg.tp, cfg.seq_len, cfg.sequence_parallel)
         if problem:
             raise LayoutError(problem)
+    from refimpl.parallel.pp_strategy import validate_pipeline
+
+    validate_pipeline(cfg)
 
 
 def model_parallel(model: nn.Module, ctx) -> nn.Module:
@@ -50,5 +53,9 @@ def model_parallel(model: nn.Module, ctx) -> nn.Module:
         from refimpl.parallel.cp_model import apply_context_parallel
         apply_context_parallel(model, ctx.mesh.group("cp"))
     if ctx.cfg.activation_checkpointing:
-        checkpoint_blocks(model)
+        checkpoint_blocks(model)     # before the split: it replaces each block's forward in place
+    if ctx.mesh.size("pp") > 1:
+        from refimpl.parallel.pp_stage import split_for_pipeline
+
+        model = split_for_pipeline(model, ctx)
     return model
