@@ -244,7 +244,8 @@ class Strategy(ABC):
             from refimpl.parallel.pp import pipeline_forward_backward
 
             local = pipeline_forward_backward(self.model, self.local_micro_batches(batch),
-                                              divisor=self.loss_divisor, autocast=self.ctx.autocast)
+                                              divisor=self.loss_divisor, autocast=self.ctx.autocast,
+                                              loss_fn=loss_fn)
         else:
             local = forward_backward(self.forward_model, self.local_micro_batches(batch),
                                      loss_fn=loss_fn, divisor=self.loss_divisor,

@@ -100,11 +100,12 @@ class _Links:
 
 
 def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch], group, *,
-                 divisor: int = 1, autocast=nullcontext) -> float | None:
+                 divisor: int = 1, autocast=nullcontext, loss_fn=lm_loss) -> float | None:
     """Run this rank's `actions` (one row of a schedule table) on `micro`, accumulating gradients
     into the chunks' parameters. Returns the mean loss over the micro-batches (each scaled by 1/m,
     then summed) on the rank that holds the last piece, None elsewhere. Gradients are those of
-    loss / `divisor` (refimpl.step's convention: W for data-parallel replicas that sum)."""
+    loss / `divisor` (refimpl.step's convention: W for data-parallel replicas that sum).
+    `loss_fn(logits, targets)`: the last piece's loss (tensor parallelism's reads split logits)."""
     m = len(micro)
     parsed = [Action.parse(a) for a in actions]
     split = any(a.kind == "W" for a in parsed)
@@ -112,8 +113,8 @@ def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch
     saved, records, total = {}, {}, None
 
     def shape(mb: int):
-        rows, seq = micro[mb].inputs.shape
-        return (rows, seq, chunks[0].d_model)
+        rows, seq = micro[mb].inputs.shape   # sequence parallelism: s/t tokens between stages
+        return (rows, seq // chunks[0].seq_split, chunks[0].d_model)
 
     for i, a in enumerate(parsed):
         for ahead in parsed[i:i + 2]:     # post this action's receive and the next one's
@@ -129,7 +130,7 @@ def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch
                         out = chunk(x)
                 if chunk.is_last:
                     with autocast():
-                        loss = lm_loss(out, micro[a.micro_batch].targets) / m
+                        loss = loss_fn(out, micro[a.micro_batch].targets) / m
                     total = (total or 0.0) + loss.item()
                     out = loss / divisor if divisor != 1 else loss
             if not chunk.is_last:   # after the compute range closes: a trace then shows the wait
@@ -165,7 +166,7 @@ def _backward(out, grad, x, embeds, split: bool):
 
 
 def pipeline_forward_backward(stage, micro: list[Batch], *, divisor: int = 1,
-                              autocast=nullcontext) -> torch.Tensor:
+                              autocast=nullcontext, loss_fn=lm_loss) -> torch.Tensor:
     """The step runner's pipeline branch (refimpl.step.forward_backward's contract): run this
     rank's row of the table on `micro`; returns the mean loss over the micro-batches as a float64
     0-d tensor on the last stage, zero elsewhere (global_mean_loss broadcasts it over pp)."""
@@ -175,5 +176,5 @@ def pipeline_forward_backward(stage, micro: list[Batch], *, divisor: int = 1,
             loss = stage.twin.step(whole)
     else:
         loss = run_schedule(stage.chunks, stage.actions, micro, stage.group, divisor=divisor,
-                            autocast=autocast)
+                            autocast=autocast, loss_fn=loss_fn)
     return torch.tensor(0.0 if loss is None else loss, dtype=torch.float64)

@@ -42,6 +42,9 @@ class StageChunk(nn.Module):
         if model.cfg.tie_embeddings and not (first and last):
             raise LayoutError("pipeline parallelism here needs untied embeddings (tie_embeddings=False)")
         self.d_model = model.cfg.d_model
+        # Under sequence parallelism (tp_model.parallelize_tp) the residual stream between blocks
+        # holds s/t tokens per rank, so that is what travels between stages.
+        self.seq_split = model.tp_group.size() if getattr(model, "sequence_parallel", False) else 1
         self.is_first, self.is_last = first, last
         self.embed = model.embed if first else None
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
@@ -109,4 +112,7 @@ def split_for_pipeline(model: GPT, ctx) -> PipelineStageModel:
     schedule = pipeline_schedule(cfg)
     chunks = build_chunks(model, p, stage, v)
     actions = schedule_table(p, cfg.micro_batches, schedule, v)[stage]
-    return PipelineStageModel(chunks, actions, mesh.group("pp"), schedule)
+    stage_model = PipelineStageModel(chunks, actions, mesh.group("pp"), schedule)
+    if hasattr(model, "loss_fn"):   # tensor parallelism's loss reads the split logits (last stage)
+        stage_model.loss_fn = model.loss_fn
+    return stage_model

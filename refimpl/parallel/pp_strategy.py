@@ -22,6 +22,10 @@ from refimpl.strategy import LayoutError, TrainConfig
 SCHEDULE_OF = {"pp-gpipe": "gpipe", "pp-1f1b": "1f1b", "pp-interleaved": "interleaved", "pp-zb": "zb-h1",
                "torch-pp-gpipe": "gpipe", "torch-pp-1f1b": "1f1b", "torch-pp-interleaved": "interleaved"}
 
+# Data-parallel flavours that run on a pipeline's stages (refimpl.parallel.composition). Not `dp`:
+# its buckets are reduced from gradient hooks gated by micro_step, which a schedule does not call.
+DP_ON_A_PIPELINE = ("dp-naive", "zero1", "zero2", "zero3", "fsdp", "tp")
+
 
 def pipeline_schedule(cfg: TrainConfig) -> str:
     """The schedule a layout runs: the strategy's own (pp-1f1b, ...), else --schedule, else 1f1b."""
@@ -42,8 +46,9 @@ def validate_pipeline(cfg: TrainConfig) -> None:
         if v != 1 or getattr(cfg, "schedule", None):
             raise LayoutError("--schedule / --virtual-stages need a pipeline: --pp >= 2")
         return
-    if cfg.strategy not in SCHEDULE_OF and cfg.strategy != "dp-naive":
-        raise LayoutError(f"--pp {cfg.pp} runs with the pp-* strategies or dp-naive, not {cfg.strategy!r}")
+    if cfg.strategy not in SCHEDULE_OF and cfg.strategy not in DP_ON_A_PIPELINE:
+        raise LayoutError(f"--pp {cfg.pp} runs with the pp-* strategies or "
+                          f"{', '.join(DP_ON_A_PIPELINE)}, not {cfg.strategy!r}")
     schedule = pipeline_schedule(cfg)
     check_layout(cfg.pp, cfg.micro_batches, schedule, v)
     partition(cfg.model.n_layers, cfg.pp * v)

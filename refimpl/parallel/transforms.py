@@ -31,6 +31,9 @@ def validate_model_parallel(cfg) -> None:
     if cfg.sequence_parallel and cfg.tp == 1:
         raise LayoutError("--sequence-parallel needs --tp > 1 (it splits what tensor parallelism "
                           "leaves replicated)")
+    if cfg.tp > 1 and cfg.cp > 1:
+        raise LayoutError("--tp with --cp: ring attention over tensor-parallel heads is not built "
+                          "(use one of them)")
     if cfg.tp > 1:
         from refimpl.parallel.tp_model import tp_layout_problem
 

@@ -81,6 +81,13 @@ class ZeroDataParallel(Strategy):
     def setup_gradients(self) -> None:
         raise NotImplementedError
 
+    @property
+    def overlap(self) -> bool:
+        """Bucketed reduces during backward, gated by micro_step. A pipeline's schedule runs its
+        backwards without micro_step (and interleaves micro-batches), so under pp the gradients
+        are reduce-scattered once, after the schedule (the `overlap=false` path)."""
+        return bool(self.option("overlap")) and self.mesh.size("pp") == 1
+
     def bucket_cuts(self) -> list[int]:
         # A bucket never straddles two ranks' shards, so each has exactly one owner to reduce to.
         return [r * self.layout.shard_numel for r in range(1, self.size)]
@@ -136,7 +143,7 @@ class Zero1(ZeroDataParallel):
         self.flat_grad = self.layout.empty(device=self.ctx.device)
         self.grad_shard = self.layout.shard(self.flat_grad, self.index)   # a view: no copy
         self.buckets = None
-        if self.option("overlap"):
+        if self.overlap:
             self.buckets = GradBuckets(self.layout, float(self.option("bucket_mb")) * MiB,
                                        reduce=self.bucket_reduce(), cut_at=self.bucket_cuts())
             self.buckets.attach(self.flat_grad)
@@ -176,7 +183,7 @@ class Zero2(ZeroDataParallel):
         self.grad_shard = (self.optimizer.master.grad if self.optimizer.offload else
                            torch.zeros(self.layout.shard_numel, device=self.ctx.device))
         self.stream = None
-        if self.option("overlap"):
+        if self.overlap:
             self.stream = StreamingReduce(self.layout, float(self.option("bucket_mb")) * MiB,
                                           self.bucket_cuts(), self.bucket_reduce(),
                                           self.grad_shard, self.index)

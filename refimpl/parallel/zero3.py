@@ -30,6 +30,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 
 from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
 from refimpl.model import GPT
@@ -50,10 +51,17 @@ class ShardingPolicy:
 
 def gpt_units(model: GPT) -> list[tuple[str, list]]:
     """The wrapping policy: (unit name, modules) in forward order -- the embeddings, one unit per
-    transformer block (FSDP's transformer auto-wrap policy), and final_norm + lm_head."""
-    units = [("embed", [("embed", model.embed)])]
-    units += [(f"blocks.{i}", [(f"blocks.{i}", b)]) for i, b in enumerate(model.blocks)]
-    units.append(("head", [("final_norm", model.final_norm), ("lm_head", model.lm_head)]))
+    transformer block (FSDP's transformer auto-wrap policy), and final_norm + lm_head.
+
+    A pipeline stage (pp_stage.PipelineStageModel) holds only some of them: its blocks keyed by
+    their reference index, the embedding only on the first stage, the head only on the last; the
+    units are the ones it has, under the same names."""
+    blocks = (model.blocks.items() if isinstance(model.blocks, nn.ModuleDict)
+              else enumerate(model.blocks))
+    units = [("embed", [("embed", model.embed)])] if model.embed is not None else []
+    units += [(f"blocks.{i}", [(f"blocks.{i}", b)]) for i, b in blocks]
+    if model.lm_head is not None:
+        units.append(("head", [("final_norm", model.final_norm), ("lm_head", model.lm_head)]))
     return units
 
 
@@ -150,6 +158,8 @@ class FullySharded(Strategy):
         self._finish_reduces()          # every unit's reduce-scatter of this backward is done
 
     def sync_gradients(self) -> None:
+        # A pipeline's schedule runs its backwards without micro_step: the last reduce is here.
+        self._finish_reduces()
         unfinished = [u.name for u in self.units if u.grads_left or u.gathered]
         if unfinished:
             raise RuntimeError(f"units {unfinished} did not finish their backward")
