@@ -1,0 +1,53 @@
+"""Checkpoint resharding: a full state dict written under one layout, placed by another.
+
+A checkpoint here is always the reference model's full state dict (reference names, full shapes):
+every strategy's `full_state_dict` unshards its placement to write it (refimpl.parallel.placement),
+and every strategy places it from the reference model when it starts (`TrainConfig.init_state`:
+refimpl.train loads it into the reference before `setup`). So a run saved under zero3 x tp2 resumes
+under pp2 x dp2 with no conversion step: the seed's recovery point (체크포인트에서 재시작) across
+layouts. What it does not carry: AdamW's m and v, and the step count. A resumed run restarts the
+optimizer's moments from zero -- on every layout alike, so it still equals `single` resumed from the
+same weights, but it is not the run that was never interrupted.
+
+    state = train_on_ranks(cfg_a.with_(return_state=True))["state_dict"]
+    save_checkpoint(state, path)
+    placed = placed_state(cfg_b.with_(init_state=path))      # == state, tensor for tensor
+    resumed = train_on_ranks(cfg_b.with_(init_state=path))
+"""
+from __future__ import annotations
+
+import torch
+
+from refimpl import launch
+from refimpl.strategy import TrainConfig
+
+
+def save_checkpoint(state: dict[str, torch.Tensor], path) -> None:
+    torch.save({k: v.detach().cpu() for k, v in state.items()}, path)
+
+
+def placed_state_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    """On one rank: place `cfg.init_state` under `cfg`'s layout, then gather it back, untrained."""
+    from refimpl.mesh import Mesh
+    from refimpl.model import build_model
+    from refimpl.parallel import get_strategy
+    from refimpl.strategy import RunContext
+    from refimpl.train import _current_backend, resolve_layout
+
+    cfg = resolve_layout(cfg)
+    backend = _current_backend()
+    ctx = RunContext(rank, world_size, backend, launch.device_for(backend), cfg,
+                     Mesh(cfg.dims, rank))
+    reference = build_model(cfg.model, cfg.seed)
+    reference.load_state_dict(torch.load(cfg.init_state, map_location="cpu"))
+    strategy = get_strategy(cfg.strategy)(ctx)
+    strategy.setup(reference)
+    return strategy.full_state_dict()
+
+
+def placed_state(cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    """The checkpoint `cfg.init_state` as `cfg`'s layout holds it, gathered back (rank 0's copy)."""
+    from refimpl.train import validate
+
+    validate(cfg)
+    return launch.run(placed_state_rank, cfg.nproc, cfg)[0]
