@@ -2,7 +2,8 @@
 after 3 AdamW steps) -- dp x tp, dp x pp, tp x pp, pp x cp on 4 ranks with several DP flavours on
 the dp axis, sequence parallelism and activation checkpointing among them, and dp2 x tp2 x pp2 on
 8 ranks; a checkpoint written under one layout is placed exactly by another and training goes on
-as `single`'s does from the same weights; what does not compose fails before launch.
+as `single`'s does from the same weights; PyTorch's composed twin (torch-fsdp2-tp) matches ours;
+what does not compose fails before launch.
 """
 import functools
 
@@ -34,7 +35,11 @@ RUNS = {
         "zero3 dp2 x pp2": layout("zero3", 4, pp=2),
         "fsdp dp2 x pp2 +ckpt": layout("fsdp", 4, pp=2, activation_checkpointing=True),
         "pp-1f1b tp2 x pp2 +sp": layout("pp-1f1b", 4, tp=2, pp=2, sequence_parallel=True),
-        "zero2 pp2 x cp2": layout("zero2", 4, pp=2, cp=2)},
+        "zero2 pp2 x cp2": layout("zero2", 4, pp=2, cp=2),
+        "torch-fsdp2-tp dp2 x tp2": layout("torch-fsdp2-tp", 4, tp=2, micro_batches=1),
+        "torch-fsdp2-tp dp2 x tp2 +sp": layout("torch-fsdp2-tp", 4, tp=2, micro_batches=1,
+                                               sequence_parallel=True),
+        "fsdp dp2 x tp2": layout("fsdp", 4, tp=2, micro_batches=1)},
     8: {"zero1 dp2 x tp2 x pp2": layout("zero1", 8, tp=2, pp=2),
         "fsdp dp2 x tp2 x pp2 +sp": layout("fsdp", 8, tp=2, pp=2, sequence_parallel=True)},
 }
@@ -63,6 +68,17 @@ def test_composed_ranks_hold_a_share():
     assert all(abs(h - eighth) < 0.1 * eighth for h in held), (held, eighth)
 
 
+def test_pytorch_composed_twin_matches_ours():
+    """FSDP2 over dp + DTensor TP over tp (one 2-D DeviceMesh) and our fsdp --tp 2: the same losses
+    (both equal single above), and the same 1/(dp·tp) share of the parameters on every rank."""
+    ours, theirs = results(4)["fsdp dp2 x tp2"], results(4)["torch-fsdp2-tp dp2 x tp2"]
+    assert max(abs(a - b) / b for a, b in zip(ours["losses"], theirs["losses"])) < 1e-6
+    quarter = 4 * ours["n_params"] / 4
+    for result in (ours, theirs):
+        held = [r["memory"]["params"] for r in result["per_rank"]]
+        assert all(abs(h - quarter) < 0.1 * quarter for h in held), (result["strategy"], held)
+
+
 def test_checkpoint_saved_under_one_layout_resumes_under_another(tmp_path):
     saved = train_on_ranks(layout("zero3", 4, tp=2))["state_dict"]     # zero3 x tp2
     path = tmp_path / "zero3_tp2.pt"
@@ -80,6 +96,7 @@ def test_checkpoint_saved_under_one_layout_resumes_under_another(tmp_path):
 @pytest.mark.parametrize("kw,message", [
     (dict(strategy="zero1", nproc=4, tp=2, cp=2), "ring attention over tensor-parallel heads"),
     (dict(strategy="dp", nproc=4, pp=2, micro_batches=2), "not 'dp'"),
+    (dict(strategy="torch-fsdp2-tp", nproc=4, tp=2, pp=2, micro_batches=2), "dp x tp"),
 ])
 def test_what_does_not_compose_fails_before_launch(kw, message):
     with pytest.raises(LayoutError, match=message):
