@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       "by predicted memory and step time (refimpl.plan)"))
     t.add_argument("--set", dest="options", action="append", type=_parse_option, default=[],
                    metavar="KEY=VALUE", help="strategy option, e.g. --set bucket_mb=1 (repeatable)")
+    t.add_argument("--save-state", default=None, metavar="PATH",
+                   help="write the final full state dict (reference names: loads under any layout)")
+    t.add_argument("--init-state", default=None, metavar="PATH",
+                   help="start from a full state dict written by --save-state under any layout")
     t.add_argument("--timeout", type=float, default=900.0)
     t.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p
@@ -98,6 +102,7 @@ def config_from_args(args):
                        tp=args.tp, pp=pp, cp=args.cp, ep=args.ep,
                        sequence_parallel=args.sequence_parallel, collectives=args.collectives,
                        schedule=args.schedule, virtual_stages=args.virtual_stages,
+                       init_state=args.init_state, return_state=bool(args.save_state),
                        record_memory=not args.profile)   # memory[r].peak (not under --profile)
 
 
@@ -113,14 +118,20 @@ def main(argv=None) -> int:
         if not args.timeout > 0:
             raise LayoutError(f"--timeout must be > 0 seconds (got {args.timeout})")
         cfg = config_from_args(args)
+        if args.init_state and not os.path.isfile(args.init_state):
+            raise LayoutError(f"--init-state {args.init_state}: no such file")
         validate(cfg)
     except LayoutError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = train_on_ranks(cfg, timeout=args.timeout)
     result.pop("per_rank")
+    state = result.pop("state_dict", None)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0                                  # under torchrun, rank 0 speaks for all
+    if args.save_state:
+        from refimpl.parallel.reshard import save_checkpoint
+        save_checkpoint(state, args.save_state)
     if args.json:
         print(json.dumps(result))
     else:

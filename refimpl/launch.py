@@ -207,7 +207,9 @@ def _run_this_torchrun_rank(fn, args, kwargs, backend: str):
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     created = not dist.is_initialized()
     if created:
-        init_process_group(rank, world_size, pick_backend(world_size, backend))
+        # Multi-node: each node needs a GPU per *local* rank, not per rank of the whole world.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        init_process_group(rank, world_size, pick_backend(local, backend))
     try:
         return fn(rank, world_size, *args, **kwargs)
     finally:

@@ -101,3 +101,15 @@ def test_checkpoint_saved_under_one_layout_resumes_under_another(tmp_path):
 def test_what_does_not_compose_fails_before_launch(kw, message):
     with pytest.raises(LayoutError, match=message):
         validate(TrainConfig(model=SMALL, **kw))
+
+
+def test_cli_checkpoint_flags(tmp_path):
+    from refimpl.__main__ import build_parser, config_from_args, main
+
+    args = build_parser().parse_args(["train", "--strategy", "zero1", "--nproc", "4", "--pp", "2",
+                                      "--save-state", str(tmp_path / "a.pt"),
+                                      "--init-state", str(tmp_path / "b.pt")])
+    cfg = config_from_args(args)
+    assert cfg.return_state and cfg.init_state == str(tmp_path / "b.pt")
+    assert main(["train", "--strategy", "zero1", "--nproc", "4",
+                 "--init-state", str(tmp_path / "missing.pt")]) == 2
