@@ -36,6 +36,9 @@ RUNS = {
         "fsdp dp2 x pp2 +ckpt": layout("fsdp", 4, pp=2, activation_checkpointing=True),
         "pp-1f1b tp2 x pp2 +sp": layout("pp-1f1b", 4, tp=2, pp=2, sequence_parallel=True),
         "zero2 pp2 x cp2": layout("zero2", 4, pp=2, cp=2),
+        "zero3 dp2 x pp2 interleaved v2": layout("zero3", 4, pp=2, schedule="interleaved",
+                                                 virtual_stages=2, micro_batches=4),
+        "zero1 dp2 x pp2 zb-h1": layout("zero1", 4, pp=2, schedule="zb-h1"),
         "torch-fsdp2-tp dp2 x tp2": layout("torch-fsdp2-tp", 4, tp=2, micro_batches=1),
         "torch-fsdp2-tp dp2 x tp2 +sp": layout("torch-fsdp2-tp", 4, tp=2, micro_batches=1,
                                                sequence_parallel=True),
@@ -97,6 +100,7 @@ def test_checkpoint_saved_under_one_layout_resumes_under_another(tmp_path):
     (dict(strategy="zero1", nproc=4, tp=2, cp=2), "ring attention over tensor-parallel heads"),
     (dict(strategy="dp", nproc=4, pp=2, micro_batches=2), "not 'dp'"),
     (dict(strategy="torch-fsdp2-tp", nproc=4, tp=4), "dp x tp"),
+    (dict(strategy="fsdp", nproc=4, pp=2, micro_batches=2, schedule="zb-h1"), "deferred weight"),
     (dict(strategy="torch-fsdp2-tp", nproc=4, tp=2, pp=2, micro_batches=2), "not .torch-fsdp2-tp."),
 ])
 def test_what_does_not_compose_fails_before_launch(kw, message):

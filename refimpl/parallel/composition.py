@@ -12,6 +12,7 @@ Which pairs compose here (tests/test_composition.py) and which fail before launc
   with --sequence-parallel and --checkpointing                                  -> equal to single
   tp x cp                      ring attention over tensor-parallel heads is not built
   `dp` (bucketed) with --pp    its bucket hooks are gated by micro_step, which a schedule skips
+  zero3 / fsdp with zb-h1      the deferred weight gradients bypass the per-unit reduce-scatter
 
 The placement rule of MT-NLG and Megatron-LM ("model parallel inside a node, data parallel across
 nodes"; seed 003) as arithmetic: `placement_rule` compares each axis's traffic with the compute it

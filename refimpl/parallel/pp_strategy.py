@@ -54,6 +54,9 @@ def validate_pipeline(cfg: TrainConfig) -> None:
     partition(cfg.model.n_layers, cfg.pp * v)
     if cfg.model.tie_embeddings:
         raise LayoutError("--pp needs untied embeddings: the head and the embedding sit on different stages")
+    if schedule == "zb-h1" and cfg.strategy in ("zero3", "fsdp"):
+        raise LayoutError(f"--schedule zb-h1 with {cfg.strategy}: the deferred weight gradients "
+                          "bypass its per-unit reduce-scatter (use zero1/zero2 or another schedule)")
     if schedule == "zb-h1" and cfg.activation_checkpointing:
         raise LayoutError("pp-zb records each layer's input for the deferred W: not with --checkpointing")
 
