@@ -68,7 +68,7 @@ def test_each_stage_holds_only_its_parameters():
      "multiple of pipeline stages"),
     (dict(strategy="torch-pp-1f1b", nproc=4, pp=4, micro_batches=2), ">= stages"),
     (dict(strategy="pp-1f1b", nproc=2, pp=1), "--pp >= 2"),
-    (dict(strategy="zero3", nproc=2, pp=2), "pp-* strategies or dp-naive"),
+    (dict(strategy="dp", nproc=2, pp=2), "pp-* strategies or dp-naive"),  # zero1/2/3, fsdp compose
     (dict(strategy="pp-gpipe", nproc=2, pp=2, schedule="1f1b"), "drop --schedule"),
     (dict(strategy="pp-zb", nproc=2, pp=2, activation_checkpointing=True), "checkpointing"),
 ])
