@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     grid.add_argument("--pp", type=int, default=1, help="pipeline stages")
     grid.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
     grid.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides dp x cp)")
+    grid.add_argument("--schedule", default=None,
+                      help="pipeline schedule with --pp: gpipe, 1f1b (default), interleaved, zb-h1")
+    grid.add_argument("--virtual-stages", type=int, default=1,
+                      help="model chunks per pipeline rank (interleaved schedule)")
     t.add_argument("--collectives", default="torch",
                    help="torch, or refimpl: every collective rebuilt from send/recv (refimpl.comm)")
     from refimpl.plan.cli import add_arguments as add_plan_arguments
@@ -80,14 +84,18 @@ def config_from_args(args):
                         n_heads=args.heads, n_experts=args.experts)
     except ValueError as e:
         raise LayoutError(str(e)) from None
+    pp = args.pp
+    if pp == 1 and (args.strategy.startswith("pp-") or args.strategy.startswith("torch-pp-")):
+        pp = nproc                                # the shorthand puts the whole world on pp
     return TrainConfig(strategy=args.strategy, nproc=nproc, steps=args.steps,
                        global_batch=args.global_batch, seq_len=args.seq_len, seed=args.seed,
                        lr=args.lr, micro_batches=args.micro_batches,
                        mixed_precision=args.mixed_precision,
                        activation_checkpointing=args.checkpointing, profile=args.profile,
                        trace_dir=args.trace_dir, model=model, options=dict(args.options),
-                       tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
-                       collectives=args.collectives,
+                       tp=args.tp, pp=pp, cp=args.cp, ep=args.ep,
+                       collectives=args.collectives, schedule=args.schedule,
+                       virtual_stages=args.virtual_stages,
                        record_memory=not args.profile)   # memory[r].peak (not under --profile)
 
 

@@ -290,3 +290,23 @@ def mesh_figure(grid_rows, title: str = "The rank grid") -> go.Figure:
     fig.update_layout(title=title, height=120 + 70 * len({y for _, y in where.values()}),
                       xaxis=dict(visible=False), yaxis=dict(visible=False))
     return fig
+
+
+def pipeline_gantt(df, title: str = "Pipeline schedule") -> go.Figure:
+    """One lane per pipeline rank; each action (F3, B3, W3, F3.1) a bar labelled with its name.
+
+    `df` columns: rank, action, start, end (unit times from refimpl.parallel.pp_simulate, or ms
+    from a trace): forward blue, backward orange, weight gradient (zero-bubble W) purple; the
+    white gaps are the bubble.
+    """
+    colors = {"F": PHASE_COLORS["forward"], "B": PHASE_COLORS["backward"], "W": "#B279A2"}
+    fig = go.Figure()
+    for kind, g in df.groupby(df["action"].str[0], sort=False):
+        fig.add_bar(name={"F": "forward", "B": "backward", "W": "weight grad"}[kind],
+                    orientation="h", base=g["start"], x=g["end"] - g["start"],
+                    y=[f"stage {r}" for r in g["rank"]], marker_color=colors[kind],
+                    marker_line_color="white", marker_line_width=1, text=g["action"],
+                    textposition="inside", insidetextanchor="middle", hoverinfo="text+x")
+    fig.update_layout(title=title, barmode="overlay", xaxis_title="time", yaxis_autorange="reversed",
+                      height=120 + 50 * max(1, df["rank"].nunique()))
+    return fig

@@ -15,7 +15,7 @@ from refimpl.mesh import LayoutError
 from refimpl.parallel.checkpointing import checkpoint_blocks
 
 # Axes whose transform exists; each model-parallel chapter adds its own with its validation.
-BUILT_AXES: tuple[str, ...] = ("cp",)
+BUILT_AXES: tuple[str, ...] = ("pp", "cp")
 
 
 def validate_model_parallel(cfg) -> None:
@@ -28,6 +28,9 @@ def validate_model_parallel(cfg) -> None:
                           "ring attention cuts each sequence into 2·cp equal chunks")
     if cfg.ep > 1 or cfg.model.n_experts:
         raise LayoutError("--experts / --ep: the mixture-of-experts layer is not built yet")
+    from refimpl.parallel.pp_strategy import validate_pipeline
+
+    validate_pipeline(cfg)
 
 
 def model_parallel(model: nn.Module, ctx) -> nn.Module:
@@ -37,5 +40,9 @@ def model_parallel(model: nn.Module, ctx) -> nn.Module:
         from refimpl.parallel.cp_model import apply_context_parallel
         apply_context_parallel(model, ctx.mesh.group("cp"))
     if ctx.cfg.activation_checkpointing:
-        checkpoint_blocks(model)
+        checkpoint_blocks(model)     # before the split: it replaces each block's forward in place
+    if ctx.mesh.size("pp") > 1:
+        from refimpl.parallel.pp_stage import split_for_pipeline
+
+        model = split_for_pipeline(model, ctx)
     return model
