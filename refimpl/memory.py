@@ -85,6 +85,21 @@ def sharded_state_bytes(unit_sizes, *, dp: int, zero_stage: int = 3, param_bytes
                            optimizer=sum(p.optimizer for p in parts))
 
 
+def zero_state_bytes(unit_sizes, *, dp: int, zero_stage: int, param_bytes: float = 4,
+                     grad_bytes: float = 4, optimizer_bytes: float = 8) -> ModelStateBytes:
+    """What refimpl's own DP / ZeRO strategies keep per rank (fp32 AdamW by default).
+
+    dp, zero1 and zero2 flatten the whole model into one buffer (padded to a multiple of dp:
+    `model_state_bytes`); zero3 and fsdp keep one flat buffer per unit, each padded on its own
+    (`sharded_state_bytes`).
+    """
+    unit_sizes = list(unit_sizes)
+    kw = dict(param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes)
+    if zero_stage == 3:
+        return sharded_state_bytes(unit_sizes, dp=dp, zero_stage=3, **kw)
+    return model_state_bytes(sum(unit_sizes), dp=dp, zero_stage=zero_stage, **kw)
+
+
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *, tp: int = 1,
                                sequence_parallel: bool = False, recompute: str = "none") -> float:
     """Activation bytes one transformer layer stores for backward (Korthikanti et al. 2022, Table 2).
