@@ -22,6 +22,9 @@ PETAFLOP_DAY = 1e15 * 86400
 # H200 SXM has H100's compute, 989 TFLOP/s, with more and faster HBM (141 GB).
 PEAK_BF16_DENSE = {"A100": 312e12, "H100 SXM": 989e12, "H200 SXM": 989e12}
 
+# HBM per GPU, decimal GB as the datasheets print it: A100 80 GB, H100 SXM 80 GB, H200 SXM 141 GB.
+HBM_BYTES = {"A100": 80e9, "H100 SXM": 80e9, "H200 SXM": 141e9}
+
 CHINCHILLA_TOKENS_PER_PARAM = 20   # Hoffmann et al. 2022: 70B params trained on 1.4T tokens
 
 

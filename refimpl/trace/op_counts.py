@@ -22,7 +22,9 @@ def profile_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
     from refimpl.model import lm_loss
     from refimpl.trace.profiling import phase
 
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    from refimpl.trace.native_stderr import quiet_profiler_in_notebook
+
+    with quiet_profiler_in_notebook(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         with phase("forward"):
             loss = lm_loss(model(inputs), targets)
         with phase("backward"):

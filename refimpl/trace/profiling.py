@@ -113,6 +113,10 @@ class StepProfiler:
 
     def __enter__(self):
         if self.enabled:
+            from refimpl.trace.native_stderr import quiet_profiler_in_notebook
+
+            self._quiet = quiet_profiler_in_notebook()   # kineto's start/stop lines, in a kernel
+            self._quiet.__enter__()
             self._prof.__enter__()
         return self
 
@@ -122,7 +126,10 @@ class StepProfiler:
 
     def __exit__(self, *exc):
         if self.enabled:
-            self._prof.__exit__(*exc)
+            try:
+                self._prof.__exit__(*exc)
+            finally:
+                self._quiet.__exit__(*exc)
 
 
 # --- reading ----------------------------------------------------------------------------------------
