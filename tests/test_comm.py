@@ -157,3 +157,11 @@ def test_single_rank_group_is_a_no_op():
 
     same = [0.0, 1.0, 2.0, 3.0, 4.0]
     assert run(body, 1, backend="gloo", quiet=True) == [(same, same)]
+
+
+def test_async_all_reduce_leaves_the_thread_free_to_compute():
+    from refimpl.comm.async_demo import overlap_demo
+
+    for res in run(overlap_demo, 2, backend="gloo", timeout=120, quiet=True):
+        assert res["handle"] == "Work" and res["blocking_result_ok"] and res["async_result_ok"]
+        assert res["iterations_while_in_flight"] >= 1
