@@ -58,3 +58,10 @@ def test_alpha_beta_crossover_only_when_the_count_is_not_a_power_of_two():
 def test_latency_steps_grow_as_log2_against_the_rings_linear():
     assert [hd.messages_per_rank(n) for n in (2, 4, 8, 1024)] == [2, 4, 6, 20]
     assert hd.messages_per_rank(1024) * 100 < 2 * (1024 - 1)
+
+
+def test_predicted_rows_cover_both_algorithms():
+    rows = hd.predicted_rows([4, 6], [1, 1e6], 1e-5, 1e9)
+    assert len(rows) == 8 and {r["algorithm"] for r in rows} == {"ring", "halving-doubling"}
+    six = {(r["size_bytes"], r["algorithm"]): r["seconds"] for r in rows if r["ranks"] == 6}
+    assert six[(1, "halving-doubling")] < six[(1, "ring")] and six[(1e6, "halving-doubling")] > six[(1e6, "ring")]

@@ -164,3 +164,10 @@ def sent_by_rank(rank: int, n: int, numel: int, itemsize: int = 4) -> tuple[int,
             sent.append(numel)                         # fold-out, to the even partner
     sent = [k for k in sent if k]
     return sum(sent) * itemsize, len(sent)
+
+
+def predicted_rows(world_sizes, sizes_bytes, alpha: float, beta: float) -> list[dict]:
+    """Alpha-beta time of both algorithms for each world size and message size (for a plot)."""
+    return [{"ranks": n, "size_bytes": m, "algorithm": name, "seconds": fn(n, m, alpha, beta)}
+            for n in world_sizes for m in sizes_bytes
+            for name, fn in (("ring", ring_seconds), ("halving-doubling", predicted_seconds))]
