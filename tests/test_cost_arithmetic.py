@@ -121,3 +121,12 @@ def test_all_reduce_lower_bound():
     from refimpl.comm.traffic import all_reduce_lower_bound
 
     assert all_reduce_lower_bound(4, 4800) == 7200 and math.isclose(all_reduce_lower_bound(2, 1), 1)
+
+
+def test_profiled_config_writes_under_the_group(tmp_path, monkeypatch):
+    from refimpl.strategy import TrainConfig
+    from refimpl.trace import profiling
+
+    monkeypatch.setenv("REFIMPL_PROFILES", str(tmp_path))
+    cfg = profiling.profiled(TrainConfig(strategy="dp", nproc=2), "03_data_parallel", "dp")
+    assert cfg.profile and cfg.trace_dir == str(tmp_path / "03_data_parallel" / "dp") and cfg.strategy == "dp"

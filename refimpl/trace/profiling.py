@@ -47,6 +47,11 @@ def run_dir(group: str, run: str) -> Path:
 
 # --- labels -----------------------------------------------------------------------------------------
 
+def profiled(cfg, group: str, run: str):
+    """`cfg` with profiling on, writing to profiles/<group>/<run> (a notebook's runs, by name)."""
+    return cfg.with_(profile=True, trace_dir=str(run_dir(group, run)))
+
+
 def phase(name: str):
     """Label a phase of a step (forward, backward, optimizer, or any compute you name)."""
     from torch.profiler import record_function
