@@ -105,7 +105,8 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
     """Activation bytes one transformer layer stores for backward (Korthikanti et al. 2022, Table 2).
 
     16-bit activations, dropout masks included. Without parallelism: s·b·h·(34 + 5·a·s/h); the 5as/h
-    part is the attention scores, softmax output and its dropout mask, which grow as s².
+    part is the softmax output (2 bytes), its dropout mask (1) and the dropout's output (2), each
+    a·s²·b values, which grow as s² (the raw scores QKᵀ are not kept).
       tp:                 s·b·h·(10 + 24/t + 5·a·s/(h·t))   (LayerNorm and dropout inputs replicated)
       + sequence_parallel: s·b·h·(34/t + 5·a·s/(h·t))        (those are split along s too)
       recompute="selective": the s² attention part is recomputed, not stored (drops 5as/h)

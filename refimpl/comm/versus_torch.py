@@ -227,3 +227,12 @@ def _subgroup_cases(rows, seed, n, rank):
     other = groups[1 - rank % 2]
     _row(rows, "all_reduce", "non-member returns None", comm.all_reduce(x.clone(), group=other) is None,
          True)
+
+
+def check_and_count(rank: int, world_size: int, numel: int = 1200) -> tuple:
+    """One launch, three answers (notebook 01): every collective against torch's, the bytes each
+    sent on a `numel`-element tensor, and both all-reduce algorithms' bytes and messages."""
+    from refimpl.comm.traffic import all_reduce_messages, measure_sent
+
+    return (compare_with_torch(rank, world_size), measure_sent(rank, world_size, numel),
+            all_reduce_messages(rank, world_size, numel))
