@@ -130,3 +130,16 @@ def test_profiled_config_writes_under_the_group(tmp_path, monkeypatch):
     monkeypatch.setenv("REFIMPL_PROFILES", str(tmp_path))
     cfg = profiling.profiled(TrainConfig(strategy="dp", nproc=2), "03_data_parallel", "dp")
     assert cfg.profile and cfg.trace_dir == str(tmp_path / "03_data_parallel" / "dp") and cfg.strategy == "dp"
+
+
+def test_profiles_land_in_the_repos_folder_whatever_the_cwd(monkeypatch, tmp_path):
+    """Notebooks run with notebooks/ as cwd; their traces must still reach `make tensorboard`'s logdir."""
+    from pathlib import Path
+
+    import refimpl
+    from refimpl.trace import profiling
+
+    monkeypatch.delenv("REFIMPL_PROFILES", raising=False)
+    monkeypatch.chdir(tmp_path)
+    repo = Path(refimpl.__file__).resolve().parent.parent
+    assert profiling.profiles_root() == repo / "profiles"
