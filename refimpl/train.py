@@ -18,6 +18,7 @@ import torch
 from refimpl import launch
 from refimpl.memory import ActivationTracker
 from refimpl.model import build_model, count_params, synthetic_batch
+from refimpl.numerics import exact_fp32_on_cuda
 from refimpl.parallel import get_strategy
 from refimpl.trace.profiling import StepProfiler, profiles_root
 from refimpl.trace.run_record import record_run
@@ -36,8 +37,9 @@ def default_trace_dir(cfg: TrainConfig) -> str:
 
 def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     """Train on this rank; run by `launch.run` on every rank (or once, for `single`)."""
-    backend = _current_backend()
-    ctx = RunContext(rank, world_size, backend, launch.device_for(backend), cfg)
+    backend, device = _backend_and_device(cfg)
+    ctx = RunContext(rank, world_size, backend, device, cfg)
+    exact_fp32_on_cuda(device)
     torch.manual_seed(cfg.seed)
     reference = build_model(cfg.model, cfg.seed)
     if cfg.init_state is not None:
@@ -167,13 +169,16 @@ def merge_results(cfg: TrainConfig, per_rank: list[dict]) -> dict:
     return out
 
 
-def _current_backend() -> str:
+def _backend_and_device(cfg: TrainConfig) -> tuple[str, torch.device]:
+    """A rank computes where its backend puts it. The in-process run (no process group) computes
+    on `cfg.device`: a reference sets it to its comparison's ranks' device (never straddling)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
-        return dist.get_backend()
-    # The in-process reference runs where the ranks would: a GPU if there is one.
-    return "nccl" if torch.cuda.is_available() else "gloo"
+        backend = dist.get_backend()
+        return backend, launch.device_for(backend)
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    return ("nccl", torch.device("cuda", 0)) if use_cuda else ("gloo", torch.device("cpu"))
 
 
 def _sync(ctx: RunContext) -> None:
