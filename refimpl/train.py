@@ -52,7 +52,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
 
     losses, step_times, activation_peak = [], [], 0
     trace_dir = (cfg.trace_dir or default_trace_dir(cfg)) if cfg.profile else None
-    with StepProfiler(trace_dir, rank, cfg.steps) as profiler:
+    with StepProfiler(trace_dir, rank, cfg.steps, device=device) as profiler:
         for step in range(cfg.steps):
             batch = synthetic_batch(cfg.model, cfg.global_batch, cfg.seq_len, cfg.seed, step)
             tracker = ActivationTracker(exclude=strategy.activation_exclusions())

@@ -92,7 +92,7 @@ class StepProfiler:
     """
 
     def __init__(self, out_dir: str | Path | None, rank: int, steps: int, active: int = 3,
-                 all_threads: bool = False):
+                 all_threads: bool = False, device=None):
         self.enabled = out_dir is not None
         self.out_dir = Path(out_dir) if out_dir is not None else None
         if not self.enabled:
@@ -103,7 +103,10 @@ class StepProfiler:
         warmup = 1 if steps > 1 else 0
         active = max(1, min(active, steps - warmup))
         activities = [ProfilerActivity.CPU]
-        if torch.cuda.is_available():
+        # GPU kernels when this rank computes on a GPU (device None: whenever there is one). A CPU
+        # rank on a GPU machine skips CUPTI: it would only start a CUDA context per rank.
+        on_gpu = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+        if on_gpu:
             activities.append(ProfilerActivity.CUDA)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._prof = profile(
