@@ -26,7 +26,9 @@ install: $(STAMP)
 # machine's torch (pyproject only asks for >= the oldest torch the code supports).
 $(STAMP): pyproject.toml
 ifeq ($(TORCH),system)
+	$(PYTHON) -c "import torch" || (echo "TORCH=system: $(PYTHON) has no torch; set PYTHON=... or drop TORCH=system" && false)
 	test -x $(BIN)/python || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PYTHON) scripts/system_torch_pth.py $(BIN)/python
 	$(BIN)/python -c "import torch; print('using the system torch', torch.__version__, 'CUDA', torch.version.cuda)"
 	$(BIN)/python -m pip install -q $(PIP_FROM) $(if $(WHEELS),--no-build-isolation,) -e ".[notebooks]"
 else

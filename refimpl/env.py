@@ -55,7 +55,7 @@ class Machine:
         """'gloo (CPU)' or 'nccl (one GPU per rank)': the words a notebook uses for a run."""
         if self.backend_for(nproc) == "nccl":
             return "one GPU (CUDA)" if nproc == 1 else "nccl (one GPU per rank)"
-        return "gloo (CPU)"
+        return "the CPU" if nproc == 1 else "gloo (CPU)"
 
     def describe(self) -> str:
         """'2 CPU cores, 23.5 GiB, no GPU' or '16 CPU cores, 125.8 GiB, 1 x NVIDIA H200 (139.8 GiB)'."""
@@ -72,8 +72,8 @@ class Machine:
 
     def summary(self, nproc: int = 2) -> str:
         """One computed line: the machine and where `nproc` ranks run, and why when it matters."""
-        line = f"this machine: {self.describe()}; {nproc} rank{'s' if nproc != 1 else ''} run on " \
-               f"{self.where(nproc)}"
+        line = f"this machine: {self.describe()}; {nproc} rank{'s run' if nproc != 1 else ' runs'} " \
+               f"on {self.where(nproc)}"
         if self.gpus and self.backend_for(nproc) == "gloo":
             line += (f" (NCCL needs one GPU per rank: {self.gpu_count} GPU(s) < {nproc} ranks; "
                      f"the reference runs on CPU too)")

@@ -57,7 +57,8 @@ timeout "$BUDGET_TESTS" env OMP_NUM_THREADS=1 "$PYTHON" -m pytest tests/ -q -x $
 rc=$?
 tail_line=$(grep -E "passed|failed|error" "$OUT/tests.log" | tail -1)
 if [ $rc -eq 124 ]; then
-  say tests "pytest tests/ (budget ${BUDGET_TESTS} s)" "TIMED OUT, not FAILED: $(grep -c PASSED "$OUT/tests.log" || true) ${tail_line}"
+  reached=$(grep -o '\[ *[0-9]*%\]' "$OUT/tests.log" | tail -1)
+  say tests "pytest tests/ (budget ${BUDGET_TESTS} s)" "TIMED OUT at ${reached:-0%} of the suite, no failure before it (-x)"
 elif [ $rc -eq 0 ]; then
   say tests "pytest tests/" "ok: ${tail_line}"
 else

@@ -6,10 +6,10 @@ the ceiling depends on where the ranks are:
 
 * gloo (CPU ranks): two processes on one host talk through the kernel, which copies every byte at
   least once, so no collective beats one core's memcpy (ranks have one thread each);
-* NCCL, one GPU per rank: bytes leave a GPU over NVLink or PCIe; the peer copy (GPU i -> GPU j,
-  `copy_` between devices, i.e. cudaMemcpyPeer) is the one-link ceiling. With a single GPU there is
-  no NCCL run of >= 2 ranks at all, and the device-to-device copy (HBM read + write) is the ceiling
-  of anything that GPU moves.
+* NCCL, one GPU per rank: every byte a collective sends is first read from the GPU's memory, so the
+  device-to-device copy is the bound no busbw beats. The link itself (NVLink or PCIe) is measured
+  by the peer copy (GPU i -> GPU j, `copy_` between devices), shown beside it; it is not a strict
+  bound (NCCL drives several links at once; NVLink SHARP reduces inside the switch).
 
 Every bandwidth here counts the bytes copied once (M / t), as busbw counts bytes carried; a
 device copy also reads M bytes, so HBM traffic is 2M / t (what `nvidia-smi`-style "copy
@@ -121,10 +121,14 @@ def copy_sweep(device: str = "cpu", sizes=None, peer: bool = False, repeats: int
 
 
 def ceiling_for(nproc: int, backend: str | None = None, nbytes: int | None = None) -> dict:
-    """The ceiling a sweep of `nproc` ranks is compared with: {"kind", "bytes_per_s", "backend"}.
+    """The ceiling a sweep of `nproc` ranks is compared with: {"backend", "kind", "bytes_per_s"},
+    plus {"link_kind", "link_bytes_per_s"} for GPU ranks with >= 2 GPUs.
 
-    gloo -> one core's memcpy; NCCL -> the peer copy between GPUs 0 and 1 (one GPU: its own
-    device-to-device copy, though NCCL never runs >= 2 ranks there).
+    gloo -> one core's memcpy (loopback traffic is copied by the kernel at no more than that).
+    NCCL -> the GPU's device-to-device copy: every byte a collective sends is read from HBM, so no
+    busbw beats the GPU's own copy. The peer copy (the GPU0 -> GPU1 link) is reported beside it
+    but is not a bound: NCCL drives several links at once and NVLink SHARP reduces in the switch,
+    so its busbw can exceed one copy engine's peer copy.
     """
     from refimpl.launch import pick_backend
 
@@ -133,8 +137,9 @@ def ceiling_for(nproc: int, backend: str | None = None, nbytes: int | None = Non
         return {"backend": backend, "kind": "memcpy, one CPU core",
                 "bytes_per_s": memcpy_bandwidth(nbytes or 256 << 20)}
     nbytes = nbytes or max_message_bytes("nccl")
+    out = {"backend": backend, "kind": "device-to-device copy",
+           "bytes_per_s": cuda_copy_bandwidth(nbytes)}
     if torch.cuda.device_count() >= 2:
-        return {"backend": backend, "kind": "peer copy GPU0->GPU1",
-                "bytes_per_s": cuda_copy_bandwidth(nbytes, 0, 1)}
-    return {"backend": backend, "kind": "device-to-device copy",
-            "bytes_per_s": cuda_copy_bandwidth(nbytes)}
+        out.update(link_kind="peer copy GPU0->GPU1",
+                   link_bytes_per_s=cuda_copy_bandwidth(nbytes, 0, 1))
+    return out
