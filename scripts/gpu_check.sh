@@ -9,7 +9,7 @@
 #                        them); installed with --no-deps into $DEPS, put first on PYTHONPATH.
 #                        Not needed where those packages import already.
 #   OUT=/tmp/gpu-check   where figures, traces and logs go
-#   BUDGET_TESTS=210 BUDGET_NOTEBOOK=100   seconds per stage (the whole check stays < 8 min)
+#   BUDGET_TESTS=180 BUDGET_NOTEBOOK=100   seconds per stage (the whole check stays < 8 min)
 #   NOTEBOOKS="00_memory_arithmetic 01_collectives"   notebooks run under nbval
 #
 # Runs: the machine (refimpl env), the figures (scripts/gpu_check.py: ceilings, CUDA memory vs
@@ -24,7 +24,7 @@ REPO=$PWD
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu-check}
 DEPS=${DEPS:-$OUT/deps}
-BUDGET_TESTS=${BUDGET_TESTS:-210}
+BUDGET_TESTS=${BUDGET_TESTS:-180}
 BUDGET_NOTEBOOK=${BUDGET_NOTEBOOK:-100}
 NOTEBOOKS=${NOTEBOOKS:-"00_memory_arithmetic 01_collectives"}
 mkdir -p "$OUT"
@@ -47,6 +47,14 @@ export MPLBACKEND=Agg
 # The figures (each part reports itself, a failing part is recorded and the rest still run).
 timeout 240 "$PYTHON" scripts/gpu_check.py figures "$OUT" 2>"$OUT/figures.log" \
   || say figures "gpu_check.py" "FAILED or timed out (exit $?; see $OUT/figures.log)"
+
+# The GPU-facing tests first (they must run whatever the budget), then the whole suite.
+timeout 120 env OMP_NUM_THREADS=1 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_env.py \
+  tests/test_ceilings.py tests/test_cuda_memory.py tests/test_gpu_trace.py >"$OUT/tests-gpu.log" 2>&1
+rc=$?
+line=$(grep -E "passed|failed|error" "$OUT/tests-gpu.log" | tail -1)
+[ $rc -eq 0 ] && say tests "GPU-facing tests (env, ceilings, cuda_memory, gpu_trace)" "ok: $line" \
+  || say tests "GPU-facing tests (env, ceilings, cuda_memory, gpu_trace)" "FAILED (exit $rc): $line (see $OUT/tests-gpu.log)"
 
 # The test suite, under a budget: -x stops at the first failure, xdist spreads it over cores.
 XDIST=""
