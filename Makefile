@@ -84,7 +84,8 @@ gpu-check:
 gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-		--platform manylinux_2_28_x86_64 -d wheels -r scripts/gpu_wheels.txt
+		--platform manylinux_2_28_x86_64 -d wheels -r scripts/gpu_wheels.txt \
+		-r scripts/gpu_wheels_optional.txt
 
 clean:
 	rm -rf profiles/*/ report/ .pytest_cache

@@ -37,6 +37,10 @@ if [ -n "${WHEELS:-}" ]; then
     -r scripts/gpu_wheels.txt >"$OUT/wheels.log" 2>&1 \
     && say setup wheels "installed $(grep -c '==' scripts/gpu_wheels.txt) from $WHEELS into $DEPS" \
     || say setup wheels "FAILED (see $OUT/wheels.log)"
+  "$PYTHON" -m pip install -q --no-index --find-links "$WHEELS" --no-deps --target "$DEPS" \
+    -r scripts/gpu_wheels_optional.txt >>"$OUT/wheels.log" 2>&1 \
+    && say setup "optional wheels" "HolisticTraceAnalysis installed" \
+    || say setup "optional wheels" "not installed (HTA comparison skipped)"
 fi
 export PYTHONPATH="$DEPS:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export REFIMPL_PROFILES="$OUT/profiles"          # notebooks' traces go here, not into the repo

@@ -22,7 +22,9 @@ def _x(name, ts, dur, tid, cat="user_annotation", pid=1, **args):
 
 
 def _trace():
-    return {"baseTimeNanoseconds": 1_000_000_000, "traceEvents": [
+    return {"baseTimeNanoseconds": 1_000_000_000,
+            "distributedInfo": {"backend": "nccl", "rank": 0, "world_size": 1},
+            "deviceProperties": [{"id": 0, "name": "NVIDIA H200"}], "traceEvents": [
         _x("ProfilerStep#1", 0, 1000, CPU_TID),
         _x("forward", 0, 400, CPU_TID),
         _x("comm:all_reduce 4096B", 400, 50, CPU_TID),
@@ -31,11 +33,11 @@ def _trace():
         _x("cudaLaunchKernel", 420, 5, CPU_TID, cat="cuda_runtime", correlation=2),
         _x("cudaLaunchKernel", 460, 5, CPU_TID, cat="cuda_runtime", correlation=3),
         _x("sm90_xmma_gemm_f32f32_tf32f32_f32_nn", 100, 200, COMPUTE_STREAM, cat="kernel", pid=0,
-           correlation=1),
+           correlation=1, device=0, stream=COMPUTE_STREAM),
         _x("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 430, 300,
-           NCCL_STREAM, cat="kernel", pid=0, correlation=2),
+           NCCL_STREAM, cat="kernel", pid=0, correlation=2, device=0, stream=NCCL_STREAM),
         _x("void at::native::vectorized_elementwise_kernel<4>", 500, 100, COMPUTE_STREAM,
-           cat="kernel", pid=0, correlation=3),
+           cat="kernel", pid=0, correlation=3, device=0, stream=COMPUTE_STREAM),
         {"ph": "s", "id": 2, "pid": 1, "tid": CPU_TID, "ts": 420, "cat": "ac2g", "name": "ac2g"},
     ]}
 
@@ -93,3 +95,11 @@ def test_timelines_draw_the_kernels_in_a_gpu_lane(run):
     fig = plots.rank_timeline(df)
     lanes = {y for trace in fig.data for y in trace.y}
     assert lanes == {"rank 0", "rank 0 GPU"}
+
+
+def test_holistic_trace_analysis_agrees_where_installed(run):
+    # Optional: HolisticTraceAnalysis (scripts/gpu_wheels_optional.txt) reads the same kernels.
+    hta = pytest.importorskip("hta.trace_analysis")
+    theirs = hta.TraceAnalysis(trace_dir=str(run)).get_comm_comp_overlap(visualize=False)
+    ours = profiling.summarize(profiling.load_trace(run)).iloc[0].comm_hidden_frac
+    assert theirs.comp_comm_overlap_pctg.iloc[0] == pytest.approx(100 * ours, abs=0.01)
