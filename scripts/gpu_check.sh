@@ -26,7 +26,7 @@ OUT=${OUT:-/tmp/gpu-check}
 DEPS=${DEPS:-$OUT/deps}
 BUDGET_TESTS=${BUDGET_TESTS:-180}
 BUDGET_NOTEBOOK=${BUDGET_NOTEBOOK:-100}
-NOTEBOOKS=${NOTEBOOKS:-"00_memory_arithmetic 01_collectives"}
+NOTEBOOKS=${NOTEBOOKS-"00_memory_arithmetic 01_collectives"}
 mkdir -p "$OUT"
 : > "$OUT/status.txt"
 START=$SECONDS
@@ -79,8 +79,8 @@ fi
 
 # The notebooks that fit in the time left.
 for nb in $NOTEBOOKS; do
-  left=$(( 450 - (SECONDS - START) ))
-  if [ $left -lt 60 ]; then say notebooks "$nb" "skipped: the 8-minute budget is spent"; continue; fi
+  left=$(( 420 - (SECONDS - START) ))
+  if [ $left -lt 60 ]; then say notebooks "$nb" "skipped: the 7-minute budget is spent"; continue; fi
   budget=$(( left < BUDGET_NOTEBOOK ? left : BUDGET_NOTEBOOK ))
   t0=$SECONDS
   timeout "$budget" env OMP_NUM_THREADS=1 "$PYTHON" -m pytest --nbval-lax "notebooks/$nb.ipynb" -q \
