@@ -17,9 +17,12 @@ import torch
 
 from refimpl import launch
 from refimpl.memory import ActivationTracker
+from refimpl.mesh import Mesh
 from refimpl.model import build_model, count_params, synthetic_batch
 from refimpl.numerics import exact_fp32_on_cuda
 from refimpl.parallel import get_strategy
+from refimpl.parallel.transforms import validate_model_parallel
+from refimpl.trace.memory_events import StepPeak
 from refimpl.trace.profiling import StepProfiler, profiles_root
 from refimpl.trace.run_record import record_run
 from refimpl.strategy import RunContext, TrainConfig
@@ -28,6 +31,7 @@ from refimpl.strategy import RunContext, TrainConfig
 def validate(cfg: TrainConfig) -> None:
     """Every layout check, in the launching process: raises LayoutError with one line."""
     cfg.validate()
+    validate_model_parallel(cfg)
     get_strategy(cfg.strategy).validate(cfg)
 
 
@@ -38,8 +42,10 @@ def default_trace_dir(cfg: TrainConfig) -> str:
 def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     """Train on this rank; run by `launch.run` on every rank (or once, for `single`)."""
     backend, device = _backend_and_device(cfg)
-    ctx = RunContext(rank, world_size, backend, device, cfg)
     exact_fp32_on_cuda(device)
+    # This rank's point of the grid and one process group per axis (refimpl.mesh).
+    mesh = Mesh(cfg.dims, rank)
+    ctx = RunContext(rank, world_size, backend, device, cfg, mesh)
     torch.manual_seed(cfg.seed)
     reference = build_model(cfg.model, cfg.seed)
     if cfg.init_state is not None:
@@ -52,10 +58,12 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
 
     losses, step_times, activation_peak = [], [], 0
     trace_dir = (cfg.trace_dir or default_trace_dir(cfg)) if cfg.profile else None
-    with StepProfiler(trace_dir, rank, cfg.steps, device=device) as profiler:
+    peak = StepPeak(ctx.device, enabled=cfg.record_memory and not cfg.profile)
+    with StepProfiler(trace_dir, rank, cfg.steps, device=device) as profiler, peak:
         for step in range(cfg.steps):
             batch = synthetic_batch(cfg.model, cfg.global_batch, cfg.seq_len, cfg.seed, step)
             tracker = ActivationTracker(exclude=strategy.activation_exclusions())
+            peak.step_begins(step)
             _sync(ctx)
             start = time.perf_counter()
             with tracker:
@@ -74,7 +82,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         "n_params": n_params,
         "memory": {"params": int(state.params), "grads": int(state.grads),
                    "optimizer": int(state.optimizer), "activations_peak": int(activation_peak),
-                   "total": int(state.total + activation_peak)},
+                   "total": int(state.total + activation_peak),
+                   **peak.result(kept_bytes=int(state.total))},
         "trace_dir": trace_dir,
     }
     if cfg.return_state:
