@@ -30,7 +30,8 @@ def figures(out: Path) -> list[dict]:
     def add(section, figure, value, note=""):
         rows.append({"section": section, "figure": figure, "value": value, "note": note})
 
-    parts = [_machine, _numerics, _ceilings, _memory, _steps, _profiled_step, _equivalence, _hta]
+    parts = [_machine, _numerics, _ceilings, _memory, _steps, _profiled_step, _nccl_step,
+             _equivalence, _hta]
     for part in parts:
         t0 = time.perf_counter()
         try:
@@ -164,6 +165,33 @@ def _profiled_step(add, gpu, out):
     add("profiled step", "rank timeline lanes", ", ".join(lanes), "rank_timeline.html")
 
 
+def _nccl_step(add, gpu, out):
+    """dp on 2 ranks over NCCL, profiled: NCCL kernels beside compute kernels (>= 2 GPUs only)."""
+    import torch
+
+    from refimpl.strategy import TrainConfig
+    from refimpl.trace import profiling
+    from refimpl.train import train_on_ranks
+
+    if not gpu or torch.cuda.device_count() < 2:
+        add("NCCL", "dp, 2 ranks, profiled", "skipped: NCCL needs one GPU per rank (>= 2 GPUs)")
+        return
+    trace_dir = out / "trace-dp-nccl"
+    train_on_ranks(TrainConfig(strategy="dp", nproc=2, steps=4, profile=True,
+                               trace_dir=str(trace_dir), options={"bucket_mb": 0.25}))
+    df = profiling.load_trace(trace_dir)
+    s = profiling.summarize(df)
+    nccl = df[(df.category == "gpu_comm") & df.step.notna()]
+    add("NCCL", "dp, 2 ranks: NCCL kernels per rank", str(nccl.groupby("rank").size().to_dict()),
+        f"summary source: {', '.join(sorted(set(s.source)))}")
+    add("NCCL", "dp, 2 ranks: comm hidden under compute",
+        ", ".join(f"rank {r.rank} {r.comm_hidden_frac:.0%}" for r in s.itertuples()))
+    table = profiling.comm_table(df)
+    if not table.empty:
+        add("NCCL", "dp collectives, bandwidth over NCCL kernel time",
+            ", ".join(f"rank {r.rank} {r.op} {r.GB_per_s:.1f} GB/s" for r in table.itertuples()))
+
+
 def _equivalence(add, gpu, out):
     from refimpl.env import machine
     from refimpl.parallel.equivalence import compare_with_single, ranks_device
@@ -195,8 +223,16 @@ def _hta(add, gpu, out):
     if not gpu:
         add("HTA", "comm/comp overlap, a real CUDA trace", NO_GPU)
         return
-    add("HTA", "comm/comp overlap, a real CUDA trace",
-        "not run: NCCL kernels need >= 2 GPUs (one per rank); on one GPU the ranks run on gloo")
+    real = out / "trace-dp-nccl"
+    if not real.exists():
+        add("HTA", "comm/comp overlap, a real CUDA trace",
+            "not run: NCCL kernels need >= 2 GPUs (one per rank); on one GPU the ranks run on gloo")
+        return
+    theirs = TraceAnalysis(trace_dir=str(real)).get_comm_comp_overlap(visualize=False)
+    ours = profiling.summarize(profiling.load_trace(real)).set_index("rank").comm_hidden_frac
+    add("HTA", "comm/comp overlap, dp on 2 GPUs (NCCL)", ", ".join(
+        f"rank {r.rank}: HTA {r.comp_comm_overlap_pctg:.1f}% vs ours {100 * ours[r.rank]:.1f}%"
+        for r in theirs.itertuples()))
 
 
 def table(out: Path) -> str:
