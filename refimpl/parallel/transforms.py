@@ -15,7 +15,7 @@ from refimpl.mesh import LayoutError
 from refimpl.parallel.checkpointing import checkpoint_blocks
 
 # Axes whose transform exists; each model-parallel chapter adds its own with its validation.
-BUILT_AXES: tuple[str, ...] = ()
+BUILT_AXES: tuple[str, ...] = ("pp", "cp")
 
 
 def validate_model_parallel(cfg) -> None:
@@ -23,13 +23,26 @@ def validate_model_parallel(cfg) -> None:
     for axis in ("tp", "pp", "cp"):
         if getattr(cfg, axis) > 1 and axis not in BUILT_AXES:
             raise LayoutError(f"--{axis} {getattr(cfg, axis)}: this axis has no transform yet")
+    if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):
+        raise LayoutError(f"--seq-len {cfg.seq_len} must be divisible by 2 x cp = {2 * cfg.cp}: "
+                          "ring attention cuts each sequence into 2·cp equal chunks")
     if cfg.ep > 1 or cfg.model.n_experts:
         raise LayoutError("--experts / --ep: the mixture-of-experts layer is not built yet")
+    from refimpl.parallel.pp_strategy import validate_pipeline
+
+    validate_pipeline(cfg)
 
 
 def model_parallel(model: nn.Module, ctx) -> nn.Module:
     """This rank's share of the reference model, on its device, before data parallelism."""
     model = model.to(ctx.device)
+    if ctx.cfg.cp > 1:   # ring attention in every block, global positions (parallel/cp_model.py)
+        from refimpl.parallel.cp_model import apply_context_parallel
+        apply_context_parallel(model, ctx.mesh.group("cp"))
     if ctx.cfg.activation_checkpointing:
-        checkpoint_blocks(model)
+        checkpoint_blocks(model)     # before the split: it replaces each block's forward in place
+    if ctx.mesh.size("pp") > 1:
+        from refimpl.parallel.pp_stage import split_for_pipeline
+
+        model = split_for_pipeline(model, ctx)
     return model
