@@ -68,7 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="KEY=VALUE", help="strategy option, e.g. --set bucket_mb=1 (repeatable)")
     t.add_argument("--timeout", type=float, default=900.0)
     t.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    _add_env_parser(sub)
     return p
+
+
+def _add_env_parser(sub) -> None:
+    """`python -m refimpl env [--json]`: the machine as the workbook sees it (refimpl.env)."""
+    e = sub.add_parser("env", help="this machine: cores, memory, GPUs, versions, backend per nproc")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def config_from_args(args):
@@ -101,6 +108,9 @@ def config_from_args(args):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "env":
+        from refimpl import env
+        return env.main(as_json=args.json)
     if args.command == "plan":
         from refimpl.plan.cli import plan_from_args
         return plan_from_args(args)

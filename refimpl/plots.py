@@ -18,6 +18,7 @@ pio.renderers.default = "plotly_mimetype+notebook"
 PHASE_COLORS = {
     "forward": "#4C78A8", "backward": "#F58518", "optimizer": "#54A24B", "comm": "#E45756",
     "idle": "#DDDDDD",
+    "gpu": "#72B7B2", "gpu_comm": "#B279A2",     # kernels on a GPU's streams (CUDA runs)
 }
 
 
@@ -37,16 +38,19 @@ def rank_timeline(df, title: str = "Per-rank timeline", max_events: int = 4000) 
     """One lane per rank; each labelled range a horizontal bar coloured by its category.
 
     `df` is refimpl.trace.profiling.load_trace(...); ranges are drawn on a shared time axis (ms).
+    A CUDA run's kernels get a second lane per rank, "rank r GPU" (NCCL kernels as gpu_comm).
     """
     shown = df[df.category.isin(list(PHASE_COLORS))].head(max_events)
     fig = go.Figure()
     for category, g in shown.groupby("category"):
         fig.add_bar(
             name=category, orientation="h", base=g.start_us / 1e3, x=g.dur_us / 1e3,
-            y=[f"rank {r}" for r in g["rank"]], marker_color=PHASE_COLORS.get(category),
+            y=[f"rank {r}" + (" GPU" if category.startswith("gpu") else "") for r in g["rank"]],
+            marker_color=PHASE_COLORS.get(category),
             hovertext=g["name"], hoverinfo="text+x")
     fig.update_layout(title=title, barmode="overlay", xaxis_title="time (ms)", height=150 + 60 *
-                      max(1, shown["rank"].nunique()), yaxis_autorange="reversed")
+                      max(1, shown["rank"].nunique() * (2 if shown.category.str.startswith("gpu").any()
+                                                         else 1)), yaxis_autorange="reversed")
     return fig
 
 

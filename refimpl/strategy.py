@@ -69,6 +69,10 @@ class TrainConfig:
     init_state: str | None = None     # torch.save'd full state dict to start from (any strategy's)
     record_memory: bool = False       # measure each rank's peak inside a step (memory[r].peak)
     model: GPTConfig = field(default_factory=GPTConfig)
+    # Where an in-process run (nproc 1) computes: "auto" = a GPU if there is one. A reference for
+    # an N-rank comparison sets the ranks' device (equivalence.ranks_device), so the two never
+    # straddle CPU and GPU. Ranks themselves always compute where their backend puts them.
+    device: str = "auto"
     options: dict = field(default_factory=dict)   # strategy-specific knobs, e.g. {"bucket_mb": 25}
     # The grid (refimpl.mesh): dp = nproc / (replicas x pp x cp x tp).
     tp: int = 1
@@ -112,6 +116,10 @@ class TrainConfig:
             raise LayoutError(f"--seq-len must be in [1, {self.model.seq_len}] (got {self.seq_len})")
         if self.mixed_precision not in ("fp32", "bf16"):
             raise LayoutError(f"--mixed-precision must be fp32 or bf16 (got {self.mixed_precision})")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise LayoutError(f"device must be auto, cpu or cuda (got {self.device})")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise LayoutError("device cuda asked for, but torch sees no GPU on this machine")
         if self.collectives not in COLLECTIVES:
             raise LayoutError(f"--collectives must be one of {', '.join(COLLECTIVES)} "
                               f"(got {self.collectives!r})")

@@ -11,9 +11,10 @@ Two bandwidths per measurement, as in nccl-tests (doc/PERFORMANCE.md):
   all-reduce moves 2(n-1)/n * M per rank, hence its factor.
 
 `sweep` times torch.distributed's built-ins and refimpl.comm's rebuilds side by side (same API, so
-same code), on fresh ranks, and returns a DataFrame. `memcpy_bandwidth` measures the ceiling: two
-processes on one machine talk through the kernel, which copies every byte at least once, so no
-collective here can beat one core's memcpy.
+same code), on fresh ranks, and returns a DataFrame. The ceiling a sweep is compared with is the
+device's own (refimpl.cost.ceilings, re-exported here): one core's memcpy for CPU ranks on gloo,
+the peer (or device-to-device) copy for GPU ranks on NCCL; `max_message_bytes(backend)` is the
+sweep's largest size per device (MBs on CPU, a GB on GPUs, where links plateau late).
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from refimpl.cost.ceilings import (ceiling_for, copy_sweep, cuda_copy_bandwidth,  # noqa: F401
+                                   max_message_bytes, memcpy_bandwidth)
 from refimpl.cost.collective_bytes import bytes_per_rank_factor
 from refimpl.launch import run
 
@@ -109,28 +112,6 @@ def with_predictions(sweep_df: pd.DataFrame, fits: pd.DataFrame) -> pd.DataFrame
 
 
 # --- measuring --------------------------------------------------------------------------------
-
-def memcpy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Bytes/s of one large tensor copy on one thread, median of `repeats` after a warm-up.
-
-    One thread because each rank has one (OMP_NUM_THREADS=1): it is the fastest any single rank
-    can move bytes, and loopback traffic is copied by the kernel at no more than this.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        src = torch.ones(nbytes // 4)
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t0)
-        return nbytes / statistics.median(times)
-    finally:
-        torch.set_num_threads(threads)
-
 
 def _buffers(op: str, size_bytes: int, n: int, device="cpu"):
     """(input, output, M) for a nominal size: fp32, at least one element per rank's block."""
