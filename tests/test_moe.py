@@ -185,3 +185,33 @@ def _parallelize_three_experts(rank, world):
 
     group = dist.new_group(list(range(world)))
     parallelize_experts(build_model(GPTConfig(d_model=16, n_heads=2, n_experts=3), 0), group)
+
+
+# --- parameters vs FLOPs ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("experts,k,tie", [(8, 2, False), (4, 1, True)])
+def test_moe_has_e_over_k_mlps_of_parameters_for_the_flops_of_its_dense_twin(experts, k, tie):
+    from refimpl.cost.moe_arithmetic import dense_twin, gpt_counts, measured_forward_flops
+
+    cfg = GPTConfig(n_experts=experts, top_k=k, capacity_factor=float(experts), tie_embeddings=tie)
+    idx = torch.zeros(2, 32, dtype=torch.long)
+    for c in (cfg, dense_twin(cfg)):
+        model, formula = GPT(c), gpt_counts(c, context=32)
+        assert count_params(model) == formula.total_params
+        assert measured_forward_flops(model, idx) == 64 * formula.forward_flops_per_token
+    moe, dense = gpt_counts(cfg, 32), gpt_counts(dense_twin(cfg), 32)
+    # Same compute per token (up to the d x E router) for several times the parameters.
+    router_flops = 2 * cfg.n_layers * cfg.d_model * experts
+    assert moe.forward_flops_per_token - dense.forward_flops_per_token == router_flops
+    assert moe.total_params / dense.total_params > 1.5
+
+
+@pytest.mark.parametrize("name,total_tol,active_tol", [("Mixtral 8x7B", 0.005, 0.005),
+                                                       ("DeepSeek-V3", 0.005, 0.02)])
+def test_published_moe_sizes_from_their_configs(name, total_tol, active_tol):
+    from refimpl.cost.moe_arithmetic import PUBLISHED
+
+    fn, total, active = PUBLISHED[name]
+    c = fn()
+    assert abs(c.total_params / total - 1) <= total_tol
+    assert abs(c.active_params / active - 1) <= active_tol
