@@ -199,3 +199,12 @@ def comm_volume_bars(df, psi_bytes: float, title: str = "Bytes moved per rank pe
         fig.add_bar(name=str(op), x=g["strategy"], y=g["volume"] / psi_bytes)
     fig.update_layout(title=title, barmode="stack", yaxis_title="volume / Ψ", height=380)
     return fig
+
+
+def load_heatmap(matrix, x_labels, y_labels, title: str = "Tokens per expert",
+                 x_title: str = "step", y_title: str = "expert") -> go.Figure:
+    """A heatmap of counts (rows: experts or ranks, columns: steps), e.g. MoE routing load."""
+    fig = go.Figure(go.Heatmap(z=matrix, x=list(x_labels), y=[str(y) for y in y_labels],
+                               colorscale="Viridis", colorbar_title="tokens"))
+    fig.update_layout(title=title, xaxis_title=x_title, yaxis_title=y_title, height=320)
+    return fig

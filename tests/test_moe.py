@@ -215,3 +215,16 @@ def test_published_moe_sizes_from_their_configs(name, total_tol, active_tol):
     c = fn()
     assert abs(c.total_params / total - 1) <= total_tol
     assert abs(c.active_params / active - 1) <= active_tol
+
+
+@pytest.mark.parametrize("changes,ep,words", [
+    (dict(n_experts=6), 4, "divisible by ep"), (dict(n_experts=4, top_k=5), 1, "--top-k"),
+    (dict(n_experts=4, capacity_factor=0.0), 1, "--capacity-factor"),
+    (dict(n_experts=4, balance="loss"), 1, "balance"), (dict(), 2, "needs --experts")])
+def test_bad_moe_layouts_are_one_line_layout_errors(changes, ep, words):
+    from refimpl.parallel.moe import validate_moe
+    from refimpl.strategy import LayoutError
+
+    with pytest.raises(LayoutError, match=words) as e:
+        validate_moe(GPTConfig(**changes), ep=ep)
+    assert "\n" not in str(e.value)

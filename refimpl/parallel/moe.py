@@ -180,6 +180,27 @@ class MoEMLP(nn.Module):
         self.expert_bias -= self.cfg.bias_gamma * torch.sign(load - load.mean())
 
 
+def validate_moe(cfg: GPTConfig, ep: int = 1) -> None:
+    """The MoE layout constraints, in the launching process; raises LayoutError (one line)."""
+    from refimpl.strategy import LayoutError
+
+    if cfg.n_experts == 0:
+        if ep > 1:
+            raise LayoutError(f"expert parallelism (ep = {ep}) needs --experts E > 0")
+        return
+    if cfg.n_experts < 0:
+        raise LayoutError(f"--experts must be >= 0 (got {cfg.n_experts})")
+    if not 1 <= cfg.top_k <= cfg.n_experts:
+        raise LayoutError(f"--top-k must be in [1, --experts = {cfg.n_experts}] (got {cfg.top_k})")
+    if not cfg.capacity_factor > 0:
+        raise LayoutError(f"--capacity-factor must be > 0 (got {cfg.capacity_factor})")
+    if cfg.balance not in BALANCE:
+        raise LayoutError(f"balance must be one of {', '.join(BALANCE)} (got {cfg.balance!r})")
+    if cfg.n_experts % ep:
+        raise LayoutError(f"--experts {cfg.n_experts} must be divisible by ep = {ep}: "
+                          f"every rank of the ep group holds E/ep experts")
+
+
 # --- what the training loop calls -------------------------------------------------------------------
 
 def moe_layers(model: nn.Module) -> list[MoEMLP]:
