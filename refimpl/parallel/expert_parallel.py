@@ -166,7 +166,7 @@ def is_expert_param(p: torch.Tensor) -> bool:
     return isinstance(getattr(p, "placement", None), ExpertShard)
 
 
-def gather_expert_state_dict(model: nn.Module, ep_group) -> dict[str, torch.Tensor]:
+def gather_expert_state_dict(model: nn.Module, ep_group, comm=dist) -> dict[str, torch.Tensor]:
     """The reference model's full state dict from an expert-parallel rank (collective on ep_group):
     each expert's tensors are all-gathered from the rank that owns it."""
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
@@ -177,7 +177,8 @@ def gather_expert_state_dict(model: nn.Module, ep_group) -> dict[str, torch.Tens
             mine = dict(layer.experts[str(me * local + j)].state_dict())
             for name, tensor in mine.items():
                 copies = [torch.empty_like(tensor) for _ in range(ep)]
-                dist.all_gather(copies, tensor.detach().contiguous(), group=ep_group)
+                with comm_span("all_gather", tensor.nbytes * (ep - 1)):
+                    comm.all_gather(copies, tensor.detach().contiguous(), group=ep_group)
                 for owner, t in enumerate(copies):
                     state[f"{prefix}experts.{owner * local + j}.{name}"] = t.cpu().clone()
     return state

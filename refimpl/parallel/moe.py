@@ -223,3 +223,20 @@ def update_expert_bias(model: nn.Module) -> None:
 def expert_load(model: nn.Module) -> torch.Tensor:
     """[layers, E] assignments routed to each expert in the last forward (the heatmap's data)."""
     return torch.stack([layer.stats.routed for layer in moe_layers(model)])
+
+
+def moe_step_record(model: nn.Module) -> dict | None:
+    """What the MoE layers did in the last forward, as plain lists for the loop's JSON result
+    (None for a dense model). The expert-parallel all-to-all byte counters are read and reset:
+    call once per step, after backward (the backward's all-to-alls are counted too)."""
+    from refimpl.parallel.expert_parallel import all_to_all_bytes
+
+    layers = moe_layers(model)
+    if not layers or layers[0].stats is None:
+        return None
+    return {"routed": [layer.stats.routed.tolist() for layer in layers],
+            "received": [layer.stats.received.tolist() for layer in layers],
+            "dropped": [layer.stats.dropped for layer in layers],
+            "capacity": layers[0].stats.capacity,
+            "first_expert": getattr(layers[0].dispatch, "first", 0),
+            "all_to_all_bytes": all_to_all_bytes(model)}
