@@ -48,7 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--layers", type=int, default=GPTConfig.n_layers)
     t.add_argument("--d-model", type=int, default=GPTConfig.d_model)
     t.add_argument("--heads", type=int, default=GPTConfig.n_heads)
-    t.add_argument("--experts", type=int, default=0)
+    t.add_argument("--experts", type=int, default=0, help="experts per MoE layer (0: dense MLP)")
+    grid = t.add_argument_group("the rank grid (refimpl.mesh): dp = nproc / (pp x cp x tp)")
+    grid.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    grid.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    grid.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
+    grid.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides dp x cp)")
+    t.add_argument("--collectives", default="torch",
+                   help="torch, or refimpl: every collective rebuilt from send/recv (refimpl.comm)")
     t.add_argument("--set", dest="options", action="append", type=_parse_option, default=[],
                    metavar="KEY=VALUE", help="strategy option, e.g. --set bucket_mb=1 (repeatable)")
     t.add_argument("--timeout", type=float, default=900.0)
@@ -74,7 +81,9 @@ def config_from_args(args):
                        lr=args.lr, micro_batches=args.micro_batches,
                        mixed_precision=args.mixed_precision,
                        activation_checkpointing=args.checkpointing, profile=args.profile,
-                       trace_dir=args.trace_dir, model=model, options=dict(args.options))
+                       trace_dir=args.trace_dir, model=model, options=dict(args.options),
+                       tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
+                       collectives=args.collectives)
 
 
 def main(argv=None) -> int:
@@ -83,6 +92,8 @@ def main(argv=None) -> int:
     from refimpl.train import train_on_ranks, validate
 
     try:
+        if not args.timeout > 0:
+            raise LayoutError(f"--timeout must be > 0 seconds (got {args.timeout})")
         cfg = config_from_args(args)
         validate(cfg)
     except LayoutError as e:

@@ -44,6 +44,9 @@ class GPTConfig:
     bias_gamma: float = 0.001       # DeepSeek-V3's bias update speed
 
     def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
 

@@ -17,8 +17,10 @@ import torch
 
 from refimpl import launch
 from refimpl.memory import ActivationTracker
+from refimpl.mesh import Mesh
 from refimpl.model import build_model, count_params, synthetic_batch
 from refimpl.parallel import get_strategy
+from refimpl.parallel.transforms import validate_model_parallel
 from refimpl.trace.profiling import StepProfiler, profiles_root
 from refimpl.trace.run_record import record_run
 from refimpl.strategy import RunContext, TrainConfig
@@ -27,6 +29,7 @@ from refimpl.strategy import RunContext, TrainConfig
 def validate(cfg: TrainConfig) -> None:
     """Every layout check, in the launching process: raises LayoutError with one line."""
     cfg.validate()
+    validate_model_parallel(cfg)
     get_strategy(cfg.strategy).validate(cfg)
 
 
@@ -37,7 +40,9 @@ def default_trace_dir(cfg: TrainConfig) -> str:
 def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     """Train on this rank; run by `launch.run` on every rank (or once, for `single`)."""
     backend = _current_backend()
-    ctx = RunContext(rank, world_size, backend, launch.device_for(backend), cfg)
+    # This rank's point of the grid and one process group per axis (refimpl.mesh).
+    mesh = Mesh(cfg.dims, rank)
+    ctx = RunContext(rank, world_size, backend, launch.device_for(backend), cfg, mesh)
     torch.manual_seed(cfg.seed)
     reference = build_model(cfg.model, cfg.seed)
     if cfg.init_state is not None:

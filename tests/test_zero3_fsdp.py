@@ -14,7 +14,7 @@ import pytest
 from refimpl.parallel.equivalence import TOLERANCE, compare_with_single
 from refimpl.memory import model_state_bytes, sharded_state_bytes
 from refimpl.model import GPTConfig, build_model, count_params
-from refimpl.parallel.fully_sharded import gpt_units
+from refimpl.parallel.zero3 import gpt_units
 from refimpl.cost.volume import total_volume
 from refimpl.trace.profiling import comm_table, load_trace, summarize
 from refimpl.strategy import LayoutError, TrainConfig

@@ -12,7 +12,7 @@ from refimpl.strategy import LayoutError, Strategy
 STRATEGIES: dict[str, str] = {
     "single": "refimpl.parallel.single:Single",
     "dp-naive": "refimpl.parallel.dp_naive:NaiveDataParallel",
-    "dp": "refimpl.parallel.dp:BucketedDataParallel",
+    "dp": "refimpl.parallel.dp_bucketed:BucketedDataParallel",
     "torch-ddp": "refimpl.parallel.torch_ddp:TorchDDP",
     "zero1": "refimpl.parallel.zero:Zero1",
     "zero2": "refimpl.parallel.zero:Zero2",

@@ -22,22 +22,20 @@ SHARD_GRAD_OP ≈ ZeRO-2):
 """
 from __future__ import annotations
 
-from refimpl.parallel.fully_sharded import FullySharded, ShardingPolicy
-from refimpl.strategy import LayoutError, TrainConfig
+from refimpl.parallel.zero3 import FullySharded, ShardingPolicy
+from refimpl.strategy import Option, TrainConfig
 
 SHARDING_MODES = ("full", "grad_op")
 
 
 class FSDP(FullySharded):
     name = "fsdp"
-    option_names = ("offload", "sharding", "overlap_reduce")
+    options = {**FullySharded.options, "sharding": Option("full", str, choices=SHARDING_MODES),
+               "overlap_reduce": Option(False, bool)}
 
     @classmethod
     def policy(cls, cfg: TrainConfig) -> ShardingPolicy:
         mode = cfg.options.get("sharding", "full")
-        if mode not in SHARDING_MODES:
-            raise LayoutError(f"--set sharding must be one of {', '.join(SHARDING_MODES)} "
-                              f"(got {mode!r})")
         return ShardingPolicy(reshard_after_forward=mode == "full", keep_last_unit=True,
                               prefetch=True,
                               async_reduce=bool(cfg.options.get("overlap_reduce", False)))

@@ -18,10 +18,10 @@ no copy is needed (DDP's `gradient_as_bucket_view=True`, §4.2 of the paper desc
 saves). With gradient accumulation, only the last micro-step's backward launches communication;
 the earlier ones just accumulate locally (DDP's `no_sync`).
 
-What a bucket's collective *is* belongs to the strategy: `all_reduce_sum` for DP and ZeRO-1,
-`reduce_sum_to_owner` for ZeRO-2 (`cut_at` then splits buckets at shard boundaries so that each
+What a bucket's collective *is* belongs to the strategy: `all_reduce_sum` for DP,
+`reduce_sum_to_owner` for ZeRO-1 and ZeRO-2 (`cut_at` then splits buckets at shard boundaries so that each
 bucket has exactly one owner). Both sum: the 1/world of the average was applied to each rank's
-loss (refimpl.parallel.data_parallel explains why not to every gradient element, as DDP does).
+loss (refimpl.strategy's docstring explains why not to every gradient element, as DDP does).
 """
 from __future__ import annotations
 
@@ -80,22 +80,36 @@ def assign_buckets(layout: FlatParams, cap_bytes: float, element_size: int = 4,
     return buckets
 
 
-def all_reduce_sum(bucket: Bucket, grads: torch.Tensor) -> dist.Work:
-    """Every rank gets the bucket's summed gradient (async)."""
+class _Done:
+    """The handle of a collective that had nothing to do (one rank on the axis)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def all_reduce_sum(bucket: Bucket, grads: torch.Tensor, *, group, comm=dist):
+    """Every rank of `group` gets the bucket's summed gradient (async)."""
+    if group is None:
+        return _Done()
     with comm_span("all_reduce", grads.nbytes):
-        return dist.all_reduce(grads, async_op=True)
+        return comm.all_reduce(grads, group=group, async_op=True)
 
 
-def reduce_sum_to_owner(bucket: Bucket, grads: torch.Tensor, shard_numel: int) -> dist.Work:
-    """Only the rank whose shard holds this bucket gets its summed gradient (async)."""
+def reduce_sum_to_owner(bucket: Bucket, grads: torch.Tensor, *, shard_numel: int,
+                        owners: list[int], group, comm=dist):
+    """Only the rank whose shard holds this bucket gets its summed gradient (async).
+    `owners[i]` is the global rank holding shard i (torch's `dst` is a global rank)."""
+    if group is None:
+        return _Done()
     with comm_span("reduce", grads.nbytes):
-        return dist.reduce(grads, dst=bucket.start // shard_numel, async_op=True)
+        return comm.reduce(grads, dst=owners[bucket.start // shard_numel], group=group,
+                           async_op=True)
 
 
 class GradBuckets:
     """Launches one collective per bucket from gradient hooks; `wait()` before the optimizer.
 
-        buckets = GradBuckets(layout, cap_bytes, reduce=all_reduce_sum)
+        buckets = GradBuckets(layout, cap_bytes, reduce=partial(all_reduce_sum, group=g))
         buckets.attach(flat_grad)          # params' .grad become views of flat_grad
         with buckets.micro_step(sync=True):   # communicate this backward? (False: accumulate)
             loss.backward()                    # hooks launch the buckets as they fill

@@ -1,7 +1,7 @@
 """One unit of a fully sharded model: its parameters as flat shards, gathered only while needed.
 
 ZeRO stage 3 (Rajbhandari et al. 2020, §5.3) and PyTorch FSDP (Zhao et al. 2023, §3) share one
-mechanism, which this file holds; `fully_sharded.py` decides *when* to call it (the policy).
+mechanism, which this file holds; `zero3.py` decides *when* to call it (the policy).
 
 A unit is a group of modules that compute together -- one transformer block, the embeddings, or
 final_norm + lm_head. Its parameters are laid end to end in one `FlatParams` buffer, padded to a
@@ -38,9 +38,11 @@ class ShardedUnit:
 
     def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter]], group, rank: int,
                  world_size: int, device: torch.device, compute_dtype: torch.dtype,
-                 master_device: torch.device):
+                 master_device: torch.device, comm=dist):
         self.name = name
-        self.group, self.rank, self.world_size = group, rank, world_size
+        # `group` is the dp x cp axis of the mesh; `rank`/`world_size` this rank's place in it.
+        # `comm` is torch.distributed or refimpl.comm (--collectives refimpl): same signatures.
+        self.group, self.rank, self.world_size, self.comm = group, rank, world_size, comm
         self.device, self.compute_dtype = device, compute_dtype
         self.flat = FlatParams(named_params, world_size)
         with torch.no_grad():
@@ -76,9 +78,13 @@ class ShardedUnit:
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         # The shard as it travels: cast to the compute dtype, moved off the host under offload.
         send = self.master.detach().to(self.device, self.compute_dtype)
+        if self.group is None:                 # one rank on the axis: the shard is everything
+            self.full.copy_(send)
+            self.gathered = True
+            return
         with comm_span("all_gather", self.full.numel() * self.full.element_size()):
-            work = dist.all_gather_into_tensor(self.full, send, group=self.group,
-                                               async_op=async_op)
+            work = self.comm.all_gather_into_tensor(self.full, send, group=self.group,
+                                                    async_op=async_op)
         if async_op:
             self.pending_gather = (work, send)
         else:
@@ -130,9 +136,13 @@ class ShardedUnit:
             p.grad = None
         self.grad_full = None
         shard = torch.empty(self.flat.shard_numel, dtype=torch.float32, device=self.device)
-        with comm_span("reduce_scatter", send.numel() * send.element_size()):
-            work = dist.reduce_scatter_tensor(shard, send, op=dist.ReduceOp.SUM, group=self.group,
-                                              async_op=async_op)
+        if self.group is None:
+            shard.copy_(send)
+            async_op = False
+        else:
+            with comm_span("reduce_scatter", send.numel() * send.element_size()):
+                work = self.comm.reduce_scatter_tensor(shard, send, op=dist.ReduceOp.SUM,
+                                                       group=self.group, async_op=async_op)
 
         def finish() -> None:
             if async_op:
@@ -153,9 +163,12 @@ class ShardedUnit:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Reference names -> full fp32 tensors on the CPU. Collective: all ranks call it."""
         whole = self.flat.empty(torch.float32, self.device)
-        with comm_span("all_gather", whole.numel() * whole.element_size()):
-            dist.all_gather_into_tensor(whole, self.master.detach().to(self.device),
-                                        group=self.group)
+        if self.group is None:
+            whole.copy_(self.master.detach())
+        else:
+            with comm_span("all_gather", whole.numel() * whole.element_size()):
+                self.comm.all_gather_into_tensor(whole, self.master.detach().to(self.device),
+                                                 group=self.group)
         return {k: v.cpu() for k, v in self.flat.state_dict(whole).items()}
 
     @staticmethod

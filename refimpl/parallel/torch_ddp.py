@@ -1,6 +1,6 @@
 """`torch-ddp`: PyTorch's DistributedDataParallel, the twin of `dp`, through the same loop.
 
-DDP implements what refimpl.parallel.dp rebuilds (Li et al. 2020): buckets in reverse parameter
+DDP implements what refimpl.parallel.dp_bucketed rebuilds (Li et al. 2020): buckets in reverse parameter
 order, all-reduce launched from autograd hooks while backward runs, gradients pre-divided by the
 world size. Two settings are chosen to make the comparison like for like:
 
@@ -15,46 +15,57 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from refimpl.memory import ModelStateBytes, measured_model_state
-from refimpl.model import Batch, GPT
-from refimpl.parallel.data_parallel import DataParallelStrategy
-from refimpl.trace.profiling import phase
-from refimpl.strategy import make_optimizer
+from refimpl.model import GPT
+from refimpl.parallel.transforms import model_parallel
+from refimpl.strategy import LayoutError, Option, Strategy, TrainConfig, make_optimizer
 
 
-def wrap_ddp(strategy: DataParallelStrategy, model: GPT) -> DDP:
-    device_ids = [strategy.ctx.device.index] if strategy.ctx.device.type == "cuda" else None
-    return DDP(strategy.replicate(model), device_ids=device_ids,
-               bucket_cap_mb=float(strategy.option("bucket_mb")), gradient_as_bucket_view=True)
+class TorchTwinDDP(Strategy):
+    """What the DDP-based twins share: the wrapped model, its `no_sync`, its dp group."""
 
-
-def ddp_micro_step(ddp: DDP):
-    """Communicate on the last micro-step only: `no_sync()` on the others."""
-    return lambda is_last: contextlib.nullcontext() if is_last else ddp.no_sync()
-
-
-class TorchDDP(DataParallelStrategy):
-    name = "torch-ddp"
-    default_options = {"bucket_mb": 25.0}
+    options = {"bucket_mb": Option(25.0, float, positive=True)}
     scales_loss_by_world = False         # DDP averages by dividing each gradient by the world size
 
-    def setup(self, model: GPT) -> None:
-        self.ddp = wrap_ddp(self, model)
+    @classmethod
+    def validate(cls, cfg: TrainConfig) -> None:
+        super().validate(cfg)
+        require_dp_group(cls.name, cfg)
+
+    def wrap(self, model: GPT) -> None:
+        ctx = self.ctx
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        self.ddp = DDP(model_parallel(model, ctx), device_ids=device_ids,
+                       process_group=self.mesh.group("dp_cp"),
+                       bucket_cap_mb=float(self.option("bucket_mb")), gradient_as_bucket_view=True)
         self.model = self.ddp.module
+
+    @property
+    def forward_model(self):
+        return self.ddp
+
+    def micro_step(self, is_last: bool):
+        """Communicate on the last micro-step only: `no_sync()` on the others."""
+        return contextlib.nullcontext() if is_last else self.ddp.no_sync()
+
+
+def require_dp_group(name: str, cfg: TrainConfig) -> None:
+    """PyTorch's wrappers need a process group of their own for the dp axis; with one dp rank
+    beside other axes there is none to give them (ours simply skip the sync)."""
+    dims = cfg.dims
+    if dims.dp * dims.cp == 1 and cfg.nproc > 1:
+        raise LayoutError(f"strategy {name!r} needs at least 2 data-parallel ranks in a grid with "
+                          f"other axes (got dp = 1 of --nproc {cfg.nproc})")
+
+
+class TorchDDP(TorchTwinDDP):
+    name = "torch-ddp"
+
+    def setup(self, model: GPT) -> None:
+        self.wrap(model)
         self.optimizer = make_optimizer(self.ddp.parameters(), self.ctx.cfg)
-
-    def train_step(self, batch: Batch) -> float:
-        local = self.forward_backward(self.ddp, batch, micro_step=ddp_micro_step(self.ddp))
-        with phase("optimizer"):
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=False)
-        return self.global_mean_loss(local)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.replicated_state_dict(self.model)
 
     def model_state(self) -> ModelStateBytes:
         return measured_model_state(self.ddp.parameters(), self.optimizer)

@@ -16,38 +16,32 @@ anything: on CPU ranks there is nowhere to offload from).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
-from refimpl.model import Batch, GPT, lm_loss
-from refimpl.trace.profiling import comm_span, phase
-from refimpl.strategy import (LayoutError, Strategy, TrainConfig, make_optimizer,
-                              require_equal_rows)
+from refimpl.model import GPT
+from refimpl.parallel.torch_ddp import require_dp_group
+from refimpl.parallel.transforms import model_parallel
+from refimpl.strategy import Option, Strategy, TrainConfig, make_optimizer
 
 
 class TorchFSDP2(Strategy):
     name = "torch-fsdp2"
     reshard_after_forward = True
+    options = {"offload": Option(False, bool)}
+    scales_loss_by_world = False    # FSDP2 divides the reduced gradients by the world size
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
         super().validate(cfg)
-        require_equal_rows(cfg, cfg.nproc)
-        unknown = set(cfg.options) - {"offload"}
-        if unknown:
-            raise LayoutError(f"strategy {cls.name!r} has no option(s) {sorted(unknown)}; "
-                              "known: offload")
+        require_dp_group(cls.name, cfg)
 
     def setup(self, model: GPT) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         ctx, cfg = self.ctx, self.ctx.cfg
-        self.model = model.to(ctx.device)
-        if cfg.activation_checkpointing:
-            from refimpl.parallel.checkpointing import checkpoint_blocks
-
-            checkpoint_blocks(self.model)   # before wrapping, the order torchtitan uses
-        kw = {"reshard_after_forward": self.reshard_after_forward}
+        # Activation checkpointing before wrapping, the order torchtitan uses.
+        self.model = model_parallel(model, ctx)
+        kw = {"reshard_after_forward": self.reshard_after_forward, "mesh": self.device_mesh()}
         if cfg.mixed_precision == "bf16":
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                    reduce_dtype=torch.float32)
@@ -63,23 +57,14 @@ class TorchFSDP2(Strategy):
             module.reshard()
         self.optimizer = make_optimizer(self.model.parameters(), cfg)
 
-    def train_step(self, batch: Batch) -> float:
-        ctx = self.ctx
-        micro = batch.to(ctx.device).shard(ctx.rank, ctx.world_size).micro_batches(
-            ctx.cfg.micro_batches)
-        total = torch.zeros((), device=ctx.device)
-        for mb in micro:
-            with phase("forward"), ctx.autocast():
-                loss = lm_loss(self.model(mb.inputs), mb.targets) / len(micro)
-            with phase("backward"):
-                loss.backward()
-            total += loss.detach().float()
-        with phase("optimizer"):
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=False)
-        with comm_span("all_reduce", total.element_size()):
-            dist.all_reduce(total)
-        return float(total) / ctx.world_size
+    def device_mesh(self):
+        """FSDP2 shards over a DeviceMesh: the mesh's dp x cp group, wrapped as one."""
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        group = self.mesh.group("dp_cp")
+        if group is None:   # one process in all (validate refused dp = 1 beside other axes)
+            return init_device_mesh(self.ctx.device.type, (1,))
+        return DeviceMesh.from_group(group, self.ctx.device.type)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.full_tensor().detach().cpu().clone() for k, v in self.model.state_dict().items()}

@@ -13,34 +13,23 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from refimpl.memory import ModelStateBytes, measured_model_state
-from refimpl.model import Batch, GPT
-from refimpl.parallel.data_parallel import DataParallelStrategy
-from refimpl.parallel.torch_ddp import ddp_micro_step, wrap_ddp
-from refimpl.trace.profiling import phase
+from refimpl.model import GPT
+from refimpl.parallel.torch_ddp import TorchTwinDDP
 
 
-class TorchZero1(DataParallelStrategy):
+class TorchZero1(TorchTwinDDP):
     name = "torch-zero1"
-    default_options = {"bucket_mb": 25.0}
-    scales_loss_by_world = False         # DDP averages by dividing each gradient by the world size
 
     def setup(self, model: GPT) -> None:
         cfg = self.ctx.cfg
-        self.ddp = wrap_ddp(self, model)
-        self.model = self.ddp.module
+        self.wrap(model)
         self.optimizer = ZeroRedundancyOptimizer(
             self.ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=cfg.lr,
-            weight_decay=cfg.weight_decay, foreach=False)
+            weight_decay=cfg.weight_decay, foreach=False, process_group=self.mesh.group("dp_cp"))
 
-    def train_step(self, batch: Batch) -> float:
-        local = self.forward_backward(self.ddp, batch, micro_step=ddp_micro_step(self.ddp))
-        with phase("optimizer"):
-            self.optimizer.step()      # local AdamW on this rank's tensors, then broadcasts
-            self.optimizer.zero_grad(set_to_none=False)
-        return self.global_mean_loss(local)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.replicated_state_dict(self.model)
+    def optimizer_step(self) -> None:
+        self.optimizer.step()      # local AdamW on this rank's tensors, then broadcasts
+        self.optimizer.zero_grad(set_to_none=False)
 
     def model_state(self) -> ModelStateBytes:
         # .optim is the local optimizer: the states this rank actually holds.

@@ -17,49 +17,41 @@ so nothing overlaps; try --set bucket_mb=0.25 to see several buckets leave durin
 """
 from __future__ import annotations
 
-import torch
+from functools import partial
 
 from refimpl.memory import ModelStateBytes, measured_model_state
-from refimpl.model import Batch, GPT
-from refimpl.parallel.data_parallel import DataParallelStrategy
+from refimpl.model import GPT
 from refimpl.parallel.flat_param import FlatParams
 from refimpl.parallel.grad_buckets import GradBuckets, all_reduce_sum
-from refimpl.trace.profiling import phase
-from refimpl.strategy import LayoutError, TrainConfig, make_optimizer
+from refimpl.parallel.transforms import model_parallel
+from refimpl.strategy import Option, Strategy, make_optimizer
 
 MiB = 2 ** 20
 
 
-class BucketedDataParallel(DataParallelStrategy):
+class BucketedDataParallel(Strategy):
     name = "dp"
-    default_options = {"bucket_mb": 25.0}
-
-    @classmethod
-    def validate(cls, cfg: TrainConfig) -> None:
-        super().validate(cfg)
-        if not float(cfg.options.get("bucket_mb", 25.0)) > 0:
-            raise LayoutError(f"bucket_mb must be > 0 (got {cfg.options['bucket_mb']})")
+    options = {"bucket_mb": Option(25.0, float, positive=True)}
 
     def setup(self, model: GPT) -> None:
-        self.model = self.replicate(model)
+        self.model = model_parallel(model, self.ctx)
         # world_size=1: the gradients are not sharded, so the flat buffer needs no padding.
         layout = FlatParams(list(self.model.named_parameters()), world_size=1)
         self.flat_grad = layout.empty(device=self.ctx.device)
-        self.buckets = GradBuckets(layout, float(self.option("bucket_mb")) * MiB,
-                                   reduce=all_reduce_sum)
+        reduce = partial(all_reduce_sum, group=self.mesh.group("dp_cp"), comm=self.comm)
+        self.buckets = GradBuckets(layout, float(self.option("bucket_mb")) * MiB, reduce=reduce)
         self.buckets.attach(self.flat_grad)
         self.optimizer = make_optimizer(self.model.parameters(), self.ctx.cfg)
 
-    def train_step(self, batch: Batch) -> float:
-        local = self.forward_backward(self.model, batch, micro_step=self.buckets.micro_step)
-        self.buckets.wait()
-        with phase("optimizer"):
-            self.optimizer.step()
-            self.flat_grad.zero_()           # in place: the .grad views must stay bound
-        return self.global_mean_loss(local)
+    def micro_step(self, is_last: bool):
+        return self.buckets.micro_step(is_last)     # only the last backward communicates
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.replicated_state_dict(self.model)
+    def sync_gradients(self) -> None:
+        self.buckets.wait()
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.flat_grad.zero_()           # in place: the .grad views must stay bound
 
     def model_state(self) -> ModelStateBytes:
         return measured_model_state(self.model.parameters(), self.optimizer)

@@ -1,0 +1,174 @@
+"""The rank grid: every rank is one point of `arange(world).view(dp, pp, cp, tp)`.
+
+Composing parallelism (DESIGN.md, "Composing parallelism") starts from one grid, as picotron does:
+tensor-parallel peers are neighbouring ranks (tp innermost: one node on a cluster, where NVLink
+carries its per-layer all-reduces), data-parallel peers are the farthest apart (dp outermost:
+across nodes, where one gradient sync per step tolerates InfiniBand). That is the seed's placement
+rule, "model parallel inside a node, data parallel across nodes" (001, 3D parallelism), as an index
+order.
+
+    dims = ParallelDims(dp=2, pp=2, tp=2)          # validated in the launching process
+    dims.groups("tp")  -> [[0, 1], [2, 3], [4, 5], [6, 7]]
+    mesh = Mesh(dims, rank)                         # on each rank, after init_process_group
+    mesh.size("dp"), mesh.index("dp"), mesh.group("dp"), mesh.ranks("dp")
+
+Axes with a process group: "dp", "pp", "cp", "tp"; "dp_cp", the dp x cp ranks that share one
+model shard (ZeRO, FSDP and the gradient sync of context parallelism run over it); "ep", expert
+parallelism, consecutive chunks of `ep` ranks inside each dp_cp group (Megatron's choice); "edp",
+the ranks that hold the same experts (one per chunk), over which expert gradients are averaged.
+
+`replica` is an outermost axis of independent copies of the whole layout, each training the same
+global batch. Nothing in training needs it: the tests use it to prove that every collective stays
+inside its own group (a collective that leaked onto the default group would mix two replicas).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+
+
+
+
+class LayoutError(ValueError):
+    """A layout that cannot work; the message is one line naming the constraint."""
+
+
+AXES = ("dp", "pp", "cp", "tp")                 # grid order: outermost to innermost
+GROUP_AXES = ("dp", "pp", "cp", "tp", "dp_cp", "ep", "edp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp: int = 1
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    replica: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.replica * self.dp * self.pp * self.cp * self.tp
+
+    def validate(self, world_size: int | None = None) -> None:
+        """The grid's own constraints; the model- and batch-dependent ones live with the
+        strategies that need them (refimpl.strategy.TrainConfig.validate gathers them)."""
+        for f in fields(self):
+            size = getattr(self, f.name)
+            if not isinstance(size, int) or size < 1:
+                raise LayoutError(f"--{f.name} must be a positive integer (got {size!r})")
+        if world_size is not None and world_size != self.world_size:
+            raise LayoutError(f"--nproc {world_size} must equal dp x pp x cp x tp = {self.dp} x "
+                              f"{self.pp} x {self.cp} x {self.tp}"
+                              + (f" x {self.replica} replicas" if self.replica > 1 else "")
+                              + f" = {self.world_size}")
+        if (self.dp * self.cp) % self.ep:
+            raise LayoutError(f"--ep {self.ep} must divide dp x cp = {self.dp * self.cp}: expert "
+                              "parallelism reuses the data-parallel ranks")
+
+    def grid(self) -> torch.Tensor:
+        """Global rank at each coordinate: shape (replica, dp, pp, cp, tp)."""
+        return torch.arange(self.world_size).view(self.replica, self.dp, self.pp, self.cp, self.tp)
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """The global ranks of every group along `axis`, each in group order."""
+        grid = self.grid()
+        if axis in AXES or axis == "replica":
+            dim = ("replica",) + AXES
+            moved = grid.movedim(dim.index(axis), -1)
+            return moved.reshape(-1, getattr(self, axis)).tolist()
+        if axis in ("dp_cp", "ep", "edp"):
+            # dp and cp flattened (dp outer): the ranks that hold the same model shard.
+            dp_cp = grid.permute(0, 2, 4, 1, 3).reshape(-1, self.dp * self.cp)
+            if axis == "dp_cp":
+                return dp_cp.tolist()
+            chunks = dp_cp.reshape(-1, (self.dp * self.cp) // self.ep, self.ep)
+            if axis == "ep":
+                return chunks.reshape(-1, self.ep).tolist()
+            return chunks.transpose(1, 2).reshape(-1, (self.dp * self.cp) // self.ep).tolist()
+        raise ValueError(f"unknown axis {axis!r}; axes: {', '.join(GROUP_AXES)}")
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """This rank's index on every axis."""
+        index = (self.grid() == rank).nonzero()[0].tolist()
+        coords = dict(zip(("replica",) + AXES, index))
+        for axis in ("dp_cp", "ep", "edp"):
+            coords[axis] = next(g.index(rank) for g in self.groups(axis) if rank in g)
+        return coords
+
+    def size(self, axis: str) -> int:
+        if axis == "dp_cp":
+            return self.dp * self.cp
+        if axis == "edp":
+            return self.dp * self.cp // self.ep
+        return getattr(self, axis)
+
+
+class Mesh:
+    """This rank's place in the grid and one process group per axis.
+
+    Every rank creates every group, in the same order (torch.distributed.new_group is collective
+    over the whole world even though only members use a group); axes of size 1 get no group.
+    Built once per run and handed to the strategy in its RunContext: nothing here is global.
+    """
+
+    def __init__(self, dims: ParallelDims, rank: int):
+        self.dims = dims
+        self.rank = rank
+        self.coords = dims.coordinates(rank)
+        self._ranks: dict[str, list[int]] = {}
+        self._groups: dict = {}
+        import torch.distributed as dist
+
+        distributed = dist.is_available() and dist.is_initialized()
+        for axis in GROUP_AXES + ("replica",):
+            for ranks in dims.groups(axis):
+                group = None
+                if distributed and len(ranks) > 1:
+                    group = dist.new_group(ranks)
+                if rank in ranks:
+                    self._ranks[axis], self._groups[axis] = ranks, group
+
+    def size(self, axis: str) -> int:
+        return len(self._ranks[axis])
+
+    def index(self, axis: str) -> int:
+        """This rank's position along `axis` (its rank inside that axis's group)."""
+        return self.coords[axis]
+
+    def group(self, axis: str):
+        """The process group along `axis`, or None when the axis has one rank (nothing to do)."""
+        return self._groups[axis]
+
+    def ranks(self, axis: str) -> list[int]:
+        return list(self._ranks[axis])
+
+    def global_rank(self, axis: str, index: int) -> int:
+        """The global rank at position `index` of this rank's group along `axis` (torch's
+        point-to-point calls and `dst`/`src` arguments want global ranks)."""
+        return self._ranks[axis][index]
+
+    def __repr__(self) -> str:
+        shape = " x ".join(f"{a}{self.dims.size(a)}" for a in AXES if self.dims.size(a) > 1)
+        at = ", ".join(f"{a}={self.coords[a]}" for a in AXES if self.dims.size(a) > 1)
+        return f"Mesh({shape or 'single'}; rank {self.rank}: {at})"
+
+
+def describe_grid(dims: ParallelDims) -> list[dict]:
+    """One row per rank: its coordinates and the ranks it talks to on each axis (for tables and
+    the notebooks' grid figure)."""
+    rows = []
+    for rank in range(dims.world_size):
+        coords = dims.coordinates(rank)
+        row = {"rank": rank, **{a: coords[a] for a in ("replica",) + AXES}}
+        for axis in ("dp", "pp", "cp", "tp", "ep"):
+            row[f"{axis}_group"] = next(g for g in dims.groups(axis) if rank in g)
+        rows.append(row)
+    return rows
+
+
+def nodes_spanned(group: list[int], gpus_per_node: int) -> int:
+    """How many nodes one group's ranks live on, with ranks numbered node by node."""
+    return len({r // gpus_per_node for r in group}) if gpus_per_node else math.inf

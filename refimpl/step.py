@@ -1,0 +1,54 @@
+"""The step runner: micro-batches through forward and backward, and the global loss.
+
+Written once for every strategy (refimpl.strategy.Strategy.train_step calls it). With
+`--micro-batches k` a rank's rows are split into k micro-batches whose gradients accumulate; each
+loss is divided by k so the accumulated gradient is the mean over the rank's rows, and by the
+strategy's `divisor` (W for our data-parallel strategies: the 1/W rationale is in
+refimpl.strategy's docstring). A pipeline (pp > 1) replaces this loop by a schedule's table.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager
+
+import torch
+
+from refimpl.model import Batch
+from refimpl.trace.profiling import comm_span, phase
+
+
+def forward_backward(model: Callable, micro_batches: list[Batch], *, loss_fn: Callable,
+                     divisor: int = 1,
+                     micro_step: Callable[[bool], ContextManager] | None = None,
+                     autocast: Callable[[], ContextManager] = contextlib.nullcontext
+                     ) -> torch.Tensor:
+    """Forward and backward over `micro_batches`; returns this rank's mean loss over them (a
+    float64 0-d tensor on the model's device: accumulating it costs no host sync)."""
+    total = torch.zeros((), dtype=torch.float64, device=micro_batches[0].inputs.device)
+    for i, mb in enumerate(micro_batches):
+        is_last = i == len(micro_batches) - 1
+        with micro_step(is_last) if micro_step else contextlib.nullcontext():
+            with phase("forward"), autocast():
+                loss = loss_fn(model(mb.inputs), mb.targets) / len(micro_batches)
+            with phase("backward"):
+                (loss / divisor if divisor != 1 else loss).backward()
+        total += loss.detach().double()
+    return total
+
+
+def global_mean_loss(local: torch.Tensor, mesh, comm) -> torch.Tensor:
+    """The mean over the global batch, on every rank.
+
+    Data-parallel (and context-parallel) ranks hold equal numbers of tokens, so the mean of their
+    means is the global mean: one all-reduce over dp x cp. Under a pipeline only the last stage
+    computed a loss; it is broadcast over pp so every rank returns it (the loop's contract)."""
+    t = local.detach().clone()
+    if mesh.size("dp_cp") > 1:
+        with comm_span("all_reduce", t.nbytes):
+            comm.all_reduce(t, group=mesh.group("dp_cp"))
+        t /= mesh.size("dp_cp")
+    if mesh.size("pp") > 1:
+        with comm_span("broadcast", t.nbytes):
+            comm.broadcast(t, src=mesh.global_rank("pp", mesh.size("pp") - 1),
+                           group=mesh.group("pp"))
+    return t
