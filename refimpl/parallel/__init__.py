@@ -21,6 +21,7 @@ STRATEGIES: dict[str, str] = {
     "fsdp": "refimpl.parallel.fsdp:FSDP",
     "torch-fsdp2": "refimpl.parallel.torch_fsdp2:TorchFSDP2",
     "torch-fsdp2-gradop": "refimpl.parallel.torch_fsdp2:TorchFSDP2GradOp",
+    "ep": "refimpl.parallel.ep:ExpertParallel",
 }
 
 

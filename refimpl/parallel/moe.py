@@ -195,7 +195,11 @@ def validate_moe(cfg: GPTConfig, ep: int = 1) -> None:
     if not cfg.capacity_factor > 0:
         raise LayoutError(f"--capacity-factor must be > 0 (got {cfg.capacity_factor})")
     if cfg.balance not in BALANCE:
-        raise LayoutError(f"balance must be one of {', '.join(BALANCE)} (got {cfg.balance!r})")
+        raise LayoutError(f"--set balance must be one of {', '.join(BALANCE)} (got {cfg.balance!r})")
+    for key in ("aux_alpha", "bias_gamma"):
+        value = getattr(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise LayoutError(f"--set {key} must be a number >= 0 (got {value!r})")
     if cfg.n_experts % ep:
         raise LayoutError(f"--experts {cfg.n_experts} must be divisible by ep = {ep}: "
                           f"every rank of the ep group holds E/ep experts")

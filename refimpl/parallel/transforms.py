@@ -23,13 +23,23 @@ def validate_model_parallel(cfg) -> None:
     for axis in ("tp", "pp", "cp"):
         if getattr(cfg, axis) > 1 and axis not in BUILT_AXES:
             raise LayoutError(f"--{axis} {getattr(cfg, axis)}: this axis has no transform yet")
-    if cfg.ep > 1 or cfg.model.n_experts:
-        raise LayoutError("--experts / --ep: the mixture-of-experts layer is not built yet")
+    from refimpl.parallel.moe import validate_moe
+
+    validate_moe(cfg.model, cfg.dims.ep)
+    if cfg.dims.ep > 1 and cfg.strategy != "ep":
+        # Every other data-parallel flavour would average different experts' gradients over dp.
+        raise LayoutError(f"--ep {cfg.dims.ep} runs with --strategy ep (its data-parallel sync "
+                          "keeps expert gradients on the ranks holding the same experts)")
 
 
 def model_parallel(model: nn.Module, ctx) -> nn.Module:
     """This rank's share of the reference model, on its device, before data parallelism."""
     model = model.to(ctx.device)
+    if ctx.mesh.size("ep") > 1:
+        from refimpl.parallel.expert_parallel import parallelize_experts
+
+        # Tokens come from every dp x cp rank (the capacity is global); experts move over "ep".
+        parallelize_experts(model, ctx.mesh.group("ep"), ctx.mesh.group("dp_cp"), comm=ctx.comm)
     if ctx.cfg.activation_checkpointing:
         checkpoint_blocks(model)
     return model
