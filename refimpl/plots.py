@@ -33,17 +33,20 @@ def memory_bars(df, title: str = "Memory per category") -> go.Figure:
     return fig
 
 
-def rank_timeline(df, title: str = "Per-rank timeline", max_events: int = 4000) -> go.Figure:
+def rank_timeline(df, title: str = "Per-rank timeline", max_events: int = 4000,
+                  colors: dict | None = None) -> go.Figure:
     """One lane per rank; each labelled range a horizontal bar coloured by its category.
 
     `df` is refimpl.trace.profiling.load_trace(...); ranges are drawn on a shared time axis (ms).
+    `colors`: category -> colour, for other categories than the phases (e.g. MoE's labels).
     """
-    shown = df[df.category.isin(list(PHASE_COLORS))].head(max_events)
+    colors = colors or PHASE_COLORS
+    shown = df[df.category.isin(list(colors))].head(max_events)
     fig = go.Figure()
     for category, g in shown.groupby("category"):
         fig.add_bar(
             name=category, orientation="h", base=g.start_us / 1e3, x=g.dur_us / 1e3,
-            y=[f"rank {r}" for r in g["rank"]], marker_color=PHASE_COLORS.get(category),
+            y=[f"rank {r}" for r in g["rank"]], marker_color=colors.get(category),
             hovertext=g["name"], hoverinfo="text+x")
     fig.update_layout(title=title, barmode="overlay", xaxis_title="time (ms)", height=150 + 60 *
                       max(1, shown["rank"].nunique()), yaxis_autorange="reversed")

@@ -58,7 +58,7 @@ def train_moe(cfg: GPTConfig, rank: int = 0, world: int = 1, group=None, comm=No
         opt.zero_grad(set_to_none=False)
         update_expert_bias(model)
         layers = moe_layers(model)
-        out["losses"].append(float(loss))
+        out["losses"].append(float(loss.detach()))
         out["keep"].append([layer.keep.clone() for layer in layers])
         out["routed"].append([layer.stats.routed.clone() for layer in layers])
         out["received"].append([layer.stats.received.clone() for layer in layers])

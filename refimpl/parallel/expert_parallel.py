@@ -72,8 +72,10 @@ class AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         in_splits, out_splits, group, comm, traffic, kind = ctx.args
         back = "combine" if kind == "dispatch" else "dispatch"   # the same edges, reversed
-        return (_exchange(grad.contiguous(), in_splits, out_splits, group, comm, traffic, back),
-                None, None, None, None, None, None)
+        with phase(f"moe:{kind}.backward"):
+            grad_in = _exchange(grad.contiguous(), in_splits, out_splits, group, comm, traffic,
+                                back)
+        return grad_in, None, None, None, None, None, None
 
 
 def _exchange(x, out_splits, in_splits, group, comm, traffic, kind):
