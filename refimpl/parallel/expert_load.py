@@ -79,3 +79,24 @@ def skew_router(model, strength: float = 3.0, seed: int = 1) -> None:
         block.ln2.bias.copy_(v)
         block.mlp.router.weight[0] += strength * v
         block.mlp.router.weight[1] += strength / 2 * v
+
+
+def all_to_all_frame(result: dict, hidden: int, bytes_per_value: int = 4) -> pd.DataFrame:
+    """(rank, step, sent_bytes, from_routing): the bytes each rank's MoE all-to-alls sent per step
+    (counted by the layer), and the same number rebuilt from routing alone: each row that went
+    to another rank's expert or came back from one, twice (forward, then backward).
+
+    Assumes the `ep` strategy's grid (no tp/pp/cp): ep groups are chunks of consecutive ranks."""
+    per_rank = result["per_rank"]
+    rows = []
+    for rank, per in enumerate(per_rank):
+        for step, rec in enumerate(per["moe"]):
+            ep = len(rec["received"][0])
+            me, base = rank % ep, rank - rank % ep
+            came = sum(sum(row) for layer in rec["received"] for s, row in enumerate(layer) if s != me)
+            went = sum(sum(layer[me]) for p in range(ep) if p != me
+                       for layer in per_rank[base + p]["moe"][step]["received"])
+            rows.append({"rank": rank, "step": step,
+                         "sent_bytes": sum(rec["all_to_all_bytes"].values()),
+                         "from_routing": 2 * (came + went) * hidden * bytes_per_value})
+    return pd.DataFrame(rows)
