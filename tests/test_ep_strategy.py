@@ -25,7 +25,12 @@ def config(nproc: int, ep: int = 1, **moe) -> TrainConfig:
                        model=replace(MODEL, **moe), return_state=True)
 
 
-CASES = {2: {"loose": config(2, **LOOSE), "tight": config(2, **TIGHT)},
+CASES = {2: {"loose": config(2, **LOOSE), "tight": config(2, **TIGHT),
+             "refimpl-collectives": config(2, **LOOSE).with_(collectives="refimpl"),
+             "tight-checkpointing": config(2, **TIGHT).with_(activation_checkpointing=True),
+             # Micro-batches: capacity and f_i are per micro-batch, whose tokens differ between
+             # layouts; with nothing dropped and no aux loss the maths is the same (ep.py).
+             "micro2-loose-none": config(2, **LOOSE, balance="none").with_(micro_batches=2)},
          4: {"loose": config(4, **LOOSE), "tight": config(4, **TIGHT),
              "ep2-loose": config(4, ep=2, **LOOSE), "ep2-tight": config(4, ep=2, **TIGHT)}}
 

@@ -16,7 +16,13 @@ each chunk of `ep` consecutive ranks, the experts are spread E/ep per rank
                                                                   same experts
 
 Averaging an expert's gradient over dp x cp would mix expert 0's gradient into expert 2's weights:
-that is the one rule expert parallelism adds to data parallelism. `--strategy ep --nproc N` puts
+that is the one rule expert parallelism adds to data parallelism.
+
+Equal to `single` with the same experts (tests/test_ep_strategy.py), dropped tokens included,
+because capacity and the aux loss's f_i are computed over the whole global batch. With
+`--micro-batches m > 1` they are per micro-batch, and a rank's i-th micro-batch is not single's
+i-th micro-batch: the two runs then agree only when nothing overflows and balance != aux
+(and the bias is nudged from the last micro-batch's load). `--strategy ep --nproc N` puts
 the whole world on one ep group (ep = N, edp = 1); `--ep E` with a larger dp keeps E per chunk.
 """
 from __future__ import annotations

@@ -168,7 +168,8 @@ class MoEMLP(nn.Module):
         self.stats = MoEStats(routed, routed.clamp(max=capacity), capacity, received)
         self.keep = keep.view(-1, k)
         gate = r.gates.reshape(-1)[order]
-        out = tokens.new_zeros(tokens.shape).index_add(0, token_of, y * gate[:, None])
+        weighted = y * gate[:, None]          # (under bf16 autocast the experts' dtype)
+        out = weighted.new_zeros(tokens.shape).index_add(0, token_of, weighted)
         return out.view(shape)
 
     @torch.no_grad()
