@@ -4,8 +4,8 @@
     torchrun --nproc-per-node 2 -m refimpl train --strategy dp --json
 
 Prints one JSON object (DESIGN.md): strategy, world_size, losses (rank 0's view of the global loss,
-one per step), step_time_s (median after warm-up), n_params, memory (per rank, bytes by category),
-trace_dir. Invalid arguments exit 2 with one line naming the constraint, before any process starts.
+one per step), step_time_s (median after warm-up), n_params, memory (per rank, bytes by category,
+and `peak`: the most the rank held at any moment of a step after the first), trace_dir. Invalid arguments exit 2 with one line naming the constraint, before any process starts.
 """
 from __future__ import annotations
 
@@ -92,7 +92,8 @@ def config_from_args(args):
                        activation_checkpointing=args.checkpointing, profile=args.profile,
                        trace_dir=args.trace_dir, model=model, options=options,
                        tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
-                       collectives=args.collectives)
+                       collectives=args.collectives,
+                       record_memory=not args.profile)   # memory[r].peak (not under --profile)
 
 
 def main(argv=None) -> int:

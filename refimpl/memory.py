@@ -210,9 +210,6 @@ class ActivationTracker:
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
 
-    def reset_peak(self) -> None:
-        self.peak = self.current
-
     def _pack(self, t: torch.Tensor):
         key = t.untyped_storage().data_ptr()
         if _storage_id(t) in self._excluded or isinstance(t, torch.nn.Parameter) or t.numel() == 0:

@@ -23,12 +23,9 @@ inside its own group (a collective that leaked onto the default group would mix 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 import torch
-
-
 
 
 class LayoutError(ValueError):
@@ -123,13 +120,14 @@ class Mesh:
         import torch.distributed as dist
 
         distributed = dist.is_available() and dist.is_initialized()
+        made: dict[tuple, object] = {}     # axes with the same ranks share one group (dp = dp_cp)
         for axis in GROUP_AXES + ("replica",):
             for ranks in dims.groups(axis):
-                group = None
-                if distributed and len(ranks) > 1:
-                    group = dist.new_group(ranks)
+                key = tuple(ranks)
+                if distributed and len(ranks) > 1 and key not in made:
+                    made[key] = dist.new_group(ranks)
                 if rank in ranks:
-                    self._ranks[axis], self._groups[axis] = ranks, group
+                    self._ranks[axis], self._groups[axis] = ranks, made.get(key)
 
     def size(self, axis: str) -> int:
         return len(self._ranks[axis])
@@ -169,6 +167,3 @@ def describe_grid(dims: ParallelDims) -> list[dict]:
     return rows
 
 
-def nodes_spanned(group: list[int], gpus_per_node: int) -> int:
-    """How many nodes one group's ranks live on, with ranks numbered node by node."""
-    return len({r // gpus_per_node for r in group}) if gpus_per_node else math.inf

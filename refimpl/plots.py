@@ -204,6 +204,49 @@ def comm_volume_bars(df, psi_bytes: float, title: str = "Bytes moved per rank pe
     return fig
 
 
+AXIS_COLORS = {"tp": "#E45756", "cp": "#B279A2", "pp": "#F58518", "dp": "#4C78A8",
+               "ep": "#54A24B"}
+
+
+def mesh_figure(grid_rows, title: str = "The rank grid") -> go.Figure:
+    """Every rank as a box at (column = cp·tp index, row = dp·pp index); one line trace per axis
+    joins the ranks of each group, so a reader sees which ranks talk over which axis (click an
+    axis in the legend to hide it). `grid_rows` is refimpl.mesh.describe_grid(dims)."""
+    rows = list(grid_rows)
+    tp = max(r["tp"] for r in rows) + 1
+    pp = max(r["pp"] for r in rows) + 1
+    per_replica = max(r["dp"] for r in rows) + 1
+
+    def position(r):
+        return r["cp"] * tp + r["tp"], -((r["replica"] * per_replica + r["dp"]) * pp + r["pp"])
+
+    where = {r["rank"]: position(r) for r in rows}
+    fig = go.Figure()
+    for axis, color in AXIS_COLORS.items():
+        xs, ys, seen = [], [], set()
+        for r in rows:
+            group = tuple(r[f"{axis}_group"])
+            if len(group) < 2 or group in seen:
+                continue
+            seen.add(group)
+            for member in group:
+                xs.append(where[member][0])
+                ys.append(where[member][1])
+            xs.append(None)
+            ys.append(None)
+        if xs:
+            fig.add_scatter(x=xs, y=ys, mode="lines", name=f"{axis} groups",
+                            line=dict(color=color, width=3), hoverinfo="skip")
+    fig.add_scatter(x=[where[r["rank"]][0] for r in rows], y=[where[r["rank"]][1] for r in rows],
+                    mode="markers+text", text=[str(r["rank"]) for r in rows], name="ranks",
+                    marker=dict(size=34, color="white", line=dict(color="#333", width=2)),
+                    hovertext=[f"rank {r['rank']}: dp {r['dp']} pp {r['pp']} cp {r['cp']} "
+                               f"tp {r['tp']}" for r in rows], hoverinfo="text")
+    fig.update_layout(title=title, height=120 + 70 * len({y for _, y in where.values()}),
+                      xaxis=dict(visible=False), yaxis=dict(visible=False))
+    return fig
+
+
 def load_heatmap(matrix, x_labels, y_labels, title: str = "Tokens per expert",
                  x_title: str = "step", y_title: str = "expert") -> go.Figure:
     """A heatmap of counts (rows: experts or ranks, columns: steps), e.g. MoE routing load."""

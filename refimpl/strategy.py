@@ -67,6 +67,7 @@ class TrainConfig:
     trace_dir: str | None = None      # where --profile writes; default profiles/cli/<strategy>-<n>
     return_state: bool = False        # include the full state dict in each rank's result
     init_state: str | None = None     # torch.save'd full state dict to start from (any strategy's)
+    record_memory: bool = False       # measure each rank's peak inside a step (memory[r].peak)
     model: GPTConfig = field(default_factory=GPTConfig)
     options: dict = field(default_factory=dict)   # strategy-specific knobs, e.g. {"bucket_mb": 25}
     # The grid (refimpl.mesh): dp = nproc / (replicas x pp x cp x tp).

@@ -22,6 +22,7 @@ from refimpl.model import build_model, count_params, synthetic_batch
 from refimpl.parallel import get_strategy
 from refimpl.parallel.moe import moe_step_record
 from refimpl.parallel.transforms import validate_model_parallel
+from refimpl.trace.memory_events import StepPeak
 from refimpl.trace.profiling import StepProfiler, profiles_root
 from refimpl.trace.run_record import record_run
 from refimpl.strategy import RunContext, TrainConfig
@@ -56,10 +57,12 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
 
     losses, step_times, activation_peak, moe_records = [], [], 0, []
     trace_dir = (cfg.trace_dir or default_trace_dir(cfg)) if cfg.profile else None
-    with StepProfiler(trace_dir, rank, cfg.steps) as profiler:
+    peak = StepPeak(ctx.device, enabled=cfg.record_memory and not cfg.profile)
+    with StepProfiler(trace_dir, rank, cfg.steps) as profiler, peak:
         for step in range(cfg.steps):
             batch = synthetic_batch(cfg.model, cfg.global_batch, cfg.seq_len, cfg.seed, step)
             tracker = ActivationTracker(exclude=strategy.activation_exclusions())
+            peak.step_begins(step)
             _sync(ctx)
             start = time.perf_counter()
             with tracker:
@@ -81,7 +84,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         "n_params": n_params,
         "memory": {"params": int(state.params), "grads": int(state.grads),
                    "optimizer": int(state.optimizer), "activations_peak": int(activation_peak),
-                   "total": int(state.total + activation_peak)},
+                   "total": int(state.total + activation_peak),
+                   **peak.result(kept_bytes=int(state.total))},
         "trace_dir": trace_dir,
     }
     if moe_records:   # MoE: per step, tokens per expert (routed, and received by this rank)

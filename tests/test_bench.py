@@ -99,3 +99,16 @@ def test_cost_table_times_use_the_fitted_model():
 def test_7b_dp_traffic_on_8_ranks():
     t = strategy_cost.cost_table(strategy_cost.LLAMA_7B, 8).set_index("strategy")
     assert t.loc["DP", "sent_per_rank_bytes"] / 1e9 == pytest.approx(2 * 7 / 8 * 6.738415616 * 2, rel=1e-9)
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather", "all_to_all"])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_our_algorithms_send_what_the_one_table_says(op, n):
+    # The exact per-rank count of refimpl.comm's algorithms, on a tensor that divides evenly,
+    # is the factor written once in refimpl.cost.collective_bytes.
+    from refimpl.comm.traffic import expected_sent
+    from refimpl.cost.collective_bytes import sent_per_rank
+
+    numel = 12 * 1024
+    for rank in range(n):
+        assert expected_sent(op, rank, n, numel) == pytest.approx(sent_per_rank(op, n, numel * 4))

@@ -22,14 +22,34 @@ def test_train_json_has_the_documented_fields(tmp_path):
     assert len(out["losses"]) == 3 and all(isinstance(x, float) for x in out["losses"])
     assert out["step_time_s"] > 0 and out["n_params"] > 1_000_000
     (mem,) = out["memory"]
-    assert set(mem) == {"params", "grads", "optimizer", "activations_peak", "total"}
+    assert set(mem) == {"params", "grads", "optimizer", "activations_peak", "total", "peak",
+                        "transient_peak"}
     assert mem["total"] == mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations_peak"]
+    assert mem["peak"] is None        # the profiler that --profile runs drops allocator events
     assert out["trace_dir"] == str(tmp_path) and list(tmp_path.glob("rank0.*.pt.trace.json"))
+
+
+def test_peak_is_what_a_rank_held_during_a_step():
+    # The peak is measured from the allocator's own events: above what the rank keeps between
+    # steps (model states), by at least the activations autograd saved for backward.
+    proc = _cli("--strategy", "dp", "--nproc", "2", "--steps", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    for mem in json.loads(proc.stdout)["memory"]:
+        kept = mem["params"] + mem["grads"] + mem["optimizer"]
+        assert mem["peak"] == kept + mem["transient_peak"]
+        assert mem["transient_peak"] >= mem["activations_peak"]
 
 
 @pytest.mark.parametrize("args, says", [
     (["--strategy", "no-such"], "unknown strategy"),
-    (["--steps", "0"], "--steps must be >= 1"),
+    (["--steps", "0"], "--steps must be a positive integer"),
+    (["--lr", "nan"], "--lr must be a finite number > 0"),
+    (["--layers", "-1"], "n_layers must be >= 1"),
+    (["--experts", "4"], "mixture-of-experts"),
+    (["--strategy", "dp", "--nproc", "3", "--tp", "2"], "multiple of pp x cp x tp"),
+    (["--strategy", "dp", "--set", "bucket_mb=0"], "bucket_mb must be > 0"),
+    (["--collectives", "nccl"], "--collectives must be one of"),
+    (["--timeout", "-1"], "--timeout must be > 0"),
     (["--nproc", "2"], "at most 1"),
     (["--global-batch", "6", "--micro-batches", "4"], "multiple of --micro-batches"),
     (["--heads", "7"], "divisible by n_heads"),

@@ -41,15 +41,6 @@ class CommCounter:
     def __exit__(self, *exc) -> None:
         _COUNTERS.reset(self._token)
 
-    @property
-    def total_sent(self) -> int:
-        return sum(self.sent.values())
-
-    def as_dict(self) -> dict:
-        """Plain dicts (picklable, printable): {"sent": {...}, "received": {...}, "messages": {...}}."""
-        return {"sent": dict(self.sent), "received": dict(self.received),
-                "messages": dict(self.messages)}
-
 
 def record_send(nbytes: int) -> None:
     op = _OP.get()

@@ -1,12 +1,11 @@
 """Bytes each rank sends in each rebuilt collective: predicted from the algorithm, and counted.
 
 The prediction is per rank and exact, chunk by chunk, so a notebook can assert equality rather
-than "about right". For an M-byte tensor on n ranks:
+than "about right". For the ring and pairwise collectives, with a tensor that divides evenly, it
+is refimpl.cost.collective_bytes' table (the one place those factors are written; a test checks
+that both agree); with uneven chunks it is the exact integer. The tree and linear collectives
+send unevenly by design:
 
-    all_reduce (ring)         2(n-1)/n * M   every rank    (Patarasuk & Yuan 2009)
-    reduce_scatter (ring)      (n-1)/n * M   every rank    M = the whole input of one rank
-    all_gather (ring)          (n-1)/n * M   every rank    M = the whole gathered output
-    all_to_all (pairwise)      (n-1)/n * M   every rank    M = one rank's input
     broadcast (binomial)       M per child   root sends most: ceil(log2 n) * M
     reduce (binomial)          M             every rank but the root, once
     scatter / gather           (n-1)/n * M at the root / M/n from each other rank

@@ -28,6 +28,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from refimpl.cost.collective_bytes import bytes_per_rank_factor
 from refimpl.launch import run
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send_recv")
@@ -35,15 +36,9 @@ IMPLS = ("torch", "refimpl")
 
 
 def busbw_factor(op: str, world_size: int) -> float:
-    """nccl-tests' bus-bandwidth factor: bytes a rank's link carries per byte of message."""
-    n = world_size
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    if op in ("broadcast", "reduce", "send_recv"):
-        return 1.0
-    raise ValueError(f"no bus-bandwidth factor for {op!r}")
+    """nccl-tests' bus-bandwidth factor: bytes a rank's link carries per byte of message
+    (the table in refimpl.cost.collective_bytes)."""
+    return bytes_per_rank_factor(op, world_size)
 
 
 def message_sizes(min_bytes: int = 4, max_bytes: int = 64 << 20, factor: int = 2) -> list[int]:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from refimpl.cost.collective_bytes import sent_per_rank
+
 # The seed's qualitative columns (frequency, bottleneck), in English with the Korean beside.
 BOTTLENECK = {
     "DP": "all-reduce time (All-Reduce 시간)",
@@ -66,29 +68,25 @@ LLAMA_7B = TrainingShape("7B (Llama-2-7B shape)", n_params=6_738_415_616, n_laye
                          seq_len=4096, micro_batch=1, n_micro_batches=8, bytes_per_value=2)
 
 
-def ring_factor(n: int) -> float:
-    return (n - 1) / n
-
-
 def strategy_traffic(shape: TrainingShape, n: int) -> list[dict]:
     """Per strategy: the calls one step makes (op, message bytes, count) and bytes sent per rank."""
     psi_b, act, L, m = shape.param_bytes, shape.activation_bytes, shape.n_layers, shape.n_micro_batches
     return [
         {"strategy": "DP", "operations": "all_reduce", "frequency": "once per (accumulated) step",
          "calls": [("all_reduce", psi_b, 1)],
-         "sent_per_rank": 2 * ring_factor(n) * psi_b},
+         "sent_per_rank": sent_per_rank("all_reduce", n, psi_b)},
         {"strategy": "ZeRO-3 / FSDP", "operations": "all_gather, reduce_scatter",
          "frequency": "per layer, in forward and in backward",
          "calls": [("all_gather", psi_b / L, 2 * L), ("reduce_scatter", psi_b / L, L)],
-         "sent_per_rank": 3 * ring_factor(n) * psi_b},
+         "sent_per_rank": 3 * sent_per_rank("all_gather", n, psi_b)},
         {"strategy": "TP", "operations": "all_reduce (+ all_gather, reduce_scatter with SP)",
          "frequency": "4 per layer per micro-batch",
          "calls": [("all_reduce", act, 4 * L * m)],
-         "sent_per_rank": 4 * L * m * 2 * ring_factor(n) * act},
+         "sent_per_rank": 4 * L * m * sent_per_rank("all_reduce", n, act)},
         {"strategy": "PP", "operations": "send / recv",
          "frequency": "2 per micro-batch per stage boundary",
          "calls": [("send_recv", act, 2 * m)],
-         "sent_per_rank": 2 * m * act},
+         "sent_per_rank": 2 * m * sent_per_rank("send_recv", n, act)},
     ]
 
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-PAPER_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "reduce": 1}
+from refimpl.cost.collective_bytes import paper_factor
+
+PAPER_FACTOR = {op: paper_factor(op) for op in ("all_reduce", "reduce_scatter", "all_gather", "reduce")}
 
 
 def volume_per_step(run: str | Path, min_bytes: int = 1024):

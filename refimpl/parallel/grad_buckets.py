@@ -174,9 +174,3 @@ class GradBuckets:
                 b.work = None
         self._sync = False
 
-    def bucket_bytes(self, element_size: int = 4) -> list[int]:
-        return [b.numel * element_size for b in self.buckets]
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()

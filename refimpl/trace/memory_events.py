@@ -1,27 +1,22 @@
-"""Peak memory inside a step, from the CPU allocator's own events.
+"""Peak memory inside a step: the allocator's own account, on CPU and on CUDA.
 
-Counting tensors by category (refimpl.memory) says what a rank *keeps* between steps. ZeRO-3 and
-FSDP differ from each other in what they hold for a moment *during* the step: gathered parameters,
-full-size gradient buffers, prefetched units. On a GPU `torch.cuda.max_memory_allocated` answers
-that. On CPU ranks the profiler does: with `profile_memory=True` the CPU allocator reports every
-allocation and free, with the running total of bytes allocated since profiling began, as a
-`[memory]` event.
+Counting tensors by category (refimpl.memory) says what a rank *keeps* between steps. Strategies
+differ most in what they hold for a moment *during* the step: gathered parameters, full-size
+gradient buffers (ZeRO-1 keeps one through backward, ZeRO-2 does not), prefetched units. The loop
+records that with `StepPeak` when `TrainConfig.record_memory` is set (the CLI sets it):
 
-The loop's StepProfiler records every thread (for asynchronous collectives), and in torch 2.13 that
-mode drops the allocator's events. So memory gets a run of its own:
+  * CUDA: `torch.cuda.max_memory_allocated`, reset when the second step begins;
+  * CPU: the profiler with `profile_memory=True`, whose `[memory]` events carry the CPU
+    allocator's running total. Every allocation through PyTorch's CPU allocator counts, whatever
+    the strategy: PyTorch FSDP2's tensors and gloo's temporary copies included. The loop's own
+    StepProfiler (--profile) records every thread, and in torch 2.13 that mode drops the
+    allocator's events, so a profiled run reports no CPU peak.
 
-    results = train_several_recording_memory(cfgs, record_memory=[True, False, ...])
-    results[0]["transient_peak"]     # rank -> bytes
-
-runs the configurations one after another in one launch (as train_several_on_ranks does). Each
-one marked runs under a memory-only profiler; its result gains `transient_peak`: per rank, the most
-any step after the first allocated on top of what it began with. (The first step also creates
-Adam's m and v, which are kept, not transient.) Steps are found from the strategies' own
-`phase()` labels: a step runs from its first forward to the end of its optimizer phase. Every
-allocation through PyTorch's CPU allocator counts, whatever the strategy: tensors of PyTorch's FSDP2
-and gloo's temporary copies included.
-
-The peak a rank needs is its kept model state plus `transient_peak`.
+Two numbers per rank, for the steps after the first (the first also creates Adam's m and v, which
+are kept, not transient): `transient_peak`, the most allocated on top of what the step began with,
+and `peak`, what the rank held at that moment (the kept model state plus the transient).
+Steps are found from the strategies' own `phase()` labels: a step runs from its first forward to
+the end of its optimizer phase.
 """
 from __future__ import annotations
 
@@ -29,57 +24,67 @@ import os
 import tempfile
 from pathlib import Path
 
+import torch
+
 from refimpl.trace.profiling import read_trace
-from refimpl.strategy import TrainConfig
 
 
-def train_several_recording_memory(cfgs: list[TrainConfig], record_memory: list[bool],
-                                   timeout: float = 900.0) -> list[dict]:
-    """train_several_on_ranks, where each config with `record_memory` also reports its
-    `transient_peak` (rank -> bytes). Those configs must not set `profile` (one profiler at a
-    time)."""
-    from refimpl import launch
-    from refimpl.train import merge_results, validate
+class StepPeak:
+    """Around the loop: `with StepPeak(device, enabled) as peak: ... peak.step_begins(i) ...`,
+    then `peak.result(kept_bytes)` -> {"peak": bytes, "transient_peak": bytes} (None: not measured)."""
 
-    if len(cfgs) != len(record_memory):
-        raise ValueError("one record_memory flag per configuration")
-    if any(c.profile and m for c, m in zip(cfgs, record_memory)):
-        raise ValueError("a configuration recording memory cannot also be profiled by the loop")
-    if len({c.nproc for c in cfgs}) != 1:
-        raise ValueError("every configuration needs the same nproc")
-    for cfg in cfgs:
-        validate(cfg)
-    runs = launch.run(_train_several, cfgs[0].nproc, cfgs, record_memory, timeout=timeout,
-                      quiet=True)
-    out = []
-    for i, (cfg, recorded) in enumerate(zip(cfgs, record_memory)):
-        merged = merge_results(cfg, [rank_runs[i][0] for rank_runs in runs])
-        if recorded:
-            merged["transient_peak"] = {r: rank_runs[i][1] for r, rank_runs in enumerate(runs)}
-        out.append(merged)
-    return out
+    def __init__(self, device: torch.device, enabled: bool):
+        self.device, self.enabled = device, enabled
+        self._prof = None
+        self._cuda_base = None
+        self._transient = None
+
+    def __enter__(self) -> "StepPeak":
+        if self.enabled and self.device.type == "cpu":
+            from torch.profiler import ProfilerActivity, profile
+
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+        return self
+
+    def step_begins(self, step: int) -> None:
+        if self.enabled and self.device.type == "cuda" and step == 1:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._cuda_base = torch.cuda.memory_allocated(self.device)
+
+    def __exit__(self, *exc) -> None:
+        if self._prof is not None:
+            self._prof.__exit__(*exc)
+            if exc[0] is None:
+                fd, path = tempfile.mkstemp(suffix=".json")
+                os.close(fd)
+                try:
+                    self._prof.export_chrome_trace(path)
+                    self._transient = transient_peak(Path(path))
+                finally:
+                    os.unlink(path)
+        elif self._cuda_base is not None:
+            self._transient = torch.cuda.max_memory_allocated(self.device) - self._cuda_base
+
+    def result(self, kept_bytes: int) -> dict:
+        if self._transient is None:
+            return {"peak": None, "transient_peak": None}
+        return {"peak": int(kept_bytes + self._transient), "transient_peak": int(self._transient)}
 
 
-def _train_several(rank: int, world_size: int, cfgs, record_memory) -> list[tuple]:
-    from refimpl.train import train_rank
+def train_several_recording_memory(cfgs, record_memory: list[bool], timeout: float = 900.0):
+    """train_several_on_ranks with `record_memory` set where asked; each such result gains
+    `transient_peak` (rank -> bytes), as notebooks 04-05 read it."""
+    from refimpl.train import train_several_on_ranks
 
-    out = []
-    for cfg, recorded in zip(cfgs, record_memory):
-        if not recorded:
-            out.append((train_rank(rank, world_size, cfg), None))
-            continue
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            result = train_rank(rank, world_size, cfg)
-        fd, path = tempfile.mkstemp(suffix=".json")
-        os.close(fd)
-        try:
-            prof.export_chrome_trace(path)
-            out.append((result, transient_peak(Path(path))))
-        finally:
-            os.unlink(path)
-    return out
+    cfgs = [c.with_(record_memory=bool(m)) for c, m in zip(cfgs, record_memory, strict=True)]
+    results = train_several_on_ranks(cfgs, timeout=timeout)
+    for cfg, result in zip(cfgs, results):
+        if cfg.record_memory:
+            result["transient_peak"] = {r: m["transient_peak"]
+                                        for r, m in enumerate(result["memory"])}
+    return results
 
 
 def step_windows(events: list[dict]) -> list[tuple[float, float]]:

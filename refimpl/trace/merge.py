@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from refimpl.trace.profiling import read_trace, trace_files
+from refimpl.trace.profiling import rank_clock_shifts, read_trace, trace_files
 
 MERGED_NAME = "merged.trace.json"
 
@@ -37,8 +37,7 @@ def merged_trace(run_dir: str | Path) -> dict:
 
     bases = {rank: int(t.get("baseTimeNanoseconds", 0)) for rank, t in traces.items()}
     base0 = min(bases.values())
-    # Shift of each rank's `ts` onto the common clock, in µs (whole µs: the bases are whole ns).
-    shift = {rank: (base - base0) / 1000 for rank, base in bases.items()}
+    shift = rank_clock_shifts(bases)
     starts = [ev["ts"] + shift[rank] for rank, t in traces.items()
               for ev in t.get("traceEvents", []) if _has_time(ev)]
     origin = min(starts) if starts else 0.0

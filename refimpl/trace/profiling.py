@@ -154,6 +154,19 @@ def categorize(name: str) -> str:
     return "op"
 
 
+def rank_clock_shifts(base_ns: dict[int, int]) -> dict[int, float]:
+    """µs to add to each rank's event times to put every rank on one clock.
+
+    A trace's event times are µs after its own `baseTimeNanoseconds`; adding the base puts every
+    rank on the host's clock, so ranks whose profilers started at different moments line up.
+    Only the bases' differences are added (small numbers), not ~1e15 µs, to keep sub-µs
+    precision. Ranks on one host share that clock exactly; on several nodes they are only as
+    aligned as NTP keeps them. The loader here and the merged trace (refimpl.trace.merge) both
+    use this."""
+    first = min(base_ns.values())
+    return {rank: (base - first) / 1000 for rank, base in base_ns.items()}
+
+
 def load_trace(run: str | Path, include_ops: bool = False):
     """Every rank's labelled ranges as one DataFrame, times in µs from the run's first event.
 
@@ -166,9 +179,7 @@ def load_trace(run: str | Path, include_ops: bool = False):
     rows = []
     for rank, path in trace_files(run).items():
         trace = read_trace(path)
-        # Event times are µs after the trace's own base time; adding it puts every rank on the
-        # host's clock, so ranks whose profilers started at different moments still line up.
-        base_ns = int(trace.get("baseTimeNanoseconds", 0))
+        base_ns = int(trace.get("baseTimeNanoseconds", 0))     # see rank_clock_shifts
         for ev in trace.get("traceEvents", []):
             if ev.get("ph") != "X" or "dur" not in ev:
                 continue
@@ -189,8 +200,8 @@ def load_trace(run: str | Path, include_ops: bool = False):
     base_ns = df.pop("base_ns")
     if df.empty:
         return df.assign(step=pd.Series(dtype="Int64"))
-    # Add only the bases' differences (small numbers), not ~1e15 µs, to keep sub-µs precision.
-    df["start_us"] += (base_ns - base_ns.min()) / 1000
+    shifts = rank_clock_shifts(dict(zip(df["rank"], base_ns)))
+    df["start_us"] += df["rank"].map(shifts)
     df["start_us"] -= df["start_us"].min()
     df["step"] = _step_of(df)
     return df.sort_values(["rank", "start_us"]).reset_index(drop=True)

@@ -83,6 +83,8 @@ def write_scalars(run: Path, summary: dict) -> Path:
         steps = len(summary["losses"])
         for rank, mem in enumerate(summary["memory"]):
             for category, nbytes in mem.items():
+                if nbytes is None:            # a peak not measured in this run (under --profile)
+                    continue
                 for step in range(steps):
                     writer.add_scalar(f"memory/rank{rank}/{category}", nbytes, step)
         for row in comm_fractions(run, summary["world_size"]):
