@@ -228,3 +228,12 @@ def test_bad_moe_layouts_are_one_line_layout_errors(changes, ep, words):
     with pytest.raises(LayoutError, match=words) as e:
         validate_moe(GPTConfig(**changes), ep=ep)
     assert "\n" not in str(e.value)
+
+
+def test_ep_traffic_row_four_all_to_alls_per_layer_of_k_t_rows():
+    from refimpl.cost.strategy_cost import ep_traffic
+
+    row = ep_traffic(tokens_per_rank=100, hidden=8, n_layers=3, top_k=2, ep=4, bytes_per_value=4)
+    (op, message, calls), = row["calls"]
+    assert (op, message, calls) == ("all_to_all", 2 * 100 * 8 * 4, 12)
+    assert row["sent_per_rank"] == 12 * message * 3 / 4      # (ep-1)/ep of the rows leave the rank

@@ -136,4 +136,4 @@ def ep_traffic(tokens_per_rank: int, hidden: int, n_layers: int, top_k: int, ep:
     return {"strategy": "EP", "operations": "all_to_all (dispatch, combine)",
             "frequency": "4 per MoE layer per micro-batch",
             "calls": [("all_to_all", message, calls)],
-            "sent_per_rank": calls * ring_factor(ep) * message}
+            "sent_per_rank": calls * sent_per_rank("all_to_all", ep, message)}
