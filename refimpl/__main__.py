@@ -2,6 +2,7 @@
 
     python -m refimpl train --strategy single --steps 5 --json
     torchrun --nproc-per-node 2 -m refimpl train --strategy dp --json
+    python -m refimpl plan --model 70b --gpus 64        # the planner's table (refimpl.plan)
 
 Prints one JSON object (DESIGN.md): strategy, world_size, losses (rank 0's view of the global loss,
 one per step), step_time_s (median after warm-up), n_params, memory (per rank, bytes by category,
@@ -59,8 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     grid.add_argument("--pp", type=int, default=1, help="pipeline stages")
     grid.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
     grid.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides dp x cp)")
+    grid.add_argument("--schedule", default=None,
+                      help="pipeline schedule with --pp: gpipe, 1f1b (default), interleaved, zb-h1")
+    grid.add_argument("--virtual-stages", type=int, default=1,
+                      help="model chunks per pipeline rank (interleaved schedule)")
     t.add_argument("--collectives", default="torch",
                    help="torch, or refimpl: every collective rebuilt from send/recv (refimpl.comm)")
+    from refimpl.plan.cli import add_arguments as add_plan_arguments
+    add_plan_arguments(sub.add_parser("plan", help="rank parallel layouts of a model on a cluster "
+                                      "by predicted memory and step time (refimpl.plan)"))
     t.add_argument("--set", dest="options", action="append", type=_parse_option, default=[],
                    metavar="KEY=VALUE", help="strategy option, e.g. --set bucket_mb=1 (repeatable)")
     t.add_argument("--timeout", type=float, default=900.0)
@@ -85,19 +93,26 @@ def config_from_args(args):
                         capacity_factor=args.capacity_factor, **moe)
     except ValueError as e:
         raise LayoutError(str(e)) from None
+    pp = args.pp
+    if pp == 1 and (args.strategy.startswith("pp-") or args.strategy.startswith("torch-pp-")):
+        pp = nproc                                # the shorthand puts the whole world on pp
     return TrainConfig(strategy=args.strategy, nproc=nproc, steps=args.steps,
                        global_batch=args.global_batch, seq_len=args.seq_len, seed=args.seed,
                        lr=args.lr, micro_batches=args.micro_batches,
                        mixed_precision=args.mixed_precision,
                        activation_checkpointing=args.checkpointing, profile=args.profile,
                        trace_dir=args.trace_dir, model=model, options=options,
-                       tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
-                       collectives=args.collectives,
+                       tp=args.tp, pp=pp, cp=args.cp, ep=args.ep,
+                       collectives=args.collectives, schedule=args.schedule,
+                       virtual_stages=args.virtual_stages,
                        record_memory=not args.profile)   # memory[r].peak (not under --profile)
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "plan":
+        from refimpl.plan.cli import plan_from_args
+        return plan_from_args(args)
     from refimpl.strategy import LayoutError
     from refimpl.train import train_on_ranks, validate
 

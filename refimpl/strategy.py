@@ -77,6 +77,8 @@ class TrainConfig:
     ep: int = 1
     replicas: int = 1                 # independent copies of the layout (tests: group isolation)
     collectives: str = "torch"        # "refimpl": every collective from refimpl.comm's send/recv
+    schedule: str | None = None       # pipeline schedule (pp > 1): gpipe, 1f1b, interleaved, zb-h1
+    virtual_stages: int = 1           # model chunks per pipeline rank (interleaved)
 
     def with_(self, **changes) -> "TrainConfig":
         return replace(self, **changes)
@@ -96,7 +98,7 @@ class TrainConfig:
                     "micro-batches": self.micro_batches, "layers": self.model.n_layers,
                     "d-model": self.model.d_model, "heads": self.model.n_heads,
                     "vocab": self.model.vocab_size, "tp": self.tp, "pp": self.pp, "cp": self.cp,
-                    "ep": self.ep, "replicas": self.replicas}
+                    "ep": self.ep, "replicas": self.replicas, "virtual-stages": self.virtual_stages}
         for flag, value in positive.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"--{flag} must be a positive integer (got {value!r})")
@@ -234,9 +236,15 @@ class Strategy(ABC):
     def train_step(self, batch: Batch) -> torch.Tensor:
         """One optimizer step on the global batch; returns the global mean loss as a 0-d tensor
         (equal on every rank). The loop reads it once per step: no sync per micro-batch."""
-        local = forward_backward(self.forward_model, self.local_micro_batches(batch),
-                                 loss_fn=self.loss_with_moe_aux, divisor=self.loss_divisor,
-                                 micro_step=self.micro_step, autocast=self.ctx.autocast)
+        if getattr(self.model, "is_pipeline_stage", False):   # pp > 1: a schedule's table
+            from refimpl.parallel.pp import pipeline_forward_backward
+
+            local = pipeline_forward_backward(self.model, self.local_micro_batches(batch),
+                                              divisor=self.loss_divisor, autocast=self.ctx.autocast)
+        else:
+            local = forward_backward(self.forward_model, self.local_micro_batches(batch),
+                                     loss_fn=self.loss_with_moe_aux, divisor=self.loss_divisor,
+                                     micro_step=self.micro_step, autocast=self.ctx.autocast)
         self.sync_gradients()
         with phase("optimizer"):
             self.optimizer_step()
@@ -261,6 +269,9 @@ class Strategy(ABC):
         """This rank's rows of the global batch -- rows [i·B/dp, (i+1)·B/dp) for dp index i (tp
         and pp peers take the same rows) -- cut into `cfg.micro_batches` micro-batches."""
         rows = batch.shard(self.mesh.index("dp"), self.mesh.size("dp")).to(self.ctx.device)
+        if self.mesh.size("cp") > 1:   # context parallel: this rank's chunks of every sequence
+            from refimpl.parallel.cp_model import shard_batch
+            rows = shard_batch(rows, self.mesh.index("cp"), self.mesh.size("cp"))
         return rows.micro_batches(self.ctx.cfg.micro_batches)
 
     @property

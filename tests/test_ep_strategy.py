@@ -30,7 +30,11 @@ CASES = {2: {"loose": config(2, **LOOSE), "tight": config(2, **TIGHT),
              "tight-checkpointing": config(2, **TIGHT).with_(activation_checkpointing=True),
              # Micro-batches: capacity and f_i are per micro-batch, whose tokens differ between
              # layouts; with nothing dropped and no aux loss the maths is the same (ep.py).
-             "micro2-loose-none": config(2, **LOOSE, balance="none").with_(micro_batches=2)},
+             "micro2-loose-none": config(2, **LOOSE, balance="none").with_(micro_batches=2),
+             # Plain data parallelism on the MoE: every replica holds every expert; the routing
+             # counts are shared so capacity and the aux loss are global too.
+             "dp-tight": config(2, **TIGHT).with_(strategy="dp"),
+             "dp-naive-loose": config(2, **LOOSE).with_(strategy="dp-naive")},
          3: {"six-experts": config(3, **LOOSE, n_experts=6).with_(global_batch=6)},
          4: {"loose": config(4, **LOOSE), "tight": config(4, **TIGHT),
              "ep2-loose": config(4, ep=2, **LOOSE), "ep2-tight": config(4, ep=2, **TIGHT)}}

@@ -21,6 +21,13 @@ STRATEGIES: dict[str, str] = {
     "fsdp": "refimpl.parallel.fsdp:FSDP",
     "torch-fsdp2": "refimpl.parallel.torch_fsdp2:TorchFSDP2",
     "torch-fsdp2-gradop": "refimpl.parallel.torch_fsdp2:TorchFSDP2GradOp",
+    "pp-gpipe": "refimpl.parallel.pp_strategy:PipelineParallel",
+    "pp-1f1b": "refimpl.parallel.pp_strategy:PipelineParallel",
+    "pp-interleaved": "refimpl.parallel.pp_strategy:PipelineParallel",
+    "pp-zb": "refimpl.parallel.pp_strategy:PipelineParallel",
+    "torch-pp-gpipe": "refimpl.parallel.pp_strategy:TorchPipelineParallel",
+    "torch-pp-1f1b": "refimpl.parallel.pp_strategy:TorchPipelineParallel",
+    "torch-pp-interleaved": "refimpl.parallel.pp_strategy:TorchPipelineParallel",
     "ep": "refimpl.parallel.ep:ExpertParallel",
 }
 

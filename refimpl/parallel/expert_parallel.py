@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from refimpl.parallel.moe import moe_layers
+from refimpl.parallel.moe import LocalExperts, all_gather_counts, moe_layers
 from refimpl.trace.profiling import comm_span, phase
 
 
@@ -104,11 +104,7 @@ class ExpertParallelDispatch:
         self.traffic = Traffic()
 
     def gather_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, int]:
-        n = dist.get_world_size(self.token_group)
-        rows = [torch.empty_like(counts) for _ in range(n)]
-        with comm_span("all_gather", counts.nbytes * (n - 1)):
-            self.comm.all_gather(rows, counts, group=self.token_group)
-        return torch.stack(rows), dist.get_rank(self.token_group)
+        return all_gather_counts(counts, self.token_group, self.comm)
 
     def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleDict) -> tuple:
         with phase("moe:dispatch"):
@@ -161,6 +157,15 @@ def parallelize_experts(model: nn.Module, ep_group, token_group=None, comm=dist)
             for p in expert.parameters():
                 p.placement = ExpertShard(int(key), layer.n_experts, ep)
         layer.dispatch = ExpertParallelDispatch(ep_group, token_group, layer.n_experts, comm)
+    return model
+
+
+def share_routing_counts(model: nn.Module, token_group, comm=dist) -> nn.Module:
+    """Data parallelism without expert parallelism: every replica keeps all experts, but counts
+    its routing over the whole global batch (one all-gather of E counts per layer), so capacity
+    and the aux loss's f_i are the single process's, and so are the dropped tokens."""
+    for layer in moe_layers(model):
+        layer.dispatch = LocalExperts(token_group, comm)
     return model
 
 

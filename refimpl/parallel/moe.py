@@ -100,6 +100,19 @@ def within_capacity(experts_flat: torch.Tensor, n_experts: int, offsets: torch.T
     return place.gather(1, experts_flat[:, None]).squeeze(1) < capacity
 
 
+def all_gather_counts(counts: torch.Tensor, group, comm) -> tuple[torch.Tensor, int]:
+    """[ranks, E] per-expert counts of every rank of `group` (in batch order), and my row."""
+    import torch.distributed as dist
+
+    from refimpl.trace.profiling import comm_span
+
+    n = dist.get_world_size(group)
+    rows = [torch.empty_like(counts) for _ in range(n)]
+    with comm_span("all_gather", counts.nbytes * (n - 1)):
+        comm.all_gather(rows, counts, group=group)
+    return torch.stack(rows), dist.get_rank(group)
+
+
 def switch_aux_loss(probs: torch.Tensor, routed: torch.Tensor, alpha: float) -> torch.Tensor:
     """alpha * E * sum_i f_i * P_i (Switch eq. 4). `routed` are the global counts, so f is the
     global fraction; P is this rank's mean, so the mean of the ranks' losses is the global loss."""
@@ -109,11 +122,18 @@ def switch_aux_loss(probs: torch.Tensor, routed: torch.Tensor, alpha: float) -> 
 
 
 class LocalExperts:
-    """Every expert lives in this process: the single-process reference's dispatch."""
+    """Every expert lives in this process: the single-process reference's dispatch, and a
+    data-parallel replica's (`token_group`: the ranks holding the other rows of the batch, whose
+    counts make the capacity and f_i global, as in the single process)."""
+
+    def __init__(self, token_group=None, comm=None):
+        self.token_group, self.comm = token_group, comm
 
     def gather_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Counts per expert of every token-holding rank ([ranks, E]) and this rank's row."""
-        return counts[None], 0
+        if self.token_group is None:
+            return counts[None], 0
+        return all_gather_counts(counts, self.token_group, self.comm)
 
     def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleDict) -> tuple:
         """x: the kept assignments' inputs, sorted by expert. Returns their outputs, same order,

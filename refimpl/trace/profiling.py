@@ -34,7 +34,7 @@ def profiles_root() -> Path:
     """The TensorBoard logdir: $REFIMPL_PROFILES, else the repo's profiles/ folder, else ./profiles."""
     if os.environ.get("REFIMPL_PROFILES"):
         return Path(os.environ["REFIMPL_PROFILES"]).resolve()
-    repo_profiles = Path(__file__).resolve().parent.parent / "profiles"
+    repo_profiles = Path(__file__).resolve().parents[2] / "profiles"   # refimpl/trace/ -> repo
     if repo_profiles.is_dir():
         return repo_profiles
     return Path.cwd() / "profiles"
