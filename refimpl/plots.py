@@ -111,10 +111,12 @@ def bytes_sent_bars(df, message_bytes: int,
 
 
 def bandwidth_curves(df, ceiling_bytes_per_s: float | None = None, y: str = "busbw",
-                     title: str = "Bus bandwidth vs message size") -> go.Figure:
+                     title: str = "Bus bandwidth vs message size", log_y: bool = True) -> go.Figure:
     """busbw (or algbw) against message size, one line per (op, impl); refimpl dashed.
 
     `df` is refimpl.bench.sweep(...) for one world size; the ceiling is drawn as a red line.
+    Log-scaled bandwidth by default: the latency-bound small sizes sit orders of magnitude below
+    the plateau and would otherwise be a flat line at zero.
     """
     fig = go.Figure()
     for (op, impl), g in df.groupby(["op", "impl"], sort=False):
@@ -124,6 +126,8 @@ def bandwidth_curves(df, ceiling_bytes_per_s: float | None = None, y: str = "bus
         fig.add_hline(y=ceiling_bytes_per_s / 1e9, line_color="#E45756", line_width=2,
                       annotation_text="memcpy ceiling (one core)", annotation_position="top left")
     fig.update_xaxes(type="log", title="message size M (bytes)")
+    if log_y:
+        fig.update_yaxes(type="log")
     fig.update_layout(title=title, yaxis_title=f"{y} (GB/s)", height=420)
     return fig
 

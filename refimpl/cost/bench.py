@@ -227,7 +227,7 @@ def sweep_rank(rank: int, world_size: int, ops=OPS, sizes=None, impls=IMPLS, war
 
 def sweep(world_sizes=(2,), ops=OPS, sizes=None, impls=IMPLS, warmup: int = 2, repeats: int = 5,
           progress: bool = True, timeout: float = 1800.0) -> pd.DataFrame:
-    """Bandwidth sweep on fresh ranks, one launch per world size; a tqdm bar counts points.
+    """Bandwidth sweep on fresh ranks, one launch per world size; a progress bar counts points.
 
     Columns: impl, op, world_size, nominal_bytes (the size asked for), size_bytes (M as measured:
     block collectives round to n equal blocks of whole fp32 values), time_s (median), algbw,
@@ -245,13 +245,13 @@ def sweep(world_sizes=(2,), ops=OPS, sizes=None, impls=IMPLS, warmup: int = 2, r
 
 
 def _run_with_progress(n: int, total: int, progress: bool, kwargs: dict, timeout: float) -> list:
-    """launch.run in a helper thread while this one advances a tqdm bar from rank 0's tally file.
+    """launch.run in a helper thread while this one advances a progress bar from rank 0's tally file.
 
     The ranks' own output only reaches us when they exit, so progress travels through a file.
     """
     if not progress:
         return run(sweep_rank, n, timeout=timeout, quiet=True, **kwargs)[0]
-    from tqdm import tqdm  # the text bar: works in a terminal and in a notebook, needs no widgets
+    from refimpl.progress import progress_bar  # a widget in a notebook, text in a terminal
 
     with tempfile.TemporaryDirectory(prefix="refimpl-sweep-") as tmp:
         tally = Path(tmp) / "progress"
@@ -267,7 +267,7 @@ def _run_with_progress(n: int, total: int, progress: bool, kwargs: dict, timeout
 
         worker = threading.Thread(target=target, daemon=True)
         worker.start()
-        with tqdm(total=total, desc=f"sweep, {n} ranks", unit="pt", mininterval=2.0) as bar:
+        with progress_bar(total, desc=f"sweep, {n} ranks", unit="pt", mininterval=2.0) as bar:
             while worker.is_alive():
                 worker.join(0.2)
                 bar.update(os.path.getsize(tally) - bar.n)

@@ -47,6 +47,11 @@ def run_dir(group: str, run: str) -> Path:
 
 # --- labels -----------------------------------------------------------------------------------------
 
+def profiled(cfg, group: str, run: str):
+    """`cfg` with profiling on, writing to profiles/<group>/<run> (a notebook's runs, by name)."""
+    return cfg.with_(profile=True, trace_dir=str(run_dir(group, run)))
+
+
 def phase(name: str):
     """Label a phase of a step (forward, backward, optimizer, or any compute you name)."""
     from torch.profiler import record_function
@@ -113,6 +118,10 @@ class StepProfiler:
 
     def __enter__(self):
         if self.enabled:
+            from refimpl.trace.native_stderr import quiet_profiler_in_notebook
+
+            self._quiet = quiet_profiler_in_notebook()   # kineto's start/stop lines, in a kernel
+            self._quiet.__enter__()
             self._prof.__enter__()
         return self
 
@@ -122,7 +131,10 @@ class StepProfiler:
 
     def __exit__(self, *exc):
         if self.enabled:
-            self._prof.__exit__(*exc)
+            try:
+                self._prof.__exit__(*exc)
+            finally:
+                self._quiet.__exit__(*exc)
 
 
 # --- reading ----------------------------------------------------------------------------------------
