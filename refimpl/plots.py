@@ -34,19 +34,22 @@ def memory_bars(df, title: str = "Memory per category") -> go.Figure:
     return fig
 
 
-def rank_timeline(df, title: str = "Per-rank timeline", max_events: int = 4000) -> go.Figure:
+def rank_timeline(df, title: str = "Per-rank timeline", max_events: int = 4000,
+                  colors: dict | None = None) -> go.Figure:
     """One lane per rank; each labelled range a horizontal bar coloured by its category.
 
     `df` is refimpl.trace.profiling.load_trace(...); ranges are drawn on a shared time axis (ms).
     A CUDA run's kernels get a second lane per rank, "rank r GPU" (NCCL kernels as gpu_comm).
+    `colors`: category -> colour, for other categories than the phases (e.g. MoE's labels).
     """
-    shown = df[df.category.isin(list(PHASE_COLORS))].head(max_events)
+    colors = colors or PHASE_COLORS
+    shown = df[df.category.isin(list(colors))].head(max_events)
     fig = go.Figure()
     for category, g in shown.groupby("category"):
         fig.add_bar(
             name=category, orientation="h", base=g.start_us / 1e3, x=g.dur_us / 1e3,
             y=[f"rank {r}" + (" GPU" if category.startswith("gpu") else "") for r in g["rank"]],
-            marker_color=PHASE_COLORS.get(category),
+            marker_color=colors.get(category),
             hovertext=g["name"], hoverinfo="text+x")
     fig.update_layout(title=title, barmode="overlay", xaxis_title="time (ms)", height=150 + 60 *
                       max(1, shown["rank"].nunique() * (2 if shown.category.str.startswith("gpu").any()
@@ -317,4 +320,13 @@ def pipeline_gantt(df, title: str = "Pipeline schedule") -> go.Figure:
                     textposition="inside", insidetextanchor="middle", hoverinfo="text+x")
     fig.update_layout(title=title, barmode="overlay", xaxis_title="time", yaxis_autorange="reversed",
                       height=120 + 50 * max(1, df["rank"].nunique()))
+    return fig
+
+
+def load_heatmap(matrix, x_labels, y_labels, title: str = "Tokens per expert",
+                 x_title: str = "step", y_title: str = "expert") -> go.Figure:
+    """A heatmap of counts (rows: experts or ranks, columns: steps), e.g. MoE routing load."""
+    fig = go.Figure(go.Heatmap(z=matrix, x=list(x_labels), y=[str(y) for y in y_labels],
+                               colorscale="Viridis", colorbar_title="tokens"))
+    fig.update_layout(title=title, xaxis_title=x_title, yaxis_title=y_title, height=320)
     return fig

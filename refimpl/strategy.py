@@ -90,8 +90,11 @@ class TrainConfig:
     @property
     def dims(self) -> ParallelDims:
         per_replica = self.replicas * self.pp * self.cp * self.tp
-        return ParallelDims(dp=max(self.nproc // per_replica, 1), pp=self.pp, cp=self.cp,
-                            tp=self.tp, ep=self.ep, replica=self.replicas)
+        dp = max(self.nproc // per_replica, 1)
+        # The shorthand `--strategy ep` (no --ep): every data-parallel rank in one ep group.
+        ep = dp * self.cp if self.strategy == "ep" and self.ep == 1 else self.ep
+        return ParallelDims(dp=dp, pp=self.pp, cp=self.cp, tp=self.tp, ep=ep,
+                            replica=self.replicas)
 
     def validate(self) -> None:
         """Constraints every strategy shares; each strategy adds its own in `Strategy.validate`."""
@@ -248,12 +251,22 @@ class Strategy(ABC):
                                               divisor=self.loss_divisor, autocast=self.ctx.autocast)
         else:
             local = forward_backward(self.forward_model, self.local_micro_batches(batch),
-                                     loss_fn=self.loss_fn, divisor=self.loss_divisor,
+                                     loss_fn=self.loss_with_moe_aux, divisor=self.loss_divisor,
                                      micro_step=self.micro_step, autocast=self.ctx.autocast)
         self.sync_gradients()
         with phase("optimizer"):
             self.optimizer_step()
+        from refimpl.parallel.moe import update_expert_bias   # (refimpl.parallel imports us)
+
+        update_expert_bias(self.model)     # balance=bias (DeepSeek-V3): after the step; else no-op
         return global_mean_loss(local, self.mesh, self.comm)
+
+    def loss_with_moe_aux(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss, plus the MoE layers' auxiliary load-balancing loss of the forward that made
+        `logits` (refimpl.parallel.moe; 0 for a dense model, so its loss is unchanged)."""
+        from refimpl.parallel.moe import moe_aux_loss
+
+        return self.loss_fn(logits, targets) + moe_aux_loss(self.model)
 
     @property
     def forward_model(self) -> nn.Module:

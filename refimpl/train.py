@@ -21,6 +21,7 @@ from refimpl.mesh import Mesh
 from refimpl.model import build_model, count_params, synthetic_batch
 from refimpl.numerics import exact_fp32_on_cuda
 from refimpl.parallel import get_strategy
+from refimpl.parallel.moe import moe_step_record
 from refimpl.parallel.transforms import validate_model_parallel
 from refimpl.trace.memory_events import StepPeak
 from refimpl.trace.profiling import StepProfiler, profiles_root
@@ -56,7 +57,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     strategy = get_strategy(cfg.strategy)(ctx)
     strategy.setup(reference)
 
-    losses, step_times, activation_peak = [], [], 0
+    losses, step_times, activation_peak, moe_records = [], [], 0, []
     trace_dir = (cfg.trace_dir or default_trace_dir(cfg)) if cfg.profile else None
     peak = StepPeak(ctx.device, enabled=cfg.record_memory and not cfg.profile)
     with StepProfiler(trace_dir, rank, cfg.steps, device=device) as profiler, peak:
@@ -71,6 +72,9 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             _sync(ctx)
             step_times.append(time.perf_counter() - start)
             losses.append(float(loss))
+            moe = moe_step_record(strategy.model)     # None for a dense model
+            if moe is not None:
+                moe_records.append(moe)
             activation_peak = max(activation_peak, tracker.peak)
             profiler.step()
 
@@ -86,6 +90,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                    **peak.result(kept_bytes=int(state.total))},
         "trace_dir": trace_dir,
     }
+    if moe_records:   # MoE: per step, tokens per expert (routed, and received by this rank)
+        result["moe"] = moe_records
     if cfg.return_state:
         result["state_dict"] = strategy.full_state_dict()
     if trace_dir is not None:   # traces are flushed: leave a summary and scalars beside them
@@ -175,6 +181,8 @@ def merge_results(cfg: TrainConfig, per_rank: list[dict]) -> dict:
     }
     if cfg.return_state:
         out["state_dict"] = first["state_dict"]
+    if "moe" in first:   # per rank, per step (refimpl.parallel.moe.moe_step_record)
+        out["moe"] = [r["moe"] for r in per_rank]
     return out
 
 

@@ -26,8 +26,17 @@ def validate_model_parallel(cfg) -> None:
     if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):
         raise LayoutError(f"--seq-len {cfg.seq_len} must be divisible by 2 x cp = {2 * cfg.cp}: "
                           "ring attention cuts each sequence into 2·cp equal chunks")
-    if cfg.ep > 1 or cfg.model.n_experts:
-        raise LayoutError("--experts / --ep: the mixture-of-experts layer is not built yet")
+    from refimpl.parallel.moe import validate_moe
+
+    validate_moe(cfg.model, cfg.dims.ep)
+    if cfg.dims.ep > 1 and cfg.strategy != "ep":
+        # Every other data-parallel flavour would average different experts' gradients over dp.
+        raise LayoutError(f"--ep {cfg.dims.ep} runs with --strategy ep (its data-parallel sync "
+                          "keeps expert gradients on the ranks holding the same experts)")
+    if cfg.model.n_experts and (cfg.pp > 1 or cfg.cp > 1):
+        # pp: the schedules' loss has no MoE auxiliary loss yet; cp: a rank's tokens are not a
+        # contiguous run of the batch, so the capacity's batch order would differ from single's.
+        raise LayoutError("--experts with --pp or --cp is not supported yet (MoE runs on dp/ep)")
     from refimpl.parallel.pp_strategy import validate_pipeline
 
     validate_pipeline(cfg)
@@ -39,6 +48,15 @@ def model_parallel(model: nn.Module, ctx) -> nn.Module:
     if ctx.cfg.cp > 1:   # ring attention in every block, global positions (parallel/cp_model.py)
         from refimpl.parallel.cp_model import apply_context_parallel
         apply_context_parallel(model, ctx.mesh.group("cp"))
+    if ctx.mesh.size("ep") > 1:
+        from refimpl.parallel.expert_parallel import parallelize_experts
+
+        # Tokens come from every dp x cp rank (the capacity is global); experts move over "ep".
+        parallelize_experts(model, ctx.mesh.group("ep"), ctx.mesh.group("dp_cp"), comm=ctx.comm)
+    elif ctx.cfg.model.n_experts and ctx.mesh.size("dp_cp") > 1:
+        from refimpl.parallel.expert_parallel import share_routing_counts
+
+        share_routing_counts(model, ctx.mesh.group("dp_cp"), comm=ctx.comm)   # global capacity
     if ctx.cfg.activation_checkpointing:
         checkpoint_blocks(model)     # before the split: it replaces each block's forward in place
     if ctx.mesh.size("pp") > 1:
