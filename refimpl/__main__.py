@@ -2,6 +2,7 @@
 
     python -m refimpl train --strategy single --steps 5 --json
     torchrun --nproc-per-node 2 -m refimpl train --strategy dp --json
+    python -m refimpl plan --model 70b --gpus 64        # the planner's table (refimpl.plan)
 
 Prints one JSON object (DESIGN.md): strategy, world_size, losses (rank 0's view of the global loss,
 one per step), step_time_s (median after warm-up), n_params, memory (per rank, bytes by category,
@@ -58,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     grid.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides dp x cp)")
     t.add_argument("--collectives", default="torch",
                    help="torch, or refimpl: every collective rebuilt from send/recv (refimpl.comm)")
+    from refimpl.plan.cli import add_arguments as add_plan_arguments
+    add_plan_arguments(sub.add_parser("plan", help="rank parallel layouts of a model on a cluster "
+                                      "by predicted memory and step time (refimpl.plan)"))
     t.add_argument("--set", dest="options", action="append", type=_parse_option, default=[],
                    metavar="KEY=VALUE", help="strategy option, e.g. --set bucket_mb=1 (repeatable)")
     t.add_argument("--timeout", type=float, default=900.0)
@@ -91,6 +95,9 @@ def config_from_args(args):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "plan":
+        from refimpl.plan.cli import plan_from_args
+        return plan_from_args(args)
     from refimpl.strategy import LayoutError
     from refimpl.train import train_on_ranks, validate
 

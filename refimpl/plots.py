@@ -201,6 +201,54 @@ def comm_volume_bars(df, psi_bytes: float, title: str = "Bytes moved per rank pe
     return fig
 
 
+PLAN_PARTS = {"compute_s": "compute", "tp_comm_s": "tp comm", "cp_comm_s": "cp ring",
+              "pp_comm_s": "pp sends", "bubble_s": "pipeline bubble", "dp_comm_s": "dp sync",
+              "optimizer_s": "optimizer"}
+
+
+def plan_breakdown(df, top: int = 12, title: str = "Predicted step time of the best layouts") -> go.Figure:
+    """Stacked horizontal bars, one per layout of refimpl.plan.plan's table (fastest at the top),
+    split into the terms of the prediction; memory per GPU in the hover text."""
+    rows = df.head(top).iloc[::-1]
+    labels = [f"dp{r.dp} tp{r.tp} pp{r.pp} cp{r.cp} z{r.zero_stage} b{r.micro_batch_size} "
+              f"{r.recompute}{' sp' if r.sequence_parallel else ''}" for r in rows.itertuples()]
+    fig = go.Figure()
+    for column, name in PLAN_PARTS.items():
+        fig.add_bar(name=name, y=labels, x=rows[column], orientation="h",
+                    customdata=rows["memory_bytes"] / 1e9,
+                    hovertemplate="%{x:.3g} s<br>memory %{customdata:.1f} GB<extra>" + name + "</extra>")
+    fig.update_layout(title=title, barmode="stack", xaxis_title="seconds per step",
+                      height=120 + 28 * len(rows))
+    return fig
+
+
+def plan_scatter(df, title: str = "Every layout: memory per GPU vs predicted step time",
+                 capacity_bytes: float | None = None) -> go.Figure:
+    """One point per layout; colour says whether it fits; a line at the GPU's capacity."""
+    fig = go.Figure()
+    for fits, g in df.groupby("fits"):
+        fig.add_scatter(x=g["memory_bytes"] / 1e9, y=g["step_time_s"], mode="markers",
+                        name="fits" if fits else "does not fit", marker={"size": 5},
+                        text=[f"dp{r.dp} tp{r.tp} pp{r.pp} cp{r.cp} z{r.zero_stage} "
+                              f"b{r.micro_batch_size} {r.recompute}" for r in g.itertuples()])
+    if capacity_bytes:
+        fig.add_vline(x=capacity_bytes / 1e9, line_dash="dash", annotation_text="capacity")
+    fig.update_layout(title=title, xaxis_title="GB per GPU", yaxis_title="step time (s)",
+                      yaxis_type="log", height=420)
+    return fig
+
+
+def cp_work_bars(df, title: str = "Ring attention: score blocks each rank computes") -> go.Figure:
+    """Grouped bars per rank, one bar per sequence layout (head-tail vs contiguous).
+    `df` columns: rank, layout, score_blocks (refimpl.parallel.cp.score_blocks_per_rank)."""
+    fig = go.Figure()
+    for layout, g in df.groupby("layout", sort=False):
+        fig.add_bar(name=str(layout), x=g["rank"].astype(str), y=g["score_blocks"])
+    fig.update_layout(title=title, barmode="group", xaxis_title="cp rank",
+                      yaxis_title="chunk x chunk score blocks", height=360)
+    return fig
+
+
 AXIS_COLORS = {"tp": "#E45756", "cp": "#B279A2", "pp": "#F58518", "dp": "#4C78A8",
                "ep": "#54A24B"}
 

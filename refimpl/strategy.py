@@ -255,6 +255,9 @@ class Strategy(ABC):
         """This rank's rows of the global batch -- rows [i·B/dp, (i+1)·B/dp) for dp index i (tp
         and pp peers take the same rows) -- cut into `cfg.micro_batches` micro-batches."""
         rows = batch.shard(self.mesh.index("dp"), self.mesh.size("dp")).to(self.ctx.device)
+        if self.mesh.size("cp") > 1:   # context parallel: this rank's chunks of every sequence
+            from refimpl.parallel.cp_model import shard_batch
+            rows = shard_batch(rows, self.mesh.index("cp"), self.mesh.size("cp"))
         return rows.micro_batches(self.ctx.cfg.micro_batches)
 
     @property

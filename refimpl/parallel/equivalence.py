@@ -96,7 +96,8 @@ _reference_cache: dict = {}
 def reference_run(cfg: TrainConfig) -> dict:
     """`single` on the same model, data, steps and micro-batching; cached per configuration."""
     ref_cfg = cfg.with_(strategy="single", nproc=1, return_state=True, profile=False,
-                        trace_dir=None, options={}, tp=1, sequence_parallel=False)
+                        trace_dir=None, options={}, tp=1, pp=1, cp=1, ep=1, replicas=1,
+                        sequence_parallel=False)
     key = repr(ref_cfg)
     if key not in _reference_cache:
         _reference_cache[key] = train_on_ranks(ref_cfg)

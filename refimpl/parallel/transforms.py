@@ -15,7 +15,7 @@ from refimpl.mesh import LayoutError
 from refimpl.parallel.checkpointing import checkpoint_blocks
 
 # Axes whose transform exists; each model-parallel chapter adds its own with its validation.
-BUILT_AXES: tuple[str, ...] = ("tp",)
+BUILT_AXES: tuple[str, ...] = ("tp", "cp")
 
 
 def validate_model_parallel(cfg) -> None:
@@ -23,11 +23,17 @@ def validate_model_parallel(cfg) -> None:
     for axis in ("tp", "pp", "cp"):
         if getattr(cfg, axis) > 1 and axis not in BUILT_AXES:
             raise LayoutError(f"--{axis} {getattr(cfg, axis)}: this axis has no transform yet")
+    if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):
+        raise LayoutError(f"--seq-len {cfg.seq_len} must be divisible by 2 x cp = {2 * cfg.cp}: "
+                          "ring attention cuts each sequence into 2·cp equal chunks")
     if cfg.ep > 1 or cfg.model.n_experts:
         raise LayoutError("--experts / --ep: the mixture-of-experts layer is not built yet")
     if cfg.sequence_parallel and cfg.tp == 1:
         raise LayoutError("--sequence-parallel needs --tp > 1 (it splits what tensor parallelism "
                           "leaves replicated)")
+    if cfg.tp > 1 and cfg.cp > 1:
+        raise LayoutError("--tp with --cp: both transforms replace the attention module; their "
+                          "composition is not built yet")
     if cfg.tp > 1:
         from refimpl.parallel.tp_model import tp_layout_problem
 
@@ -43,6 +49,9 @@ def model_parallel(model: nn.Module, ctx) -> nn.Module:
         from refimpl.parallel.tp_model import parallelize_tp
 
         parallelize_tp(model, ctx.mesh.group("tp"), sequence_parallel=ctx.cfg.sequence_parallel)
+    if ctx.cfg.cp > 1:   # ring attention in every block, global positions (parallel/cp_model.py)
+        from refimpl.parallel.cp_model import apply_context_parallel
+        apply_context_parallel(model, ctx.mesh.group("cp"))
     if ctx.cfg.activation_checkpointing:
         checkpoint_blocks(model)
     return model

@@ -1,0 +1,223 @@
+"""Context parallelism: ring attention over a cp process group (seed 001: 컨텍스트 병렬화).
+
+Each of the cp ranks holds a slice of the sequence -- its tokens' Q, K and V. Attention needs every
+query to see every earlier key, so the K/V blocks travel around the ring: at step t rank r works on
+the K/V that rank r - t brought in, while it already sends them on to r + 1 (Liu et al. 2023,
+"Ring Attention with Blockwise Transformers", §3). A rank never holds more than two K/V blocks, so
+activation memory per rank falls as 1/cp, and the transfer of the next block overlaps the
+computation of the current one.
+
+Online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022, §3.1): a query's output
+over all keys is assembled from partial outputs over key blocks. A block gives o_j = softmax(S_j) V_j
+and lse_j = log sum exp S_j per query; two partials merge as
+
+    lse = logaddexp(lse_1, lse_2),   o = exp(lse_1 - lse) o_1 + exp(lse_2 - lse) o_2
+
+which is exactly softmax over the union of the keys, whatever order the blocks arrive in.
+
+Causal load balance ("head-tail", Megatron-LM context parallel; Brandon et al. 2023 "Striped
+Attention" makes the same point): with a causal mask, rank r holding the r-th contiguous slice
+computes r + 1 slices' worth of scores, so the last rank does cp times the first's work. Cutting
+the sequence into 2·cp chunks and giving rank r chunks r and 2cp-1-r pairs a cheap head with an
+expensive tail: every rank computes 2cp + 1 chunk blocks. `score_blocks_per_rank` counts both.
+
+Deadlock: every send is an isend posted together with its irecv (refimpl.comm.p2p.post), in the
+same order on every rank. With blocking sends, each rank would wait for its right neighbour to
+receive while that neighbour waits for its own right neighbour: a cycle (see comm/p2p.py).
+
+Backward (FlashAttention's, ring-shaped): it needs the K/V blocks again, so it rings them once more,
+and dK, dV of a block are accumulated by every rank that used it -- the accumulator travels with
+its block and arrives home after cp hops. Recomputing the forward under autograd instead would
+make autograd's graph contain the sends, which torch.distributed's p2p calls do not differentiate;
+an explicit backward also keeps only O (not the probabilities) per rank: P is recomputed from the
+saved log-sum-exp, block by block.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from refimpl.comm.counter import op_scope
+from refimpl.comm.p2p import GroupView, post
+
+# --- the sequence layout -----------------------------------------------------------------------
+
+
+def chunk_ids(rank: int, cp: int, balanced: bool = True) -> tuple[int, int]:
+    """The two of the 2·cp sequence chunks that `rank` holds: head-tail, or contiguous."""
+    return (rank, 2 * cp - 1 - rank) if balanced else (2 * rank, 2 * rank + 1)
+
+
+def shard_sequence(x: torch.Tensor, rank: int, cp: int, *, balanced: bool = True,
+                   dim: int = 1) -> torch.Tensor:
+    """This rank's part of a full-sequence tensor: its two chunks, concatenated in order."""
+    if x.shape[dim] % (2 * cp):
+        raise ValueError(f"sequence length {x.shape[dim]} must be divisible by 2*cp = {2 * cp}")
+    chunks = x.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[i] for i in chunk_ids(rank, cp, balanced)], dim=dim)
+
+
+def unshard_sequence(parts, *, balanced: bool = True, dim: int = 1) -> torch.Tensor:
+    """Inverse of shard_sequence: every rank's part (rank order) back into the full sequence."""
+    cp = len(parts)
+    chunks = [None] * (2 * cp)
+    for rank, part in enumerate(parts):
+        for i, piece in zip(chunk_ids(rank, cp, balanced), part.chunk(2, dim=dim)):
+            chunks[i] = piece
+    return torch.cat(chunks, dim=dim)
+
+
+def positions(rank: int, cp: int, seq_len: int, *, balanced: bool = True) -> torch.Tensor:
+    """Global token positions of this rank's slice (for position embeddings)."""
+    return shard_sequence(torch.arange(seq_len).unsqueeze(0), rank, cp, balanced=balanced)[0]
+
+
+def blocks_to_compute(mine: tuple[int, int], theirs: tuple[int, int]):
+    """(my local chunk, their local chunk, on the diagonal?) for every score block that has an
+    unmasked entry: query chunk i sees key chunk j only if j <= i; j == i needs the causal mask."""
+    return [(a, b, i == j) for a, i in enumerate(mine) for b, j in enumerate(theirs) if j <= i]
+
+
+def score_blocks_per_rank(cp: int, balanced: bool = True) -> list[int]:
+    """Score blocks (chunk x chunk matmuls) each rank computes in one forward: the ring's work.
+
+    Balanced: 2cp + 1 on every rank. Contiguous: 4r + 3 on rank r (the last rank does 4cp - 1).
+    """
+    return [sum(len(blocks_to_compute(chunk_ids(r, cp, balanced), chunk_ids(src, cp, balanced)))
+                for src in range(cp)) for r in range(cp)]
+
+
+# --- one block, forward and backward (FlashAttention's equations, Dao et al. 2022, Alg. 1-2) ---
+
+def _scores(q, k, scale, diagonal):
+    s = (q @ k.transpose(-2, -1)) * scale
+    if diagonal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What is summed across blocks (the output and its log-sum-exp, dQ, dK, dV) is kept in at
+    least fp32, as FlashAttention accumulates bf16 inputs in fp32 (Dao et al. 2022, §3.1)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _merge(o, lse, o_new, lse_new):
+    """Combine two partial softmax outputs by their log-sum-exp (None: nothing yet)."""
+    if o is None:
+        return o_new, lse_new
+    lse_out = torch.logaddexp(lse, lse_new)
+    return (o * (lse - lse_out).exp().unsqueeze(-1)
+            + o_new * (lse_new - lse_out).exp().unsqueeze(-1)), lse_out
+
+
+class _Ring:
+    """Send my buffer to the next rank, receive the previous rank's: both posted at once."""
+
+    def __init__(self, group):
+        self.g = GroupView.of(group) if group is not None else None
+        self.size = self.g.size if self.g is not None else 1
+        self.rank = self.g.rank if self.g is not None else 0
+
+    def shift(self, tensor):
+        """Start passing `tensor` one hop along the ring; returns (pending, incoming buffer)."""
+        incoming = torch.empty_like(tensor)
+        with op_scope("cp"):
+            pending = post(self.g, sends=[(tensor, (self.rank + 1) % self.size)],
+                           recvs=[(incoming, (self.rank - 1) % self.size)])
+        return pending, incoming
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over the whole ring's keys; [b, h, 2c, d] tensors."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, balanced, stats):
+        ring = _Ring(group)
+        cp, rank, scale = ring.size, ring.rank, 1.0 / math.sqrt(q.shape[-1])
+        mine = chunk_ids(rank, cp, balanced)
+        qs, acc = q.chunk(2, dim=-2), accumulation_dtype(q.dtype)
+        out, lse = [None, None], [None, None]
+        kv = torch.stack([k, v]).contiguous()
+        for step in range(cp):
+            if step < cp - 1:   # start sending this block on before computing with it: overlap
+                pending, incoming = ring.shift(kv)
+            theirs = chunk_ids((rank - step) % cp, cp, balanced)
+            ks, vs = kv[0].chunk(2, dim=-2), kv[1].chunk(2, dim=-2)
+            for a, b, diagonal in blocks_to_compute(mine, theirs):
+                s = _scores(qs[a], ks[b], scale, diagonal)
+                block_lse = torch.logsumexp(s, dim=-1)
+                block_out = (s - block_lse.unsqueeze(-1)).exp() @ vs[b]
+                out[a], lse[a] = _merge(out[a], lse[a], block_out.to(acc), block_lse.to(acc))
+            if stats is not None:
+                stats["score_blocks"] = stats.get("score_blocks", 0) + len(blocks_to_compute(mine, theirs))
+            if step < cp - 1:
+                pending.wait()
+                kv = incoming
+        # Every query chunk met its own diagonal block at step 0, so no row is left empty.
+        out, lse = torch.cat(out, dim=-2).to(q.dtype), torch.cat(lse, dim=-1)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.balanced = group, balanced
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = _Ring(ctx.group)
+        cp, rank, scale = ring.size, ring.rank, 1.0 / math.sqrt(q.shape[-1])
+        mine = chunk_ids(rank, cp, ctx.balanced)
+        grad_out = grad_out.contiguous()
+        # D_i = rowsum(dO ∘ O): the softmax Jacobian's correction term (FlashAttention Alg. 2).
+        acc = lse.dtype
+        delta = (grad_out.to(acc) * out.to(acc)).sum(-1)
+        qs, dos, lses, deltas = (t.chunk(2, dim=-2 if t.dim() == 4 else -1)
+                                 for t in (q, grad_out, lse, delta))
+        dq = torch.zeros_like(q, dtype=acc)
+        dqs = dq.chunk(2, dim=-2)
+        kv = torch.stack([k, v]).contiguous()
+        dkv = torch.zeros_like(kv, dtype=acc)   # gradient of the block we hold; travels with it
+        for step in range(cp):
+            if step < cp - 1:
+                pending, incoming = ring.shift(kv)
+            theirs = chunk_ids((rank - step) % cp, cp, ctx.balanced)
+            ks, vs = kv[0].chunk(2, dim=-2), kv[1].chunk(2, dim=-2)
+            dks, dvs = dkv[0].chunk(2, dim=-2), dkv[1].chunk(2, dim=-2)
+            for a, b, diagonal in blocks_to_compute(mine, theirs):
+                p = (_scores(qs[a], ks[b], scale, diagonal) - lses[a].unsqueeze(-1)).exp()
+                dvs[b].add_(p.to(q.dtype).transpose(-2, -1) @ dos[a])
+                ds = (p * (dos[a] @ vs[b].transpose(-2, -1) - deltas[a].unsqueeze(-1))).to(q.dtype)
+                dqs[a].add_(ds @ ks[b], alpha=scale)
+                dks[b].add_(ds.transpose(-2, -1) @ qs[a], alpha=scale)
+            if cp > 1:   # the accumulated dK/dV follow their block; after cp hops they are home
+                grads_pending, dkv = ring.shift(dkv)
+                grads_pending.wait()
+            if step < cp - 1:
+                pending.wait()
+                kv = incoming
+        return dq.to(q.dtype), dkv[0].to(q.dtype), dkv[1].to(q.dtype), None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int, group=None, *,
+                   balanced: bool = True, stats: dict | None = None) -> torch.Tensor:
+    """Drop-in for refimpl.model.attention on this rank's slice of the sequence.
+
+    q, k, v: [batch, s_local, n_heads*head_dim], the rank's two chunks as `shard_sequence` lays
+    them out. `group`: the cp process group (None: one rank, no communication). `stats`, if a dict,
+    gets "score_blocks" += the blocks this rank computed.
+    """
+    b, s, width = q.shape
+    hd = width // n_heads
+    q, k, v = (t.view(b, s, n_heads, hd).transpose(1, 2) for t in (q, k, v))
+    out = RingAttention.apply(q, k, v, group, balanced, stats)
+    return out.transpose(1, 2).reshape(b, s, width)
+
+
+def work_table(cp: int):
+    """score_blocks_per_rank for both layouts as a DataFrame (rank, layout, score_blocks)."""
+    import pandas as pd
+
+    return pd.DataFrame([{"rank": r, "layout": name, "score_blocks": n}
+                         for name, balanced in (("head-tail", True), ("contiguous", False))
+                         for r, n in enumerate(score_blocks_per_rank(cp, balanced))])

@@ -1,0 +1,111 @@
+"""Model shapes the planner knows by name, and published layouts of real trainings to check it with.
+
+A shape is a GPT block stack as in refimpl.model: pre-norm blocks, multi-head attention, a 4h MLP,
+so its parameter count is Narayanan et al. 2021's (§5.1, eq. in "FLOPs calculation"):
+    P = 12·l·h² · (1 + 13/(12h) + (V + s)/(12·l·h))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, asdict
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    n_layers: int
+    d_model: int
+    n_heads: int
+    vocab_size: int
+    seq_len: int
+
+    @property
+    def n_params(self) -> float:
+        l, h, v, s = self.n_layers, self.d_model, self.vocab_size, self.seq_len
+        return 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h))
+
+    @property
+    def layer_params(self) -> float:
+        """One block: 12h² weights + 13h biases and LayerNorm parameters."""
+        return 12 * self.d_model ** 2 + 13 * self.d_model
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# name -> (shape, the global batch in sequences that goes with it)
+MODELS = {
+    # The seed's 70B example (Llama 2 70B: 80 layers, d_model 8192, 64 heads, 32k vocabulary,
+    # 4k context, 4M-token batches = 1024 sequences; Touvron et al. 2023, Table 1). In this shape's
+    # 4h-MLP, multi-head form it has ~65B parameters (Llama's SwiGLU MLP and grouped-query
+    # attention bring it to 70B): the arithmetic is the same to within that difference.
+    "70b": (ModelShape(80, 8192, 64, 32000, 4096), 1024),
+    # GPT-3 175B (Brown et al. 2020, Table 2.1): 96 layers, d_model 12288, 96 heads, 2048 context,
+    # 3.2M-token batches = 1536 sequences; Megatron's 51200-entry vocabulary.
+    "gpt3-175b": (ModelShape(96, 12288, 96, 51200, 2048), 1536),
+}
+
+
+# Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+# Megatron-LM", Table 1 (weak scaling on Selene: DGX A100 80GB nodes, 8 GPUs each, 8 HDR IB NICs).
+# Every model: vocabulary 51200, sequence 2048, activation recomputation, interleaved 1F1B schedule
+# with the scatter/gather optimisation, mixed-precision Adam, no ZeRO. achieved_tflops is their
+# per-GPU rate counted with their formula F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) per
+# iteration (recomputation included), which `megatron_flops` reproduces.
+MEGATRON_2021 = [
+    # params_b, heads, hidden, layers, tp, pp, gpus, batch, achieved TFLOP/s per GPU
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+MEGATRON_VOCAB, MEGATRON_SEQ = 51200, 2048
+
+
+def megatron_runs() -> list[dict]:
+    """Table 1 as dicts, each with its ModelShape."""
+    keys = ("params_b", "n_heads", "d_model", "n_layers", "tp", "pp", "gpus", "global_batch",
+            "achieved_tflops")
+    runs = []
+    for row in MEGATRON_2021:
+        r = dict(zip(keys, row))
+        r["shape"] = ModelShape(r["n_layers"], r["d_model"], r["n_heads"], MEGATRON_VOCAB,
+                                MEGATRON_SEQ)
+        r["dp"] = r["gpus"] // (r["tp"] * r["pp"])
+        runs.append(r)
+    return runs
+
+
+for _r in megatron_runs():   # each Table 1 shape is also a preset: megatron-1.7b ... megatron-1008b
+    MODELS[f"megatron-{_r['params_b']:g}b"] = (_r["shape"], _r["global_batch"])
+MODELS["megatron-1t"] = MODELS["megatron-1008b"]
+
+
+def megatron_flops(shape: ModelShape, global_batch: int) -> float:
+    """FLOPs of one iteration as Narayanan et al. 2021 count them (§5.1): forward, backward and the
+    recomputed forward of every GEMM, plus the logit layer's forward and backward."""
+    b, s, l, h, v = global_batch, shape.seq_len, shape.n_layers, shape.d_model, shape.vocab_size
+    return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+
+
+def get_model(name: str) -> tuple[ModelShape, int]:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; presets: {', '.join(MODELS)}") from None
+
+
+# Narayanan et al. 2021, §5.1 (end-to-end training time, their eq. 4: 8·T·P / (n·X)): GPT-3 175B on
+# 1024 A100s, batch 1536, 300B tokens, at X = 140 teraFLOP/s per GPU, takes about 34 days; the
+# layout cited for it is t = 8, p = 8 (dp = 16).
+GPT3_ON_1024 = {"model": "gpt3-175b", "gpus": 1024, "global_batch": 1536, "tokens": 300e9,
+                "tp": 8, "pp": 8, "tflops": 140, "days": 34}
+
+
+def training_days_of(step_time_s: float, global_batch: int, seq_len: int, tokens: float) -> float:
+    """Days to see `tokens` tokens at one step of global_batch sequences per step_time_s."""
+    return tokens / (global_batch * seq_len) * step_time_s / 86400

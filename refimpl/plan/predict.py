@@ -1,0 +1,213 @@
+"""One layout -> predicted memory per GPU and step time. Every term is a formula with its source.
+
+The grid is refimpl.mesh's: ranks arange(world).view(dp, pp, cp, tp), tp innermost. An axis whose
+group spans at most one node talks over NVLink, otherwise over InfiniBand (seed 003: model
+parallelism inside a node, data parallelism across nodes).
+
+Step time, for the busiest pipeline stage (the first holds the embedding, the last the logits):
+  per micro-batch  T_mb = GEMMs / matmul rate             (forward 1x, backward 2x, recompute +1x)
+                        + memory-bound ops / HBM rate     (LayerNorm, softmax, GeLU, residuals...)
+                        + tp collectives + cp ring hops not hidden by the attention they overlap
+                        + pp activation sends
+  pipeline         (m + p - 1) · T_mb         1F1B: bubble (p-1)/(m+p-1) (Narayanan et al. 2021 §2.2)
+  then             data-parallel gradient sync (exposed) + the optimizer step (memory-bound)
+Collective times are the alpha-beta model of a ring (Thakur et al. 2005; the seed's §2.3): an
+all-reduce of M bytes on n ranks costs 2(n-1)·alpha + 2(n-1)/n · M / beta.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, asdict
+
+from refimpl.memory import activation_bytes_per_layer, model_state_bytes
+from refimpl.plan.hardware import MEMORY_HEADROOM, Hardware
+from refimpl.plan.models import ModelShape
+
+PRECISIONS = {
+    # mixed-precision Adam (the ZeRO paper's K = 12), 16-bit activations: what GPU trainings use
+    "bf16": {"param": 2, "grad": 2, "optimizer": 12, "activation": 2},
+    # the CPU loop's default: fp32 weights and grads, AdamW's m and v
+    "fp32": {"param": 4, "grad": 4, "optimizer": 8, "activation": 4},
+}
+AXES_INNER_FIRST = ("tp", "cp", "pp", "dp")   # the grid's order, innermost (neighbouring ranks) first
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero_stage: int = 0
+    micro_batch_size: int = 1
+    recompute: str = "none"            # "none", "selective" (attention scores), "full" (per block)
+    sequence_parallel: bool = False
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def within_node(self, axis: str, gpus_per_node: int) -> bool:
+        """Does every group along `axis` sit inside one node? Its ranks are `stride` apart, stride
+        being the product of the axes inside it; the group spans stride·size consecutive ranks."""
+        stride = 1
+        for name in AXES_INNER_FIRST:
+            if name == axis:
+                break
+            stride *= getattr(self, name)
+        span = stride * getattr(self, axis)
+        return span <= gpus_per_node and gpus_per_node % span == 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def ring_all_reduce_s(nbytes: float, n: int, alpha: float, beta: float) -> float:
+    return 0.0 if n <= 1 else 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / beta
+
+
+def ring_gather_s(nbytes: float, n: int, alpha: float, beta: float) -> float:
+    """all_gather (M = the gathered result) or reduce_scatter (M = the input): half an all-reduce."""
+    return 0.0 if n <= 1 else (n - 1) * alpha + (n - 1) / n * nbytes / beta
+
+
+def stage_params(shape: ModelShape, lay: Layout) -> float:
+    """Parameters one GPU of the first stage holds: its blocks and the word embedding, split tp
+    ways (Megatron's vocabulary-parallel embedding); position embeddings replicated."""
+    blocks = shape.n_layers // lay.pp * shape.layer_params
+    return (blocks + shape.vocab_size * shape.d_model) / lay.tp + shape.seq_len * shape.d_model
+
+
+def _layer_activation_bytes(shape, lay, batch, act_bytes, recompute) -> float:
+    """Korthikanti et al. 2022 Table 2 on this rank's s/cp tokens. Ring attention (cp > 1) never
+    stores the s x s probabilities (it recomputes them blockwise, refimpl/parallel/cp.py), so its
+    score term is dropped as selective recomputation drops it."""
+    if lay.cp > 1 and recompute == "none":
+        recompute = "selective"
+    sixteen_bit = activation_bytes_per_layer(shape.seq_len // lay.cp, batch, shape.d_model,
+                                             shape.n_heads, tp=lay.tp,
+                                             sequence_parallel=lay.sequence_parallel,
+                                             recompute=recompute)
+    return sixteen_bit * act_bytes / 2
+
+
+def predict_memory(shape: ModelShape, lay: Layout, global_batch: int, precision: str = "bf16") -> dict:
+    bytes_ = PRECISIONS[precision]
+    m = global_batch // (lay.dp * lay.micro_batch_size)
+    states = model_state_bytes(stage_params(shape, lay), dp=lay.dp * lay.cp,
+                               zero_stage=lay.zero_stage, param_bytes=bytes_["param"],
+                               grad_bytes=bytes_["grad"], optimizer_bytes=bytes_["optimizer"],
+                               padded=False)
+    b, layers = lay.micro_batch_size, shape.n_layers // lay.pp
+    per_layer = _layer_activation_bytes(shape, lay, b, bytes_["activation"], lay.recompute)
+    working = 0.0
+    if lay.recompute == "full":   # one block's activations, rebuilt while its backward runs
+        working = _layer_activation_bytes(shape, lay, b, bytes_["activation"], "none")
+    # 1F1B: the first stage has min(p, m) micro-batches in flight before its first backward.
+    first = per_layer * layers * (min(lay.pp, m) if lay.pp > 1 else 1) + working
+    # The last stage (the only one when pp = 1) keeps fp32 logits for the loss: 4·s·b·V/t bytes
+    # (Korthikanti et al. 2022, §4.1).
+    logits = 4 * (shape.seq_len // lay.cp) * b * shape.vocab_size / lay.tp
+    last = per_layer * layers + working + logits
+    activations = first + logits if lay.pp == 1 else max(first, last)
+    return {"params_bytes": states.params, "grads_bytes": states.grads,
+            "optimizer_bytes": states.optimizer, "activation_bytes": activations,
+            "memory_bytes": states.total + activations}
+
+
+def predict_time(shape: ModelShape, lay: Layout, global_batch: int, hw: Hardware,
+                 gpus_per_node: int = 8, precision: str = "bf16") -> dict:
+    bytes_ = PRECISIONS[precision]
+    act = bytes_["activation"]
+    s, h, a, v = shape.seq_len, shape.d_model, shape.n_heads, shape.vocab_size
+    b, t, c, p = lay.micro_batch_size, lay.tp, lay.cp, lay.pp
+    m = global_batch // (lay.dp * b)
+    layers, s_loc = shape.n_layers // p, s // c
+
+    # --- compute per micro-batch on the busiest stage (Narayanan et al. 2021, §5.1 counts) ---
+    layer_fwd = 24 * b * s_loc * h * h * (1 + s / (6 * h)) / t   # 4 GEMMs + QK^T and PV
+    attn_core_fwd = 4 * b * s_loc * s * h / t
+    passes = 3 + (1 if lay.recompute == "full" else 0)
+    layer_flops = layer_fwd * passes + (attn_core_fwd if lay.recompute == "selective" else 0)
+    logits_flops = 3 * 2 * b * s_loc * h * v / t
+    stage_flops = layers * layer_flops + logits_flops   # the last stage: blocks + logits
+    # memory-bound ops read and write every stored activation once per pass (a coarse count)
+    hbm_traffic = 2 * (passes) * layers * _layer_activation_bytes(shape, lay, b, act, "none")
+    compute_s = (stage_flops / hw.matmul_rate + hbm_traffic / hw.memory_bandwidth
+                 + (layers + 1) * passes * hw.block_overhead_s)   # + 1: embedding/logits
+    hidden_by = compute_s if hw.overlaps_comm else 0.0   # what overlapping comm can hide behind
+
+    # --- tensor parallel: 2 all-reduces forward, 2 backward, 2 more if the forward is redone
+    # (Shoeybi et al. 2019 §3, f and g); sequence parallel swaps each for a reduce-scatter +
+    # all-gather pair: the same bytes (Korthikanti et al. 2022 §4.2.2)
+    tp_alpha, tp_beta = hw.link(lay.within_node("tp", gpus_per_node))
+    n_tp = 4 + (2 if lay.recompute == "full" else 0)
+    tp_s = layers * n_tp * ring_all_reduce_s(b * s_loc * h * act, t, tp_alpha, tp_beta)
+
+    # --- context parallel: K and V hop cp-1 times forward; backward hops K, V again and dK, dV
+    # home (cp hops); each hop overlaps the attention on the block in hand (refimpl/parallel/cp.py)
+    cp_s = 0.0
+    if c > 1:
+        cp_alpha, cp_beta = hw.link(lay.within_node("cp", gpus_per_node))
+        hop = cp_alpha + 2 * b * s_loc * h / t * act / cp_beta
+        block = 4 * b * (s / (2 * c)) ** 2 * h / t * (2 * c + 1) / c / hw.matmul_rate
+        block = block if hw.overlaps_comm else 0.0
+        fwd_rings = 1 + (1 if lay.recompute == "full" else 0)
+        cp_s = layers * ((c - 1) * fwd_rings * max(0.0, hop - block)
+                         + (2 * c - 1) * max(0.0, hop - 2 * block))
+
+    # --- pipeline: one activation send forward and one gradient send backward per micro-batch,
+    # 1/t of it per GPU (scatter/gather, Narayanan et al. 2021 §4.1)
+    pp_s = 0.0
+    if p > 1:
+        pp_alpha, pp_beta = hw.link(lay.within_node("pp", gpus_per_node))
+        pp_s = 2 * (pp_alpha + b * s_loc * h / t * act / pp_beta)
+
+    per_micro_batch = compute_s + tp_s + cp_s + pp_s
+    bubble = (p - 1) / (m + p - 1)
+    pipeline_s = (m + p - 1) * per_micro_batch
+
+    # --- data parallel over dp x cp (both hold the same weights): exposed after the last backward
+    n_dp = lay.dp * c
+    dp_within = lay.within_node("dp", gpus_per_node) if lay.dp > 1 else lay.within_node("cp", gpus_per_node)
+    dp_alpha, dp_beta = hw.link(dp_within)
+    params = stage_params(shape, lay)
+    if lay.zero_stage == 0:
+        dp_s = ring_all_reduce_s(params * bytes_["grad"], n_dp, dp_alpha, dp_beta)
+    elif lay.zero_stage in (1, 2):   # reduce-scatter the grads, all-gather the updated params
+        dp_s = (ring_gather_s(params * bytes_["grad"], n_dp, dp_alpha, dp_beta)
+                + ring_gather_s(params * bytes_["param"], n_dp, dp_alpha, dp_beta))
+    else:   # ZeRO-3: gather params forward and backward, reduce-scatter grads, every micro-batch;
+        # prefetching hides them behind that micro-batch's compute where they fit (ZeRO §5.3)
+        per_mb = (2 * ring_gather_s(params * bytes_["param"], n_dp, dp_alpha, dp_beta)
+                  + ring_gather_s(params * bytes_["grad"], n_dp, dp_alpha, dp_beta))
+        dp_s = m * max(0.0, per_mb - hidden_by) + ring_gather_s(params * bytes_["grad"], n_dp,
+                                                                 dp_alpha, dp_beta)
+
+    # --- optimizer: Adam reads and writes its states and the param, reads the grad (memory-bound)
+    shard = params / n_dp if lay.zero_stage >= 1 else params
+    optimizer_s = shard * (2 * bytes_["optimizer"] + bytes_["grad"] + 2 * bytes_["param"]) / hw.memory_bandwidth
+
+    step = pipeline_s + dp_s + optimizer_s
+    executed = ((layer_flops * t * c) * shape.n_layers + logits_flops * t * c) * global_batch / b
+    return {"step_time_s": step, "compute_s": m * compute_s, "tp_comm_s": m * tp_s,
+            "cp_comm_s": m * cp_s, "pp_comm_s": m * pp_s, "bubble_s": (p - 1) * per_micro_batch,
+            "dp_comm_s": dp_s, "optimizer_s": optimizer_s, "bubble_fraction": bubble,
+            "micro_batches": m, "executed_flops": executed}
+
+
+def predict(shape: ModelShape, lay: Layout, global_batch: int, hw: Hardware,
+            gpus_per_node: int = 8, precision: str = "bf16") -> dict:
+    """Memory and time of one layout, plus throughput: tflops_per_gpu counts the FLOPs executed
+    (recomputation included, Megatron's convention), mfu the model's 6ND + attention FLOPs only."""
+    from refimpl.memory import training_flops
+
+    mem = predict_memory(shape, lay, global_batch, precision)
+    time = predict_time(shape, lay, global_batch, hw, gpus_per_node, precision)
+    tokens = global_batch * shape.seq_len
+    model_flops = training_flops(shape.n_params, tokens, n_layers=shape.n_layers,
+                                 seq=shape.seq_len, hidden=shape.d_model)
+    per_gpu_s = time["step_time_s"] * lay.gpus
+    return {**lay.to_dict(), **mem, **time,
+            "fits": mem["memory_bytes"] <= MEMORY_HEADROOM * hw.memory_bytes,
+            "tflops_per_gpu": time["executed_flops"] / per_gpu_s / 1e12,
+            "mfu": model_flops / (per_gpu_s * hw.peak_flops)}
