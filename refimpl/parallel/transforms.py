@@ -48,7 +48,8 @@ def model_parallel(model: nn.Module, ctx) -> nn.Module:
     if ctx.mesh.size("tp") > 1:
         from refimpl.parallel.tp_model import parallelize_tp
 
-        parallelize_tp(model, ctx.mesh.group("tp"), sequence_parallel=ctx.cfg.sequence_parallel)
+        parallelize_tp(model, ctx.mesh.group("tp"), sequence_parallel=ctx.cfg.sequence_parallel,
+                       comm=ctx.comm)
     if ctx.cfg.cp > 1:   # ring attention in every block, global positions (parallel/cp_model.py)
         from refimpl.parallel.cp_model import apply_context_parallel
         apply_context_parallel(model, ctx.mesh.group("cp"))
