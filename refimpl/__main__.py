@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     grid.add_argument("--pp", type=int, default=1, help="pipeline stages")
     grid.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
     grid.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides dp x cp)")
+    grid.add_argument("--schedule", default=None,
+                      help="pipeline schedule with --pp: gpipe, 1f1b (default), interleaved, zb-h1")
+    grid.add_argument("--virtual-stages", type=int, default=1,
+                      help="model chunks per pipeline rank (interleaved schedule)")
     t.add_argument("--collectives", default="torch",
                    help="torch, or refimpl: every collective rebuilt from send/recv (refimpl.comm)")
     from refimpl.plan.cli import add_arguments as add_plan_arguments
@@ -66,7 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="KEY=VALUE", help="strategy option, e.g. --set bucket_mb=1 (repeatable)")
     t.add_argument("--timeout", type=float, default=900.0)
     t.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    _add_env_parser(sub)
     return p
+
+
+def _add_env_parser(sub) -> None:
+    """`python -m refimpl env [--json]`: the machine as the workbook sees it (refimpl.env)."""
+    e = sub.add_parser("env", help="this machine: cores, memory, GPUs, versions, backend per nproc")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def config_from_args(args):
@@ -82,19 +93,26 @@ def config_from_args(args):
                         n_heads=args.heads, n_experts=args.experts)
     except ValueError as e:
         raise LayoutError(str(e)) from None
+    pp = args.pp
+    if pp == 1 and (args.strategy.startswith("pp-") or args.strategy.startswith("torch-pp-")):
+        pp = nproc                                # the shorthand puts the whole world on pp
     return TrainConfig(strategy=args.strategy, nproc=nproc, steps=args.steps,
                        global_batch=args.global_batch, seq_len=args.seq_len, seed=args.seed,
                        lr=args.lr, micro_batches=args.micro_batches,
                        mixed_precision=args.mixed_precision,
                        activation_checkpointing=args.checkpointing, profile=args.profile,
                        trace_dir=args.trace_dir, model=model, options=dict(args.options),
-                       tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
+                       tp=args.tp, pp=pp, cp=args.cp, ep=args.ep,
                        sequence_parallel=args.sequence_parallel, collectives=args.collectives,
+                       schedule=args.schedule, virtual_stages=args.virtual_stages,
                        record_memory=not args.profile)   # memory[r].peak (not under --profile)
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "env":
+        from refimpl import env
+        return env.main(as_json=args.json)
     if args.command == "plan":
         from refimpl.plan.cli import plan_from_args
         return plan_from_args(args)

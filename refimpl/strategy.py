@@ -69,6 +69,10 @@ class TrainConfig:
     init_state: str | None = None     # torch.save'd full state dict to start from (any strategy's)
     record_memory: bool = False       # measure each rank's peak inside a step (memory[r].peak)
     model: GPTConfig = field(default_factory=GPTConfig)
+    # Where an in-process run (nproc 1) computes: "auto" = a GPU if there is one. A reference for
+    # an N-rank comparison sets the ranks' device (equivalence.ranks_device), so the two never
+    # straddle CPU and GPU. Ranks themselves always compute where their backend puts them.
+    device: str = "auto"
     options: dict = field(default_factory=dict)   # strategy-specific knobs, e.g. {"bucket_mb": 25}
     # The grid (refimpl.mesh): dp = nproc / (replicas x pp x cp x tp).
     tp: int = 1
@@ -78,6 +82,8 @@ class TrainConfig:
     replicas: int = 1                 # independent copies of the layout (tests: group isolation)
     sequence_parallel: bool = False   # with tp > 1: LayerNorm regions split along the sequence
     collectives: str = "torch"        # "refimpl": every collective from refimpl.comm's send/recv
+    schedule: str | None = None       # pipeline schedule (pp > 1): gpipe, 1f1b, interleaved, zb-h1
+    virtual_stages: int = 1           # model chunks per pipeline rank (interleaved)
 
     def with_(self, **changes) -> "TrainConfig":
         return replace(self, **changes)
@@ -94,7 +100,7 @@ class TrainConfig:
                     "micro-batches": self.micro_batches, "layers": self.model.n_layers,
                     "d-model": self.model.d_model, "heads": self.model.n_heads,
                     "vocab": self.model.vocab_size, "tp": self.tp, "pp": self.pp, "cp": self.cp,
-                    "ep": self.ep, "replicas": self.replicas}
+                    "ep": self.ep, "replicas": self.replicas, "virtual-stages": self.virtual_stages}
         for flag, value in positive.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"--{flag} must be a positive integer (got {value!r})")
@@ -111,6 +117,10 @@ class TrainConfig:
             raise LayoutError(f"--seq-len must be in [1, {self.model.seq_len}] (got {self.seq_len})")
         if self.mixed_precision not in ("fp32", "bf16"):
             raise LayoutError(f"--mixed-precision must be fp32 or bf16 (got {self.mixed_precision})")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise LayoutError(f"device must be auto, cpu or cuda (got {self.device})")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise LayoutError("device cuda asked for, but torch sees no GPU on this machine")
         if self.collectives not in COLLECTIVES:
             raise LayoutError(f"--collectives must be one of {', '.join(COLLECTIVES)} "
                               f"(got {self.collectives!r})")
@@ -235,12 +245,18 @@ class Strategy(ABC):
     def train_step(self, batch: Batch) -> torch.Tensor:
         """One optimizer step on the global batch; returns the global mean loss as a 0-d tensor
         (equal on every rank). The loop reads it once per step: no sync per micro-batch."""
-        # A transform that changes the logits' layout (the vocabulary split over tp) attaches
-        # the loss that reads them to the model as `loss_fn`.
-        loss_fn = getattr(self.model, "loss_fn", self.loss_fn)
-        local = forward_backward(self.forward_model, self.local_micro_batches(batch),
-                                 loss_fn=loss_fn, divisor=self.loss_divisor,
-                                 micro_step=self.micro_step, autocast=self.ctx.autocast)
+        if getattr(self.model, "is_pipeline_stage", False):   # pp > 1: a schedule's table
+            from refimpl.parallel.pp import pipeline_forward_backward
+
+            local = pipeline_forward_backward(self.model, self.local_micro_batches(batch),
+                                              divisor=self.loss_divisor, autocast=self.ctx.autocast)
+        else:
+            # A transform that changes the logits' layout (the vocabulary split over tp)
+            # attaches the loss that reads them to the model as `loss_fn`.
+            loss_fn = getattr(self.model, "loss_fn", self.loss_fn)
+            local = forward_backward(self.forward_model, self.local_micro_batches(batch),
+                                     loss_fn=loss_fn, divisor=self.loss_divisor,
+                                     micro_step=self.micro_step, autocast=self.ctx.autocast)
         self.sync_gradients()
         with phase("optimizer"):
             self.optimizer_step()

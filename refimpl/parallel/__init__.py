@@ -23,6 +23,13 @@ STRATEGIES: dict[str, str] = {
     "torch-fsdp2-gradop": "refimpl.parallel.torch_fsdp2:TorchFSDP2GradOp",
     "tp": "refimpl.parallel.tensor_parallel:TensorParallel",
     "torch-tp": "refimpl.parallel.torch_tp:TorchTensorParallel",
+    "pp-gpipe": "refimpl.parallel.pp_strategy:PipelineParallel",
+    "pp-1f1b": "refimpl.parallel.pp_strategy:PipelineParallel",
+    "pp-interleaved": "refimpl.parallel.pp_strategy:PipelineParallel",
+    "pp-zb": "refimpl.parallel.pp_strategy:PipelineParallel",
+    "torch-pp-gpipe": "refimpl.parallel.pp_strategy:TorchPipelineParallel",
+    "torch-pp-1f1b": "refimpl.parallel.pp_strategy:TorchPipelineParallel",
+    "torch-pp-interleaved": "refimpl.parallel.pp_strategy:TorchPipelineParallel",
 }
 
 

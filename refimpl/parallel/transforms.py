@@ -15,7 +15,7 @@ from refimpl.mesh import LayoutError
 from refimpl.parallel.checkpointing import checkpoint_blocks
 
 # Axes whose transform exists; each model-parallel chapter adds its own with its validation.
-BUILT_AXES: tuple[str, ...] = ("tp", "cp")
+BUILT_AXES: tuple[str, ...] = ("tp", "pp", "cp")
 
 
 def validate_model_parallel(cfg) -> None:
@@ -34,12 +34,18 @@ def validate_model_parallel(cfg) -> None:
     if cfg.tp > 1 and cfg.cp > 1:
         raise LayoutError("--tp with --cp: both transforms replace the attention module; their "
                           "composition is not built yet")
+    if cfg.tp > 1 and cfg.pp > 1:
+        raise LayoutError("--tp with --pp: the pipeline's last stage computes the loss on full "
+                          "logits; its composition with the vocabulary split is not built yet")
     if cfg.tp > 1:
         from refimpl.parallel.tp_model import tp_layout_problem
 
         problem = tp_layout_problem(cfg.model, cfg.tp, cfg.seq_len, cfg.sequence_parallel)
         if problem:
             raise LayoutError(problem)
+    from refimpl.parallel.pp_strategy import validate_pipeline
+
+    validate_pipeline(cfg)
 
 
 def model_parallel(model: nn.Module, ctx) -> nn.Module:
@@ -54,5 +60,9 @@ def model_parallel(model: nn.Module, ctx) -> nn.Module:
         from refimpl.parallel.cp_model import apply_context_parallel
         apply_context_parallel(model, ctx.mesh.group("cp"))
     if ctx.cfg.activation_checkpointing:
-        checkpoint_blocks(model)
+        checkpoint_blocks(model)     # before the split: it replaces each block's forward in place
+    if ctx.mesh.size("pp") > 1:
+        from refimpl.parallel.pp_stage import split_for_pipeline
+
+        model = split_for_pipeline(model, ctx)
     return model

@@ -1,0 +1,92 @@
+"""Zero bubble's split of the backward pass into B (input gradient) and W (weight gradient).
+
+Qi et al. 2023, sec. 2: for a linear layer Y = X A, the backward pass is two matrix products,
+dX = dY A^T (B: the previous stage is waiting for it) and dA = X^T dY (W: nobody waits for it).
+ZB-H1 runs B at once and defers W into time that would otherwise be bubble.
+
+How it is done here (our own approach, not PyTorch's `stage_backward_input/weight`):
+  * during the forward of a micro-batch, a forward hook on every Linear, LayerNorm and Embedding of
+    the chunk records (module, its input X) and hooks the module's output so that, when the
+    gradient dY reaches it, dY is kept too;
+  * B is `torch.autograd.grad(output, inputs=[stage input])`: autograd runs only the nodes on the
+    path to the input, and inside each node computes only the outputs that path needs, so the
+    weight products X^T dY are skipped (and no .grad is touched);
+  * W computes every weight gradient from the kept (X, dY) pairs with the layer's own formula.
+Between B and W this micro-batch's X's and dY's stay alive: that is why ZB-H1 bounds the micro-
+batches in flight (F done, W not yet) by p.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class WeightGradRecord:
+    """The (module, X, dY) triples of one micro-batch on one chunk, filled during F and B."""
+
+    def __init__(self):
+        self.entries: list[list] = []   # [module, X, dY or None]
+
+    def apply(self) -> None:
+        """W: accumulate every recorded layer's weight gradient into .grad, then forget X and dY."""
+        for module, x, dy in self.entries:
+            if dy is None:          # an output that did not reach the loss (not in our model)
+                continue
+            _accumulate(module, x, dy)
+        self.entries.clear()
+
+
+@contextmanager
+def record_weight_grads(chunk: nn.Module, record: WeightGradRecord):
+    """Forward hooks that fill `record` while the chunk runs one micro-batch's forward; yields the
+    list of (entry, output) of the embeddings: the first chunk has no input gradient to compute, so
+    its B differentiates with respect to the embeddings' outputs and stores their dY in the entry."""
+    embed_outputs = []
+
+    def hook(module, inputs, output):
+        entry = [module, inputs[0].detach(), None]
+        record.entries.append(entry)
+        if isinstance(module, nn.Embedding):
+            embed_outputs.append((entry, output))   # B hands their dY over itself
+            return
+
+        def keep(grad):
+            entry[2] = grad if entry[2] is None else entry[2] + grad
+        output.register_hook(keep)
+
+    handles = [m.register_forward_hook(hook) for m in chunk.modules()
+               if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding))]
+    try:
+        yield embed_outputs
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _grad_buffer(param: torch.Tensor) -> torch.Tensor:
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    return param.grad
+
+
+def _accumulate(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> None:
+    dtype = module.weight.dtype          # under autocast X or dY may be bf16; master weights are not
+    dy = dy.to(dtype)
+    x = x if isinstance(module, nn.Embedding) else x.to(dtype)
+    with torch.no_grad():
+        if isinstance(module, nn.Linear):
+            dy2 = dy.reshape(-1, dy.shape[-1])
+            _grad_buffer(module.weight).add_(dy2.t() @ x.reshape(-1, x.shape[-1]))   # dA = dY^T X
+            if module.bias is not None:
+                _grad_buffer(module.bias).add_(dy2.sum(0))
+        elif isinstance(module, nn.LayerNorm):
+            x_hat = F.layer_norm(x, module.normalized_shape, eps=module.eps)        # recomputed
+            dims = tuple(range(dy.dim() - len(module.normalized_shape)))
+            _grad_buffer(module.weight).add_((dy * x_hat).sum(dims))
+            _grad_buffer(module.bias).add_(dy.sum(dims))
+        elif isinstance(module, nn.Embedding):
+            # The gradient of a lookup table: each row receives the dY of every position that read it.
+            _grad_buffer(module.weight).index_add_(0, x.reshape(-1), dy.reshape(-1, dy.shape[-1]))

@@ -1,0 +1,99 @@
+"""Benchmark: our pipeline runner against PyTorch's `torch.distributed.pipelining`, in one launch.
+
+    .venv/bin/python scripts/bench_pp.py                          # 2 stages, gpipe / 1f1b / interleaved
+    .venv/bin/python scripts/bench_pp.py --nproc 4 --micro-batches 8 --layers 8
+
+Both sides run the same stages (refimpl.parallel.pp_stage), the same batches, on the same ranks.
+Rounds alternate ours, theirs, ours, ... so a slow spell of the machine hits both; a side's step
+time is the median over its steps after each round's first (the slowest rank per step). Prints per
+schedule: loss of each side, median step times, the ratio ours / theirs, and the bubble the table
+predicts. Not a test: timings depend on the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch.distributed as dist
+
+from refimpl.launch import run
+from refimpl.model import GPTConfig, build_model, synthetic_batch
+from refimpl.parallel.pp import run_schedule
+from refimpl.parallel.pp_schedules import bubble_fraction, schedule_table
+from refimpl.parallel.pp_stage import build_chunks
+from refimpl.parallel.torch_pp import TorchPipeline, check_torch_layout
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--virtual-stages", type=int, default=2, help="for interleaved")
+    p.add_argument("--schedules", default="gpipe,1f1b,interleaved")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=160)
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=6, help="steps per round (the first is warm-up)")
+    p.add_argument("--rounds", type=int, default=3)
+    return p.parse_args(argv)
+
+
+def bench_rank(rank, world, args, schedules):
+    """Every (schedule, side) in rounds; returns {(schedule, side): ([step seconds], last loss)}."""
+    group = dist.new_group(list(range(world)))
+    cfg = GPTConfig(n_layers=args.layers, d_model=args.d_model, seq_len=args.seq_len)
+    out = {}
+    for _ in range(args.rounds):
+        for schedule in schedules:
+            v = args.virtual_stages if schedule == "interleaved" else 1
+            for side in ("ours", "torch"):
+                chunks = build_chunks(build_model(cfg, 0), world, rank, v)
+                if side == "torch":
+                    pipe = TorchPipeline(chunks, group, world, schedule, args.micro_batches)
+                    step = pipe.step
+                else:
+                    row = schedule_table(world, args.micro_batches, schedule, v)[rank]
+                    step = lambda b, row=row, chunks=chunks: run_schedule(
+                        chunks, row, b.micro_batches(args.micro_batches), group)
+                times, loss = [], None
+                for s in range(args.steps):
+                    batch = synthetic_batch(cfg, args.global_batch, args.seq_len, 0, s)
+                    dist.barrier(group)
+                    start = time.perf_counter()
+                    loss = step(batch)
+                    dist.barrier(group)
+                    times.append(time.perf_counter() - start)
+                    for c in chunks:
+                        c.zero_grad(set_to_none=True)
+                prev = out.get((schedule, side), ([], None))[0]
+                out[(schedule, side)] = (prev + times[1:], loss)
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    schedules = args.schedules.split(",")
+    for s in schedules:
+        check_torch_layout(args.nproc, args.micro_batches, s, args.virtual_stages if s == "interleaved" else 1)
+    ranks = run(bench_rank, args.nproc, args, schedules, timeout=1800)
+    print(f"{args.nproc} stages, {args.micro_batches} micro-batches, {args.layers} blocks of d={args.d_model}, "
+          f"batch {args.global_batch} x seq {args.seq_len}, {args.rounds} rounds x {args.steps - 1} timed steps")
+    print(f"{'schedule':<12} {'bubble':>7} {'loss ours':>10} {'loss torch':>10} {'ours ms':>9} "
+          f"{'torch ms':>9} {'ours/torch':>10}")
+    for s in schedules:
+        v = args.virtual_stages if s == "interleaved" else 1
+        med = {}
+        for side in ("ours", "torch"):
+            per_step = [max(ts) for ts in zip(*(r[(s, side)][0] for r in ranks))]  # slowest rank
+            med[side] = statistics.median(per_step)
+        loss = {side: ranks[-1][(s, side)][1] for side in ("ours", "torch")}
+        print(f"{s:<12} {bubble_fraction(args.nproc, args.micro_batches, s, v):>7.3f} {loss['ours']:>10.6f} "
+              f"{loss['torch']:>10.6f} {med['ours'] * 1e3:>9.2f} {med['torch'] * 1e3:>9.2f} "
+              f"{med['ours'] / med['torch']:>10.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,154 @@
+"""The pipeline runner computes what one process computes: same loss, same gradients, any schedule.
+
+One launch per world size runs every (schedule, micro-batches, virtual stages) case on the same
+ranks; each case's loss (from the last stage) and gradients (every stage's, under the reference's
+names) are compared with the whole model on the same micro-batches.
+"""
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from refimpl.launch import run
+from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
+from refimpl.parallel.pp import run_schedule
+from refimpl.parallel.pp_schedules import SCHEDULES, schedule_table
+from refimpl.parallel.pp_stage import build_chunks, partition
+from refimpl.parallel.pp_weight_grad import WeightGradRecord, record_weight_grads
+from refimpl.strategy import LayoutError
+
+BATCH, SEQ, SEED = 12, 16, 3
+
+
+def config(n_layers: int) -> GPTConfig:
+    return GPTConfig(vocab_size=64, seq_len=SEQ, d_model=32, n_heads=4, n_layers=n_layers)
+
+
+# (schedule, m, v, n_layers) per world size; m < p for 1f1b and zb-h1 on 4 ranks; 3 ranks uneven.
+CASES = {
+    2: [("gpipe", 1, 1, 4), ("gpipe", 4, 1, 4), ("1f1b", 1, 1, 4), ("1f1b", 4, 1, 4),
+        ("interleaved", 2, 2, 4), ("interleaved", 4, 2, 4), ("zb-h1", 2, 1, 4), ("zb-h1", 4, 1, 4)],
+    4: [("gpipe", 4, 1, 4), ("1f1b", 2, 1, 4), ("1f1b", 6, 1, 4), ("interleaved", 4, 2, 8),
+        ("zb-h1", 3, 1, 4), ("zb-h1", 6, 1, 4)],
+    3: [("gpipe", 3, 1, 4), ("1f1b", 2, 1, 4), ("1f1b", 4, 1, 4), ("interleaved", 3, 2, 7),
+        ("zb-h1", 4, 1, 4)],
+}
+
+
+def reference(m: int, n_layers: int):
+    model = build_model(config(n_layers), SEED)
+    total = 0.0
+    for mb in synthetic_batch(config(n_layers), BATCH, SEQ, SEED, 0).micro_batches(m):
+        loss = lm_loss(model(mb.inputs), mb.targets) / m
+        loss.backward()
+        total += loss.item()
+    return total, {n: p.grad for n, p in model.named_parameters()}
+
+
+def pipeline_rank(rank, world, cases):
+    group = dist.new_group(list(range(world)))
+    out = {}
+    for schedule, m, v, n_layers in cases:
+        chunks = build_chunks(build_model(config(n_layers), SEED), world, rank, v)
+        micro = synthetic_batch(config(n_layers), BATCH, SEQ, SEED, 0).micro_batches(m)
+        loss = run_schedule(chunks, schedule_table(world, m, schedule, v)[rank], micro, group)
+        grads = {n: p.grad for c in chunks for n, p in c.named_parameters()}
+        out[(schedule, m, v, n_layers)] = (loss, grads)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def runs_on(world: int):
+    return run(pipeline_rank, world, CASES[world], quiet=True)
+
+
+def rel_err(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("world,case", [(w, c) for w, cases in CASES.items() for c in cases])
+def test_pipeline_matches_one_process(world, case):
+    ranks = runs_on(world)
+    losses = [r[case][0] for r in ranks]
+    assert all(loss is None for loss in losses[:-1])      # the loss lives on the last stage
+    ref_loss, ref_grads = reference(case[1], case[3])
+    assert abs(losses[-1] - ref_loss) / ref_loss <= 1e-6
+    grads = [r[case][1] for r in ranks]
+    names = [n for g in grads for n in g]
+    assert sorted(names) == sorted(ref_grads)               # every parameter on exactly one stage
+    merged = {n: t for g in grads for n, t in g.items()}
+    worst = max(rel_err(merged[n], ref_grads[n]) for n in ref_grads)
+    assert worst <= 1e-5, worst
+    if case[0] != "zb-h1":                                  # same ops in the same order
+        assert all(torch.equal(merged[n], ref_grads[n]) for n in ref_grads)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_one_stage_with_two_chunks_passes_tensors_locally(schedule):
+    v = 2 if schedule == "interleaved" else 1
+    chunks = build_chunks(build_model(config(4), SEED), 1, 0, v)
+    micro = synthetic_batch(config(4), BATCH, SEQ, SEED, 0).micro_batches(2)
+    loss = run_schedule(chunks, schedule_table(1, 2, schedule, v)[0], micro, None)
+    ref_loss, ref_grads = reference(2, 4)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    for c in chunks:
+        for n, p in c.named_parameters():
+            assert rel_err(p.grad, ref_grads[n]) <= 1e-5
+
+
+def test_zero_bubble_b_leaves_weights_alone_and_w_finishes_them():
+    model = build_model(config(2), SEED)
+    (chunk,) = build_chunks(model, 1, 0)
+    mb = synthetic_batch(config(2), BATCH, SEQ, SEED, 0)
+    record = WeightGradRecord()
+    with record_weight_grads(chunk, record) as embeds:
+        loss = lm_loss(chunk(mb.inputs), mb.targets)
+    grads = torch.autograd.grad(loss, [o for _, o in embeds])           # B
+    for (entry, _), g in zip(embeds, grads):
+        entry[2] = g
+    assert all(p.grad is None for p in chunk.parameters())
+    record.apply()                                                       # W
+    _, ref_grads = reference(1, 2)
+    for n, p in chunk.named_parameters():
+        assert rel_err(p.grad, ref_grads[n]) <= 1e-5
+
+
+def test_partition_is_as_even_as_whole_blocks_allow():
+    assert [len(r) for r in partition(4, 3)] == [2, 1, 1]
+    assert [list(r) for r in partition(7, 2)] == [[0, 1, 2, 3], [4, 5, 6]]
+    with pytest.raises(LayoutError, match="at least as many"):
+        partition(4, 5)
+    with pytest.raises(LayoutError, match="at least as many"):
+        build_chunks(build_model(config(4), SEED), 4, 0, virtual_stages=2)
+
+
+def test_first_and_last_stage_own_embedding_and_head():
+    chunks = [build_chunks(build_model(config(4), SEED), 3, s)[0] for s in range(3)]
+    assert [c.embed is not None for c in chunks] == [True, False, False]
+    assert [c.lm_head is not None for c in chunks] == [False, False, True]
+    assert [list(c.blocks) for c in chunks] == [["0", "1"], ["2"], ["3"]]
+
+
+def test_zero_bubble_b_skips_the_weight_products():
+    # Counted, not timed: B (input gradient) must not also compute dW = X^T dY, or zero bubble
+    # would defer nothing. B + W does the full backward's matrix products, B alone about half.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    (chunk,) = build_chunks(build_model(config(2), SEED), 2, 1)   # block 1 + head: no embedding
+    x0 = torch.randn(4, SEQ, 32)
+
+    def flops(fn):
+        with FlopCounterMode(display=False) as counter:
+            fn()
+        return counter.get_total_flops()
+
+    x = x0.clone().requires_grad_()
+    loss = chunk(x).square().mean()
+    full = flops(loss.backward)
+    record, x = WeightGradRecord(), x0.clone().requires_grad_()
+    with record_weight_grads(chunk, record):
+        out = chunk(x).square().mean()
+    b = flops(lambda: torch.autograd.grad(out, [x]))
+    w = flops(record.apply)
+    assert b + w == full and 0.3 * full < b < 0.7 * full

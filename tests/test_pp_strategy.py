@@ -1,0 +1,90 @@
+"""The pipeline strategies in the loop: pp-gpipe, pp-1f1b, pp-interleaved, pp-zb and PyTorch's
+twins reproduce `single` (losses and final weights after 3 AdamW steps) on 2, 3 (uneven: 4 blocks
+over 3 stages) and 4 ranks; dp x pp and two independent replicas too; bad layouts fail before launch.
+"""
+import functools
+
+import pytest
+
+from refimpl.__main__ import build_parser, config_from_args
+from refimpl.model import GPTConfig
+from refimpl.parallel.equivalence import compare_with_single
+from refimpl.parallel.pp_strategy import reference_config
+from refimpl.strategy import LayoutError, TrainConfig
+from refimpl.train import train_several_on_ranks, validate
+
+SMALL = GPTConfig(vocab_size=128, seq_len=32, d_model=64, n_heads=4, n_layers=4)
+
+
+def cfg(strategy, world, m, *, pp=None, v=1, layers=4, batch=8, **kw):
+    return TrainConfig(strategy=strategy, nproc=world, pp=pp or world, steps=3, global_batch=batch,
+                       micro_batches=m, virtual_stages=v, return_state=True,
+                       model=GPTConfig(**{**SMALL.to_dict(), "n_layers": layers}), **kw)
+
+
+RUNS = {
+    2: {"pp-gpipe m2": cfg("pp-gpipe", 2, 2), "pp-1f1b m1": cfg("pp-1f1b", 2, 1),
+        "pp-1f1b m4": cfg("pp-1f1b", 2, 4), "pp-interleaved v2 m2": cfg("pp-interleaved", 2, 2, v=2),
+        "pp-zb m4": cfg("pp-zb", 2, 4), "dp-naive --pp 2 zb": cfg("dp-naive", 2, 2, schedule="zb-h1"),
+        "torch-pp-gpipe m2": cfg("torch-pp-gpipe", 2, 2), "torch-pp-1f1b m2": cfg("torch-pp-1f1b", 2, 2),
+        "torch-pp-interleaved v2 m2": cfg("torch-pp-interleaved", 2, 2, v=2)},
+    3: {"pp-gpipe m3": cfg("pp-gpipe", 3, 3, batch=12), "pp-1f1b m2": cfg("pp-1f1b", 3, 2, batch=12),
+        "pp-zb m4": cfg("pp-zb", 3, 4, batch=12), "torch-pp-1f1b m3": cfg("torch-pp-1f1b", 3, 3, batch=12)},
+    4: {"pp-1f1b m2": cfg("pp-1f1b", 4, 2), "pp-interleaved v2 m4": cfg("pp-interleaved", 4, 4, v=2, layers=8),
+        "pp-zb m4": cfg("pp-zb", 4, 4), "dp2 x pp2 1f1b": cfg("pp-1f1b", 4, 2, pp=2),
+        "2 replicas of pp2": cfg("pp-gpipe", 4, 2, pp=2, replicas=2),
+        "torch-pp-gpipe m4": cfg("torch-pp-gpipe", 4, 4)},
+}
+
+
+@functools.lru_cache(maxsize=None)
+def results(world):
+    names = list(RUNS[world])
+    return dict(zip(names, train_several_on_ranks([RUNS[world][n] for n in names], timeout=900)))
+
+
+@pytest.mark.parametrize("world,name", [(w, n) for w, runs in RUNS.items() for n in runs])
+def test_pipeline_strategies_match_single(world, name):
+    config, result = RUNS[world][name], results(world)[name]
+    eq = compare_with_single(reference_config(config), result)
+    assert eq.ok, (eq.loss_rel_err, eq.weight_rel_err)
+    assert len({tuple(r["losses"]) for r in result["per_rank"]}) == 1   # every rank returns the loss
+
+
+def test_each_stage_holds_only_its_parameters():
+    result = results(4)["pp-1f1b m2"]
+    params = [r["memory"]["params"] for r in result["per_rank"]]
+    assert sum(params) == 4 * result["n_params"]          # fp32: the stages partition the model
+    assert params[0] > params[1] and params[3] > params[1]  # embedding first, head last
+
+
+@pytest.mark.parametrize("changes,words", [
+    (dict(strategy="pp-1f1b", nproc=4, pp=4, model=GPTConfig(n_layers=3)), "at least as many"),
+    (dict(strategy="pp-interleaved", nproc=2, pp=2, virtual_stages=2, micro_batches=2,
+          model=GPTConfig(n_layers=3)),
+     "at least as many"),
+    (dict(strategy="pp-1f1b", nproc=2, pp=2, micro_batches=3, global_batch=8), "multiple"),
+    (dict(strategy="pp-interleaved", nproc=2, pp=2, virtual_stages=2, micro_batches=3, global_batch=6),
+     "multiple of pipeline stages"),
+    (dict(strategy="torch-pp-1f1b", nproc=4, pp=4, micro_batches=2), ">= stages"),
+    (dict(strategy="pp-1f1b", nproc=2, pp=1), "--pp >= 2"),
+    (dict(strategy="zero3", nproc=2, pp=2), "pp-* strategies or dp-naive"),
+    (dict(strategy="pp-gpipe", nproc=2, pp=2, schedule="1f1b"), "drop --schedule"),
+    (dict(strategy="pp-zb", nproc=2, pp=2, activation_checkpointing=True), "checkpointing"),
+])
+def test_bad_pipeline_layouts_fail_before_launch_with_one_line(changes, words):
+    with pytest.raises(LayoutError) as err:
+        validate(TrainConfig(**changes))
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_cli_shorthand_puts_the_whole_world_on_pp():
+    args = build_parser().parse_args(["train", "--strategy", "pp-interleaved", "--nproc", "4",
+                                      "--virtual-stages", "2", "--micro-batches", "4", "--layers", "8"])
+    config = config_from_args(args)
+    assert (config.pp, config.dims.dp, config.virtual_stages) == (4, 1, 2)
+    validate(config)
+    args = build_parser().parse_args(["train", "--strategy", "dp-naive", "--nproc", "4", "--pp", "2",
+                                      "--schedule", "zb-h1", "--micro-batches", "2"])
+    config = config_from_args(args)
+    assert (config.pp, config.dims.dp, config.schedule) == (2, 2, "zb-h1")

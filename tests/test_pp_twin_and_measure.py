@@ -1,0 +1,86 @@
+"""PyTorch's pipelining twin computes what ours does; a profiled run follows its table; activation
+memory per stage is what the table's in-flight count predicts."""
+import functools
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from refimpl.launch import run
+from refimpl.model import GPTConfig, build_model, synthetic_batch
+from refimpl.parallel.pp_measure import (action_slots, predicted_activation_peak, profile_pipeline)
+from refimpl.parallel.pp_schedules import schedule_table
+from refimpl.parallel.pp_stage import build_chunks
+from refimpl.parallel.torch_pp import TorchPipeline, check_torch_layout
+from refimpl.strategy import LayoutError
+from refimpl.trace.profiling import load_trace
+from tests.test_pp import BATCH, SEED, SEQ, config, reference, rel_err
+
+TWIN_CASES = [("gpipe", 2, 1), ("1f1b", 2, 1), ("1f1b", 4, 1), ("interleaved", 2, 2), ("interleaved", 4, 2)]
+
+
+def twin_rank(rank, world, cases):
+    group = dist.new_group(list(range(world)))
+    out = {}
+    for schedule, m, v in cases:
+        chunks = build_chunks(build_model(config(4), SEED), world, rank, v)
+        loss = TorchPipeline(chunks, group, world, schedule, m).step(
+            synthetic_batch(config(4), BATCH, SEQ, SEED, 0))
+        out[(schedule, m, v)] = (loss, {n: p.grad for c in chunks for n, p in c.named_parameters()})
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def twin_runs():
+    return run(twin_rank, 2, TWIN_CASES, quiet=True)
+
+
+@pytest.mark.parametrize("case", TWIN_CASES)
+def test_torch_pipelining_matches_one_process(case):
+    ranks = twin_runs()
+    ref_loss, ref_grads = reference(case[1], 4)
+    assert ranks[0][case][0] is None and abs(ranks[1][case][0] - ref_loss) <= 1e-6 * ref_loss
+    merged = {n: g for r in ranks for n, g in r[case][1].items()}
+    assert max(rel_err(merged[n], ref_grads[n]) for n in ref_grads) <= 1e-5
+
+
+@pytest.mark.parametrize("args,why", [((4, 2, "1f1b"), ">= stages"), ((2, 3, "interleaved", 2), "multiple"),
+                                      ((2, 4, "zb-h1"), "runs gpipe")])
+def test_torch_constraints_are_layout_errors(args, why):
+    with pytest.raises(LayoutError, match=why):
+        check_torch_layout(*args)
+
+
+MEASURED = [("gpipe", 4), ("1f1b", 4)]
+
+
+@functools.lru_cache(maxsize=None)
+def profiled(schedule, m):
+    trace = tempfile.mkdtemp(prefix="refimpl-pp-")
+    rows = run(profile_pipeline, 2, config(4), schedule, m, global_batch=BATCH, seq_len=SEQ,
+               trace_dir=trace, seed=SEED, quiet=True)
+    return rows, action_slots(load_trace(trace, include_ops=True))
+
+
+@pytest.mark.parametrize("schedule,m", MEASURED)
+def test_trace_shows_the_table_in_order_and_the_waits(schedule, m):
+    _, slots = profiled(schedule, m)
+    table = schedule_table(2, m, schedule)
+    for (step, rank), g in slots.groupby(["step", "rank"]):
+        assert list(g.sort_values("start")["action"]) == table[rank]
+    for _, g in slots.groupby("step"):
+        at = {(r.rank, r.action): r for r in g.itertuples()}
+        for mb in range(m):   # stage 1 starts F only after stage 0's F ended; stage 0's B after stage 1's
+            assert at[(1, f"F{mb}")].start >= at[(0, f"F{mb}")].end
+            assert at[(0, f"B{mb}")].start >= at[(1, f"B{mb}")].end
+
+
+@pytest.mark.parametrize("schedule,m", MEASURED)
+def test_activation_peak_is_in_flight_times_one_micro_batch(schedule, m):
+    rows, _ = profiled(schedule, m)
+    for row in rows:
+        predicted = predicted_activation_peak(schedule_table(2, m, schedule)[row["rank"]], row["per_micro_batch"])
+        assert abs(row["activation_peak"] - predicted) <= 0.01 * predicted
+    gpipe_first, one_f_one_b_first = profiled("gpipe", 4)[0][0], profiled("1f1b", 4)[0][0]
+    assert gpipe_first["activation_peak"] > 1.9 * one_f_one_b_first["activation_peak"]  # 4 vs 2 held
