@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MoE expert capacity = ceil(top_k x tokens / experts x factor)")
     grid = t.add_argument_group("the rank grid (refimpl.mesh): dp = nproc / (pp x cp x tp)")
     grid.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    grid.add_argument("--sequence-parallel", action="store_true",
+                      help="with --tp: LayerNorm regions split along the sequence")
     grid.add_argument("--pp", type=int, default=1, help="pipeline stages")
     grid.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
     grid.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides dp x cp)")
@@ -110,8 +112,8 @@ def config_from_args(args):
                        activation_checkpointing=args.checkpointing, profile=args.profile,
                        trace_dir=args.trace_dir, model=model, options=options,
                        tp=args.tp, pp=pp, cp=args.cp, ep=args.ep,
-                       collectives=args.collectives, schedule=args.schedule,
-                       virtual_stages=args.virtual_stages,
+                       sequence_parallel=args.sequence_parallel, collectives=args.collectives,
+                       schedule=args.schedule, virtual_stages=args.virtual_stages,
                        record_memory=not args.profile)   # memory[r].peak (not under --profile)
 
 

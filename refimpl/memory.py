@@ -142,6 +142,34 @@ def block_activation_bytes(seq: int, batch: int, hidden: int, heads: int, *, mlp
             + 2 * 2 * sb * 4)                 # LayerNorm mean and rstd, fp32, two norms
 
 
+def tp_block_activation_bytes(seq: int, batch: int, hidden: int, heads: int, *, tp: int = 1,
+                               sequence_parallel: bool = False, mlp_ratio: int = 4,
+                               dtype_bytes: int = 4) -> float:
+    """What autograd saves for one block of refimpl.model.GPT on one of `tp` tensor-parallel ranks
+    (refimpl.parallel.tp); tp=1 is `block_activation_bytes`.
+
+    Of the 16 s·b·h-sized tensors, the 12 inside the column/row pairs (Q, K, V, attention output,
+    the MLP's 4h up-projection and GELU output) are split by t; the 4 around the LayerNorms (LN1 and
+    LN2 inputs and outputs) are replicated, and so are the LayerNorm statistics. The softmax output
+    is split by heads: a/t·s²·b values. Korthikanti's Table 2 has the same 24/t split part at 16
+    bits; its replicated 10·s·b·h is our 4 tensors (8) plus two 1-byte dropout masks we do not have.
+
+    With sequence parallelism the LayerNorm inputs and statistics hold s/t tokens, but the
+    all-gathered LN outputs stay whole: the column-parallel layers save the gathered input they
+    multiplied. Megatron instead saves only its s/t slice and all-gathers it again in backward
+    (Korthikanti §4.2.2), which is how the paper reaches 34/t; we keep the simpler version and pay
+    2 full s·b·h tensors per block for it (one all-gather per column layer fewer in backward).
+    """
+    assert mlp_ratio == 4, "the 16-tensor count assumes the 4h MLP"
+    sbh, sb, t = seq * batch * hidden, seq * batch, tp
+    if sequence_parallel:
+        full, split, stats = 2 * sbh, 14 * sbh / t, 2 * 2 * sb * 4 / t
+    else:
+        full, split, stats = 4 * sbh, 12 * sbh / t, 2 * 2 * sb * 4
+    return ((full + split) * dtype_bytes + heads * seq * seq * batch * dtype_bytes / t
+            + seq * seq + stats)
+
+
 def training_flops(n_params: int, tokens: int, *, n_layers: int = 0, seq: int = 0,
                    hidden: int = 0) -> float:
     """FLOPs to train on `tokens` tokens: 6·N·D (2 forward + 4 backward per parameter per token;
@@ -226,17 +254,19 @@ class ActivationTracker:
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
 
-    def _pack(self, t: torch.Tensor):
+    def _pack(self, saved: torch.Tensor):
+        t = _local(saved)
         key = t.untyped_storage().data_ptr()
-        if _storage_id(t) in self._excluded or isinstance(t, torch.nn.Parameter) or t.numel() == 0:
-            return t
+        if (_storage_id(t) in self._excluded or isinstance(saved, torch.nn.Parameter)
+                or t.numel() == 0):
+            return saved
         entry = self._live.get(key)
         if entry is None:
             entry = self._live[key] = [0, t.untyped_storage().nbytes()]
             self.current += entry[1]
             self.peak = max(self.peak, self.current)
         entry[0] += 1
-        return _Saved(t, self, key)
+        return _Saved(saved, self, key)
 
     @staticmethod
     def _unpack(saved):
@@ -250,9 +280,15 @@ class ActivationTracker:
             del self._live[key]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose bytes this rank holds: a DTensor's local shard, else the tensor itself
+    (a DTensor is a wrapper without storage of its own)."""
+    return getattr(t, "_local_tensor", t)
+
+
 def _storage_id(t: torch.Tensor) -> int:
     """The storage object behind a tensor (stable while it lives, even if resized)."""
-    return t.untyped_storage()._cdata
+    return _local(t).untyped_storage()._cdata
 
 
 class _Saved:

@@ -80,6 +80,7 @@ class TrainConfig:
     cp: int = 1
     ep: int = 1
     replicas: int = 1                 # independent copies of the layout (tests: group isolation)
+    sequence_parallel: bool = False   # with tp > 1: LayerNorm regions split along the sequence
     collectives: str = "torch"        # "refimpl": every collective from refimpl.comm's send/recv
     schedule: str | None = None       # pipeline schedule (pp > 1): gpipe, 1f1b, interleaved, zb-h1
     virtual_stages: int = 1           # model chunks per pipeline rank (interleaved)
@@ -207,6 +208,9 @@ class Strategy(ABC):
     options: dict[str, Option] = {}
     # True: backward runs on loss / W and the gradients are summed (see the module docstring).
     scales_loss_by_world: bool = True
+    # A shorthand that puts the whole world on one model-parallel axis: `--strategy tp --nproc 4`
+    # is tp = 4 (refimpl.train.resolve_layout), unless that axis was given explicitly.
+    whole_world_axis: str | None = None
 
     def __init__(self, ctx: RunContext):
         self.ctx = ctx
@@ -266,7 +270,10 @@ class Strategy(ABC):
         `logits` (refimpl.parallel.moe; 0 for a dense model, so its loss is unchanged)."""
         from refimpl.parallel.moe import moe_aux_loss
 
-        return self.loss_fn(logits, targets) + moe_aux_loss(self.model)
+        # A transform that changes the logits' layout (the vocabulary split over tp) attaches the
+        # loss that reads them to the model as `loss_fn`.
+        loss_fn = getattr(self.model, "loss_fn", self.loss_fn)
+        return loss_fn(logits, targets) + moe_aux_loss(self.model)
 
     @property
     def forward_model(self) -> nn.Module:

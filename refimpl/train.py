@@ -29,8 +29,19 @@ from refimpl.trace.run_record import record_run
 from refimpl.strategy import RunContext, TrainConfig
 
 
+def resolve_layout(cfg: TrainConfig) -> TrainConfig:
+    """`--strategy tp --nproc 4` means tp = 4: a strategy's `whole_world_axis` takes the ranks the
+    other axes leave (when that axis was not given explicitly)."""
+    axis = get_strategy(cfg.strategy).whole_world_axis
+    if axis is None or getattr(cfg, axis) != 1:
+        return cfg
+    others = cfg.replicas * cfg.pp * cfg.cp * cfg.tp
+    return cfg.with_(**{axis: max(cfg.nproc // others, 1)})
+
+
 def validate(cfg: TrainConfig) -> None:
     """Every layout check, in the launching process: raises LayoutError with one line."""
+    cfg = resolve_layout(cfg)
     cfg.validate()
     validate_model_parallel(cfg)
     get_strategy(cfg.strategy).validate(cfg)
@@ -42,6 +53,7 @@ def default_trace_dir(cfg: TrainConfig) -> str:
 
 def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     """Train on this rank; run by `launch.run` on every rank (or once, for `single`)."""
+    cfg = resolve_layout(cfg)
     backend, device = _backend_and_device(cfg)
     exact_fp32_on_cuda(device)
     # This rank's point of the grid and one process group per axis (refimpl.mesh).

@@ -21,6 +21,8 @@ STRATEGIES: dict[str, str] = {
     "fsdp": "refimpl.parallel.fsdp:FSDP",
     "torch-fsdp2": "refimpl.parallel.torch_fsdp2:TorchFSDP2",
     "torch-fsdp2-gradop": "refimpl.parallel.torch_fsdp2:TorchFSDP2GradOp",
+    "tp": "refimpl.parallel.tensor_parallel:TensorParallel",
+    "torch-tp": "refimpl.parallel.torch_tp:TorchTensorParallel",
     "pp-gpipe": "refimpl.parallel.pp_strategy:PipelineParallel",
     "pp-1f1b": "refimpl.parallel.pp_strategy:PipelineParallel",
     "pp-interleaved": "refimpl.parallel.pp_strategy:PipelineParallel",

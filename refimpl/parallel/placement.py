@@ -45,7 +45,10 @@ def placement_of(tensor: torch.Tensor) -> Shard | None:
 def placements(model: nn.Module) -> dict[str, Shard]:
     """State-dict name -> Shard, for the model's sharded parameters and buffers."""
     found = {}
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+    # remove_duplicate=False: a tied weight (lm_head = embed.tok) is in the state dict under both
+    # names, and both must be unsharded.
+    for name, t in (list(model.named_parameters(remove_duplicate=False))
+                    + list(model.named_buffers())):
         p = placement_of(t)
         if p is not None:
             found[name] = p

@@ -1,11 +1,17 @@
-"""A rank's model is the reference model transformed, in one fixed order (torchtitan's):
+"""A rank's model is the reference model transformed, in one fixed order:
 
-    pipeline split -> tensor / sequence parallel -> expert parallel -> activation checkpointing
+    tensor / sequence parallel -> context parallel (ring attention) -> expert parallel
+    -> activation checkpointing -> pipeline split
     -> data-parallel wrapping (the strategy's own: replicate, or shard over dp x cp)
 
-`model_parallel` applies everything before the data-parallel wrapping; every strategy's `setup`
-starts with it, so each transform is applied in one place. Each transform is a function of the
-module, its axis's process group and its options, readable alone in its own file.
+torchtitan cuts the pipeline first and then parallelizes each stage; here every transform works
+on the whole reference model in place (parameter names stay the reference's) and the pipeline
+split comes last, keeping the blocks of this rank's stage. The result is the same model: each
+transform touches only its own modules. `model_parallel` applies everything before the
+data-parallel wrapping; every strategy's `setup` starts with it, so each transform is applied in
+one place. Each transform is a function of the module, its axis's process group and its options,
+readable alone in its own file (tp_model.py, cp_model.py, expert_parallel.py, checkpointing.py,
+pp_stage.py); `validate_model_parallel` checks their constraints before any rank starts.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ from refimpl.mesh import LayoutError
 from refimpl.parallel.checkpointing import checkpoint_blocks
 
 # Axes whose transform exists; each model-parallel chapter adds its own with its validation.
-BUILT_AXES: tuple[str, ...] = ("pp", "cp")
+BUILT_AXES: tuple[str, ...] = ("tp", "pp", "cp")
 
 
 def validate_model_parallel(cfg) -> None:
@@ -37,6 +43,23 @@ def validate_model_parallel(cfg) -> None:
         # pp: the schedules' loss has no MoE auxiliary loss yet; cp: a rank's tokens are not a
         # contiguous run of the batch, so the capacity's batch order would differ from single's.
         raise LayoutError("--experts with --pp or --cp is not supported yet (MoE runs on dp/ep)")
+    if cfg.tp > 1 and cfg.model.n_experts:
+        raise LayoutError("--tp with --experts: the expert MLPs are not split over tp yet")
+    if cfg.sequence_parallel and cfg.tp == 1:
+        raise LayoutError("--sequence-parallel needs --tp > 1 (it splits what tensor parallelism "
+                          "leaves replicated)")
+    if cfg.tp > 1 and cfg.cp > 1:
+        raise LayoutError("--tp with --cp: both transforms replace the attention module; their "
+                          "composition is not built yet")
+    if cfg.tp > 1 and cfg.pp > 1:
+        raise LayoutError("--tp with --pp: the pipeline's last stage computes the loss on full "
+                          "logits; its composition with the vocabulary split is not built yet")
+    if cfg.tp > 1:
+        from refimpl.parallel.tp_model import tp_layout_problem
+
+        problem = tp_layout_problem(cfg.model, cfg.tp, cfg.seq_len, cfg.sequence_parallel)
+        if problem:
+            raise LayoutError(problem)
     from refimpl.parallel.pp_strategy import validate_pipeline
 
     validate_pipeline(cfg)
@@ -45,6 +68,11 @@ def validate_model_parallel(cfg) -> None:
 def model_parallel(model: nn.Module, ctx) -> nn.Module:
     """This rank's share of the reference model, on its device, before data parallelism."""
     model = model.to(ctx.device)
+    if ctx.mesh.size("tp") > 1:
+        from refimpl.parallel.tp_model import parallelize_tp
+
+        parallelize_tp(model, ctx.mesh.group("tp"), sequence_parallel=ctx.cfg.sequence_parallel,
+                       comm=ctx.comm)
     if ctx.cfg.cp > 1:   # ring attention in every block, global positions (parallel/cp_model.py)
         from refimpl.parallel.cp_model import apply_context_parallel
         apply_context_parallel(model, ctx.mesh.group("cp"))

@@ -1,0 +1,77 @@
+"""PyTorch's own tensor parallelism applied to the reference GPT: the twin of parallelize_tp.
+
+`torch.distributed.tensor.parallel.parallelize_module` turns chosen submodules' parameters into
+DTensors and inserts the collectives at module boundaries from a plan, torchtitan-style:
+
+    q, k, v, mlp.up     ColwiseParallel      (weights Shard(0): out_features split)
+    o, mlp.down         RowwiseParallel      (weights Shard(1): in_features split)
+    embed.tok           RowwiseParallel      (an embedding's rows are the vocabulary)
+    lm_head             ColwiseParallel, output kept a DTensor sharded on the vocabulary, so that
+                        `loss_parallel()` computes the cross-entropy without gathering the logits
+  with sequence parallelism:
+    ln1, ln2, final_norm  SequenceParallel   (inputs and outputs sharded on dim 1, the sequence)
+    attn, mlp             PrepareModuleInput: Shard(1) -> Replicate() (the all-gather)
+    o, mlp.down           output Shard(1) (the reduce-scatter)
+
+Two things the plan cannot see and that we do by hand, as torchtitan does: the attention module
+must be told it now holds n_heads/t heads (refimpl.model.attention takes the head count of the
+tensors it is given), and our embedding adds a replicated position table after the token lookup,
+so under SP the embedding module's output is sliced to this rank's tokens (PrepareModuleOutput:
+Replicate -> Shard(1)) rather than reduce-scattered as our VocabParallelEmbedding does.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+
+def torch_parallelize_tp(model: nn.Module, mesh, sequence_parallel: bool = False) -> nn.Module:
+    """Apply DTensor tensor parallelism over the 1-D DeviceMesh `mesh` (in place)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   PrepareModuleOutput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    t = mesh.size()
+    sp = sequence_parallel and t > 1
+    between = Shard(1) if sp else Replicate()          # the residual stream's layout between layers
+    plan = {
+        "embed.tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1),
+                                   use_local_output=False),
+    }
+    if sp:
+        plan["embed"] = PrepareModuleOutput(output_layouts=Replicate(),
+                                            desired_output_layouts=Shard(1))
+        plan["final_norm"] = SequenceParallel(use_local_output=True)
+    parallelize_module(model, mesh, plan)
+    for block in model.blocks:
+        block_plan = {
+            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.o": RowwiseParallel(output_layouts=between),
+            "mlp.up": ColwiseParallel(),
+            "mlp.down": RowwiseParallel(output_layouts=between),
+        }
+        if sp:
+            block_plan.update({
+                "ln1": SequenceParallel(use_local_output=True),
+                "ln2": SequenceParallel(use_local_output=True),
+                "attn": PrepareModuleInput(input_layouts=(Shard(1),),
+                                           desired_input_layouts=(Replicate(),)),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
+                                          desired_input_layouts=(Replicate(),)),
+            })
+        parallelize_module(block, mesh, block_plan)
+        block.attn.n_heads //= t
+    return model
+
+
+def full_state_dict(model: nn.Module) -> dict:
+    """Reference names and shapes: each DTensor parameter gathered with full_tensor()."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, value in model.state_dict().items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        out[name] = value.detach().cpu().clone()
+    return out

@@ -1,0 +1,70 @@
+"""Benchmark: our tensor parallelism (`tp`) against PyTorch's DTensor twin (`torch-tp`), in one launch.
+
+    .venv/bin/python scripts/bench_tp.py                       # 2 ranks, with and without SP
+    .venv/bin/python scripts/bench_tp.py --nproc 4 --seq-len 64 --rounds 5
+
+Every configuration runs on the same ranks (refimpl.train.train_several_on_ranks): same model,
+seed and batches. Ours and theirs are interleaved in rounds so that a slow spell of the machine
+hits both; a configuration's step time is the median over all its rounds' steps after each round's
+warm-up step (slowest rank per step). Prints final loss, per-rank parameter and activation memory,
+median step time, and the ratio ours / theirs. Not a test: timings depend on the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from refimpl.strategy import TrainConfig
+from refimpl.train import train_several_on_ranks
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--steps", type=int, default=8, help="steps per round (the first is warm-up)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=32)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    variants = [(name, sp) for sp in (False, True) for name in ("tp", "torch-tp")]
+    base = TrainConfig(nproc=args.nproc, steps=args.steps, global_batch=args.global_batch,
+                       seq_len=args.seq_len)
+    cfgs = [base.with_(strategy=name, sequence_parallel=sp)
+            for _ in range(args.rounds) for name, sp in variants]
+    results = train_several_on_ranks(cfgs, timeout=1800)
+
+    times = {v: [] for v in variants}
+    last = {}
+    for cfg, result in zip(cfgs, results):
+        key = (cfg.strategy, cfg.sequence_parallel)
+        per_step = [max(ts) for ts in zip(*(r["step_times"] for r in result["per_rank"]))]
+        times[key] += per_step[1:]
+        last[key] = result
+    median = {v: statistics.median(ts) for v, ts in times.items()}
+
+    mib = 2 ** 20
+    print(f"{args.nproc} ranks (tp = {args.nproc}), global batch {args.global_batch} x seq "
+          f"{args.seq_len}, {args.rounds} rounds x {args.steps - 1} timed steps")
+    print(f"{'strategy':<10} {'SP':>3} {'final loss':>11} {'params MiB':>11} {'act. MiB':>9} "
+          f"{'median step':>12}")
+    for name, sp in variants:
+        r = last[(name, sp)]
+        mem = r["memory"][0]
+        print(f"{name:<10} {'yes' if sp else 'no':>3} {r['losses'][-1]:>11.6f} "
+              f"{mem['params'] / mib:>11.2f} {mem['activations_peak'] / mib:>9.2f} "
+              f"{median[(name, sp)] * 1e3:>9.2f} ms")
+    for sp in (False, True):
+        ours, theirs = last[("tp", sp)], last[("torch-tp", sp)]
+        worst = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], theirs["losses"]))
+        print(f"tp / torch-tp{' (SP)' if sp else ''}: step time ratio "
+              f"{median[('tp', sp)] / median[('torch-tp', sp)]:.3f}; worst loss rel. diff {worst:.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

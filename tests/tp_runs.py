@@ -1,0 +1,13 @@
+"""One launch per world size runs every tensor-parallel check (refimpl.parallel.tp_checks); cached
+for the session so each test reads the same results."""
+from __future__ import annotations
+
+import functools
+
+from refimpl import launch
+from refimpl.parallel.tp_checks import B, BLOCK_CFG, S, all_checks  # noqa: F401 (re-exported)
+
+
+@functools.cache
+def checks_on(world: int, vocab: int = 512) -> list[dict]:
+    return launch.run(all_checks, world, vocab, timeout=300)
