@@ -1,25 +1,52 @@
 # Every target installs what it needs into .venv first, so a fresh clone needs only Python 3.11.
+#   make lab                  a fresh .venv with torch==2.13.0 (CPU build on a CPU machine)
+#   make lab TORCH=system     .venv-system on top of the machine's own torch (a GPU image's CUDA
+#                             build): --system-site-packages, no torch installed
+#   make ... WHEELS=dir       install from wheel files only (a machine with no network)
 PYTHON ?= python3
+TORCH  ?= pinned
+ifeq ($(TORCH),system)
+VENV   := .venv-system
+else
 VENV   := .venv
+endif
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PORT   ?= 6006
+PIP_FROM := $(if $(WHEELS),--no-index --find-links $(WHEELS),)
+# jupyter refuses to start as root without --allow-root (containers and GPU images run as root)
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: install lab test test-unit test-notebooks tensorboard bench report e2e clean
+.PHONY: install lab test test-unit test-notebooks tensorboard bench report e2e gpu-check gpu-wheels env clean
 
 install: $(STAMP)
 
 # torch is installed first, on its own and pinned: if anything else pulled it in unpinned,
-# pip would download a multi-GB CUDA build on a CPU-only machine.
+# pip would download a multi-GB CUDA build on a CPU-only machine. TORCH=system keeps the
+# machine's torch (pyproject only asks for >= the oldest torch the code supports).
 $(STAMP): pyproject.toml
+ifeq ($(TORCH),system)
+	$(PYTHON) -c "import torch" || (echo "TORCH=system: $(PYTHON) has no torch; set PYTHON=... or drop TORCH=system" && false)
+	test -x $(BIN)/python || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PYTHON) scripts/system_torch_pth.py $(BIN)/python
+	$(BIN)/python -c "import torch; print('using the system torch', torch.__version__, 'CUDA', torch.version.cuda)"
+	$(BIN)/python -m pip install -q $(PIP_FROM) $(if $(WHEELS),--no-build-isolation,) -e ".[notebooks]"
+else
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -m pip install -q -e ".[notebooks]"
+	$(BIN)/python -m pip install -q $(PIP_FROM) --upgrade pip
+	$(BIN)/python -m pip install -q $(PIP_FROM) "torch==2.13.0"
+	$(BIN)/python -m pip install -q $(PIP_FROM) $(if $(WHEELS),--no-build-isolation,) -e ".[notebooks]"
+endif
 	touch $(STAMP)
 
+# The project's JupyterLab settings (jupyter/settings/overrides.json): no news pop-up, no
+# update checks (both would reach the network).
 lab: install
-	$(BIN)/jupyter lab --ip=127.0.0.1 --no-browser --notebook-dir=notebooks
+	$(BIN)/jupyter lab $(ROOT_FLAG) --ip=127.0.0.1 --no-browser --notebook-dir=notebooks \
+		--LabApp.app_settings_dir=$(CURDIR)/jupyter/settings
+
+env: install
+	$(BIN)/python -m refimpl env
 
 # One thread per process: ranks and the in-process reference share the machine's cores.
 test: install
@@ -46,6 +73,19 @@ e2e: install
 	test -x /usr/bin/chromium || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium)
 	$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/python -m pip install -q playwright
 	$(BIN)/python scripts/e2e_browser.py --screenshot /tmp/plugin.png $(E2E_ARGS)
+
+# One command on a GPU server (works on CPU too, skipping the GPU parts): tests, notebooks that fit,
+# a CUDA-profiled step, bf16/fp32 steps, CUDA memory vs the arithmetic; prints one markdown table.
+# It uses whatever python has torch (PYTHON=...); see scripts/gpu_check.sh.
+gpu-check:
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh
+
+# The wheels gpu-check installs on a machine with no network (Python 3.12, x86_64): carry wheels/.
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux_2_28_x86_64 -d wheels -r scripts/gpu_wheels.txt \
+		-r scripts/gpu_wheels_optional.txt
 
 clean:
 	rm -rf profiles/*/ report/ .pytest_cache

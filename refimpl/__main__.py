@@ -18,6 +18,8 @@ from dataclasses import replace
 
 from refimpl.model import GPTConfig
 
+MODEL_OPTIONS = ("balance", "aux_alpha", "bias_gamma")   # --set keys that configure the MoE layer
+
 
 def _parse_option(text: str):
     key, sep, value = text.partition("=")
@@ -50,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--d-model", type=int, default=GPTConfig.d_model)
     t.add_argument("--heads", type=int, default=GPTConfig.n_heads)
     t.add_argument("--experts", type=int, default=0, help="experts per MoE layer (0: dense MLP)")
+    t.add_argument("--top-k", type=int, default=GPTConfig.top_k, help="experts per token (MoE)")
+    t.add_argument("--capacity-factor", type=float, default=GPTConfig.capacity_factor,
+                   help="MoE expert capacity = ceil(top_k x tokens / experts x factor)")
     grid = t.add_argument_group("the rank grid (refimpl.mesh): dp = nproc / (pp x cp x tp)")
     grid.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     grid.add_argument("--sequence-parallel", action="store_true",
@@ -74,7 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from a full state dict written by --save-state under any layout")
     t.add_argument("--timeout", type=float, default=900.0)
     t.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    _add_env_parser(sub)
     return p
+
+
+def _add_env_parser(sub) -> None:
+    """`python -m refimpl env [--json]`: the machine as the workbook sees it (refimpl.env)."""
+    e = sub.add_parser("env", help="this machine: cores, memory, GPUs, versions, backend per nproc")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def config_from_args(args):
@@ -85,9 +97,13 @@ def config_from_args(args):
         nproc = int(os.environ["WORLD_SIZE"])
     if nproc is None:
         nproc = 1 if args.strategy == "single" else 2
+    options = dict(args.options)
+    # MoE knobs are the model's, not a strategy's: --set balance=aux|bias|none, aux_alpha, bias_gamma
+    moe = {key: options.pop(key) for key in MODEL_OPTIONS if key in options}
     try:
         model = replace(GPTConfig(), n_layers=args.layers, d_model=args.d_model,
-                        n_heads=args.heads, n_experts=args.experts)
+                        n_heads=args.heads, n_experts=args.experts, top_k=args.top_k,
+                        capacity_factor=args.capacity_factor, **moe)
     except ValueError as e:
         raise LayoutError(str(e)) from None
     pp = args.pp
@@ -98,7 +114,7 @@ def config_from_args(args):
                        lr=args.lr, micro_batches=args.micro_batches,
                        mixed_precision=args.mixed_precision,
                        activation_checkpointing=args.checkpointing, profile=args.profile,
-                       trace_dir=args.trace_dir, model=model, options=dict(args.options),
+                       trace_dir=args.trace_dir, model=model, options=options,
                        tp=args.tp, pp=pp, cp=args.cp, ep=args.ep,
                        sequence_parallel=args.sequence_parallel, collectives=args.collectives,
                        schedule=args.schedule, virtual_stages=args.virtual_stages,
@@ -108,6 +124,9 @@ def config_from_args(args):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "env":
+        from refimpl import env
+        return env.main(as_json=args.json)
     if args.command == "plan":
         from refimpl.plan.cli import plan_from_args
         return plan_from_args(args)

@@ -125,6 +125,10 @@ def _start_rank(rank: int, world_size: int, backend: str, port: int, payload: Pa
         "REFIMPL_BACKEND": backend, "REFIMPL_TIMEOUT": str(timeout),
         "REFIMPL_PAYLOAD": str(payload), "REFIMPL_OUTDIR": str(tmp),
     })
+    if backend == "nccl":
+        # cuBLAS's deterministic mode needs a fixed workspace, set before cuBLAS starts
+        # (refimpl.numerics).
+        env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if backend == "gloo":
         # One thread per CPU rank, set before the child imports torch (see module docstring).
         env["OMP_NUM_THREADS"] = "1"

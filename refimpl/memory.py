@@ -85,12 +85,28 @@ def sharded_state_bytes(unit_sizes, *, dp: int, zero_stage: int = 3, param_bytes
                            optimizer=sum(p.optimizer for p in parts))
 
 
+def zero_state_bytes(unit_sizes, *, dp: int, zero_stage: int, param_bytes: float = 4,
+                     grad_bytes: float = 4, optimizer_bytes: float = 8) -> ModelStateBytes:
+    """What refimpl's own DP / ZeRO strategies keep per rank (fp32 AdamW by default).
+
+    dp, zero1 and zero2 flatten the whole model into one buffer (padded to a multiple of dp:
+    `model_state_bytes`); zero3 and fsdp keep one flat buffer per unit, each padded on its own
+    (`sharded_state_bytes`).
+    """
+    unit_sizes = list(unit_sizes)
+    kw = dict(param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes)
+    if zero_stage == 3:
+        return sharded_state_bytes(unit_sizes, dp=dp, zero_stage=3, **kw)
+    return model_state_bytes(sum(unit_sizes), dp=dp, zero_stage=zero_stage, **kw)
+
+
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *, tp: int = 1,
                                sequence_parallel: bool = False, recompute: str = "none") -> float:
     """Activation bytes one transformer layer stores for backward (Korthikanti et al. 2022, Table 2).
 
     16-bit activations, dropout masks included. Without parallelism: s·b·h·(34 + 5·a·s/h); the 5as/h
-    part is the attention scores, softmax output and its dropout mask, which grow as s².
+    part is the softmax output (2 bytes), its dropout mask (1) and the dropout's output (2), each
+    a·s²·b values, which grow as s² (the raw scores QKᵀ are not kept).
       tp:                 s·b·h·(10 + 24/t + 5·a·s/(h·t))   (LayerNorm and dropout inputs replicated)
       + sequence_parallel: s·b·h·(34/t + 5·a·s/(h·t))        (those are split along s too)
       recompute="selective": the s² attention part is recomputed, not stored (drops 5as/h)

@@ -38,6 +38,10 @@ class GPTConfig:
     # MoE: n_experts == 0 keeps the dense MLP; otherwise each block's MLP is a router + experts
     n_experts: int = 0
     top_k: int = 2
+    capacity_factor: float = 1.25   # expert capacity = ceil(top_k * tokens / n_experts * factor)
+    balance: str = "aux"            # "aux" (Switch loss), "bias" (DeepSeek-V3), "none"
+    aux_alpha: float = 0.01         # Switch's alpha
+    bias_gamma: float = 0.001       # DeepSeek-V3's bias update speed
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio"):
@@ -114,7 +118,7 @@ class Block(nn.Module):
 def make_mlp(cfg: GPTConfig) -> nn.Module:
     """The block's feed-forward layer: dense, or a mixture of experts when cfg.n_experts > 0."""
     if cfg.n_experts > 0:
-        from refimpl.moe_layer import MoEMLP  # added by the MoE chapter
+        from refimpl.parallel.moe import MoEMLP  # imported here: moe.py imports this module
 
         return MoEMLP(cfg)
     return MLP(cfg)

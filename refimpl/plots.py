@@ -18,6 +18,7 @@ pio.renderers.default = "plotly_mimetype+notebook"
 PHASE_COLORS = {
     "forward": "#4C78A8", "backward": "#F58518", "optimizer": "#54A24B", "comm": "#E45756",
     "idle": "#DDDDDD",
+    "gpu": "#72B7B2", "gpu_comm": "#B279A2",     # kernels on a GPU's streams (CUDA runs)
 }
 
 
@@ -33,20 +34,26 @@ def memory_bars(df, title: str = "Memory per category") -> go.Figure:
     return fig
 
 
-def rank_timeline(df, title: str = "Per-rank timeline", max_events: int = 4000) -> go.Figure:
+def rank_timeline(df, title: str = "Per-rank timeline", max_events: int = 4000,
+                  colors: dict | None = None) -> go.Figure:
     """One lane per rank; each labelled range a horizontal bar coloured by its category.
 
     `df` is refimpl.trace.profiling.load_trace(...); ranges are drawn on a shared time axis (ms).
+    A CUDA run's kernels get a second lane per rank, "rank r GPU" (NCCL kernels as gpu_comm).
+    `colors`: category -> colour, for other categories than the phases (e.g. MoE's labels).
     """
-    shown = df[df.category.isin(list(PHASE_COLORS))].head(max_events)
+    colors = colors or PHASE_COLORS
+    shown = df[df.category.isin(list(colors))].head(max_events)
     fig = go.Figure()
     for category, g in shown.groupby("category"):
         fig.add_bar(
             name=category, orientation="h", base=g.start_us / 1e3, x=g.dur_us / 1e3,
-            y=[f"rank {r}" for r in g["rank"]], marker_color=PHASE_COLORS.get(category),
+            y=[f"rank {r}" + (" GPU" if category.startswith("gpu") else "") for r in g["rank"]],
+            marker_color=colors.get(category),
             hovertext=g["name"], hoverinfo="text+x")
     fig.update_layout(title=title, barmode="overlay", xaxis_title="time (ms)", height=150 + 60 *
-                      max(1, shown["rank"].nunique()), yaxis_autorange="reversed")
+                      max(1, shown["rank"].nunique() * (2 if shown.category.str.startswith("gpu").any()
+                                                         else 1)), yaxis_autorange="reversed")
     return fig
 
 
@@ -108,10 +115,12 @@ def bytes_sent_bars(df, message_bytes: int,
 
 
 def bandwidth_curves(df, ceiling_bytes_per_s: float | None = None, y: str = "busbw",
-                     title: str = "Bus bandwidth vs message size") -> go.Figure:
+                     title: str = "Bus bandwidth vs message size", log_y: bool = True) -> go.Figure:
     """busbw (or algbw) against message size, one line per (op, impl); refimpl dashed.
 
     `df` is refimpl.bench.sweep(...) for one world size; the ceiling is drawn as a red line.
+    Log-scaled bandwidth by default: the latency-bound small sizes sit orders of magnitude below
+    the plateau and would otherwise be a flat line at zero.
     """
     fig = go.Figure()
     for (op, impl), g in df.groupby(["op", "impl"], sort=False):
@@ -121,6 +130,8 @@ def bandwidth_curves(df, ceiling_bytes_per_s: float | None = None, y: str = "bus
         fig.add_hline(y=ceiling_bytes_per_s / 1e9, line_color="#E45756", line_width=2,
                       annotation_text="memcpy ceiling (one core)", annotation_position="top left")
     fig.update_xaxes(type="log", title="message size M (bytes)")
+    if log_y:
+        fig.update_yaxes(type="log")
     fig.update_layout(title=title, yaxis_title=f"{y} (GB/s)", height=420)
     return fig
 
@@ -309,4 +320,13 @@ def pipeline_gantt(df, title: str = "Pipeline schedule") -> go.Figure:
                     textposition="inside", insidetextanchor="middle", hoverinfo="text+x")
     fig.update_layout(title=title, barmode="overlay", xaxis_title="time", yaxis_autorange="reversed",
                       height=120 + 50 * max(1, df["rank"].nunique()))
+    return fig
+
+
+def load_heatmap(matrix, x_labels, y_labels, title: str = "Tokens per expert",
+                 x_title: str = "step", y_title: str = "expert") -> go.Figure:
+    """A heatmap of counts (rows: experts or ranks, columns: steps), e.g. MoE routing load."""
+    fig = go.Figure(go.Heatmap(z=matrix, x=list(x_labels), y=[str(y) for y in y_labels],
+                               colorscale="Viridis", colorbar_title="tokens"))
+    fig.update_layout(title=title, xaxis_title=x_title, yaxis_title=y_title, height=320)
     return fig

@@ -69,6 +69,10 @@ class TrainConfig:
     init_state: str | None = None     # torch.save'd full state dict to start from (any strategy's)
     record_memory: bool = False       # measure each rank's peak inside a step (memory[r].peak)
     model: GPTConfig = field(default_factory=GPTConfig)
+    # Where an in-process run (nproc 1) computes: "auto" = a GPU if there is one. A reference for
+    # an N-rank comparison sets the ranks' device (equivalence.ranks_device), so the two never
+    # straddle CPU and GPU. Ranks themselves always compute where their backend puts them.
+    device: str = "auto"
     options: dict = field(default_factory=dict)   # strategy-specific knobs, e.g. {"bucket_mb": 25}
     # The grid (refimpl.mesh): dp = nproc / (replicas x pp x cp x tp).
     tp: int = 1
@@ -87,8 +91,11 @@ class TrainConfig:
     @property
     def dims(self) -> ParallelDims:
         per_replica = self.replicas * self.pp * self.cp * self.tp
-        return ParallelDims(dp=max(self.nproc // per_replica, 1), pp=self.pp, cp=self.cp,
-                            tp=self.tp, ep=self.ep, replica=self.replicas)
+        dp = max(self.nproc // per_replica, 1)
+        # The shorthand `--strategy ep` (no --ep): every data-parallel rank in one ep group.
+        ep = dp * self.cp if self.strategy == "ep" and self.ep == 1 else self.ep
+        return ParallelDims(dp=dp, pp=self.pp, cp=self.cp, tp=self.tp, ep=ep,
+                            replica=self.replicas)
 
     def validate(self) -> None:
         """Constraints every strategy shares; each strategy adds its own in `Strategy.validate`."""
@@ -113,6 +120,10 @@ class TrainConfig:
             raise LayoutError(f"--seq-len must be in [1, {self.model.seq_len}] (got {self.seq_len})")
         if self.mixed_precision not in ("fp32", "bf16"):
             raise LayoutError(f"--mixed-precision must be fp32 or bf16 (got {self.mixed_precision})")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise LayoutError(f"device must be auto, cpu or cuda (got {self.device})")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise LayoutError("device cuda asked for, but torch sees no GPU on this machine")
         if self.collectives not in COLLECTIVES:
             raise LayoutError(f"--collectives must be one of {', '.join(COLLECTIVES)} "
                               f"(got {self.collectives!r})")
@@ -237,23 +248,33 @@ class Strategy(ABC):
     def train_step(self, batch: Batch) -> torch.Tensor:
         """One optimizer step on the global batch; returns the global mean loss as a 0-d tensor
         (equal on every rank). The loop reads it once per step: no sync per micro-batch."""
-        # A transform that changes the logits' layout (the vocabulary split over tp) attaches
-        # the loss that reads them to the model as `loss_fn`.
-        loss_fn = getattr(self.model, "loss_fn", self.loss_fn)
         if getattr(self.model, "is_pipeline_stage", False):   # pp > 1: a schedule's table
             from refimpl.parallel.pp import pipeline_forward_backward
 
             local = pipeline_forward_backward(self.model, self.local_micro_batches(batch),
                                               divisor=self.loss_divisor, autocast=self.ctx.autocast,
-                                              loss_fn=loss_fn)
+                                              loss_fn=getattr(self.model, "loss_fn", self.loss_fn))
         else:
             local = forward_backward(self.forward_model, self.local_micro_batches(batch),
-                                     loss_fn=loss_fn, divisor=self.loss_divisor,
+                                     loss_fn=self.loss_with_moe_aux, divisor=self.loss_divisor,
                                      micro_step=self.micro_step, autocast=self.ctx.autocast)
         self.sync_gradients()
         with phase("optimizer"):
             self.optimizer_step()
+        from refimpl.parallel.moe import update_expert_bias   # (refimpl.parallel imports us)
+
+        update_expert_bias(self.model)     # balance=bias (DeepSeek-V3): after the step; else no-op
         return global_mean_loss(local, self.mesh, self.comm)
+
+    def loss_with_moe_aux(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss, plus the MoE layers' auxiliary load-balancing loss of the forward that made
+        `logits` (refimpl.parallel.moe; 0 for a dense model, so its loss is unchanged)."""
+        from refimpl.parallel.moe import moe_aux_loss
+
+        # A transform that changes the logits' layout (the vocabulary split over tp) attaches the
+        # loss that reads them to the model as `loss_fn`.
+        loss_fn = getattr(self.model, "loss_fn", self.loss_fn)
+        return loss_fn(logits, targets) + moe_aux_loss(self.model)
 
     @property
     def forward_model(self) -> nn.Module:

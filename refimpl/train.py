@@ -19,7 +19,9 @@ from refimpl import launch
 from refimpl.memory import ActivationTracker
 from refimpl.mesh import Mesh
 from refimpl.model import build_model, count_params, synthetic_batch
+from refimpl.numerics import exact_fp32_on_cuda
 from refimpl.parallel import get_strategy
+from refimpl.parallel.moe import moe_step_record
 from refimpl.parallel.transforms import validate_model_parallel
 from refimpl.trace.memory_events import StepPeak
 from refimpl.trace.profiling import StepProfiler, profiles_root
@@ -52,10 +54,11 @@ def default_trace_dir(cfg: TrainConfig) -> str:
 def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     """Train on this rank; run by `launch.run` on every rank (or once, for `single`)."""
     cfg = resolve_layout(cfg)
-    backend = _current_backend()
+    backend, device = _backend_and_device(cfg)
+    exact_fp32_on_cuda(device)
     # This rank's point of the grid and one process group per axis (refimpl.mesh).
     mesh = Mesh(cfg.dims, rank)
-    ctx = RunContext(rank, world_size, backend, launch.device_for(backend), cfg, mesh)
+    ctx = RunContext(rank, world_size, backend, device, cfg, mesh)
     torch.manual_seed(cfg.seed)
     reference = build_model(cfg.model, cfg.seed)
     if cfg.init_state is not None:
@@ -66,10 +69,10 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     strategy = get_strategy(cfg.strategy)(ctx)
     strategy.setup(reference)
 
-    losses, step_times, activation_peak = [], [], 0
+    losses, step_times, activation_peak, moe_records = [], [], 0, []
     trace_dir = (cfg.trace_dir or default_trace_dir(cfg)) if cfg.profile else None
     peak = StepPeak(ctx.device, enabled=cfg.record_memory and not cfg.profile)
-    with StepProfiler(trace_dir, rank, cfg.steps) as profiler, peak:
+    with StepProfiler(trace_dir, rank, cfg.steps, device=device) as profiler, peak:
         for step in range(cfg.steps):
             batch = synthetic_batch(cfg.model, cfg.global_batch, cfg.seq_len, cfg.seed, step)
             tracker = ActivationTracker(exclude=strategy.activation_exclusions())
@@ -81,6 +84,9 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             _sync(ctx)
             step_times.append(time.perf_counter() - start)
             losses.append(float(loss))
+            moe = moe_step_record(strategy.model)     # None for a dense model
+            if moe is not None:
+                moe_records.append(moe)
             activation_peak = max(activation_peak, tracker.peak)
             profiler.step()
 
@@ -96,6 +102,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                    **peak.result(kept_bytes=int(state.total))},
         "trace_dir": trace_dir,
     }
+    if moe_records:   # MoE: per step, tokens per expert (routed, and received by this rank)
+        result["moe"] = moe_records
     if cfg.return_state:
         result["state_dict"] = strategy.full_state_dict()
     if trace_dir is not None:   # traces are flushed: leave a summary and scalars beside them
@@ -185,16 +193,21 @@ def merge_results(cfg: TrainConfig, per_rank: list[dict]) -> dict:
     }
     if cfg.return_state:
         out["state_dict"] = first["state_dict"]
+    if "moe" in first:   # per rank, per step (refimpl.parallel.moe.moe_step_record)
+        out["moe"] = [r["moe"] for r in per_rank]
     return out
 
 
-def _current_backend() -> str:
+def _backend_and_device(cfg: TrainConfig) -> tuple[str, torch.device]:
+    """A rank computes where its backend puts it. The in-process run (no process group) computes
+    on `cfg.device`: a reference sets it to its comparison's ranks' device (never straddling)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
-        return dist.get_backend()
-    # The in-process reference runs where the ranks would: a GPU if there is one.
-    return "nccl" if torch.cuda.is_available() else "gloo"
+        backend = dist.get_backend()
+        return backend, launch.device_for(backend)
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    return ("nccl", torch.device("cuda", 0)) if use_cuda else ("gloo", torch.device("cpu"))
 
 
 def _sync(ctx: RunContext) -> None:

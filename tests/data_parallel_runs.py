@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from refimpl.parallel.equivalence import TOLERANCE, compare_with_single, reference_run, weight_tolerance
+from refimpl.parallel.equivalence import (TOLERANCE, compare_with_single, ranks_device,
+                                          reference_run, weight_tolerance)
 from refimpl.strategy import TrainConfig
 from refimpl.train import train_on_ranks, train_several_on_ranks
 
@@ -92,4 +93,5 @@ def single_accumulating(world: int, global_batch: int) -> dict:
     gradient is computed with exactly the arithmetic a data-parallel rank uses, and with 2 ranks
     the sum of two halves is the same in any order -- so DP must be bit-exact with it."""
     return train_on_ranks(TrainConfig(steps=STEPS, global_batch=global_batch,
-                                      micro_batches=world, return_state=True))
+                                      micro_batches=world, return_state=True,
+                                      device=ranks_device(world)))

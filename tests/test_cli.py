@@ -45,7 +45,7 @@ def test_peak_is_what_a_rank_held_during_a_step():
     (["--steps", "0"], "--steps must be a positive integer"),
     (["--lr", "nan"], "--lr must be a finite number > 0"),
     (["--layers", "-1"], "n_layers must be >= 1"),
-    (["--experts", "4"], "mixture-of-experts"),
+    (["--experts", "4", "--top-k", "5"], "--top-k must be in [1, --experts = 4]"),
     (["--strategy", "dp", "--nproc", "3", "--tp", "2"], "multiple of pp x cp x tp"),
     (["--strategy", "dp", "--set", "bucket_mb=0"], "bucket_mb must be > 0"),
     (["--collectives", "nccl"], "--collectives must be one of"),

@@ -46,9 +46,10 @@ def _async_checks(rank: int, world_size: int) -> dict:
 def _all_checks(rank: int, world_size: int) -> dict:
     from refimpl.comm import primitives
     from refimpl.comm.versus_torch import compare_with_torch
-    from refimpl.comm.traffic import measure_sent
+    from refimpl.comm.traffic import all_reduce_messages, measure_sent
 
     out = {"rows": compare_with_torch(rank, world_size),
+           "messages": all_reduce_messages(rank, world_size, 1200),
            "sent": measure_sent(rank, world_size, 1200),
            "sent_uneven": measure_sent(rank, world_size, 1001),
            "async": _async_checks(rank, world_size)}
@@ -74,7 +75,7 @@ def test_every_collective_equals_torch(results):
     bad = [row for row in rows if not row["equal"]]
     assert not bad, f"world size {n}: {bad[:5]}"
     covered = {row["collective"] for row in rows}
-    assert covered >= {"all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+    assert covered >= {"all_reduce", "all_reduce (halving-doubling)", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
                        "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
                        "all_to_all_single", "all_to_all"}
     cases = {row["case"] for row in rows}
@@ -98,6 +99,23 @@ def test_counted_bytes_match_the_algorithms_prediction(results, numel):
     key = "sent" if numel == 1200 else "sent_uneven"
     table = traffic_table([res[key] for res in per_rank], numel)
     assert (table.sent_bytes == table.predicted_bytes).all(), table[table.sent_bytes != table.predicted_bytes]
+
+
+def test_halving_doubling_sends_log2_p_messages_and_the_rings_bytes(results):
+    """On 2 and 4 ranks: 2 log2 n messages (the ring: 2(n-1)) for the same 2(n-1)/n * M bytes.
+    On 3 ranks the fold-in costs the folded pair a whole M each, the price of a non-power of two."""
+    from refimpl.comm import halving_doubling
+
+    n, per_rank = results
+    m = 1200 * 4
+    for rank, res in enumerate(per_rank):
+        ring, butterfly = res["messages"]["ring"], res["messages"]["halving-doubling"]
+        assert ring == (2 * (n - 1) * m // n, 2 * (n - 1))
+        assert butterfly == halving_doubling.sent_by_rank(rank, n, 1200)
+        if n in (2, 4):
+            assert butterfly == (ring[0], 2 * (n.bit_length() - 1))
+    if n == 3:
+        assert [res["messages"]["halving-doubling"][0] for res in per_rank] == [m, m + m // 2 + m // 2, m]
 
 
 def test_async_handle(results):
@@ -139,3 +157,11 @@ def test_single_rank_group_is_a_no_op():
 
     same = [0.0, 1.0, 2.0, 3.0, 4.0]
     assert run(body, 1, backend="gloo", quiet=True) == [(same, same)]
+
+
+def test_async_all_reduce_leaves_the_thread_free_to_compute():
+    from refimpl.comm.async_demo import overlap_demo
+
+    for res in run(overlap_demo, 2, backend="gloo", timeout=120, quiet=True):
+        assert res["handle"] == "Work" and res["blocking_result_ok"] and res["async_result_ok"]
+        assert res["iterations_while_in_flight"] >= 1

@@ -171,3 +171,21 @@ def test_layout_problems_name_the_constraint():
     assert tp_layout_problem(GPTConfig(), 2) is None
     assert "attention heads (8)" in tp_layout_problem(GPTConfig(), 3)
     assert "--seq-len" in tp_layout_problem(GPTConfig(), 4, seq_len=30, sequence_parallel=True)
+
+
+def test_tp_cost_model_reproduces_the_fit_and_the_papers():
+    from refimpl.cost import tp_comm
+
+    alpha, beta, m = 30e-6, 2e9, 1 << 20
+    hop, link = tp_comm.hop_model_from_fit(alpha, beta)
+    assert tp_comm.ring_seconds("all_reduce", m, 2, hop, link) == pytest.approx(alpha + m / beta)
+    shape = tp_comm.LayerShape(2, 64, 32, 4)
+    # SP: twice the calls, the same bandwidth term; a layer's bytes are Narayanan's 8bsh(t-1)/t
+    no_latency = [tp_comm.comm_seconds_per_layer(shape, 4, 0.0, link, sp) for sp in (False, True)]
+    assert no_latency[0] == pytest.approx(no_latency[1])
+    assert no_latency[0] * link == pytest.approx(tp_comm.bytes_per_layer(2, 64, 32, 4, 4))
+    assert sum(tp_comm.calls_per_layer(True).values()) == 2 * sum(tp_comm.calls_per_layer().values())
+    # forward 24bsh² + 4bs²h, backward twice that (Narayanan et al. 2021)
+    b, s, h = 1, 2048, 4096
+    assert tp_comm.flops_per_layer(tp_comm.LayerShape(b, s, h)) == pytest.approx(
+        3 * (24 * b * s * h * h + 4 * b * s * s * h))

@@ -24,7 +24,8 @@ def base(world, strategy, **kw):
 
 RUNS = {
     2: {"tp": base(2, "tp"), "tp+sp": base(2, "tp", sequence_parallel=True),
-        "torch-tp": base(2, "torch-tp"), "torch-tp+sp": base(2, "torch-tp", sequence_parallel=True)},
+        "torch-tp": base(2, "torch-tp"), "torch-tp+sp": base(2, "torch-tp", sequence_parallel=True),
+        "tp+sp, refimpl collectives": base(2, "tp", sequence_parallel=True, collectives="refimpl")},
     4: {"tp": base(4, "tp"), "tp+sp": base(4, "tp", sequence_parallel=True),
         "tp vocab 510": base(4, "tp", model=GPTConfig(vocab_size=510)),
         "zero1 --tp 2": base(4, "zero1", tp=2),
@@ -108,3 +109,15 @@ def test_layouts_tp_cannot_run_fail_before_launch_in_one_line(cfg, words):
 def test_cli_exits_2_naming_the_constraint(capsys):
     assert cli(["train", "--strategy", "dp", "--tp", "3", "--nproc", "3", "--global-batch", "6"]) == 2
     assert "attention heads" in capsys.readouterr().err
+
+
+def test_rebuilt_collectives_carry_exactly_the_sequence_parallel_traffic():
+    # --collectives refimpl: every TP collective goes through refimpl.comm's ring, whose counter
+    # sees (t-1)/t of each all-gathered / reduce-scattered b·s·h message per rank. Per step:
+    # 2 per block + 1 (embedding, LM head) in forward, as many in backward.
+    from tests.test_collectives_seam import _train_counting
+
+    cfg = TrainConfig(strategy="tp", nproc=2, steps=1, sequence_parallel=True, collectives="refimpl")
+    (sent, _), _ = launch.run(_train_counting, 2, cfg, timeout=600, quiet=True)
+    message, layers = cfg.global_batch * cfg.seq_len * cfg.model.d_model * 4, cfg.model.n_layers
+    assert sent["all_gather"] == sent["reduce_scatter"] == 2 * (2 * layers + 1) * message / 2

@@ -7,6 +7,7 @@ swapped for the other in any strategy. Only `torch.distributed.isend/irecv` move
     name                      algorithm                         file
     broadcast, reduce         binomial tree                     tree.py
     all_reduce                ring = reduce-scatter + all-gather  ring.py
+    all_reduce(algorithm="halving-doubling")  recursive halving + doubling  halving_doubling.py
     reduce_scatter(_tensor)   ring                              ring.py
     all_gather(_into_tensor)  ring                              ring.py
     scatter, gather           root talks to each rank directly  linear.py

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 from torch.distributed import ReduceOp
 
+from refimpl.comm.halving_doubling import halving_doubling_all_reduce_
 from refimpl.comm.p2p import GroupView, exchange, nbytes, post
 from refimpl.comm.reduce_ops import check_op, finish, reduce_into
 from refimpl.comm.work import issue
@@ -79,12 +80,21 @@ def ring_all_gather_(chunks: list[torch.Tensor], g: GroupView) -> None:
         exchange(g, sends=[(chunks[(r - s) % n], right)], recvs=[(chunks[(r - s - 1) % n], left)])
 
 
-def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
-    """torch.distributed.all_reduce on a ring: reduce-scatter, then all-gather, in place."""
+ALGORITHMS = ("ring", "halving-doubling")
+
+
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, algorithm="ring"):
+    """torch.distributed.all_reduce, in place: on a ring (reduce-scatter, then all-gather), or with
+    `algorithm="halving-doubling"` by recursive halving and doubling (halving_doubling.py)."""
     check_op(op)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"all_reduce algorithm must be one of {ALGORITHMS}, not {algorithm!r}")
 
     def body(g: GroupView):
         with _flat(tensor) as flat:
+            if algorithm == "halving-doubling":
+                halving_doubling_all_reduce_(flat, op, g)
+                return
             chunks = list(flat.tensor_split(g.size))
             ring_reduce_scatter_(chunks, op, g)
             finish(chunks[g.rank], op, g.size)  # AVG: divide the one chunk we own, before sharing

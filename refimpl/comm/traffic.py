@@ -6,6 +6,8 @@ is refimpl.cost.collective_bytes' table (the one place those factors are written
 that both agree); with uneven chunks it is the exact integer. The tree and linear collectives
 send unevenly by design:
 
+    all_reduce (halving-      2(p-1)/p * M   p = 2^k ranks; on other counts the folded ranks
+               doubling)                     also send M in or out (halving_doubling.py)
     broadcast (binomial)       M per child   root sends most: ceil(log2 n) * M
     reduce (binomial)          M             every rank but the root, once
     scatter / gather           (n-1)/n * M at the root / M/n from each other rank
@@ -16,13 +18,26 @@ import pandas as pd
 import torch
 
 import refimpl.comm as comm
+from refimpl.comm import halving_doubling
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce",
+HALVING_DOUBLING = "all_reduce (halving-doubling)"
+COLLECTIVES = ("all_reduce", HALVING_DOUBLING, "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce",
                "scatter", "gather")
 
 
 def _chunk_bytes(numel: int, n: int, itemsize: int) -> list[int]:
     return [t.numel() * itemsize for t in torch.empty(numel, dtype=torch.uint8).tensor_split(n)]
+
+
+def all_reduce_lower_bound(n: int, m: float) -> float:
+    """Fewest bytes a rank must send in any all-reduce of M bytes on n ranks: 2(n-1)/n * M.
+
+    Patarasuk & Yuan 2009, §3 (and Chan et al. 2007): every element of the result depends on all
+    n inputs. With the reduction work split evenly, a rank's inputs for the (n-1)/n of the
+    elements that others reduce must leave it once, and the 1/n it finishes must reach the others:
+    (n-1)/n * M out for the reduction, (n-1)/n * M of results in, and as much out again.
+    """
+    return 2 * (n - 1) / n * m
 
 
 def binomial_children(v: int, n: int) -> int:
@@ -40,6 +55,8 @@ def expected_sent(op: str, rank: int, n: int, numel: int, itemsize: int = 4, roo
     m = numel * itemsize
     if n == 1:
         return 0
+    if op == HALVING_DOUBLING:
+        return halving_doubling.sent_by_rank(rank, n, numel, itemsize)[0]
     if op == "all_reduce":  # reduce-scatter sends every chunk but its own, all-gather all but r+1's
         chunks = _chunk_bytes(numel, n, itemsize)
         return 2 * m - chunks[rank] - chunks[(rank + 1) % n]
@@ -80,7 +97,30 @@ def measure_sent(rank: int, world_size: int, numel: int) -> dict:
         comm.scatter(torch.empty(piece), list(x[: piece * n].chunk(n)) if rank == 0 else None, src=0)
         comm.gather(torch.ones(piece), [torch.empty(piece) for _ in range(n)] if rank == 0 else None,
                     dst=0)
-    return {op: counted.sent.get(op, 0) for op in COLLECTIVES}
+        sent = {op: counted.sent.get(op, 0) for op in COLLECTIVES}
+        sent[HALVING_DOUBLING] = all_reduce_sent(numel, "halving-doubling")[0]
+    return sent
+
+
+def all_reduce_sent(numel: int, algorithm: str) -> tuple[int, int]:
+    """(bytes, messages) this rank sends in one fp32 all-reduce of `numel` values by `algorithm`.
+
+    A counter of its own: both algorithms are the collective "all_reduce" to the counter.
+    """
+    with comm.CommCounter() as counted:
+        comm.all_reduce(torch.ones(numel), algorithm=algorithm)
+    return counted.sent.get("all_reduce", 0), counted.messages.get("all_reduce", 0)
+
+
+def all_reduce_messages(rank: int, world_size: int, numel: int) -> dict:
+    """Per algorithm, the (bytes, messages) this rank sent: run on ranks by launch.run."""
+    import torch.distributed as dist
+
+    from refimpl.comm.ring import ALGORITHMS
+    from refimpl.launch import device_for
+
+    with torch.device(device_for(dist.get_backend())):
+        return {algorithm: all_reduce_sent(numel, algorithm) for algorithm in ALGORITHMS}
 
 
 def traffic_table(measured: list[dict], numel: int, itemsize: int = 4) -> pd.DataFrame:

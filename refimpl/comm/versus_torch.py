@@ -52,41 +52,51 @@ def compare_with_torch(rank: int, world_size: int, sizes=(1, 7, 13, 1001)) -> li
     return rows
 
 
+# Both all-reduce algorithms face the same cases; rows name the halving-doubling one apart.
+ALL_REDUCE_ROWS = {"ring": "all_reduce", "halving-doubling": "all_reduce (halving-doubling)"}
+
+
 def _all_reduce_cases(rows, numel, seed, n):
+    for algorithm, name in ALL_REDUCE_ROWS.items():
+        _all_reduce_cases_of(rows, numel, seed, n, algorithm, name)
+
+
+def _all_reduce_cases_of(rows, numel, seed, n, algorithm, name):
     ops = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN, "product": ReduceOp.PRODUCT}
     for label, op in ops.items():
         lo, hi = (-1, 3) if op == ReduceOp.PRODUCT else (-8, 9)  # keep products exact
         x = _ints((numel,), seed + numel, lo, hi)
         a, b = x.clone(), x.clone()
-        comm.all_reduce(a, op=op)
+        comm.all_reduce(a, op=op, algorithm=algorithm)
         dist.all_reduce(b, op=op)
-        _row(rows, "all_reduce", f"{label} numel={numel}", a, b)
+        _row(rows, name, f"{label} numel={numel}", a, b)
     # AVG: gloo has no AVG, so its twin is SUM / n
     x = _ints((numel,), seed + 1)
     a, b = x.clone(), x.clone()
-    comm.all_reduce(a, op=ReduceOp.AVG)
+    comm.all_reduce(a, op=ReduceOp.AVG, algorithm=algorithm)
     dist.all_reduce(b)
-    _row(rows, "all_reduce", f"avg numel={numel}", a, b / n)
+    _row(rows, name, f"avg numel={numel}", a, b / n)
     # a non-contiguous view (a transposed matrix) and an integer dtype
     m = _ints((3, numel), seed + 2).t()
     a, b = m.clone().t().t(), m.clone()  # a: same strides as m (non-contiguous)
-    comm.all_reduce(a)
+    comm.all_reduce(a, algorithm=algorithm)
     dist.all_reduce(b)
-    _row(rows, "all_reduce", f"transposed {tuple(m.shape)}", a, b)
+    _row(rows, name, f"transposed {tuple(m.shape)}", a, b)
     a = _ints((numel,), seed + 3, dtype=torch.int64)
     b = a.clone()
-    comm.all_reduce(a)
+    comm.all_reduce(a, algorithm=algorithm)
     dist.all_reduce(b)
-    _row(rows, "all_reduce", f"int64 numel={numel}", a, b)
+    _row(rows, name, f"int64 numel={numel}", a, b)
 
 
 def _large_cases(rows, seed, n, numel=3 * 2**20 + 1):
     """12 MB: large enough that a reduce-scatter step is split into several segments."""
     x = _ints((numel,), seed + 4)
-    a, b = x.clone(), x.clone()
-    comm.all_reduce(a)
-    dist.all_reduce(b)
-    _row(rows, "all_reduce", f"sum numel={numel}", a, b)
+    for algorithm, name in ALL_REDUCE_ROWS.items():
+        a, b = x.clone(), x.clone()
+        comm.all_reduce(a, algorithm=algorithm)
+        dist.all_reduce(b)
+        _row(rows, name, f"sum numel={numel}", a, b)
 
 
 def _rooted_cases(rows, numel, seed, n):
@@ -175,6 +185,9 @@ def _subgroup_cases(rows, seed, n, rank):
     comm.all_reduce(a, group=group)
     dist.all_reduce(b, group=group)
     _row(rows, "all_reduce", f"subgroup {members}", a, b)
+    a = x.clone()
+    comm.all_reduce(a, group=group, algorithm="halving-doubling")
+    _row(rows, ALL_REDUCE_ROWS["halving-doubling"], f"subgroup {members}", a, b)
     a, b = x.clone(), x.clone()
     comm.broadcast(a, src=members[-1], group=group)  # src is a global rank, as in torch
     dist.broadcast(b, src=members[-1], group=group)
@@ -214,3 +227,12 @@ def _subgroup_cases(rows, seed, n, rank):
     other = groups[1 - rank % 2]
     _row(rows, "all_reduce", "non-member returns None", comm.all_reduce(x.clone(), group=other) is None,
          True)
+
+
+def check_and_count(rank: int, world_size: int, numel: int = 1200) -> tuple:
+    """One launch, three answers (notebook 01): every collective against torch's, the bytes each
+    sent on a `numel`-element tensor, and both all-reduce algorithms' bytes and messages."""
+    from refimpl.comm.traffic import all_reduce_messages, measure_sent
+
+    return (compare_with_torch(rank, world_size), measure_sent(rank, world_size, numel),
+            all_reduce_messages(rank, world_size, numel))

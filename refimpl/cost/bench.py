@@ -11,9 +11,10 @@ Two bandwidths per measurement, as in nccl-tests (doc/PERFORMANCE.md):
   all-reduce moves 2(n-1)/n * M per rank, hence its factor.
 
 `sweep` times torch.distributed's built-ins and refimpl.comm's rebuilds side by side (same API, so
-same code), on fresh ranks, and returns a DataFrame. `memcpy_bandwidth` measures the ceiling: two
-processes on one machine talk through the kernel, which copies every byte at least once, so no
-collective here can beat one core's memcpy.
+same code), on fresh ranks, and returns a DataFrame. The ceiling a sweep is compared with is the
+device's own (refimpl.cost.ceilings, re-exported here): one core's memcpy for CPU ranks on gloo,
+the peer (or device-to-device) copy for GPU ranks on NCCL; `max_message_bytes(backend)` is the
+sweep's largest size per device (MBs on CPU, a GB on GPUs, where links plateau late).
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from refimpl.cost.ceilings import (ceiling_for, copy_sweep, cuda_copy_bandwidth,  # noqa: F401
+                                   max_message_bytes, memcpy_bandwidth)
 from refimpl.cost.collective_bytes import bytes_per_rank_factor
 from refimpl.launch import run
 
@@ -109,28 +112,6 @@ def with_predictions(sweep_df: pd.DataFrame, fits: pd.DataFrame) -> pd.DataFrame
 
 
 # --- measuring --------------------------------------------------------------------------------
-
-def memcpy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Bytes/s of one large tensor copy on one thread, median of `repeats` after a warm-up.
-
-    One thread because each rank has one (OMP_NUM_THREADS=1): it is the fastest any single rank
-    can move bytes, and loopback traffic is copied by the kernel at no more than this.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        src = torch.ones(nbytes // 4)
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t0)
-        return nbytes / statistics.median(times)
-    finally:
-        torch.set_num_threads(threads)
-
 
 def _buffers(op: str, size_bytes: int, n: int, device="cpu"):
     """(input, output, M) for a nominal size: fp32, at least one element per rank's block."""
@@ -227,7 +208,7 @@ def sweep_rank(rank: int, world_size: int, ops=OPS, sizes=None, impls=IMPLS, war
 
 def sweep(world_sizes=(2,), ops=OPS, sizes=None, impls=IMPLS, warmup: int = 2, repeats: int = 5,
           progress: bool = True, timeout: float = 1800.0) -> pd.DataFrame:
-    """Bandwidth sweep on fresh ranks, one launch per world size; a tqdm bar counts points.
+    """Bandwidth sweep on fresh ranks, one launch per world size; a progress bar counts points.
 
     Columns: impl, op, world_size, nominal_bytes (the size asked for), size_bytes (M as measured:
     block collectives round to n equal blocks of whole fp32 values), time_s (median), algbw,
@@ -245,13 +226,13 @@ def sweep(world_sizes=(2,), ops=OPS, sizes=None, impls=IMPLS, warmup: int = 2, r
 
 
 def _run_with_progress(n: int, total: int, progress: bool, kwargs: dict, timeout: float) -> list:
-    """launch.run in a helper thread while this one advances a tqdm bar from rank 0's tally file.
+    """launch.run in a helper thread while this one advances a progress bar from rank 0's tally file.
 
     The ranks' own output only reaches us when they exit, so progress travels through a file.
     """
     if not progress:
         return run(sweep_rank, n, timeout=timeout, quiet=True, **kwargs)[0]
-    from tqdm import tqdm  # the text bar: works in a terminal and in a notebook, needs no widgets
+    from refimpl.progress import progress_bar  # a widget in a notebook, text in a terminal
 
     with tempfile.TemporaryDirectory(prefix="refimpl-sweep-") as tmp:
         tally = Path(tmp) / "progress"
@@ -267,7 +248,7 @@ def _run_with_progress(n: int, total: int, progress: bool, kwargs: dict, timeout
 
         worker = threading.Thread(target=target, daemon=True)
         worker.start()
-        with tqdm(total=total, desc=f"sweep, {n} ranks", unit="pt", mininterval=2.0) as bar:
+        with progress_bar(total, desc=f"sweep, {n} ranks", unit="pt", mininterval=2.0) as bar:
             while worker.is_alive():
                 worker.join(0.2)
                 bar.update(os.path.getsize(tally) - bar.n)

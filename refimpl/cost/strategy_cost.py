@@ -120,3 +120,20 @@ def cost_table(shape: TrainingShape, n: int, fits: pd.DataFrame | None = None,
         row["bottleneck"] = BOTTLENECK[t["strategy"]]
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def ep_traffic(tokens_per_rank: int, hidden: int, n_layers: int, top_k: int, ep: int,
+               bytes_per_value: int = 4, capacity_fraction: float = 1.0) -> dict:
+    """Expert parallelism's row of the table (GShard, Lepikhin et al. 2020, section 3.2).
+
+    Per MoE layer and step: a dispatch and a combine all-to-all in the forward, the same two
+    reversed in the backward, each moving one rank's k*T kept rows of h values (M bytes, the
+    all-to-all's message as nccl-tests defines it); with routing spread evenly over the ep experts'
+    owners, (ep-1)/ep of them leave the rank. `capacity_fraction`: share of rows not dropped.
+    """
+    message = top_k * tokens_per_rank * capacity_fraction * hidden * bytes_per_value
+    calls = 4 * n_layers
+    return {"strategy": "EP", "operations": "all_to_all (dispatch, combine)",
+            "frequency": "4 per MoE layer per micro-batch",
+            "calls": [("all_to_all", message, calls)],
+            "sent_per_rank": calls * sent_per_rank("all_to_all", ep, message)}

@@ -16,20 +16,13 @@ Compute, to compare with. One layer's forward is 24·b·s·h² + 4·b·s²·h FL
 2021, §5.1: the four h×h-sized matmuls and the 4h MLP, plus scores and S·V); backward twice that:
 72·b·s·h²·(1 + s/(6h)) per layer, split t ways under TP.
 
-Links (one direction, per GPU), from the vendors' datasheets:
-  NVLink 4 (H100 SXM):        900 GB/s bidirectional total per GPU -> 450 GB/s each way
-                              (NVIDIA H100 Tensor Core GPU datasheet)
-  InfiniBand NDR (ConnectX-7): 400 Gb/s per port, one per GPU in a DGX H100 -> 50 GB/s each way
-                              (NVIDIA DGX H100 datasheet; ConnectX-7 product brief)
-  H100 SXM dense BF16:         989 TFLOP/s (1,979 with 2:4 sparsity; H100 datasheet)
+Links and peak rates come from the planner's GPU presets (refimpl.plan.hardware, datasheet
+sources there): e.g. H100 SXM, NVLink 4 at 450 GB/s each way (900 GB/s bidirectional), one 400 Gb/s
+NDR InfiniBand port per GPU (50 GB/s each way), 989 TFLOP/s dense BF16.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-NVLINK4_BYTES_PER_S = 900e9 / 2
-INFINIBAND_NDR_BYTES_PER_S = 400e9 / 8
-H100_BF16_FLOPS = 989e12
 
 
 def bytes_per_layer(b: int, s: int, h: int, t: int, dtype_bytes: int = 2) -> float:
@@ -77,9 +70,14 @@ def flops_per_layer(shape: LayerShape) -> float:
     return 72 * b * s * h * h * (1 + s / (6 * h))
 
 
-def comm_to_compute(shape: LayerShape, t: int, link: float, flops_per_s: float = H100_BF16_FLOPS,
-                    alpha_hop: float = 0.0) -> float:
-    """TP communication time / compute time per layer, nothing overlapped: > 1 means the GPUs
-    wait on the link longer than they compute."""
-    compute = flops_per_layer(shape) / t / flops_per_s
-    return comm_seconds_per_layer(shape, t, alpha_hop, link) / compute
+def comm_to_compute(shape: LayerShape, t: int, gpu: str = "h100-sxm",
+                    within_node: bool = True) -> float:
+    """TP communication time / compute time per layer on `gpu` (a refimpl.plan.hardware preset),
+    its ring inside a node (NVLink) or across nodes (InfiniBand). The best case for the link:
+    datasheet rates, no latency, nothing overlapped. > 1: the GPUs wait longer than they compute."""
+    from refimpl.plan.hardware import get_hardware
+
+    hw = get_hardware(gpu)
+    link = hw.intra_bandwidth if within_node else hw.inter_bandwidth
+    compute = flops_per_layer(shape) / t / hw.peak_flops
+    return comm_seconds_per_layer(shape, t, 0.0, link) / compute

@@ -31,6 +31,7 @@ STRATEGIES: dict[str, str] = {
     "torch-pp-gpipe": "refimpl.parallel.pp_strategy:TorchPipelineParallel",
     "torch-pp-1f1b": "refimpl.parallel.pp_strategy:TorchPipelineParallel",
     "torch-pp-interleaved": "refimpl.parallel.pp_strategy:TorchPipelineParallel",
+    "ep": "refimpl.parallel.ep:ExpertParallel",
 }
 
 

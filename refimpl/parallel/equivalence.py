@@ -2,6 +2,9 @@
 
 Same seed, same global batch, same number of steps: the losses and the final weights must match the
 one-process reference (fp32: relative error <= 1e-5; bit-exact where the arithmetic is identical).
+The reference runs on the device the ranks use (`ranks_device`): CPU when they are on gloo, the
+GPU when they are on NCCL; on CUDA with TF32 off and deterministic kernels (refimpl.numerics), so
+the same 1e-5 holds there (TF32's 10-bit mantissa would put it near 1e-3).
 `compare_with_single` runs both and reports the worst relative errors, so a notebook can assert
 them and a test can assert them on world sizes 2, 4 and one that does not divide evenly.
 """
@@ -98,11 +101,22 @@ def compare_states(state: dict, reference: dict) -> tuple[float, float, bool]:
 _reference_cache: dict = {}
 
 
+def ranks_device(nproc: int) -> str:
+    """The device type `nproc` ranks compute on ("cuda" under NCCL, one GPU per rank; else
+    "cpu"): a reference for them must run there too, or a GPU's kernels would be compared with
+    a CPU's and the differences would be the devices', not the strategy's."""
+    from refimpl.launch import pick_backend
+
+    return "cuda" if pick_backend(nproc) == "nccl" else "cpu"
+
+
 def reference_run(cfg: TrainConfig) -> dict:
-    """`single` on the same model, data, steps and micro-batching; cached per configuration."""
+    """`single` on the same model, data, steps and micro-batching, on the device `cfg`'s ranks
+    use; cached per configuration."""
     ref_cfg = cfg.with_(strategy="single", nproc=1, return_state=True, profile=False,
                         trace_dir=None, options={}, tp=1, pp=1, cp=1, ep=1, replicas=1,
-                        sequence_parallel=False, schedule=None, virtual_stages=1)
+                        sequence_parallel=False, schedule=None, virtual_stages=1,
+                        device=ranks_device(cfg.nproc))
     key = repr(ref_cfg)
     if key not in _reference_cache:
         _reference_cache[key] = train_on_ranks(ref_cfg)

@@ -21,12 +21,14 @@ of its activations.
 
 Every parallel layer here is built from a full nn.Linear by slicing (`from_linear`), so a TP model
 starts from exactly the reference weights. `group=None` means one rank: the layer is the full one.
+`comm` (default torch.distributed; refimpl.comm under --collectives refimpl) issues the collectives.
 The shared building blocks live in refimpl.parallel.tp_mappings; the whole-model transform,
 vocabulary parallelism and state-dict gathering in tp_model.py and tp_vocab.py.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -63,9 +65,9 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, *, out_full: int,
-                 gather_output: bool, sequence_parallel: bool, input_in_region: bool):
+                 gather_output: bool, sequence_parallel: bool, input_in_region: bool, comm=None):
         super().__init__()
-        self.group, self.out_full = group, out_full
+        self.group, self.out_full, self.comm = group, out_full, comm or dist
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.input_in_region = input_in_region
         self.out_local = weight.shape[0]
@@ -79,18 +81,18 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, gather_output: bool = False, *,
                     sequence_parallel: bool = False, input_in_region: bool = False,
-                    pad: bool = False) -> "ColumnParallelLinear":
+                    pad: bool = False, comm=None) -> "ColumnParallelLinear":
         w = _rows(linear.weight.detach(), group, pad)
         b = _rows(linear.bias.detach(), group, pad) if linear.bias is not None else None
         return cls(w, b, group, out_full=linear.out_features, gather_output=gather_output,
-                   sequence_parallel=sequence_parallel, input_in_region=input_in_region)
+                   sequence_parallel=sequence_parallel, input_in_region=input_in_region, comm=comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_in_region:
-            x = enter_region(x, self.group, self.sequence_parallel)
+            x = enter_region(x, self.group, self.sequence_parallel, self.comm)
         y = F.linear(x, self.weight, self.bias)
         if self.gather_output:
-            y = gather_last_dim(y, self.group)[..., :self.out_full]
+            y = gather_last_dim(y, self.group, self.comm)[..., :self.out_full]
         return y
 
 
@@ -104,9 +106,9 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, *,
-                 input_is_parallel: bool, sequence_parallel: bool):
+                 input_is_parallel: bool, sequence_parallel: bool, comm=None):
         super().__init__()
-        self.group, self.input_is_parallel = group, input_is_parallel
+        self.group, self.input_is_parallel, self.comm = group, input_is_parallel, comm or dist
         self.sequence_parallel = sequence_parallel
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
@@ -118,28 +120,32 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, input_is_parallel: bool = True, *,
-                    sequence_parallel: bool = False) -> "RowParallelLinear":
+                    sequence_parallel: bool = False, comm=None) -> "RowParallelLinear":
         w = _rows(linear.weight.detach().t(), group, pad_to_multiple=False).t().contiguous()
         b = linear.bias.detach().clone() if linear.bias is not None else None
         return cls(w, b, group, input_is_parallel=input_is_parallel,
-                   sequence_parallel=sequence_parallel)
+                   sequence_parallel=sequence_parallel, comm=comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            x = split_last_dim(x, self.group)
+            x = split_last_dim(x, self.group, self.comm)
         partial = F.linear(x, self.weight)
-        y = exit_region(partial, self.group, self.sequence_parallel)
+        y = exit_region(partial, self.group, self.sequence_parallel, self.comm)
         return y + self.bias if self.bias is not None else y
 
 
-def enter_region(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+def enter_region(x: torch.Tensor, group, sequence_parallel: bool, comm=dist) -> torch.Tensor:
     """Before column-parallel layers: f (copy) or, under SP, all-gather the sequence."""
-    return gather_from_sequence(x, group) if sequence_parallel else copy_to_region(x, group)
+    if sequence_parallel:
+        return gather_from_sequence(x, group, comm)
+    return copy_to_region(x, group, comm)
 
 
-def exit_region(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+def exit_region(x: torch.Tensor, group, sequence_parallel: bool, comm=dist) -> torch.Tensor:
     """After a row-parallel layer: g (all-reduce) or, under SP, reduce-scatter the sequence."""
-    return scatter_to_sequence(x, group) if sequence_parallel else reduce_from_region(x, group)
+    if sequence_parallel:
+        return scatter_to_sequence(x, group, comm)
+    return reduce_from_region(x, group, comm)
 
 
 class ParallelMLP(nn.Module):
@@ -152,9 +158,11 @@ class ParallelMLP(nn.Module):
         self.label = "tp:mlp"          # a profiler range; parallelize_tp names the block
 
     @classmethod
-    def from_mlp(cls, mlp: nn.Module, group=None, sequence_parallel: bool = False) -> "ParallelMLP":
-        return cls(ColumnParallelLinear.from_linear(mlp.up, group, sequence_parallel=sequence_parallel),
-                   RowParallelLinear.from_linear(mlp.down, group, sequence_parallel=sequence_parallel))
+    def from_mlp(cls, mlp: nn.Module, group=None, sequence_parallel: bool = False,
+                 comm=None) -> "ParallelMLP":
+        sp = sequence_parallel
+        return cls(ColumnParallelLinear.from_linear(mlp.up, group, sequence_parallel=sp, comm=comm),
+                   RowParallelLinear.from_linear(mlp.down, group, sequence_parallel=sp, comm=comm))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with phase(self.label):
@@ -170,27 +178,28 @@ class ParallelSelfAttention(nn.Module):
     matrix for the same reason): one all-reduce (or reduce-scatter under SP) of X's gradient.
     """
 
-    def __init__(self, q, k, v, o, n_heads_local: int, group, sequence_parallel: bool):
+    def __init__(self, q, k, v, o, n_heads_local: int, group, sequence_parallel: bool, comm=None):
         super().__init__()
         self.q, self.k, self.v, self.o = q, k, v, o
         self.n_heads = n_heads_local
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.comm = group, sequence_parallel, comm or dist
         self.label = "tp:attn"         # a profiler range; parallelize_tp names the block
 
     @classmethod
     def from_attention(cls, attn: nn.Module, group=None,
-                       sequence_parallel: bool = False) -> "ParallelSelfAttention":
+                       sequence_parallel: bool = False, comm=None) -> "ParallelSelfAttention":
         t = group_size(group)
         if attn.n_heads % t:
             raise ValueError(f"{attn.n_heads} heads do not divide by tensor-parallel size {t}")
         # Heads are contiguous blocks of head_dim rows in W_Q/W_K/W_V, so slicing rows by t keeps
         # whole heads together: rank r's rows are exactly heads r·a/t ... (r+1)·a/t - 1.
-        q, k, v = (ColumnParallelLinear.from_linear(lin, group, input_in_region=True)
+        q, k, v = (ColumnParallelLinear.from_linear(lin, group, input_in_region=True, comm=comm)
                    for lin in (attn.q, attn.k, attn.v))
-        o = RowParallelLinear.from_linear(attn.o, group, sequence_parallel=sequence_parallel)
-        return cls(q, k, v, o, attn.n_heads // t, group, sequence_parallel)
+        o = RowParallelLinear.from_linear(attn.o, group, sequence_parallel=sequence_parallel,
+                                          comm=comm)
+        return cls(q, k, v, o, attn.n_heads // t, group, sequence_parallel, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with phase(self.label):
-            x = enter_region(x, self.group, self.sequence_parallel)
+            x = enter_region(x, self.group, self.sequence_parallel, self.comm)
             return self.o(attention(self.q(x), self.k(x), self.v(x), self.n_heads))

@@ -20,6 +20,8 @@ Our activations are [batch, seq, hidden] (Megatron's are [seq, batch, hidden]), 
 dim 1; a collective needs contiguous chunks, so we move it to the front for the call and back.
 
 Each helper returns its input untouched when the group has one rank (group None means "no TP").
+`comm` is the collectives module (torch.distributed, or refimpl.comm under --collectives refimpl:
+the same signatures), passed down from the layer that owns the group.
 Every call is labelled `comm:<op> <bytes>B` for the profiler and, when a `TPCommLog` is open,
 recorded there with its pass (forward or backward). The log an op writes to in backward is the one
 open when its forward ran: backward may run on another thread (autograd's device threads on GPU).
@@ -85,35 +87,35 @@ def group_rank(group) -> int:
 
 # --- the collectives, labelled and logged ----------------------------------------------------------
 
-def _all_reduce(x: torch.Tensor, group, logs, pass_: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group, comm, logs, pass_: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
     x = x.contiguous().clone()        # never reduce into a tensor autograd still holds
     name = "all_reduce" if op == dist.ReduceOp.SUM else "all_reduce_max"
     with comm_span(name, x.nbytes):
-        dist.all_reduce(x, op=op, group=group)
+        comm.all_reduce(x, op=op, group=group)
     _log(logs, "all_reduce", pass_, x.nbytes, group)
     return x
 
 
-def _all_gather(x: torch.Tensor, dim: int, group, logs, pass_: str) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, dim: int, group, comm, logs, pass_: str) -> torch.Tensor:
     t = group_size(group)
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((t * front.shape[0],) + front.shape[1:], dtype=x.dtype, device=x.device)
     with comm_span("all_gather", out.nbytes):
-        dist.all_gather_into_tensor(out, front, group=group)
+        comm.all_gather_into_tensor(out, front, group=group)
     _log(logs, "all_gather", pass_, out.nbytes, group)
     # Contiguous in the caller's layout: a matmul on a strided input copies it, and Q, K and V
     # would each save their own copy of the gathered tokens.
     return out.movedim(0, dim).contiguous()
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group, logs, pass_: str) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, dim: int, group, comm, logs, pass_: str) -> torch.Tensor:
     t = group_size(group)
     front = x.movedim(dim, 0).contiguous()
     if front.shape[0] % t:
         raise ValueError(f"reduce-scatter: dim {dim} of size {front.shape[0]} does not divide by {t}")
     out = torch.empty((front.shape[0] // t,) + front.shape[1:], dtype=x.dtype, device=x.device)
     with comm_span("reduce_scatter", front.nbytes):
-        dist.reduce_scatter_tensor(out, front, op=dist.ReduceOp.SUM, group=group)
+        comm.reduce_scatter_tensor(out, front, op=dist.ReduceOp.SUM, group=group)
     _log(logs, "reduce_scatter", pass_, front.nbytes, group)
     return out.movedim(0, dim).contiguous()
 
@@ -134,83 +136,83 @@ def _log(logs, op, pass_, nbytes, group) -> None:
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, ctx.logs = group, _OPEN_LOGS.get()
+    def forward(ctx, x, group, comm):
+        ctx.group, ctx.comm, ctx.logs = group, comm, _OPEN_LOGS.get()
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group, ctx.logs, "backward"), None
+        return _all_reduce(grad, ctx.group, ctx.comm, ctx.logs, "backward"), None, None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group, _OPEN_LOGS.get(), "forward")
+    def forward(ctx, x, group, comm):
+        return _all_reduce(x, group, comm, _OPEN_LOGS.get(), "forward")
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _SplitLastDim(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, ctx.logs = group, _OPEN_LOGS.get()
+    def forward(ctx, x, group, comm):
+        ctx.group, ctx.comm, ctx.logs = group, comm, _OPEN_LOGS.get()
         return _my_slice(x, -1, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, -1, ctx.group, ctx.logs, "backward"), None
+        return _all_gather(grad, -1, ctx.group, ctx.comm, ctx.logs, "backward"), None, None
 
 
 class _GatherLastDim(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, comm):
         ctx.group = group
-        return _all_gather(x, -1, group, _OPEN_LOGS.get(), "forward")
+        return _all_gather(x, -1, group, comm, _OPEN_LOGS.get(), "forward")
 
     @staticmethod
     def backward(ctx, grad):
-        return _my_slice(grad, -1, ctx.group), None
+        return _my_slice(grad, -1, ctx.group), None, None
 
 
 class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, ctx.logs = group, _OPEN_LOGS.get()
-        return _all_gather(x, 1, group, ctx.logs, "forward")
+    def forward(ctx, x, group, comm):
+        ctx.group, ctx.comm, ctx.logs = group, comm, _OPEN_LOGS.get()
+        return _all_gather(x, 1, group, comm, ctx.logs, "forward")
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, 1, ctx.group, ctx.logs, "backward"), None
+        return _reduce_scatter(grad, 1, ctx.group, ctx.comm, ctx.logs, "backward"), None, None
 
 
 class _ScatterToSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, ctx.logs = group, _OPEN_LOGS.get()
-        return _reduce_scatter(x, 1, group, ctx.logs, "forward")
+    def forward(ctx, x, group, comm):
+        ctx.group, ctx.comm, ctx.logs = group, comm, _OPEN_LOGS.get()
+        return _reduce_scatter(x, 1, group, comm, ctx.logs, "forward")
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, 1, ctx.group, ctx.logs, "backward"), None
+        return _all_gather(grad, 1, ctx.group, ctx.comm, ctx.logs, "backward"), None, None
 
 
 class _SplitSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, ctx.logs = group, _OPEN_LOGS.get()
+    def forward(ctx, x, group, comm):
+        ctx.group, ctx.comm, ctx.logs = group, comm, _OPEN_LOGS.get()
         return _my_slice(x, 1, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, 1, ctx.group, ctx.logs, "backward"), None
+        return _all_gather(grad, 1, ctx.group, ctx.comm, ctx.logs, "backward"), None, None
 
 
 def _one_rank_or(fn):
-    def apply(x: torch.Tensor, group) -> torch.Tensor:
-        return x if group_size(group) == 1 else fn.apply(x, group)
+    def apply(x: torch.Tensor, group, comm=dist) -> torch.Tensor:
+        return x if group_size(group) == 1 else fn.apply(x, group, comm)
     apply.__doc__ = fn.__name__.strip("_")
     return apply
 
@@ -237,16 +239,16 @@ def is_sequence_partial(p: torch.Tensor) -> bool:
     return getattr(p, SEQUENCE_PARTIAL, False)
 
 
-def all_reduce_logged(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce_logged(x: torch.Tensor, group, op=dist.ReduceOp.SUM, comm=dist) -> torch.Tensor:
     """A plain (non-autograd) all-reduce of a copy of x, labelled and logged as a forward call:
     the vocabulary-parallel cross-entropy's max and sum-exp reductions use it."""
     if group_size(group) == 1:
         return x
-    return _all_reduce(x, group, _OPEN_LOGS.get(), "forward", op=op)
+    return _all_reduce(x, group, comm, _OPEN_LOGS.get(), "forward", op=op)
 
 
-def all_reduce_grad_logged(grad: torch.Tensor, group) -> torch.Tensor:
+def all_reduce_grad_logged(grad: torch.Tensor, group, comm=dist) -> torch.Tensor:
     """Sum a gradient over the group inside backward (sequence-parallel LayerNorm weights)."""
     if group_size(group) == 1:
         return grad
-    return _all_reduce(grad, group, _OPEN_LOGS.get(), "backward")
+    return _all_reduce(grad, group, comm, _OPEN_LOGS.get(), "backward")

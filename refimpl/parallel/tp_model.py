@@ -53,18 +53,21 @@ def tp_layout_problem(cfg, tp: int, seq_len: int | None = None,
     return None
 
 
-def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False) -> nn.Module:
-    """Replace the reference GPT's layers by this rank's tensor-parallel ones (in place)."""
+def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False,
+                   comm=None) -> nn.Module:
+    """Replace the reference GPT's layers by this rank's tensor-parallel ones (in place).
+    `comm`: the collectives module (torch.distributed by default, refimpl.comm for the rebuilt ones)."""
+    comm = comm or dist
     t = group_size(group)
     problem = tp_layout_problem(model.cfg, t)
     if problem:
         raise ValueError(problem)
     sp = sequence_parallel and t > 1
     tied = model.cfg.tie_embeddings
-    model.embed = VocabParallelEmbedding.from_embedding(model.embed, group, sp)
+    model.embed = VocabParallelEmbedding.from_embedding(model.embed, group, sp, comm)
     for i, block in enumerate(model.blocks):
-        block.attn = ParallelSelfAttention.from_attention(block.attn, group, sp)
-        block.mlp = ParallelMLP.from_mlp(block.mlp, group, sp)
+        block.attn = ParallelSelfAttention.from_attention(block.attn, group, sp, comm)
+        block.mlp = ParallelMLP.from_mlp(block.mlp, group, sp, comm)
         # forward ranges "tp:blocks.<i>.attn" / ".mlp" around each layer's collectives in a trace
         block.attn.label, block.mlp.label = f"tp:blocks.{i}.attn", f"tp:blocks.{i}.mlp"
         for norm in (block.ln1, block.ln2):
@@ -72,7 +75,7 @@ def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False) -> 
     _mark_norm(model.final_norm, sp)
     # The output layer reads the final norm's output: full tokens (copy) or gathered ones (SP).
     model.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group, sequence_parallel=sp,
-                                                     pad=True)
+                                                     pad=True, comm=comm)
     if tied:   # same vocabulary split, same padding: the two modules can share one shard
         model.lm_head.weight = model.embed.tok.weight
     model.tp_group, model.sequence_parallel = group, sp
@@ -80,7 +83,7 @@ def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False) -> 
     model.loss_fn = functools.partial(tp_lm_loss, model)
     for p in model.parameters():
         if is_sequence_partial(p):
-            p.register_hook(lambda grad: all_reduce_grad_logged(grad, group))
+            p.register_hook(lambda grad: all_reduce_grad_logged(grad, group, comm))
     return model
 
 
@@ -95,7 +98,7 @@ def tp_lm_loss(model: nn.Module, logits: torch.Tensor, targets: torch.Tensor) ->
     refimpl.model.lm_loss on the gathered logits, which are never built)."""
     head = model.lm_head
     return vocab_parallel_cross_entropy(logits, targets, head.group, head.out_start,
-                                        head.out_full).mean()
+                                        head.out_full, head.comm).mean()
 
 
 def gather_tp_state_dict(model: nn.Module, group, grads: bool = False) -> dict:

@@ -41,9 +41,9 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, tok_local: torch.Tensor, pos: torch.Tensor, vocab_size: int, group,
-                 sequence_parallel: bool):
+                 sequence_parallel: bool, comm=None):
         super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.comm = group, sequence_parallel, comm or dist
         self.vocab_size = vocab_size
         self.tok = nn.Embedding(*tok_local.shape, _weight=tok_local)
         self.pos = nn.Embedding(*pos.shape, _weight=pos)
@@ -53,17 +53,18 @@ class VocabParallelEmbedding(nn.Module):
             mark_sequence_partial(self.pos.weight)
 
     @classmethod
-    def from_embedding(cls, embed: nn.Module, group=None,
-                       sequence_parallel: bool = False) -> "VocabParallelEmbedding":
+    def from_embedding(cls, embed: nn.Module, group=None, sequence_parallel: bool = False,
+                       comm=None) -> "VocabParallelEmbedding":
         tok = _rows(embed.tok.weight.detach(), group, pad_to_multiple=True)
         return cls(tok, embed.pos.weight.detach().clone(), embed.tok.num_embeddings, group,
-                   sequence_parallel)
+                   sequence_parallel, comm)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         local = idx - self.start
         foreign = (local < 0) | (local >= self.tok.num_embeddings)
         rows = self.tok(local.masked_fill(foreign, 0)).masked_fill(foreign.unsqueeze(-1), 0.0)
-        x = exit_region(rows, self.group, self.sequence_parallel)   # sum of one-hot contributions
+        # the sum of one-hot contributions: exactly one rank's row is non-zero
+        x = exit_region(rows, self.group, self.sequence_parallel, self.comm)
         s_local = x.shape[1]
         first = group_rank(self.group) * s_local if self.sequence_parallel else 0
         return x + self.pos(torch.arange(first, first + s_local, device=idx.device))
@@ -71,19 +72,20 @@ class VocabParallelEmbedding(nn.Module):
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, group, start: int, vocab_size: int):
+    def forward(ctx, logits, targets, group, start: int, vocab_size: int, comm):
         n_local = logits.shape[-1]
         ids = torch.arange(start, start + n_local, device=logits.device)
         logits = logits.masked_fill(ids >= vocab_size, float("-inf"))      # padding columns
-        row_max = all_reduce_logged(logits.max(dim=-1).values, group, op=dist.ReduceOp.MAX)
+        row_max = all_reduce_logged(logits.max(dim=-1).values, group, op=dist.ReduceOp.MAX,
+                                    comm=comm)
         shifted = logits - row_max.unsqueeze(-1)
         local_target = targets - start
         mine = (local_target >= 0) & (local_target < n_local)
         index = local_target.masked_fill(~mine, 0).unsqueeze(-1)
         target_logit = shifted.gather(-1, index).squeeze(-1).masked_fill(~mine, 0.0)
-        target_logit = all_reduce_logged(target_logit, group)
+        target_logit = all_reduce_logged(target_logit, group, comm=comm)
         exp = shifted.exp()
-        sum_exp = all_reduce_logged(exp.sum(dim=-1), group)
+        sum_exp = all_reduce_logged(exp.sum(dim=-1), group, comm=comm)
         softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, index, mine)
         return sum_exp.log() - target_logit
@@ -93,13 +95,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, index, mine = ctx.saved_tensors
         grad = softmax.clone()
         grad.scatter_add_(-1, index, -mine.to(grad.dtype).unsqueeze(-1))   # - onehot(target)
-        return grad * grad_loss.unsqueeze(-1), None, None, None, None
+        return grad * grad_loss.unsqueeze(-1), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group, start: int,
-                                 vocab_size: int) -> torch.Tensor:
+                                 vocab_size: int, comm=dist) -> torch.Tensor:
     """Per-token -log softmax(z)[target] from this rank's columns [start, start + V_local) of z."""
     if group_size(group) == 1 and logits.shape[-1] == vocab_size:
         return F.cross_entropy(logits.reshape(-1, vocab_size), targets.reshape(-1),
                                reduction="none").view(targets.shape)
-    return _VocabParallelCrossEntropy.apply(logits, targets, group, start, vocab_size)
+    return _VocabParallelCrossEntropy.apply(logits, targets, group, start, vocab_size, comm)

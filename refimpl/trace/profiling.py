@@ -10,8 +10,9 @@ every collective in `comm_span(op, nbytes)` -> a `comm:<op> <n>B` range. Both ar
 
 Reading. `load_trace(run_dir)` turns every rank's trace into one DataFrame (rank, name, category,
 start_us, dur_us, step); `summarize(df)` gives per rank the time spent computing, communicating,
-both at once (overlap) and neither (idle) inside the profiled steps. The ranks' clocks are the
-same host clock here (CPU ranks on one machine); on several nodes they are only as aligned as NTP.
+both at once (overlap) and neither (idle) inside the profiled steps: from our labelled ranges on
+CPU ranks, from the GPU streams' kernels on CUDA runs (refimpl.trace.kernels explains why). The
+ranks' clocks are one host clock on one machine; on several nodes only as aligned as NTP.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import json
 import os
 import re
 from pathlib import Path
+
+from refimpl.trace import kernels
 
 # torch is imported inside the capture functions only: the reading half of this module is what the
 # TensorBoard plugin loads, and it should not pay for importing torch.
@@ -46,6 +49,11 @@ def run_dir(group: str, run: str) -> Path:
 
 
 # --- labels -----------------------------------------------------------------------------------------
+
+def profiled(cfg, group: str, run: str):
+    """`cfg` with profiling on, writing to profiles/<group>/<run> (a notebook's runs, by name)."""
+    return cfg.with_(profile=True, trace_dir=str(run_dir(group, run)))
+
 
 def phase(name: str):
     """Label a phase of a step (forward, backward, optimizer, or any compute you name)."""
@@ -89,7 +97,7 @@ class StepProfiler:
     """
 
     def __init__(self, out_dir: str | Path | None, rank: int, steps: int, active: int = 3,
-                 all_threads: bool = False):
+                 all_threads: bool = False, device=None):
         self.enabled = out_dir is not None
         self.out_dir = Path(out_dir) if out_dir is not None else None
         if not self.enabled:
@@ -100,7 +108,10 @@ class StepProfiler:
         warmup = 1 if steps > 1 else 0
         active = max(1, min(active, steps - warmup))
         activities = [ProfilerActivity.CPU]
-        if torch.cuda.is_available():
+        # GPU kernels when this rank computes on a GPU (device None: whenever there is one). A CPU
+        # rank on a GPU machine skips CUPTI: it would only start a CUDA context per rank.
+        on_gpu = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+        if on_gpu:
             activities.append(ProfilerActivity.CUDA)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._prof = profile(
@@ -113,6 +124,10 @@ class StepProfiler:
 
     def __enter__(self):
         if self.enabled:
+            from refimpl.trace.native_stderr import quiet_profiler_in_notebook
+
+            self._quiet = quiet_profiler_in_notebook()   # kineto's start/stop lines, in a kernel
+            self._quiet.__enter__()
             self._prof.__enter__()
         return self
 
@@ -122,7 +137,10 @@ class StepProfiler:
 
     def __exit__(self, *exc):
         if self.enabled:
-            self._prof.__exit__(*exc)
+            try:
+                self._prof.__exit__(*exc)
+            finally:
+                self._quiet.__exit__(*exc)
 
 
 # --- reading ----------------------------------------------------------------------------------------
@@ -180,10 +198,20 @@ def load_trace(run: str | Path, include_ops: bool = False):
     for rank, path in trace_files(run).items():
         trace = read_trace(path)
         base_ns = int(trace.get("baseTimeNanoseconds", 0))     # see rank_clock_shifts
+        kernel_rows, launches, labelled = [], {}, []
         for ev in trace.get("traceEvents", []):
+            if kernels.is_launch(ev):
+                launches[kernels.correlation(ev)] = (ev.get("tid"), float(ev["ts"]))
             if ev.get("ph") != "X" or "dur" not in ev:
                 continue
             name = ev.get("name", "")
+            if kernels.is_gpu_event(ev):     # a kernel / copy on a GPU stream (CUDA runs only)
+                kernel_rows.append({
+                    "rank": rank, "name": name, "category": kernels.kernel_category(name),
+                    "op": None, "bytes": None, "start_us": float(ev["ts"]), "base_ns": base_ns,
+                    "dur_us": float(ev["dur"]), "thread": f"stream {ev.get('tid')}",
+                    "correlation": kernels.correlation(ev)})
+                continue
             cat = categorize(name)
             if cat == "op" and not include_ops:
                 continue
@@ -193,30 +221,42 @@ def load_trace(run: str | Path, include_ops: bool = False):
                 "op": (m.group("op") if m else name.split(":")[-1]) if cat == "comm" else None,
                 "bytes": int(m.group("bytes")) if m and m.group("bytes") else None,
                 "start_us": float(ev["ts"]), "base_ns": base_ns, "dur_us": float(ev["dur"]),
-                "thread": ev.get("tid"),
+                "thread": ev.get("tid"), "label": None, "label_id": None, "launch_us": None,
             })
+            if cat in PHASES or cat == "comm":
+                labelled.append((ev.get("tid"), float(ev["ts"]), float(ev["ts"]) + float(ev["dur"]),
+                                 name))
+        kernels.label_kernels(kernel_rows, launches, labelled)
+        for k in kernel_rows:
+            k.pop("correlation")
+        rows += kernel_rows
     df = pd.DataFrame(rows, columns=["rank", "name", "category", "op", "bytes", "start_us",
-                                     "base_ns", "dur_us", "thread"])
+                                     "base_ns", "dur_us", "thread", "label", "label_id", "launch_us"])
     base_ns = df.pop("base_ns")
     if df.empty:
         return df.assign(step=pd.Series(dtype="Int64"))
-    shifts = rank_clock_shifts(dict(zip(df["rank"], base_ns)))
-    df["start_us"] += df["rank"].map(shifts)
-    df["start_us"] -= df["start_us"].min()
+    shifts = df["rank"].map(rank_clock_shifts(dict(zip(df["rank"], base_ns))))
+    df["start_us"] += shifts
+    df["launch_us"] = df["launch_us"].astype(float) + shifts
+    origin = df["start_us"].min()
+    df["start_us"] -= origin
+    df["launch_us"] -= origin
     df["step"] = _step_of(df)
     return df.sort_values(["rank", "start_us"]).reset_index(drop=True)
 
 
 def _step_of(df):
-    """The ProfilerStep#N range each event starts in (per rank), or <NA> outside any step."""
+    """The ProfilerStep#N range each event starts in (per rank), or <NA> outside any step; a GPU
+    kernel belongs to the step its launch is in."""
     import pandas as pd
 
     steps = pd.Series(pd.NA, index=df.index, dtype="Int64")
     markers = df[df.category == "step"]
+    when = df.launch_us.fillna(df.start_us)
     for _, m in markers.iterrows():
         n = int(m["name"].split("#")[1])
-        inside = ((df["rank"] == m["rank"]) & (df.start_us >= m.start_us)
-                  & (df.start_us < m.start_us + m.dur_us))
+        inside = ((df["rank"] == m["rank"]) & (when >= m.start_us)
+                  & (when < m.start_us + m.dur_us))
         steps[inside] = n
     return steps
 
@@ -245,19 +285,31 @@ def _time_split(phases, comms, windows) -> dict:
 
 def summarize(df):
     """Per rank, inside the profiled steps: time computing only, communicating only, both at once
-    (communication hidden under compute), and neither (idle), in µs and as fractions of the step."""
+    (communication hidden under compute), and neither (idle), in µs and as fractions of the step.
+
+    `source` says what was read: "gpu kernels" when the rank's trace has GPU kernels (a CUDA run:
+    NCCL kernels are communication, every other kernel compute; refimpl.trace.kernels), else
+    "cpu ranges" (our labelled phases and comm:<op> ranges, which on CPU ranks time the work).
+    """
     import pandas as pd
 
     out = []
     for rank, g in df.groupby("rank"):
         steps = g[g.category == "step"]
         windows = [(r.start_us, r.start_us + r.dur_us) for r in steps.itertuples()]
-        ranges = {cat: [(r.start_us, r.start_us + r.dur_us, r.thread)
-                        for r in g.itertuples() if r.category in cats]
-                  for cat, cats in (("phase", PHASES), ("comm", ("comm",)))}
-        split = _time_split(ranges["phase"], ranges["comm"], windows)
+        on_gpu = g.category.isin(["gpu", "gpu_comm"]).any()
+        if on_gpu:
+            busy = {c: [(r.start_us, r.start_us + r.dur_us) for r in g[g.category == c].itertuples()]
+                    for c in ("gpu", "gpu_comm")}
+            split = kernels.split_busy_time(busy["gpu"], busy["gpu_comm"], windows)
+        else:
+            ranges = {cat: [(r.start_us, r.start_us + r.dur_us, r.thread)
+                            for r in g.itertuples() if r.category in cats]
+                      for cat, cats in (("phase", PHASES), ("comm", ("comm",)))}
+            split = _time_split(ranges["phase"], ranges["comm"], windows)
         span = sum(e - s for s, e in windows)
-        row = {"rank": rank, "steps": len(windows), "step_us": span}
+        row = {"rank": rank, "steps": len(windows), "step_us": span,
+               "source": "gpu kernels" if on_gpu else "cpu ranges"}
         row.update({f"{k}_us": v for k, v in split.items()})
         row.update({f"{k}_frac": (v / span if span else 0.0) for k, v in split.items()})
         comm_total = split["comm"] + split["overlap"]
@@ -267,8 +319,21 @@ def summarize(df):
 
 
 def comm_table(df):
-    """Per rank and op: count, bytes, total time, effective bandwidth (bytes/s) of labelled comms."""
-    labelled = df[(df.category == "comm") & df["name"].str.startswith("comm:") & df.step.notna()]
+    """Per rank and op: count, bytes, total time, effective bandwidth (bytes/s) of labelled comms.
+
+    On a CUDA run the time is the NCCL kernels' (grouped by the `comm:<op>` call that launched
+    them), not the CPU range's, which only times the launch.
+    """
+    gpu = df[(df.category == "gpu_comm") & df.label.fillna("").str.startswith("comm:")
+             & df.step.notna()]
+    if not gpu.empty:
+        calls = gpu.groupby(["rank", "label_id"]).agg(label=("label", "first"),
+                                                      dur_us=("dur_us", "sum")).reset_index()
+        parsed = calls.label.str.extract(_COMM.pattern)
+        labelled = calls.assign(name=calls.label, op=parsed["op"],
+                                bytes=parsed["bytes"].astype(float))
+    else:
+        labelled = df[(df.category == "comm") & df["name"].str.startswith("comm:") & df.step.notna()]
     if labelled.empty:
         import pandas as pd
         return pd.DataFrame(columns=["rank", "op", "count", "bytes", "time_us", "GB_per_s"])

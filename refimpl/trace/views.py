@@ -17,8 +17,9 @@ from refimpl.trace.profiling import PHASES, comm_table, summarize
 
 DEFAULT_WINDOW = 4   # steps shown when a viewer asks for none: enough to see a steady state
 
-SUMMARY_COLUMNS = ["rank", "steps", "step_us", "compute_us", "comm_us", "overlap_us", "idle_us",
-                   "compute_frac", "comm_frac", "overlap_frac", "idle_frac", "comm_hidden_frac"]
+SUMMARY_COLUMNS = ["rank", "source", "steps", "step_us", "compute_us", "comm_us", "overlap_us",
+                   "idle_us", "compute_frac", "comm_frac", "overlap_frac", "idle_frac",
+                   "comm_hidden_frac"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,12 @@ def lane_row(category: str, name: str) -> str:
     compute: our phase labels. comm: our `comm:<op>` labels, i.e. the time the calling thread spends
     in the call. backend: the backend's own collective events (gloo:…, nccl:…), which for an
     asynchronous collective run on the backend's worker thread while the caller computes.
+    gpu / gpu comm: a CUDA run's kernels on the GPU's streams (NCCL's in "gpu comm").
     """
+    if category == "gpu":
+        return "gpu"
+    if category == "gpu_comm":
+        return "gpu comm"
     if category in PHASES:
         return "compute"
     if category == "comm":
@@ -75,7 +81,7 @@ def timeline(df, window: StepWindow) -> dict:
     """The ranges of every rank inside the window, one dict per range, ready to draw."""
     part = window.select(df)
     spans = part.assign(row=[lane_row(c, n) for c, n in zip(part.category, part.name)])
-    cols = ["rank", "row", "name", "category", "op", "bytes", "start_us", "dur_us", "step"]
+    cols = ["rank", "row", "name", "category", "op", "bytes", "start_us", "dur_us", "step", "label"]
     return {"ranks": sorted(int(r) for r in df["rank"].unique()),
             "spans": records(spans[cols])}
 

@@ -87,7 +87,8 @@ function laneName(rank, row) { return `rank ${rank} · ${row}`; }
 
 function timelineFigure(data) {
   const rowsPresent = new Set(data.spans.map((s) => s.row));
-  const kinds = ['compute', 'comm', 'backend'].filter((r) => rowsPresent.has(r) || r === 'compute');
+  const kinds = ['compute', 'comm', 'backend', 'gpu', 'gpu comm']
+    .filter((r) => rowsPresent.has(r) || r === 'compute');
   const lanes = data.ranks.flatMap((r) => kinds.map((k) => laneName(r, k)));
   const opColor = {};
   const colorOf = (s) => {
@@ -108,8 +109,10 @@ function timelineFigure(data) {
     if (s.row === 'step') {   // the step as background on every row of its rank: gaps show idle
       for (const k of kinds) add('idle (in a step)', s, laneName(s.rank, k));
     } else {
-      add(s.row === 'compute' ? s.name : (s.row === 'comm' ? s.op : s.name),
-          s, laneName(s.rank, s.row));
+      // kernels: one legend entry per CPU label that launched them, not one per kernel name
+      const gpuKey = () => `${s.row}: ${s.label || 'unlabelled'}`;
+      add(s.row === 'compute' ? s.name : (s.row === 'comm' ? s.op
+        : (s.row.startsWith('gpu') ? gpuKey() : s.name)), s, laneName(s.rank, s.row));
     }
   }
   const traces = [];

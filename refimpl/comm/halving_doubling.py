@@ -1,0 +1,173 @@
+"""All-reduce by recursive halving and doubling (the "butterfly"), beside the ring.
+
+Rabenseifner's algorithm (Thakur, Rabenseifner & Gropp 2005, "Optimization of collective
+communication operations in MPICH", section 4.5; Rabenseifner 2004): on p = 2^k ranks,
+
+* reduce-scatter by recursive halving: in round j (distance d = p/2, p/4, ..., 1) rank v pairs with
+  v XOR d, keeps one half of the range it is still responsible for, sends the other half to its
+  partner and adds the partner's copy of its own half. After log2 p rounds rank v holds chunk v,
+  reduced over all ranks.
+* all-gather by recursive doubling: the same pairs in reverse order (d = 1, 2, ..., p/2), each rank
+  sending everything it has, so the owned range doubles each round.
+
+Bytes each rank sends: M/2 + M/4 + ... = (p-1)/p * M per half, 2(p-1)/p * M in all, the ring's
+(and the lower bound's) figure; but in 2 log2 p messages instead of the ring's 2(p-1). In the
+alpha-beta model:  T = 2 log2(p) alpha + 2 (p-1)/p M / beta.
+
+Not a power of two (n = p + r, p the largest power of two <= n): the standard fold-in (MPICH, same
+section). Of the first 2r ranks, each even one sends its whole vector to the odd one above it and
+sits out; the odd one adds it. The remaining p ranks run the algorithm above, and at the end each
+odd rank of the first 2r sends the whole result back to its even partner. The price is two extra
+full-size messages on the critical path: T = (2 log2 p + 2) alpha + (2 + 2 (p-1)/p) M / beta, which
+is why the ring wins for large messages on such counts (`crossover_bytes`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from refimpl.comm.p2p import GroupView, exchange
+from refimpl.comm.reduce_ops import finish, reduce_into
+
+
+def fold(n: int) -> tuple[int, int]:
+    """(p, r): p the largest power of two <= n, r = n - p ranks folded into a partner."""
+    p = 1 << (n.bit_length() - 1)
+    return p, n - p
+
+
+def virtual_rank(rank: int, n: int) -> int | None:
+    """This rank's index among the p ranks that run the butterfly; None if it sits out."""
+    _, r = fold(n)
+    if rank < 2 * r:
+        return rank // 2 if rank % 2 else None
+    return rank - r
+
+
+def real_rank(v: int, n: int) -> int:
+    """The group rank of butterfly member v (the inverse of `virtual_rank`)."""
+    _, r = fold(n)
+    return 2 * v + 1 if v < r else v + r
+
+
+def halving_doubling_all_reduce_(flat: torch.Tensor, op, g: GroupView) -> None:
+    """In place on the 1-D contiguous `flat`: every rank ends with the reduction over all ranks."""
+    n, rank = g.size, g.rank
+    p, r = fold(n)
+    if rank < 2 * r:                                  # fold-in: evens hand their vector up
+        if rank % 2 == 0:
+            exchange(g, sends=[(flat, rank + 1)])
+        else:
+            incoming = torch.empty_like(flat)
+            exchange(g, recvs=[(incoming, rank - 1)])
+            reduce_into(flat, incoming, op)
+    v = virtual_rank(rank, n)
+    if v is not None:
+        sizes = [c.numel() for c in flat.tensor_split(p)]
+        offsets = [0] + [sum(sizes[: i + 1]) for i in range(p)]
+
+        def span(lo: int, hi: int) -> torch.Tensor:  # chunks lo..hi-1 as one slice of flat
+            return flat[offsets[lo]: offsets[hi]]
+
+        lo, hi = 0, p
+        # the first round's kept half is the largest (tensor_split puts the longer chunks first)
+        scratch = torch.empty(offsets[max(p // 2, 1)], dtype=flat.dtype, device=flat.device)
+        d = p // 2
+        while d >= 1:                                 # recursive halving: reduce-scatter
+            partner, mid = v ^ d, (lo + hi) // 2
+            keep, give = ((lo, mid), (mid, hi)) if v & d == 0 else ((mid, hi), (lo, mid))
+            mine = span(*keep)
+            incoming = scratch[: mine.numel()]
+            exchange(g, sends=[(span(*give), real_rank(partner, n))],
+                     recvs=[(incoming, real_rank(partner, n))])
+            reduce_into(mine, incoming, op)
+            lo, hi = keep
+            d //= 2
+        finish(span(lo, hi), op, n)                   # AVG: divide the chunk we own, once
+        d = 1
+        while d < p:                                  # recursive doubling: all-gather
+            partner = v ^ d
+            other = (hi, 2 * hi - lo) if v & d == 0 else (2 * lo - hi, lo)
+            exchange(g, sends=[(span(lo, hi), real_rank(partner, n))],
+                     recvs=[(span(*other), real_rank(partner, n))])
+            lo, hi = min(lo, other[0]), max(hi, other[1])
+            d *= 2
+    if rank < 2 * r:                                  # fold-out: odds hand the result back
+        if rank % 2:
+            exchange(g, sends=[(flat, rank - 1)])
+        else:
+            exchange(g, recvs=[(flat, rank + 1)])
+
+
+def messages_per_rank(n: int) -> int:
+    """Messages on the critical path (the alpha count): 2 log2 p, plus 2 for a fold."""
+    p, r = fold(n)
+    return 2 * int(math.log2(p)) + (2 if r else 0)
+
+
+def bytes_on_critical_path(n: int, m: float) -> float:
+    """The beta term's bytes: 2 (p-1)/p * M, plus 2M for a fold (its send in and back out)."""
+    p, r = fold(n)
+    return 2 * (p - 1) / p * m + (2 * m if r else 0)
+
+
+def predicted_seconds(n: int, m: float, alpha: float, beta: float) -> float:
+    """T = messages * alpha + bytes / beta (alpha-beta model, per the module docstring)."""
+    return messages_per_rank(n) * alpha + bytes_on_critical_path(n, m) / beta
+
+
+def ring_seconds(n: int, m: float, alpha: float, beta: float) -> float:
+    """The ring's T = 2(n-1) alpha + 2(n-1)/n * M / beta (Patarasuk & Yuan 2009)."""
+    return 2 * (n - 1) * alpha + 2 * (n - 1) / n * m / beta
+
+
+def crossover_bytes(n: int, alpha: float, beta: float) -> float:
+    """Message size above which the ring beats halving-doubling on n ranks (inf: never; 0: always).
+
+    Solves ring_seconds == predicted_seconds for M: both are a + b M lines. On a power of two the
+    bandwidth terms are equal and halving-doubling wins at every size (in this model); on 3 ranks
+    the latency terms are equal (4 alphas each) and the ring wins at every size.
+    """
+    extra_alpha = 2 * (n - 1) - messages_per_rank(n)            # ring's extra latency, in alphas
+    extra_bytes = bytes_on_critical_path(n, 1.0) - 2 * (n - 1) / n  # HD's extra bytes per byte of M
+    if extra_bytes <= 0:
+        return math.inf
+    return max(0.0, extra_alpha * alpha * beta / extra_bytes)
+
+
+def sent_by_rank(rank: int, n: int, numel: int, itemsize: int = 4) -> tuple[int, int]:
+    """(bytes, messages) that `rank` sends in the all-reduce of a `numel`-element tensor.
+
+    Walks the same schedule as `halving_doubling_all_reduce_` without moving data, chunk sizes
+    included, so a counted run can be checked to the byte; empty slices are never sent.
+    """
+    p, r = fold(n)
+    sent = []                                          # sizes in elements of each send
+    if rank < 2 * r and rank % 2 == 0:
+        sent.append(numel)                             # fold-in; then it sits out
+    v = virtual_rank(rank, n)
+    if v is not None:
+        sizes = [len(c) for c in torch.empty(numel, dtype=torch.uint8).tensor_split(p)]
+        lo, hi, d = 0, p, p // 2
+        while d >= 1:
+            mid = (lo + hi) // 2
+            keep, give = ((lo, mid), (mid, hi)) if v & d == 0 else ((mid, hi), (lo, mid))
+            sent.append(sum(sizes[give[0]: give[1]]))
+            lo, hi = keep
+            d //= 2
+        d = 1
+        while d < p:
+            sent.append(sum(sizes[lo:hi]))
+            lo, hi = (lo, 2 * hi - lo) if v & d == 0 else (2 * lo - hi, hi)
+            d *= 2
+        if rank < 2 * r:
+            sent.append(numel)                         # fold-out, to the even partner
+    sent = [k for k in sent if k]
+    return sum(sent) * itemsize, len(sent)
+
+
+def predicted_rows(world_sizes, sizes_bytes, alpha: float, beta: float) -> list[dict]:
+    """Alpha-beta time of both algorithms for each world size and message size (for a plot)."""
+    return [{"ranks": n, "size_bytes": m, "algorithm": name, "seconds": fn(n, m, alpha, beta)}
+            for n in world_sizes for m in sizes_bytes
+            for name, fn in (("ring", ring_seconds), ("halving-doubling", predicted_seconds))]

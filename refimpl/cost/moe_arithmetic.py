@@ -1,0 +1,129 @@
+"""The seed's MoE point in numbers: many parameters, few of them active per token.
+
+Seed (001, 전문가 병렬화): "only a subset of experts is active per token, so the parameter count
+can grow without growing the computation". An MoE layer with E experts of width w, k active per
+token, stores E expert MLPs but multiplies each token by k of them (plus a d x E router): its
+compute per token is that of a *dense* MLP of width k*w. So against a dense model of the same
+active size, the MoE holds (total / active) times the parameters for the same FLOPs per token.
+
+FLOPs per token of the forward pass: 2 per multiply-add of every active weight matrix (Kaplan et
+al. 2020, "C_forward ~ 2N"; the input embedding is a lookup and costs none), plus the attention
+scores and the weighted sum of values, 2 * 2 * s * d per layer (s = context; no causal saving,
+as the reference model computes the full s x s scores). Training is ~3x the forward.
+
+Published models, from their released configs (config.json of the Hugging Face checkpoints):
+  * Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts"): 46.7B total, 12.9B active; 8 SwiGLU
+    experts of width 14336, top-2, grouped-query attention (32 query heads, 8 key/value heads).
+  * DeepSeek-V3 (Liu et al. 2024, tech report, section 2 and 4.2): 671B total, 37B active;
+    61 layers, the first 3 dense (width 18432), then 1 shared + 256 routed experts of width 2048,
+    top-8, multi-head latent attention (q rank 1536, kv rank 512, 128 heads of 128 + 64 rope dims).
+    The 671B excludes the 14B multi-token-prediction module.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from refimpl.model import GPTConfig
+
+
+@dataclass(frozen=True)
+class MoECount:
+    name: str
+    total_params: int
+    active_params: int          # parameters a token touches (embedding row included)
+    forward_flops_per_token: int
+
+    @property
+    def total_over_active(self) -> float:
+        return self.total_params / self.active_params
+
+
+# --- the workbook's GPT -----------------------------------------------------------------------------
+
+def gpt_counts(cfg: GPTConfig, context: int) -> MoECount:
+    """Exact parameter count of refimpl.model.GPT(cfg) and its forward FLOPs per token at `context`."""
+    d, L, V, width = cfg.d_model, cfg.n_layers, cfg.vocab_size, cfg.mlp_ratio * cfg.d_model
+    attention = 4 * d * d + 3 * d                    # q, k, v, o; biases on q, v, o (not on k)
+    norms = 2 * 2 * d                                # ln1, ln2: weight and bias
+    expert = 2 * d * width + width + d               # up, down, their biases
+    experts, active = (cfg.n_experts, cfg.top_k) if cfg.n_experts else (1, 1)
+    router = d * cfg.n_experts
+    per_layer = attention + norms + router
+    embed = V * d + cfg.seq_len * d
+    head = 0 if cfg.tie_embeddings else V * d
+    total = embed + L * (per_layer + experts * expert) + 2 * d + head
+    active_params = embed + L * (per_layer + active * expert) + 2 * d + head
+    matmul = L * (4 * d * d + router + active * 2 * d * width) + V * d
+    flops = 2 * matmul + L * 2 * 2 * context * d
+    return MoECount(f"GPT d={d} L={L} E={cfg.n_experts} k={cfg.top_k}", total, active_params, flops)
+
+
+def dense_twin(cfg: GPTConfig) -> GPTConfig:
+    """The dense model of the same active size: one MLP as wide as the k active experts together."""
+    if not cfg.n_experts:
+        raise ValueError("dense_twin needs an MoE config (n_experts > 0)")
+    from dataclasses import replace
+
+    return replace(cfg, n_experts=0, mlp_ratio=cfg.mlp_ratio * cfg.top_k)
+
+
+def measured_forward_flops(model, idx) -> int:
+    """Floating-point operations of one forward, counted by PyTorch's FlopCounterMode."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(idx)
+    return counter.get_total_flops()
+
+
+# --- published MoE models -----------------------------------------------------------------------------
+
+def _swiglu(d: int, width: int) -> int:
+    return 3 * d * width                              # gate, up, down; no biases
+
+
+def mixtral_8x7b() -> MoECount:
+    d, L, V, width, E, k = 4096, 32, 32000, 14336, 8, 2
+    heads, kv_heads, head_dim = 32, 8, 128
+    attention = d * heads * head_dim * 2 + d * kv_heads * head_dim * 2   # q, o; k, v
+    per_layer_fixed = attention + d * E + 2 * d        # + router + two RMSNorms
+    total = 2 * V * d + d + L * (per_layer_fixed + E * _swiglu(d, width))
+    active = 2 * V * d + d + L * (per_layer_fixed + k * _swiglu(d, width))
+    flops = 2 * (active - V * d)                      # the input embedding is a lookup
+    return MoECount("Mixtral 8x7B", total, active, flops)
+
+
+def deepseek_v3() -> MoECount:
+    d, L, V, dense_layers, dense_width = 7168, 61, 129280, 3, 18432
+    E, shared, k, width = 256, 1, 8, 2048
+    heads, q_rank, kv_rank, nope, rope, v_dim = 128, 1536, 512, 128, 64, 128
+    attention = (d * q_rank + q_rank + q_rank * heads * (nope + rope)        # q down, norm, q up
+                 + d * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + v_dim)  # kv
+                 + heads * v_dim * d)                                        # o
+    fixed = L * (attention + 2 * d) + 2 * V * d + d
+    dense = dense_layers * _swiglu(d, dense_width)
+    moe_layers = L - dense_layers
+    router = d * E + E                                 # weights + the balancing bias
+    total = fixed + dense + moe_layers * (router + (E + shared) * _swiglu(d, width))
+    active = fixed + dense + moe_layers * (router + (k + shared) * _swiglu(d, width))
+    flops = 2 * (active - V * d)
+    return MoECount("DeepSeek-V3", total, active, flops)
+
+
+PUBLISHED = {"Mixtral 8x7B": (mixtral_8x7b, 46.7e9, 12.9e9),
+             "DeepSeek-V3": (deepseek_v3, 671e9, 37e9)}
+
+
+def published_table():
+    """One row per published model: computed total/active vs the paper's figures."""
+    import pandas as pd
+
+    rows = []
+    for name, (fn, total, active) in PUBLISHED.items():
+        c = fn()
+        rows.append({"model": name, "total_params": c.total_params, "paper_total": total,
+                     "active_params": c.active_params, "paper_active": active,
+                     "total_over_active": c.total_over_active,
+                     "forward_gflops_per_token": c.forward_flops_per_token / 1e9})
+    return pd.DataFrame(rows)

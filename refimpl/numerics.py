@@ -1,0 +1,57 @@
+"""fp32 that means fp32 on a GPU: the settings every CUDA run of the loop uses.
+
+Equivalence is checked at fp32 round-off (relative error <= 1e-5, refimpl.parallel.equivalence).
+On NVIDIA GPUs since Ampere, PyTorch may run fp32 matmuls and convolutions in TF32 (10-bit
+mantissa, relative error ~5e-4 per product), and several CUDA kernels (atomics in index_add,
+scatter, embedding backward) sum in an order that changes from run to run. Either would make a
+strategy differ from `single` by more than round-off for reasons that are not the strategy's.
+So on CUDA:
+
+  * TF32 off for matmuls and cuDNN (fp32_precision = "ieee"; on older torch the allow_tf32 flags);
+  * deterministic algorithms where PyTorch has them (`use_deterministic_algorithms(True,
+    warn_only=True)`: an op with no deterministic kernel warns instead of failing);
+  * cuBLAS told to use a fixed workspace (CUBLAS_WORKSPACE_CONFIG), which its deterministic mode
+    needs; it takes effect only if set before cuBLAS starts, so launch sets it for every rank too.
+
+Bit-exactness is claimed only where the arithmetic is the same operations in the same order (a
+data-parallel rank vs `single` accumulating its micro-batches, on the same device type). Across
+different batch shapes cuBLAS may pick other kernels, as MKL does on CPU: there the stated
+tolerance is fp32 round-off, 1e-5 relative, on GPU as on CPU. bf16 runs are compared with a
+tolerance of 1e-2 on the loss (8-bit mantissa) and are never called exact.
+
+The settings are process-wide (they are torch's); they are applied only when the run is on CUDA.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+def exact_fp32_on_cuda(device: torch.device) -> bool:
+    """Apply the settings above when `device` is a GPU; return whether it did."""
+    if torch.device(device).type != "cuda":
+        return False
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        # torch >= 2.9 has a new switch and refuses to mix it with the old flags: use it alone.
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        torch.backends.cudnn.fp32_precision = "ieee"
+    else:
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return True
+
+
+def settings() -> dict:
+    """What is in force now (for a report): the fp32 matmul mode and deterministic mode."""
+    matmul = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    return {"matmul_fp32": matmul if matmul is not None else torch.get_float32_matmul_precision(),
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}

@@ -1,0 +1,113 @@
+"""GPU kernels in a torch.profiler trace: which are communication, what launched them, and how the
+GPU's time splits into compute, communication, both and neither.
+
+Why a second reading. On CPU ranks (gloo) a collective runs on CPU threads, and our labelled
+`record_function` ranges time the work itself. Under CUDA the CPU only *launches*: `forward` on the
+CPU ends long before its kernels finish, and a `comm:all_reduce` range times the enqueue of an NCCL
+kernel, not the transfer. The truth is on the GPU's streams, which the profiler records (with
+CUPTI) as events of category `kernel` (and `gpu_memcpy` / `gpu_memset`), each carrying a
+`correlation` id equal to that of the CPU-side `cudaLaunchKernel` (category `cuda_runtime` or
+`cuda_driver`) that launched it. So:
+
+  * a kernel is communication if it is NCCL's (`ncclDevKernel_AllReduce_Sum_f32_RING_LL`,
+    `ncclKernel_...`), compute otherwise (memcpy and memset count as the GPU being busy);
+  * its label is the innermost of our CPU ranges (phase or `comm:<op>`) that was open on the
+    launching thread at the launch, found through the correlation id;
+  * its step is the step the launch happened in (the loop synchronizes the GPU before a step
+    ends, so every kernel also runs inside its step's window).
+
+An NCCL kernel's time includes waiting for the slowest peer (it spins until the data arrives), the
+same convention HolisticTraceAnalysis uses; "comm" time on a GPU is therefore "NCCL kernel
+resident", which is what a compute kernel could have overlapped with.
+"""
+from __future__ import annotations
+
+import bisect
+import re
+
+GPU_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+_NCCL = re.compile(r"nccl", re.IGNORECASE)
+
+
+def is_gpu_event(ev: dict) -> bool:
+    return ev.get("ph") == "X" and ev.get("cat") in GPU_EVENT_CATEGORIES
+
+
+def is_launch(ev: dict) -> bool:
+    return ev.get("cat") in LAUNCH_CATEGORIES and "correlation" in ev.get("args", {})
+
+
+def kernel_category(name: str) -> str:
+    """"gpu_comm" for NCCL's kernels, "gpu" for everything else that runs on the device."""
+    return "gpu_comm" if _NCCL.search(name) else "gpu"
+
+
+def correlation(ev: dict):
+    return ev.get("args", {}).get("correlation")
+
+
+def label_kernels(kernels: list[dict], launches: dict, labelled: list[tuple]) -> None:
+    """Set each kernel row's "label", "label_id" and "launch_us" in place.
+
+    kernels: rows with a "correlation"; launches: correlation -> (thread, ts) of the CPU launch;
+    labelled: (thread, start, end, name) of our CPU ranges (phases, comm:<op>, backends' ops).
+    label_id numbers the CPU range (one id per call: a collective rebuilt from send/recv launches
+    several NCCL kernels under one `comm:<op>` range). A kernel whose launch is not in the trace
+    (CUPTI dropped it) keeps label None.
+    """
+    by_thread: dict = {}
+    for i, (tid, s, e, name) in enumerate(sorted(labelled, key=lambda r: r[1])):
+        by_thread.setdefault(tid, []).append((s, e, name, i))
+    starts = {tid: [r[0] for r in ranges] for tid, ranges in by_thread.items()}
+    for k in kernels:
+        launch = launches.get(k.get("correlation"))
+        k["label"], k["label_id"], k["launch_us"] = None, None, None
+        if launch is None:
+            continue
+        tid, ts = launch
+        k["launch_us"] = ts
+        ranges = by_thread.get(tid, [])
+        # innermost open range = the latest-starting one that still covers ts
+        for i in range(bisect.bisect_right(starts.get(tid, []), ts) - 1, -1, -1):
+            s, e, name, label_id = ranges[i]
+            if s <= ts < e:
+                k["label"], k["label_id"] = name, label_id
+                break
+
+
+def split_busy_time(compute: list[tuple], comm: list[tuple], windows: list[tuple]) -> dict:
+    """Time inside `windows` with only compute busy, only comm busy, both, and neither (µs).
+
+    A sweep over sorted interval ends, O(n log n): a GPU step has thousands of kernels.
+    Intervals are (start, end); windows must not overlap each other.
+    """
+    events = []
+    for s, e in compute:
+        events += [(s, 0, 1), (e, 0, -1)]
+    for s, e in comm:
+        events += [(s, 1, 1), (e, 1, -1)]
+    events.sort(key=lambda x: (x[0], x[2]))           # at equal times close before open
+    times = [t for t, _, _ in events]
+    split = {"compute": 0.0, "comm": 0.0, "overlap": 0.0, "idle": 0.0}
+    for w0, w1 in windows:
+        active = [0, 0]
+        # state at w0: every interval opened before w0 and not yet closed
+        first = bisect.bisect_right(times, w0)
+        for _, kind, d in events[:first]:
+            active[kind] += d
+        t = w0
+        for when, kind, d in events[first:] + [(w1, None, 0)]:
+            when = min(when, w1)
+            if when > t:
+                _add(split, active, when - t)
+                t = when
+            if kind is None or when >= w1:
+                break
+            active[kind] += d
+    return split
+
+
+def _add(split: dict, active: list, dt: float) -> None:
+    c, m = active[0] > 0, active[1] > 0
+    split["overlap" if c and m else "compute" if c else "comm" if m else "idle"] += dt

@@ -1,0 +1,262 @@
+"""The figures of the GPU check (scripts/gpu_check.sh runs this, then the tests and notebooks).
+
+    python scripts/gpu_check.py figures OUT_DIR     measure; write OUT_DIR/figures.json (+ timeline)
+    python scripts/gpu_check.py table OUT_DIR       print ONE markdown table of everything in OUT_DIR
+
+Every figure is one row: (section, figure, value, note). A part that needs a GPU prints a
+"skipped: no GPU" row on a CPU machine instead of failing, so the script is tested on CPU too. A
+part that raises is recorded as "FAILED: <error>" and the others still run.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+NO_GPU = "skipped: no GPU"
+
+
+def figures(out: Path) -> list[dict]:
+    import torch
+
+    rows: list[dict] = []
+    gpu = torch.cuda.is_available()
+
+    def add(section, figure, value, note=""):
+        rows.append({"section": section, "figure": figure, "value": value, "note": note})
+
+    parts = [_machine, _numerics, _ceilings, _memory, _steps, _profiled_step, _nccl_step,
+             _equivalence, _hta]
+    for part in parts:
+        t0 = time.perf_counter()
+        try:
+            part(add, gpu, out)
+        except Exception as e:  # recorded, and the remaining parts still run
+            add(part.__name__.strip("_"), "FAILED", f"{type(e).__name__}: {e}".splitlines()[0][:200])
+            traceback.print_exc()
+        print(f"[gpu_check] {part.__name__.strip('_')}: {time.perf_counter() - t0:.1f} s", flush=True)
+    (out / "figures.json").write_text(json.dumps(rows, indent=1, default=str))
+    return rows
+
+
+def _machine(add, gpu, out):
+    from refimpl.env import machine
+
+    m = machine()
+    (out / "env.json").write_text(json.dumps(m.as_dict(), indent=1))
+    add("machine", "summary", m.summary(2))
+    add("machine", "torch / CUDA / NCCL", f"{m.torch_version} / {m.cuda_version or '-'} / "
+        f"{m.nccl_version or '-'}")
+    for n in (1, 2, 4):
+        add("machine", f"{n} rank(s) run on", m.where(n))
+    if m.gpu_count == 1:
+        add("machine", "NCCL path", "not run: NCCL needs one GPU per rank; multi-rank runs here "
+            "stay on gloo (CPU), and their references run on CPU too")
+    if m.interconnect:
+        add("machine", "interconnect", "see env.json (nvidia-smi topo -m)")
+
+
+def _numerics(add, gpu, out):
+    import torch
+
+    from refimpl import numerics
+
+    if not gpu:
+        add("numerics", "fp32 settings on CUDA", NO_GPU)
+        return
+    numerics.exact_fp32_on_cuda(torch.device("cuda", 0))
+    add("numerics", "fp32 settings on CUDA", json.dumps(numerics.settings()))
+
+
+def _ceilings(add, gpu, out):
+    import torch
+
+    from refimpl.cost import ceilings
+
+    add("ceilings", "memcpy, one CPU core (256 MiB)",
+        f"{ceilings.memcpy_bandwidth(256 << 20) / 1e9:.2f} GB/s", "gloo ranks' ceiling")
+    if not gpu:
+        add("ceilings", "device-to-device copy", NO_GPU)
+        return
+    sweep = ceilings.copy_sweep("cuda", sizes=[1 << k for k in range(20, 33, 2)], repeats=5)
+    sweep.to_csv(out / "d2d_copy_sweep.csv", index=False)
+    best = sweep.loc[sweep.bytes_per_s.idxmax()]
+    add("ceilings", "device-to-device copy, plateau",
+        f"{best.bytes_per_s / 1e9:.0f} GB/s at {best.size_bytes / 2**20:.0f} MiB",
+        f"copied bytes / s (HBM traffic is 2x); 1 MiB: {sweep.bytes_per_s.iloc[0] / 1e9:.0f} GB/s")
+    if torch.cuda.device_count() >= 2:
+        peer = ceilings.cuda_copy_bandwidth(1 << 30, 0, 1)
+        add("ceilings", "peer copy GPU0->GPU1 (1 GiB)", f"{peer / 1e9:.0f} GB/s", "NCCL's ceiling")
+    else:
+        add("ceilings", "peer copy", "skipped: one GPU")
+    add("ceilings", "sweep max size (gloo / nccl)",
+        f"{ceilings.max_message_bytes('gloo') >> 20} MiB / {ceilings.max_message_bytes('nccl') >> 20} MiB")
+
+
+def _memory(add, gpu, out):
+    if not gpu:
+        add("cuda memory", "memory_allocated vs arithmetic", NO_GPU)
+        return
+    from refimpl.cuda_memory import measure_model_states
+
+    df = measure_model_states()
+    df.to_csv(out / "cuda_memory.csv", index=False)
+    for r in df.itertuples():
+        if r.counted_bytes is not None and r.counted_bytes == r.counted_bytes:
+            same = "==" if r.allocator_bytes == r.measured_bytes else "!="
+            add("cuda memory", r.category,
+                f"counted {int(r.counted_bytes):,} B; 512-B blocks {int(r.allocator_bytes):,} B "
+                f"{same} memory_allocated {int(r.measured_bytes):,} B")
+        else:
+            add("cuda memory", r.category, f"{int(r.measured_bytes):,} B")
+
+
+def _steps(add, gpu, out):
+    from refimpl.strategy import TrainConfig
+    from refimpl.train import train_on_ranks
+
+    device = "cuda" if gpu else "cpu"
+    res = {}
+    for mp in ("fp32", "bf16"):
+        r = train_on_ranks(TrainConfig(steps=6, mixed_precision=mp, device=device))
+        res[mp] = r
+        add("steps", f"single, {mp}, {device}: median step",
+            f"{r['step_time_s'] * 1e3:.2f} ms", f"losses {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")
+    rel = max(abs(a - b) / b for a, b in zip(res["bf16"]["losses"], res["fp32"]["losses"]))
+    add("steps", "bf16 vs fp32 loss, max rel. difference", f"{rel:.2e}", "expected < 1e-2")
+    if gpu:   # the same fp32 run on the CPU: devices differ by round-off, not by the strategy
+        cpu = train_on_ranks(TrainConfig(steps=6, device="cpu"))
+        rel = max(abs(a - b) / b for a, b in zip(res["fp32"]["losses"], cpu["losses"]))
+        add("steps", "fp32 loss, GPU vs CPU, max rel. difference", f"{rel:.2e}",
+            "TF32 off; not bit-exact across devices, which is why references run on the ranks' device")
+
+
+def _profiled_step(add, gpu, out):
+    from refimpl import plots
+    from refimpl.strategy import TrainConfig
+    from refimpl.trace import profiling
+    from refimpl.train import train_on_ranks
+
+    trace_dir = out / "trace-single"
+    device = "cuda" if gpu else "cpu"
+    train_on_ranks(TrainConfig(steps=4, profile=True, trace_dir=str(trace_dir), device=device))
+    df = profiling.load_trace(trace_dir)
+    s = profiling.summarize(df).iloc[0]
+    kernels = df[df.category.isin(["gpu", "gpu_comm"]) & df.step.notna()]
+    add("profiled step", f"single on {device}: summary source", s.source,
+        f"compute {s.compute_frac:.0%}, comm {s.comm_frac:.0%}, idle {s.idle_frac:.0%} of "
+        f"{s.steps} step(s), {s.step_us / max(s.steps, 1) / 1e3:.2f} ms each")
+    if gpu:
+        labelled = kernels.label.notna().mean() if len(kernels) else 0.0
+        add("profiled step", "GPU kernels in the profiled steps",
+            f"{len(kernels)} ({labelled:.0%} matched to a CPU label)",
+            "by label: " + ", ".join(f"{k} {v}" for k, v in
+                                     kernels.label.fillna("-").value_counts().head(4).items()))
+    else:
+        add("profiled step", "GPU kernels in the profiled steps", NO_GPU)
+    fig = plots.rank_timeline(df[df.step == df.step.dropna().min()], title=f"single on {device}")
+    lanes = sorted({y for t in fig.data for y in t.y})
+    fig.write_html(out / "rank_timeline.html", include_plotlyjs=True)
+    add("profiled step", "rank timeline lanes", ", ".join(lanes), "rank_timeline.html")
+
+
+def _nccl_step(add, gpu, out):
+    """dp on 2 ranks over NCCL, profiled: NCCL kernels beside compute kernels (>= 2 GPUs only)."""
+    import torch
+
+    from refimpl.strategy import TrainConfig
+    from refimpl.trace import profiling
+    from refimpl.train import train_on_ranks
+
+    if not gpu or torch.cuda.device_count() < 2:
+        add("NCCL", "dp, 2 ranks, profiled", "skipped: NCCL needs one GPU per rank (>= 2 GPUs)")
+        return
+    trace_dir = out / "trace-dp-nccl"
+    train_on_ranks(TrainConfig(strategy="dp", nproc=2, steps=4, profile=True,
+                               trace_dir=str(trace_dir), options={"bucket_mb": 0.25}))
+    df = profiling.load_trace(trace_dir)
+    s = profiling.summarize(df)
+    nccl = df[(df.category == "gpu_comm") & df.step.notna()]
+    add("NCCL", "dp, 2 ranks: NCCL kernels per rank", str(nccl.groupby("rank").size().to_dict()),
+        f"summary source: {', '.join(sorted(set(s.source)))}")
+    add("NCCL", "dp, 2 ranks: comm hidden under compute",
+        ", ".join(f"rank {r.rank} {r.comm_hidden_frac:.0%}" for r in s.itertuples()))
+    table = profiling.comm_table(df)
+    if not table.empty:
+        add("NCCL", "dp collectives, bandwidth over NCCL kernel time",
+            ", ".join(f"rank {r.rank} {r.op} {r.GB_per_s:.1f} GB/s" for r in table.itertuples()))
+
+
+def _equivalence(add, gpu, out):
+    from refimpl.env import machine
+    from refimpl.parallel.equivalence import compare_with_single, ranks_device
+    from refimpl.strategy import TrainConfig
+
+    eq = compare_with_single(TrainConfig(strategy="dp", nproc=2, steps=3))
+    add("equivalence", f"dp, 2 ranks on {machine(topology=False).where(2)}, reference on "
+        f"{ranks_device(2)}", f"loss {eq.loss_rel_err:.1e}, weights {eq.weight_rel_err:.1e}",
+        f"tolerance 1e-5: {'ok' if eq.ok else 'FAILED'}")
+
+
+def _hta(add, gpu, out):
+    """HolisticTraceAnalysis, only where it is installed (optional: scripts/gpu_wheels_optional.txt)."""
+    try:
+        from hta.trace_analysis import TraceAnalysis
+    except ImportError:
+        add("HTA", "comm/comp overlap", "skipped: HolisticTraceAnalysis not installed")
+        return
+    from refimpl.trace import profiling
+    from tests.test_gpu_trace import _trace
+
+    synthetic = out / "trace-synthetic"
+    synthetic.mkdir(exist_ok=True)
+    (synthetic / "rank0.1.pt.trace.json").write_text(json.dumps(_trace()))
+    theirs = TraceAnalysis(trace_dir=str(synthetic)).get_comm_comp_overlap(visualize=False)
+    ours = profiling.summarize(profiling.load_trace(synthetic)).iloc[0].comm_hidden_frac
+    add("HTA", "comm/comp overlap, synthetic CUDA trace",
+        f"HTA {theirs.comp_comm_overlap_pctg.iloc[0]:.2f}% vs ours {100 * ours:.2f}%")
+    if not gpu:
+        add("HTA", "comm/comp overlap, a real CUDA trace", NO_GPU)
+        return
+    real = out / "trace-dp-nccl"
+    if not real.exists():
+        add("HTA", "comm/comp overlap, a real CUDA trace",
+            "not run: NCCL kernels need >= 2 GPUs (one per rank); on one GPU the ranks run on gloo")
+        return
+    theirs = TraceAnalysis(trace_dir=str(real)).get_comm_comp_overlap(visualize=False)
+    ours = profiling.summarize(profiling.load_trace(real)).set_index("rank").comm_hidden_frac
+    add("HTA", "comm/comp overlap, dp on 2 GPUs (NCCL)", ", ".join(
+        f"rank {r.rank}: HTA {r.comp_comm_overlap_pctg:.1f}% vs ours {100 * ours[r.rank]:.1f}%"
+        for r in theirs.itertuples()))
+
+
+def table(out: Path) -> str:
+    """figures.json + the tests' and notebooks' lines (status.txt) as one markdown table."""
+    rows = json.loads((out / "figures.json").read_text()) if (out / "figures.json").exists() else []
+    status = (out / "status.txt").read_text().splitlines() if (out / "status.txt").exists() else []
+    for line in status:
+        section, _, rest = line.partition("\t")
+        figure, _, value = rest.partition("\t")
+        rows.append({"section": section, "figure": figure, "value": value, "note": ""})
+    lines = ["| section | figure | value | note |", "|---|---|---|---|"]
+    for r in rows:
+        cells = [str(r[k]).replace("|", "\\|").replace("\n", " ") for k in
+                 ("section", "figure", "value", "note")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    cmd, out_dir = sys.argv[1], Path(sys.argv[2])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if cmd == "figures":
+        figures(out_dir)
+    elif cmd == "table":
+        print(table(out_dir))
+    else:
+        sys.exit(f"unknown command {cmd!r}: figures or table")

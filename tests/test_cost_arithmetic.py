@@ -1,0 +1,145 @@
+"""The arithmetic behind notebooks 00-05's seed sections: compute budgets, allocator rounding,
+link bandwidths, the ZeRO family, DP scaling, op counts. Pure functions; one small profiled step."""
+import math
+
+import pandas as pd
+import pytest
+
+from refimpl.cost import allocator, compute, dp_scaling, links, zero_family
+
+
+def test_petaflop_day_and_chinchilla():
+    assert compute.petaflop_days(8.64e19) == pytest.approx(1.0)
+    assert compute.compute_optimal_tokens(70e9) == pytest.approx(1.4e12)   # Chinchilla, Table 3
+
+
+def test_llama2_70b_gpu_hours_imply_about_40_percent_mfu():
+    from refimpl.memory import training_flops
+
+    flops = training_flops(70e9, 2e12)
+    mfu = compute.implied_mfu(flops, "A100", 1_720_320)      # Llama 2 paper, Table 2
+    assert 0.35 < mfu < 0.5
+    cluster = compute.Cluster("2,048 A100", "A100", 2048)
+    days = compute.training_days(flops, cluster, mfu)
+    assert days == pytest.approx(1_720_320 / 2048 / 24)      # the same budget back in days
+
+
+def test_allocator_rounding():
+    assert allocator.block_bytes(1) == 512 and allocator.block_bytes(513) == 1024
+    assert allocator.segment_bytes(1000) == 2 << 20                 # small pool
+    assert allocator.segment_bytes((1 << 20) + 1) == 20 << 20       # a large request < 10 MiB
+    assert allocator.segment_bytes((10 << 20) + 1) == 12 << 20      # rounded up to 2 MiB
+
+
+def test_link_table_bandwidths_from_line_rates():
+    t = links.link_table()
+    assert t.loc["PCIe 4.0 x16", "GB/s per direction"] == pytest.approx(31.5, abs=0.1)
+    assert t.loc["PCIe 5.0 x16", "GB/s per direction"] == pytest.approx(63.0, abs=0.1)
+    assert t.loc["NVLink 4 (H100, 18 links)", "GB/s per direction"] == 450
+    assert t.loc["InfiniBand NDR (4x)", "GB/s per direction"] == 50
+    assert (t["GB/s per direction"] > 0).all() and t.index.is_unique
+
+
+def test_zeropp_cuts_zero3_volume_fourfold():
+    v = zero_family.zeropp_volume()
+    assert v["total"] == pytest.approx(0.75)
+    assert zero_family.ZERO3_VOLUME / v["total"] == pytest.approx(4.0)   # ZeRO++ abstract: 4x
+    assert zero_family.zeropp_volume(weight_bits=16, grad_bits=16, hierarchical=False)["total"] == 3
+    assert zero_family.hpz_extra_bytes(8e9, 8) == 2e9
+
+
+def test_zero_infinity_capacity_and_intensity():
+    fit = zero_family.largest_model(zero_family.DGX2, nodes=32)
+    assert fit["GPU"] < fit["CPU"] < fit["NVMe"] and fit["NVMe"] > 32e12   # the paper's 32T fits
+    assert zero_family.nvme_traffic_per_step(1) == 32
+    t = zero_family.tokens_to_hide_nvme(100e12, 10e9)
+    assert 6 * t / 100e12 == pytest.approx(32 / 10e9)          # compute time == transfer time
+
+
+def test_deepspeed_stages_are_one_line_apart():
+    cfgs = [zero_family.deepspeed_config(s) for s in range(4)]
+    assert all(zero_family.changed_lines(a, b) == 1 for a, b in zip(cfgs, cfgs[1:]))
+    off = zero_family.deepspeed_config(3, offload="nvme")["zero_optimization"]
+    assert off["offload_param"] == {"device": "nvme"}
+    assert "offload_param" not in zero_family.deepspeed_config(2, offload="cpu")["zero_optimization"]
+
+
+def test_ring_from_two_rank_fit_grows_linearly_in_latency_flat_in_bandwidth():
+    a2, b2, m = 1e-4, 1e9, 1e6
+    assert dp_scaling.ring_from_two_rank_fit(2, m, a2, b2) == pytest.approx(a2 + m / b2)
+    lat = [dp_scaling.ring_from_two_rank_fit(n, 0, a2, b2) for n in (2, 3, 4, 8)]
+    assert lat == pytest.approx([a2, 2 * a2, 3 * a2, 7 * a2])
+    bw = dp_scaling.ring_from_two_rank_fit(1000, m, 0, b2)
+    assert bw < 2 * m / b2 and bw == pytest.approx(2 * m / b2, rel=1e-2)
+
+
+def _summary(comm_us, compute_us):
+    return pd.DataFrame({"rank": [0, 1], "steps": [2, 2], "comm_us": comm_us, "overlap_us": [0, 0],
+                         "compute_us": compute_us, "comm_frac": [c / 1e3 for c in comm_us],
+                         "overlap_frac": [0.0, 0.0]})
+
+
+def test_per_step_times_reads_the_rank_that_waited_least():
+    row = dp_scaling.per_step_times(_summary([400, 100], [1000, 1300]))
+    assert row["rank"] == 1 and row.comm_us == 50 and row.compute_us == 650
+
+
+def test_bottleneck_table_predicts_from_two_ranks():
+    fits = pd.DataFrame({"alpha_s": [1e-4, 2e-4, 3e-4], "beta_bytes_per_s": [1e9] * 3}, index=[2, 3, 4])
+    summaries = {n: _summary([100, 100], [1000, 1000]) for n in (2, 3, 4)}
+    t = dp_scaling.bottleneck_table(fits, summaries, 1e6)
+    assert t["comm share predicted"].is_monotonic_increasing
+    assert t.loc[2, "all-reduce predicted (ms)"] == pytest.approx(t.loc[2, "all-reduce measured (ms)"])
+
+
+def test_op_counts_see_the_recomputed_forward():
+    from refimpl.model import GPTConfig, build_model, synthetic_batch
+    from refimpl.parallel.checkpointing import checkpoint_blocks
+    from refimpl.trace import op_counts
+
+    cfg = GPTConfig()
+    data = synthetic_batch(cfg, 2, 16, seed=0, step=0)
+    plain = op_counts.profile_step(build_model(cfg, 0), data.inputs, data.targets)
+    ckpt = op_counts.profile_step(checkpoint_blocks(build_model(cfg, 0)), data.inputs, data.targets)
+    per_block = op_counts.linear_layers(build_model(cfg, 0).blocks[0])
+    extra = op_counts.op_calls(ckpt, "aten::linear") - op_counts.op_calls(plain, "aten::linear")
+    assert per_block == 6 and extra == per_block * cfg.n_layers
+    assert "aten::linear" in plain.key_averages().table(row_limit=50)
+    assert "--no-python nsys profile" in op_counts.nsys_command()
+
+
+def test_zero_state_bytes_pads_units_only_at_stage_3():
+    from refimpl.memory import model_state_bytes, zero_state_bytes
+
+    units = [5, 5, 5]
+    assert zero_state_bytes(units, dp=2, zero_stage=3).params == 4 * (3 + 3 + 3)
+    assert zero_state_bytes(units, dp=2, zero_stage=2) == model_state_bytes(
+        15, dp=2, zero_stage=2, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+
+
+def test_all_reduce_lower_bound():
+    from refimpl.comm.traffic import all_reduce_lower_bound
+
+    assert all_reduce_lower_bound(4, 4800) == 7200 and math.isclose(all_reduce_lower_bound(2, 1), 1)
+
+
+def test_profiled_config_writes_under_the_group(tmp_path, monkeypatch):
+    from refimpl.strategy import TrainConfig
+    from refimpl.trace import profiling
+
+    monkeypatch.setenv("REFIMPL_PROFILES", str(tmp_path))
+    cfg = profiling.profiled(TrainConfig(strategy="dp", nproc=2), "03_data_parallel", "dp")
+    assert cfg.profile and cfg.trace_dir == str(tmp_path / "03_data_parallel" / "dp") and cfg.strategy == "dp"
+
+
+def test_profiles_land_in_the_repos_folder_whatever_the_cwd(monkeypatch, tmp_path):
+    """Notebooks run with notebooks/ as cwd; their traces must still reach `make tensorboard`'s logdir."""
+    from pathlib import Path
+
+    import refimpl
+    from refimpl.trace import profiling
+
+    monkeypatch.delenv("REFIMPL_PROFILES", raising=False)
+    monkeypatch.chdir(tmp_path)
+    repo = Path(refimpl.__file__).resolve().parent.parent
+    assert profiling.profiles_root() == repo / "profiles"

@@ -1,0 +1,63 @@
+"""refimpl.env: the machine as the workbook sees it, and the device a comparison's reference uses."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from refimpl import launch
+from refimpl.env import GPU, Machine, machine
+from refimpl.parallel.equivalence import ranks_device
+from refimpl.strategy import LayoutError, TrainConfig
+from refimpl.train import _backend_and_device, validate
+
+H200 = GPU("NVIDIA H200", 143771 * 2 ** 20)
+
+
+def test_this_machine_agrees_with_the_launcher():
+    m = machine()
+    assert m.cpu_cores >= 1 and m.torch_version == torch.__version__
+    assert m.gpu_count == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    for n in (1, 2, 3, 4):
+        assert m.backend_for(n) == launch.pick_backend(n)
+        assert m.device_for(n) == ranks_device(n)
+
+
+def test_summary_is_computed_from_the_facts():
+    cpu = Machine(cpu_cores=2, memory_bytes=24 * 2 ** 30)
+    assert cpu.summary(2) == "this machine: 2 CPU cores, 24.0 GiB, no GPU; 2 ranks run on gloo (CPU)"
+    one_gpu = Machine(cpu_cores=16, memory_bytes=None, gpus=(H200,))
+    line = one_gpu.summary(2)
+    assert "16 CPU cores, 1 x NVIDIA H200 (140.4 GiB each)" in line and "gloo (CPU)" in line
+    assert "NCCL needs one GPU per rank" in line and "reference runs on CPU" in line
+    eight = Machine(cpu_cores=96, memory_bytes=None, gpus=(H200,) * 8)
+    assert eight.backend_for(8) == "nccl" and eight.backend_for(9) == "gloo"
+    assert eight.summary(4).endswith("4 ranks run on nccl (one GPU per rank)")
+    assert one_gpu.where(1) == "one GPU (CUDA)" and one_gpu.device_for(1) == "cuda"
+    with pytest.raises(ValueError):
+        cpu.backend_for(0)
+
+
+def test_cli_env_prints_json_and_text():
+    out = subprocess.run([sys.executable, "-m", "refimpl", "env", "--json"], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    d = json.loads(out)
+    assert d["cpu_cores"] == machine(topology=False).cpu_cores
+    assert d["backend_for"]["2"] == launch.pick_backend(2)
+    text = subprocess.run([sys.executable, "-m", "refimpl", "env"], capture_output=True,
+                          text=True, timeout=120, check=True).stdout
+    assert text.startswith("this machine: ")
+
+
+def test_reference_device_follows_the_comparisons_ranks():
+    # The in-process reference computes where `cfg.device` says; a comparison sets the ranks'.
+    ref = TrainConfig(device=ranks_device(2))
+    backend, device = _backend_and_device(ref)
+    assert device.type == ranks_device(2)
+    assert _backend_and_device(TrainConfig(device="cpu"))[1].type == "cpu"
+    with pytest.raises(LayoutError):
+        validate(TrainConfig(device="tpu"))
+    if not torch.cuda.is_available():
+        with pytest.raises(LayoutError, match="no GPU"):
+            validate(TrainConfig(device="cuda"))

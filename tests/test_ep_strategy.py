@@ -1,0 +1,96 @@
+"""`--strategy ep` through the one loop: the same losses, weights and dropped tokens as `single`
+with the same experts, on 2 and 4 ranks, and with ep smaller than the data-parallel group."""
+import functools
+import subprocess
+import sys
+
+import pytest
+
+from refimpl.model import GPTConfig
+from refimpl.parallel.equivalence import compare_with_single, reference_run
+from refimpl.parallel.expert_load import (all_to_all_frame, dropped_by_step, expert_frame,
+                                          rank_frame)
+from refimpl.strategy import TrainConfig
+from refimpl.train import train_several_on_ranks
+
+MODEL = GPTConfig(vocab_size=96, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4)
+LOOSE = dict(top_k=2, capacity_factor=4.0)                                  # nothing dropped
+TIGHT = dict(top_k=1, capacity_factor=0.5, balance="bias", bias_gamma=0.01)  # half dropped
+
+
+def config(nproc: int, ep: int = 1, **moe) -> TrainConfig:
+    from dataclasses import replace
+
+    return TrainConfig(strategy="ep", nproc=nproc, ep=ep, steps=3, global_batch=8, seq_len=16,
+                       model=replace(MODEL, **moe), return_state=True)
+
+
+CASES = {2: {"loose": config(2, **LOOSE), "tight": config(2, **TIGHT),
+             "refimpl-collectives": config(2, **LOOSE).with_(collectives="refimpl"),
+             "tight-checkpointing": config(2, **TIGHT).with_(activation_checkpointing=True),
+             # Micro-batches: capacity and f_i are per micro-batch, whose tokens differ between
+             # layouts; with nothing dropped and no aux loss the maths is the same (ep.py).
+             "micro2-loose-none": config(2, **LOOSE, balance="none").with_(micro_batches=2),
+             # Plain data parallelism on the MoE: every replica holds every expert; the routing
+             # counts are shared so capacity and the aux loss are global too.
+             "dp-tight": config(2, **TIGHT).with_(strategy="dp"),
+             "dp-naive-loose": config(2, **LOOSE).with_(strategy="dp-naive")},
+         3: {"six-experts": config(3, **LOOSE, n_experts=6).with_(global_batch=6)},
+         4: {"loose": config(4, **LOOSE), "tight": config(4, **TIGHT),
+             "ep2-loose": config(4, ep=2, **LOOSE), "ep2-tight": config(4, ep=2, **TIGHT)}}
+
+
+@functools.lru_cache(maxsize=None)
+def runs_on(world: int) -> dict:
+    cfgs = CASES[world]
+    return dict(zip(cfgs, train_several_on_ranks(list(cfgs.values()))))
+
+
+@pytest.mark.parametrize("world,name", [(w, n) for w in CASES for n in CASES[w]])
+def test_ep_matches_single_with_the_same_experts(world, name):
+    cfg = CASES[world][name]
+    eq = compare_with_single(cfg, runs_on(world)[name])
+    assert eq.ok, eq
+
+
+@pytest.mark.parametrize("world,name", [(2, "tight"), (4, "tight"), (4, "ep2-tight")])
+def test_tight_capacity_drops_as_many_tokens_per_expert_as_single(world, name):
+    result, ref = runs_on(world)[name], reference_run(CASES[world][name])
+    assert dropped_by_step(result) == dropped_by_step(ref)
+    assert min(dropped_by_step(ref)) > 0
+    assert expert_frame(result).equals(expert_frame(ref))
+
+
+@pytest.mark.parametrize("world,name", [(2, "loose"), (4, "loose"), (4, "ep2-loose")])
+def test_each_rank_processes_the_tokens_routed_to_its_experts(world, name):
+    result = runs_on(world)[name]
+    ep = CASES[world][name].dims.ep
+    by_rank = rank_frame(result)
+    routed = expert_frame(result)
+    # Summed over the ranks that hold expert e (one per ep chunk), received = routed (no drops).
+    got = by_rank.groupby(["step", "layer", "expert"]).received.sum().reset_index()
+    assert got.received.tolist() == routed.routed.tolist()
+    # Each rank holds E/ep experts: the ones it received rows for.
+    assert by_rank.groupby("rank").expert.nunique().eq(MODEL.n_experts // ep).all()
+
+
+@pytest.mark.parametrize("world,name", [(2, "loose"), (4, "loose"), (4, "ep2-loose")])
+def test_all_to_all_bytes_counted_per_step_are_the_rows_that_crossed_ranks(world, name):
+    traffic = all_to_all_frame(runs_on(world)[name], MODEL.d_model)
+    assert len(traffic) == world * CASES[world][name].steps
+    assert (traffic.sent_bytes == traffic.from_routing).all() and traffic.sent_bytes.min() > 0
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--strategy", "ep", "--nproc", "4", "--experts", "6", "--global-batch", "8"],
+     "divisible by ep"),
+    (["--strategy", "single", "--experts", "4", "--top-k", "5"], "--top-k"),
+    (["--strategy", "single", "--experts", "4", "--capacity-factor", "0"], "--capacity-factor"),
+    (["--strategy", "dp-naive", "--nproc", "4", "--ep", "2", "--experts", "4"], "--strategy ep"),
+    (["--strategy", "single", "--experts", "4", "--set", "balance=both"], "balance"),
+])
+def test_bad_moe_layouts_exit_2_with_one_line_before_launch(args, words):
+    proc = subprocess.run([sys.executable, "-m", "refimpl", "train", *args, "--steps", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and words in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
