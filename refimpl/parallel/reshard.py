@@ -32,12 +32,11 @@ def placed_state_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict[str,
     from refimpl.model import build_model
     from refimpl.parallel import get_strategy
     from refimpl.strategy import RunContext
-    from refimpl.train import _current_backend, resolve_layout
+    from refimpl.train import _backend_and_device, resolve_layout
 
     cfg = resolve_layout(cfg)
-    backend = _current_backend()
-    ctx = RunContext(rank, world_size, backend, launch.device_for(backend), cfg,
-                     Mesh(cfg.dims, rank))
+    backend, device = _backend_and_device(cfg)     # the same placement as refimpl.train's ranks
+    ctx = RunContext(rank, world_size, backend, device, cfg, Mesh(cfg.dims, rank))
     reference = build_model(cfg.model, cfg.seed)
     reference.load_state_dict(torch.load(cfg.init_state, map_location="cpu"))
     strategy = get_strategy(cfg.strategy)(ctx)
