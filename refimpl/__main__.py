@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the final full state dict (reference names: loads under any layout)")
     t.add_argument("--init-state", default=None, metavar="PATH",
                    help="start from a full state dict written by --save-state under any layout")
+    t.add_argument("--save-optimizer-state", default=None, metavar="PATH",
+                   help="write AdamW's m, v and step in reference names (loads under any layout)")
+    t.add_argument("--init-optimizer-state", default=None, metavar="PATH",
+                   help="start AdamW from a state written by --save-optimizer-state")
     t.add_argument("--timeout", type=float, default=900.0)
     t.add_argument("--json", action="store_true", help="print the result as one JSON object")
     _add_env_parser(sub)
@@ -119,6 +123,8 @@ def config_from_args(args):
                        sequence_parallel=args.sequence_parallel, collectives=args.collectives,
                        schedule=args.schedule, virtual_stages=args.virtual_stages,
                        init_state=args.init_state, return_state=bool(args.save_state),
+                       init_optimizer_state=args.init_optimizer_state,
+                       return_optimizer_state=bool(args.save_optimizer_state),
                        record_memory=not args.profile)   # memory[r].peak (not under --profile)
 
 
@@ -137,8 +143,10 @@ def main(argv=None) -> int:
         if not args.timeout > 0:
             raise LayoutError(f"--timeout must be > 0 seconds (got {args.timeout})")
         cfg = config_from_args(args)
-        if args.init_state and not os.path.isfile(args.init_state):
-            raise LayoutError(f"--init-state {args.init_state}: no such file")
+        for flag, path in (("--init-state", args.init_state),
+                           ("--init-optimizer-state", args.init_optimizer_state)):
+            if path and not os.path.isfile(path):
+                raise LayoutError(f"{flag} {path}: no such file")
         validate(cfg)
     except LayoutError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -146,11 +154,15 @@ def main(argv=None) -> int:
     result = train_on_ranks(cfg, timeout=args.timeout)
     result.pop("per_rank")
     state = result.pop("state_dict", None)
+    optimizer_state = result.pop("optimizer_state", None)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0                                  # under torchrun, rank 0 speaks for all
     if args.save_state:
         from refimpl.parallel.reshard import save_checkpoint
         save_checkpoint(state, args.save_state)
+    if args.save_optimizer_state:
+        import torch
+        torch.save(optimizer_state, args.save_optimizer_state)
     if args.json:
         print(json.dumps(result))
     else:

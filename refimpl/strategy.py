@@ -67,6 +67,8 @@ class TrainConfig:
     trace_dir: str | None = None      # where --profile writes; default profiles/cli/<strategy>-<n>
     return_state: bool = False        # include the full state dict in each rank's result
     init_state: str | None = None     # torch.save'd full state dict to start from (any strategy's)
+    init_optimizer_state: str | None = None   # AdamW's m, v, step in reference names (optim_reshard)
+    return_optimizer_state: bool = False      # include them, gathered, in rank 0's result
     record_memory: bool = False       # measure each rank's peak inside a step (memory[r].peak)
     model: GPTConfig = field(default_factory=GPTConfig)
     # Where an in-process run (nproc 1) computes: "auto" = a GPU if there is one. A reference for

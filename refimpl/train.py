@@ -68,6 +68,9 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     n_params = count_params(reference)
     strategy = get_strategy(cfg.strategy)(ctx)
     strategy.setup(reference)
+    if cfg.init_optimizer_state is not None:   # AdamW's m and v too, placed for this layout
+        from refimpl.parallel.optim_reshard import load_optimizer_state
+        load_optimizer_state(strategy, torch.load(cfg.init_optimizer_state, map_location="cpu"))
 
     losses, step_times, activation_peak, moe_records = [], [], 0, []
     trace_dir = (cfg.trace_dir or default_trace_dir(cfg)) if cfg.profile else None
@@ -106,6 +109,9 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         result["moe"] = moe_records
     if cfg.return_state:
         result["state_dict"] = strategy.full_state_dict()
+    if cfg.return_optimizer_state:
+        from refimpl.parallel.optim_reshard import full_optimizer_state
+        result["optimizer_state"] = full_optimizer_state(strategy)
     if trace_dir is not None:   # traces are flushed: leave a summary and scalars beside them
         record_run(trace_dir, rank, world_size, cfg.strategy, result)
     return result
@@ -193,6 +199,8 @@ def merge_results(cfg: TrainConfig, per_rank: list[dict]) -> dict:
     }
     if cfg.return_state:
         out["state_dict"] = first["state_dict"]
+    if cfg.return_optimizer_state:
+        out["optimizer_state"] = first["optimizer_state"]
     if "moe" in first:   # per rank, per step (refimpl.parallel.moe.moe_step_record)
         out["moe"] = [r["moe"] for r in per_rank]
     return out

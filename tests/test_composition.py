@@ -1,8 +1,8 @@
 """Composing the axes through the one loop: every pairing equals `single` (losses and final weights
 after 3 AdamW steps) -- dp x tp, dp x pp, tp x pp, pp x cp on 4 ranks with several DP flavours on
 the dp axis, sequence parallelism and activation checkpointing among them, and dp2 x tp2 x pp2 on
-8 ranks; a checkpoint written under one layout is placed exactly by another and training goes on
-as `single`'s does from the same weights; PyTorch's composed twin (torch-fsdp2-tp) matches ours;
+8 ranks; a checkpoint (weights and AdamW's m, v) written under one layout is placed exactly by
+another and training goes on as `single`'s does from the same state; PyTorch's composed twin (torch-fsdp2-tp) matches ours;
 what does not compose fails before launch.
 """
 import functools
@@ -83,15 +83,31 @@ def test_pytorch_composed_twin_matches_ours():
 
 
 def test_checkpoint_saved_under_one_layout_resumes_under_another(tmp_path):
-    saved = train_on_ranks(layout("zero3", 4, tp=2))["state_dict"]     # zero3 x tp2
-    path = tmp_path / "zero3_tp2.pt"
-    save_checkpoint(saved, path)
-    resumed = layout("zero1", 4, pp=2, init_state=str(path))            # pp2 x dp2
+    """Weights and AdamW's m, v and step, saved under zero3 x tp2, placed exactly by zero1 on
+    pp2 x dp2; the continued run equals single continued from the same state, and differs from a
+    continuation whose moments restart from zero (so the moments did arrive)."""
+    import torch as _torch
+
+    from refimpl.parallel.equivalence import compare_states
+
+    written = train_on_ranks(layout("zero3", 4, tp=2, return_optimizer_state=True))
+    saved, moments = written["state_dict"], written["optimizer_state"]
+    single = train_on_ranks(layout("single", 1, return_optimizer_state=True))["optimizer_state"]
+    assert moments["step"] == single["step"] == 3
+    for m in ("exp_avg", "exp_avg_sq"):           # gathered from zero3 x tp2 == single's own
+        assert compare_states(moments[m], single[m])[0] < 1e-4
+    save_checkpoint(saved, tmp_path / "weights.pt")
+    _torch.save(moments, tmp_path / "adamw.pt")
+    resumed = layout("zero1", 4, pp=2, init_state=str(tmp_path / "weights.pt"),
+                     init_optimizer_state=str(tmp_path / "adamw.pt"))
     placed = placed_state(resumed)
-    assert placed.keys() == saved.keys()
-    assert all(torch.equal(placed[k], saved[k]) for k in saved)        # placed exactly
-    eq = compare_with_single(reference_config(resumed))                 # single from the same state
+    assert all(torch.equal(placed["weights"][k], saved[k]) for k in saved)          # exactly
+    assert all(torch.equal(placed["optimizer"][m][k], moments[m][k])
+               for m in ("exp_avg", "exp_avg_sq") for k in saved)
+    eq = compare_with_single(reference_config(resumed))     # single resumed from the same state
     assert eq.ok, (eq.loss_rel_err, eq.weight_rel_err)
+    restarted = compare_with_single(reference_config(resumed.with_(init_optimizer_state=None)))
+    assert restarted.ok and abs(restarted.losses[1] - eq.losses[1]) > 1e-3
     fresh = compare_with_single(reference_config(layout("zero1", 4, pp=2)))
     assert eq.losses[0] < fresh.losses[0] - 0.05   # it did start from the trained weights
 
@@ -113,8 +129,11 @@ def test_cli_checkpoint_flags(tmp_path):
 
     args = build_parser().parse_args(["train", "--strategy", "zero1", "--nproc", "4", "--pp", "2",
                                       "--save-state", str(tmp_path / "a.pt"),
-                                      "--init-state", str(tmp_path / "b.pt")])
+                                      "--init-state", str(tmp_path / "b.pt"),
+                                      "--save-optimizer-state", str(tmp_path / "c.pt"),
+                                      "--init-optimizer-state", str(tmp_path / "d.pt")])
     cfg = config_from_args(args)
     assert cfg.return_state and cfg.init_state == str(tmp_path / "b.pt")
+    assert cfg.return_optimizer_state and cfg.init_optimizer_state == str(tmp_path / "d.pt")
     assert main(["train", "--strategy", "zero1", "--nproc", "4",
                  "--init-state", str(tmp_path / "missing.pt")]) == 2

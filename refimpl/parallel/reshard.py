@@ -5,9 +5,11 @@ every strategy's `full_state_dict` unshards its placement to write it (refimpl.p
 and every strategy places it from the reference model when it starts (`TrainConfig.init_state`:
 refimpl.train loads it into the reference before `setup`). So a run saved under zero3 x tp2 resumes
 under pp2 x dp2 with no conversion step: the seed's recovery point (체크포인트에서 재시작) across
-layouts. What it does not carry: AdamW's m and v, and the step count. A resumed run restarts the
-optimizer's moments from zero -- on every layout alike, so it still equals `single` resumed from the
-same weights, but it is not the run that was never interrupted.
+layouts. AdamW's m, v and step travel the same way, in reference names and full shapes
+(refimpl.parallel.optim_reshard; `TrainConfig.return_optimizer_state` / `init_optimizer_state`):
+with them the resumed optimizer continues where it stopped; without them its moments restart from
+zero (on every layout alike, so the run still equals `single` resumed from the same weights).
+What neither carries: the data order (a resumed run starts again at batch 0) and the RNG state.
 
     state = train_on_ranks(cfg_a.with_(return_state=True))["state_dict"]
     save_checkpoint(state, path)
@@ -41,11 +43,17 @@ def placed_state_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict[str,
     reference.load_state_dict(torch.load(cfg.init_state, map_location="cpu"))
     strategy = get_strategy(cfg.strategy)(ctx)
     strategy.setup(reference)
-    return strategy.full_state_dict()
+    if cfg.init_optimizer_state is None:
+        return strategy.full_state_dict()
+    from refimpl.parallel.optim_reshard import full_optimizer_state, load_optimizer_state
+
+    load_optimizer_state(strategy, torch.load(cfg.init_optimizer_state, map_location="cpu"))
+    return {"weights": strategy.full_state_dict(), "optimizer": full_optimizer_state(strategy)}
 
 
 def placed_state(cfg: TrainConfig) -> dict[str, torch.Tensor]:
-    """The checkpoint `cfg.init_state` as `cfg`'s layout holds it, gathered back (rank 0's copy)."""
+    """The checkpoint `cfg.init_state` as `cfg`'s layout holds it, gathered back (rank 0's copy);
+    with `cfg.init_optimizer_state`, {"weights": ..., "optimizer": full_optimizer_state} instead."""
     from refimpl.train import validate
 
     validate(cfg)
