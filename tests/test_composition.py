@@ -62,6 +62,17 @@ def test_composed_layout_equals_single(world, name):
     assert len({tuple(r["losses"]) for r in result["per_rank"]}) == 1   # one loss on every rank
 
 
+def test_bf16_through_a_sharded_pipeline():
+    """ZeRO-3 gathers a stage's weights in bf16, so the activations between stages are bf16 too
+    (the pipeline's receive buffers take the parameters' dtype): the run trains, within bf16's
+    rounding of the fp32 losses."""
+    fp32 = results(4)["zero3 dp2 x pp2"]["losses"]
+    bf16 = train_on_ranks(RUNS[4]["zero3 dp2 x pp2"].with_(mixed_precision="bf16",
+                                                            return_state=False))["losses"]
+    assert max(abs(a - b) / b for a, b in zip(bf16, fp32)) < 2e-2
+    assert bf16 != fp32
+
+
 def test_composed_ranks_hold_a_share():
     """dp2 x tp2 x pp2 under fsdp: each rank holds 1/8 of the fp32 parameters (within 10%: shard
     padding, the replicated LayerNorms of tp), not the 1/4 that two of the three axes would give."""

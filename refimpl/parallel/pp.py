@@ -43,8 +43,12 @@ ACTIVATION, GRADIENT = 0, 1
 class _Links:
     """Who sends what to whom: piece k lives on group rank k % p; each message has its own tag."""
 
-    def __init__(self, group, n_chunks: int, micro_batches: int):
+    def __init__(self, group, n_chunks: int, micro_batches: int, like: torch.Tensor | None = None):
         self.group = group
+        # Received activations and gradients take the residual stream's dtype and device: those
+        # of the parameters (fp32; the compute dtype when ZeRO-3/FSDP gathers them in bf16; the
+        # rank's GPU under NCCL).
+        self.like = {} if like is None else {"dtype": like.dtype, "device": like.device}
         self.p = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         self.pieces, self.m = self.p * n_chunks, micro_batches
@@ -71,7 +75,7 @@ class _Links:
         need = self.incoming(a)
         if need is None or need[0] in self.posted or need[1] == self.rank:
             return
-        buf = torch.empty(shape)
+        buf = torch.empty(shape, **self.like)
         work = p2p.irecv(buf, group=self.group, tag=need[0], group_src=need[1])
         self.posted[need[0]] = (work, buf)
 
@@ -109,7 +113,7 @@ def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch
     m = len(micro)
     parsed = [Action.parse(a) for a in actions]
     split = any(a.kind == "W" for a in parsed)
-    links = _Links(group, len(chunks), m)
+    links = _Links(group, len(chunks), m, like=next(chunks[0].parameters(), None))
     saved, records, total = {}, {}, None
 
     def shape(mb: int):
