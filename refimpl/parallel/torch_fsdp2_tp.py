@@ -54,7 +54,7 @@ class TorchFSDP2TP(TorchTensorParallel):
             raise LayoutError("strategy 'torch-fsdp2-tp' needs untied embeddings")
 
     def setup(self, model: GPT) -> None:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         ctx = self.ctx
         self.model = model.to(ctx.device)
@@ -62,10 +62,14 @@ class TorchFSDP2TP(TorchTensorParallel):
         torch_parallelize_tp(self.model, mesh2d["tp"], sequence_parallel=ctx.cfg.sequence_parallel)
         if ctx.cfg.activation_checkpointing:
             checkpoint_blocks(self.model)
+        kw = {"mesh": mesh2d["dp"]}
+        if ctx.cfg.mixed_precision == "bf16":   # as torch-fsdp2: bf16 compute, fp32 reduction
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32)
         for block in self.model.blocks:
-            fully_shard(block, mesh=mesh2d["dp"])
-        fully_shard(self.model.embed, mesh=mesh2d["dp"])
-        fully_shard(self.model, mesh=mesh2d["dp"])
+            fully_shard(block, **kw)
+        fully_shard(self.model.embed, **kw)
+        fully_shard(self.model, **kw)
         self.optimizer = make_optimizer(self.model.parameters(), ctx.cfg)
 
     def train_step(self, batch: Batch) -> torch.Tensor:
