@@ -44,7 +44,14 @@ RUNS = {
                                                sequence_parallel=True),
         "fsdp dp2 x tp2": layout("fsdp", 4, tp=2, micro_batches=1)},
     8: {"zero1 dp2 x tp2 x pp2": layout("zero1", 8, tp=2, pp=2),
-        "fsdp dp2 x tp2 x pp2 +sp": layout("fsdp", 8, tp=2, pp=2, sequence_parallel=True)},
+        "fsdp dp2 x tp2 x pp2 +sp": layout("fsdp", 8, tp=2, pp=2, sequence_parallel=True),
+        "fsdp grad_op dp2 x tp2 x pp2 +ckpt": layout("fsdp", 8, tp=2, pp=2,
+                                                     activation_checkpointing=True,
+                                                     options={"sharding": "grad_op"}),
+        "dp-naive dp2 x tp2 x pp2 interleaved v2": layout("dp-naive", 8, tp=2, pp=2,
+                                                          schedule="interleaved",
+                                                          virtual_stages=2, micro_batches=4),
+        "zero2 dp2 x cp2 x pp2": layout("zero2", 8, cp=2, pp=2)},
 }
 
 
