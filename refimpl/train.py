@@ -45,6 +45,9 @@ def validate(cfg: TrainConfig) -> None:
     cfg.validate()
     validate_model_parallel(cfg)
     get_strategy(cfg.strategy).validate(cfg)
+    if cfg.init_optimizer_state or cfg.return_optimizer_state:
+        from refimpl.parallel.optim_reshard import validate_optimizer_state
+        validate_optimizer_state(cfg)
 
 
 def default_trace_dir(cfg: TrainConfig) -> str:

@@ -135,6 +135,7 @@ def test_checkpoint_saved_under_one_layout_resumes_under_another(tmp_path):
     (dict(strategy="dp", nproc=4, pp=2, micro_batches=2), "not 'dp'"),
     (dict(strategy="torch-fsdp2-tp", nproc=4, tp=4), "dp x tp"),
     (dict(strategy="fsdp", nproc=4, pp=2, micro_batches=2, schedule="zb-h1"), "deferred weight"),
+    (dict(strategy="torch-fsdp2", nproc=2, return_optimizer_state=True), "not for 'torch-fsdp2'"),
     (dict(strategy="torch-fsdp2-tp", nproc=4, tp=2, pp=2, micro_batches=2), "not .torch-fsdp2-tp."),
 ])
 def test_what_does_not_compose_fails_before_launch(kw, message):

@@ -24,6 +24,19 @@ import torch.nn.functional as F
 from refimpl.parallel.placement import gather_full_state_dict, placements
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+# PyTorch's twins keep DTensor moments, `ep` keeps experts' moments on their owners: weights only.
+UNSUPPORTED_PREFIXES = ("torch-", "ep")
+
+
+def validate_optimizer_state(cfg) -> None:
+    """Before launch: optimizer-state resharding is built for our AdamW strategies only."""
+    from refimpl.mesh import LayoutError
+
+    if cfg.strategy.startswith(UNSUPPORTED_PREFIXES):
+        raise LayoutError(f"--init/--save-optimizer-state: not for {cfg.strategy!r} (its optimizer "
+                          "state is not resharded; --save-state / --init-state carry the weights)")
+    if cfg.options.get("offload"):
+        raise LayoutError("--init/--save-optimizer-state: not with --set offload=true")
 
 
 def _holders(strategy):
