@@ -61,6 +61,9 @@ bench: install
 	$(BIN)/python scripts/bench_collectives.py
 	$(BIN)/python scripts/bench_dp.py
 	$(BIN)/python scripts/bench_fsdp.py
+	$(BIN)/python scripts/bench_tp.py
+	$(BIN)/python scripts/bench_pp.py
+	$(BIN)/python scripts/bench_composition.py
 
 # Execute every notebook and export it with its figures as offline HTML: report/index.html.
 report: install
