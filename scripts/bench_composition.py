@@ -13,9 +13,9 @@ depend on the machine.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
+from refimpl.cost.step_time import step_times_in_rounds
 from refimpl.strategy import TrainConfig
 from refimpl.train import train_several_on_ranks
 
@@ -38,16 +38,9 @@ def main(argv=None) -> int:
     args = parse(argv)
     base = TrainConfig(nproc=args.nproc, tp=args.tp, steps=args.steps,
                        global_batch=args.global_batch, seq_len=args.seq_len)
-    cfgs = [base.with_(strategy=name, sequence_parallel=sp)
-            for _ in range(args.rounds) for name, sp in VARIANTS]
-    results = train_several_on_ranks(cfgs, timeout=1800)
-    times, last = {v: [] for v in VARIANTS}, {}
-    for cfg, result in zip(cfgs, results):
-        key = (cfg.strategy, cfg.sequence_parallel)
-        per_step = [max(ts) for ts in zip(*(r["step_times"] for r in result["per_rank"]))]
-        times[key] += per_step[1:]
-        last[key] = result
-    median = {v: statistics.median(ts) for v, ts in times.items()}
+    median, last = step_times_in_rounds(
+        {(name, sp): base.with_(strategy=name, sequence_parallel=sp) for name, sp in VARIANTS},
+        args.rounds)
     mib = 2 ** 20
     print(f"{args.nproc} ranks: dp {args.nproc // args.tp} x tp {args.tp}, global batch "
           f"{args.global_batch} x seq {args.seq_len}, {args.rounds} rounds x {args.steps - 1} steps")

@@ -14,9 +14,9 @@ ratio ours / theirs. The goal for `dp` is <= 1.05x DDP. Not a test: timings depe
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
+from refimpl.cost.step_time import step_times_in_rounds
 from refimpl.strategy import TrainConfig
 from refimpl.train import train_several_on_ranks
 
@@ -36,26 +36,14 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-def slowest_rank_step_times(result: dict) -> list[float]:
-    per_step = [max(ts) for ts in zip(*(r["step_times"] for r in result["per_rank"]))]
-    return per_step[1:]                       # the first step of a round is warm-up
-
-
 def main(argv=None) -> int:
     args = parse(argv)
     pairs = [tuple(p.split(":")) for p in args.pairs.split(",")]
     names = [name for pair in pairs for name in pair]
     base = TrainConfig(nproc=args.nproc, steps=args.steps, global_batch=args.global_batch,
                        seq_len=args.seq_len, options={"bucket_mb": args.bucket_mb})
-    cfgs = [base.with_(strategy=name) for _ in range(args.rounds) for name in names]
-    results = train_several_on_ranks(cfgs, timeout=1800)
-
-    times = {name: [] for name in names}
-    last = {}
-    for cfg, result in zip(cfgs, results):
-        times[cfg.strategy] += slowest_rank_step_times(result)
-        last[cfg.strategy] = result
-    median = {name: statistics.median(ts) for name, ts in times.items()}
+    median, last = step_times_in_rounds({name: base.with_(strategy=name) for name in names},
+                                        args.rounds)
 
     mib = 2 ** 20
     print(f"{args.nproc} ranks, global batch {args.global_batch} x seq {args.seq_len}, "

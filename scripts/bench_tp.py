@@ -12,9 +12,9 @@ median step time, and the ratio ours / theirs. Not a test: timings depend on the
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
+from refimpl.cost.step_time import step_times_in_rounds
 from refimpl.strategy import TrainConfig
 from refimpl.train import train_several_on_ranks
 
@@ -34,18 +34,9 @@ def main(argv=None) -> int:
     variants = [(name, sp) for sp in (False, True) for name in ("tp", "torch-tp")]
     base = TrainConfig(nproc=args.nproc, steps=args.steps, global_batch=args.global_batch,
                        seq_len=args.seq_len)
-    cfgs = [base.with_(strategy=name, sequence_parallel=sp)
-            for _ in range(args.rounds) for name, sp in variants]
-    results = train_several_on_ranks(cfgs, timeout=1800)
-
-    times = {v: [] for v in variants}
-    last = {}
-    for cfg, result in zip(cfgs, results):
-        key = (cfg.strategy, cfg.sequence_parallel)
-        per_step = [max(ts) for ts in zip(*(r["step_times"] for r in result["per_rank"]))]
-        times[key] += per_step[1:]
-        last[key] = result
-    median = {v: statistics.median(ts) for v, ts in times.items()}
+    median, last = step_times_in_rounds(
+        {(name, sp): base.with_(strategy=name, sequence_parallel=sp) for name, sp in variants},
+        args.rounds)
 
     mib = 2 ** 20
     print(f"{args.nproc} ranks (tp = {args.nproc}), global batch {args.global_batch} x seq "
