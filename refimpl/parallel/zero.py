@@ -59,7 +59,6 @@ class ZeroDataParallel(Strategy):
     """What stages 1 and 2 share: flat parameters sharded over the dp x cp ranks of the mesh, the
     sharded AdamW, and the all-gather of the updated shards after it."""
 
-    stage: int = 0
     options = {"bucket_mb": Option(25.0, float, positive=True), "overlap": Option(True, bool),
                "offload": Option(False, bool)}
 
@@ -137,7 +136,6 @@ class Zero1(ZeroDataParallel):
     """Full gradients accumulate in one flat buffer; only this rank's shard of it is summed."""
 
     name = "zero1"
-    stage = 1
 
     def setup_gradients(self) -> None:
         self.flat_grad = self.layout.empty(device=self.ctx.device)
@@ -175,7 +173,6 @@ class Zero2(ZeroDataParallel):
     """No full gradient buffer: buckets are reduced and freed while backward runs."""
 
     name = "zero2"
-    stage = 2
 
     def setup_gradients(self) -> None:
         # The only gradient memory that outlives a step: this rank's shard -- on the host under
