@@ -8,9 +8,10 @@ best few, and predict a throughput near the one they measured.
 import pandas as pd
 import pytest
 
+from refimpl.model import GPTConfig
 from refimpl.plan import Layout, best_per_grid, megatron_runs, plan
 from refimpl.plan.cli import plan_main
-from refimpl.plan.cpu import compare_rankings, predict_cpu_runs
+from refimpl.plan.cpu import compare_rankings, predict_cpu_runs, train_config
 from refimpl.plan.hardware import GPUS, cpu_preset
 from refimpl.plan.models import MODELS, megatron_flops
 from refimpl.plan.predict import predict, predict_memory
@@ -108,16 +109,19 @@ def test_cli_prints_the_seeds_70b_table(capsys):
 
 def test_cpu_layouts_have_runnable_commands():
     from refimpl.__main__ import build_parser
+    from refimpl.train import validate
 
     hw = cpu_preset(5e10, 2e-4, 2e9, 5e9, block_overhead_s=2e-4)
     df = predict_cpu_runs(hw, world_size=4)
     assert (df.dp * df.tp * df.pp * df.cp == 4).all() and df.fits.all()
-    pure_dp = df[(df.tp == 1) & (df.pp == 1) & (df.cp == 1)]
-    for command in pure_dp.command:   # today's loop runs these; tp/pp/cp arrive with the mesh
+    for command in df.command:   # every row's command line parses and passes the loop's checks
         args = build_parser().parse_args(command.split()[3:])
         assert args.nproc == 4
+    for _, row in df.iterrows():
+        validate(train_config(row, 4, GPTConfig(), 8, 32, steps=2))
     # with no overlap on CPU, ZeRO-3's per-micro-batch gathers are exposed: slower than ZeRO-2
-    z = pure_dp[(pure_dp.micro_batch_size == 1) & (pure_dp.recompute == "none")].set_index("zero_stage")
+    pure_dp = df[(df.tp == 1) & (df.pp == 1) & (df.cp == 1)]
+    z = pure_dp[pure_dp.recompute == "none"].set_index("zero_stage")
     assert z.step_time_s[3] > z.step_time_s[2]
 
 

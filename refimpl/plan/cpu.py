@@ -1,45 +1,156 @@
-"""The planner on this machine: every layout the loop can run on a few CPU ranks, predicted, with
-the command that runs it, so predicted and measured step time and memory sit in one table.
+"""The planner checked on this machine: every layout the loop runs on a few CPU ranks, predicted,
+then run, so predicted and measured step time and memory sit in one table.
 
-    hw = measure_cpu_preset()                         # matmul rate, memcpy, alpha-beta: measured
-    table = predict_cpu_runs(hw, world_size=4)        # one row per layout, with its `command`
-    # the lead's loop runs each `command` (--json) and adds measured columns; then
-    compare_rankings(table, measured_step_time_s)     # Spearman's rho of predicted vs measured
+    hw = calibrated_cpu_preset(world_size=4)          # alpha-beta, memcpy, compute: measured here
+    table = cpu_layouts(hw, world_size=4)             # one row per layout, predicted, runnable
+    table = measure_cpu_layouts(table, steps=3)       # + measured_step_time_s, measured_memory_bytes
+    ranking_agreement(table.memory_bytes, table.measured_memory_bytes)
 
 The loop trains in fp32 with AdamW (precision "fp32": 4-byte params and grads, m and v), on one
 thread per rank, with the whole world inside one machine (every axis "inside the node").
+
+Memory is deterministic (refimpl.train counts the tensors a rank holds and the activations saved
+for backward), so tests assert it. Step time is wall time: scripts/bench_plan_cpu.py measures it in
+interleaved rounds and prints how well the predicted order matches; tests never assert it.
 """
 from __future__ import annotations
 
+import os
+from dataclasses import replace
+
+import numpy as np
 import pandas as pd
 
 from refimpl.model import GPTConfig
-from refimpl.plan.hardware import Hardware
+from refimpl.plan.hardware import Hardware, measure_cpu_preset
 from refimpl.plan.models import ModelShape
-from refimpl.plan.predict import predict
+from refimpl.plan.predict import PRECISIONS, Layout, micro_batch_work, predict
 from refimpl.plan.search import enumerate_layouts, rank_layouts
+from refimpl.strategy import TrainConfig
 
 ZERO_STRATEGY = {0: "dp", 1: "zero1", 2: "zero2", 3: "zero3"}
+LAYOUT_COLUMNS = ["dp", "tp", "pp", "cp", "zero_stage", "micro_batch_size", "recompute",
+                  "sequence_parallel"]
 
 
 def shape_of(cfg: GPTConfig, seq_len: int) -> ModelShape:
     return ModelShape(cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.vocab_size, seq_len)
 
 
-def oversubscribed(hw: Hardware, world_size: int, cores: int | None = None) -> Hardware:
-    """One thread per rank, but fewer cores than ranks: each rank computes at cores/ranks of the
-    one-thread rate measured alone (the scheduler time-slices them)."""
-    import os
-    from dataclasses import replace
+def cpu_strategy(zero_stage: int, pp: int) -> str:
+    """The loop's strategy for a ZeRO stage. Stage 0 under a pipeline is dp-naive (one all-reduce
+    per parameter tensor): the bucketed `dp` is refused with pp (refimpl.parallel.composition)."""
+    return "dp-naive" if zero_stage == 0 and pp > 1 else ZERO_STRATEGY[zero_stage]
 
-    share = min(1.0, (cores or os.cpu_count() or 1) / world_size)
-    return replace(hw, peak_flops=hw.peak_flops * share, memory_bandwidth=hw.memory_bandwidth * share,
-                   block_overhead_s=hw.block_overhead_s / share)
+
+def runs_here(lay: Layout) -> bool:
+    """Can the loop run this layout? tp x cp is refused (ring attention over tp heads is not built)."""
+    return not (lay.tp > 1 and lay.cp > 1)
+
+
+def stage_tensors(cfg: GPTConfig, pp: int) -> int:
+    """Parameter tensors of the busiest (last) stage: what dp-naive all-reduces one by one."""
+    from refimpl.model import GPT
+
+    model = GPT(cfg)
+    count = lambda module: len(list(module.parameters()))   # noqa: E731
+    last = count(model.blocks[0]) * (cfg.n_layers // pp) + count(model.final_norm) + count(model.lm_head)
+    return last + (count(model.embed) if pp == 1 else 0)
+
+
+def sp_grad_sync_s(cfg: GPTConfig, lay: Layout, hw: Hardware, micro_batches: int) -> float:
+    """What the planner leaves out and refimpl's sequence parallelism pays: every parameter that
+    sees only this rank's tokens (the LayerNorms' weights and biases, the row-parallel layers'
+    biases: 6 per block; the final norm's 2 on the last stage) has a partial gradient, all-reduced
+    over tp by a hook in every backward (refimpl/parallel/tp_model.py). Megatron-LM sums them once
+    per step instead. Small messages: on CPU ranks each costs about alpha per ring step."""
+    from refimpl.plan.predict import ring_all_reduce_s
+
+    if not lay.sequence_parallel or lay.tp == 1:
+        return 0.0
+    alpha, beta = hw.link(True)
+    tensors = 6 * (cfg.n_layers // lay.pp) + 2
+    return micro_batches * tensors * ring_all_reduce_s(4 * cfg.d_model, lay.tp, alpha, beta)
+
+
+def available_cores() -> int:
+    """Cores this process may run on (a container's CPU set, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # not on Linux
+        return os.cpu_count() or 1
+
+
+def time_sliced_step(row, world_size: int, cores: int) -> dict:
+    """A step of ranks that share `cores` cores (one thread each), from the planner's terms at
+    one-core speed: the compute is bounded below by the pipeline's critical path (every rank with
+    a core to itself: (m + p - 1) micro-batches) and by the total work of all ranks spread over
+    the cores (world_size · (m micro-batches + optimizer) / cores); the communication is added, as
+    a CPU rank neither computes while it waits nor hides a blocking collective. With as many cores
+    as ranks this is the planner's own step; with fewer, pipeline bubbles cost less than the
+    planner's formula says (an idle stage frees its core for another) and everything else more."""
+    m, p = row["micro_batches"], row["pp"]
+    per_micro_batch = row["compute_s"] / m
+    critical = (m + p - 1) * per_micro_batch + row["optimizer_s"]
+    busy = world_size * (m * per_micro_batch + row["optimizer_s"]) / min(cores, world_size)
+    comm = ((row["tp_comm_s"] + row["cp_comm_s"] + row["pp_comm_s"]) / m * (m + p - 1)
+            + row["dp_comm_s"])
+    return {"critical_path_s": critical, "core_bound_s": busy, "exposed_comm_s": comm,
+            "step_time_s": max(critical, busy) + comm}
+
+
+def calibrate_compute(hw: Hardware, cfg: GPTConfig | None = None, seq_len: int = 32,
+                      batch_sizes=(1, 2, 4), steps: int = 5) -> Hardware:
+    """Fit the preset's compute terms to the reference itself: `single` on one thread at a few
+    batch sizes. A step is T(b) = FLOPs(b) / rate + bytes(b) / memcpy + passes * overhead +
+    optimizer; least squares over b gives the rate and the per-pass overhead. An isolated 512 x 512
+    matmul (measure_matmul_rate) runs faster than the tiny model's thin GEMMs, and a one-token block
+    pass (measure_block_overhead) misses the step's loss, optimizer call and bookkeeping: both
+    predicted steps ~2x too fast."""
+    from refimpl.train import train_on_ranks
+
+    cfg = cfg or GPTConfig()
+    shape = shape_of(cfg, seq_len)
+    rows, targets = [], []
+    for b in batch_sizes:
+        measured = train_on_ranks(TrainConfig(strategy="single", nproc=1, global_batch=b,
+                                              seq_len=seq_len, steps=steps, model=cfg))
+        lay = Layout(micro_batch_size=b)
+        work = micro_batch_work(shape, lay, PRECISIONS["fp32"]["activation"])
+        rest = predict(shape, lay, b, replace(hw, peak_flops=float("inf"), block_overhead_s=0.0),
+                       precision="fp32")["step_time_s"]     # memory-bound ops and the optimizer
+        rows.append([work["flops"], work["block_passes"]])
+        targets.append(measured["step_time_s"] - rest)
+    (inv_rate, overhead), *_ = np.linalg.lstsq(np.array(rows), np.array(targets), rcond=None)
+    if inv_rate <= 0 or overhead < 0:
+        raise RuntimeError(f"compute calibration failed: 1/rate {inv_rate:.3g}, overhead "
+                           f"{overhead:.3g} s (a loaded machine?); rerun when it is quiet")
+    return replace(hw, peak_flops=1.0 / inv_rate, gemm_fraction=1.0, block_overhead_s=float(overhead),
+                   source=hw.source + "; compute fitted to single's step")
+
+
+def calibrated_cpu_preset(world_size: int = 4, cfg: GPTConfig | None = None,
+                          seq_len: int = 32) -> Hardware:
+    """This machine for the planner: the alpha-beta fit of an all-reduce on `world_size` ranks
+    (oversubscribed cores make alpha several times larger than on 2 ranks), memcpy bandwidth, and
+    the compute terms fitted to the reference's own step."""
+    return calibrate_compute(measure_cpu_preset(world_size=world_size), cfg, seq_len)
+
+
+def train_config(row, world_size: int, cfg: GPTConfig, global_batch: int, seq_len: int,
+                 steps: int) -> TrainConfig:
+    """The loop's configuration for one row of the planner's table."""
+    return TrainConfig(strategy=cpu_strategy(int(row["zero_stage"]), int(row["pp"])),
+                       nproc=world_size, tp=int(row["tp"]), pp=int(row["pp"]), cp=int(row["cp"]),
+                       micro_batches=int(row["micro_batches"]), global_batch=global_batch,
+                       seq_len=seq_len, steps=steps, model=cfg,
+                       activation_checkpointing=row["recompute"] == "full",
+                       sequence_parallel=bool(row["sequence_parallel"]))
 
 
 def train_command(row, world_size: int, global_batch: int, seq_len: int, steps: int = 5) -> str:
     """The `python -m refimpl train` line that runs this layout (flags of DESIGN.md's CLI)."""
-    strategy = "single" if world_size == 1 else ZERO_STRATEGY[int(row["zero_stage"])]
+    strategy = cpu_strategy(int(row["zero_stage"]), int(row["pp"]))
     parts = [f"python -m refimpl train --strategy {strategy} --nproc {world_size}"]
     parts += [f"--{axis} {row[axis]}" for axis in ("tp", "pp", "cp") if row[axis] > 1]
     parts += [f"--micro-batches {row['micro_batches']}",
@@ -51,51 +162,96 @@ def train_command(row, world_size: int, global_batch: int, seq_len: int, steps: 
     return " ".join(parts)
 
 
-def predict_cpu_runs(hw: Hardware, world_size: int = 4, cfg: GPTConfig | None = None,
-                     global_batch: int = 8, seq_len: int = 32, *, cp_sizes=(1, 2, 4),
-                     zero_stages=(0, 1, 2, 3), recompute=("none", "full"),
-                     micro_batch_sizes=None, cores: int | None = None) -> pd.DataFrame:
-    """Predicted step time and memory of each layout of the tiny GPT on `world_size` CPU ranks,
-    fastest first, with the command that runs it. Selective recomputation is left out (the loop's
-    checkpointing is per block); micro-batch sizes default to every divisor of the batch.
-    `cores` (default: this machine's) shares the measured one-thread rates among the ranks."""
+def cpu_layouts(hw: Hardware, world_size: int = 4, cfg: GPTConfig | None = None,
+                global_batch: int = 8, seq_len: int = 32, *, micro_batch_sizes=(2,),
+                recompute=("none", "full"), cp_sizes=(1, 2, 4), zero_stages=(0, 1, 2, 3),
+                cores: int | None = None) -> pd.DataFrame:
+    """Every layout of the tiny GPT that the loop runs on `world_size` CPU ranks, predicted, fastest
+    first, with the command that runs it. Selective recomputation is left out (the loop's
+    checkpointing is per block). Step times are time_sliced_step's, for `cores` (default: the
+    cores this process may use) shared by the ranks."""
     cfg = cfg or GPTConfig()
     shape = shape_of(cfg, seq_len)
-    hw = oversubscribed(hw, world_size, cores)
-    sizes = micro_batch_sizes or tuple(d for d in range(1, global_batch + 1) if global_batch % d == 0)
+    cores = cores or available_cores()
     rows = []
     for lay in enumerate_layouts(shape, global_batch, world_size, cp_sizes=cp_sizes,
-                                 zero_stages=zero_stages, micro_batch_sizes=sizes,
+                                 zero_stages=zero_stages, micro_batch_sizes=micro_batch_sizes,
                                  recompute=recompute):
-        row = predict(shape, lay, global_batch, hw, gpus_per_node=world_size, precision="fp32")
+        if not runs_here(lay):
+            continue
+        naive = cpu_strategy(lay.zero_stage, lay.pp) == "dp-naive"
+        row = predict(shape, lay, global_batch, hw, gpus_per_node=world_size, precision="fp32",
+                      grad_messages=stage_tensors(cfg, lay.pp) if naive else 1)
+        row["planner_step_time_s"] = row["step_time_s"]   # every rank with a core to itself
+        row["tp_comm_s"] += sp_grad_sync_s(cfg, lay, hw, row["micro_batches"])
+        row.update(time_sliced_step(row, world_size, cores))
+        row["strategy"] = cpu_strategy(lay.zero_stage, lay.pp)
         row["command"] = train_command(row, world_size, global_batch, seq_len)
         rows.append(row)
     return rank_layouts(rows)
 
 
-def compare_rankings(predicted: pd.Series, measured: pd.Series) -> dict:
-    """How well the predicted order matches the measured one: Spearman's rank correlation, whether
-    the predicted fastest is the measured fastest, and the median relative error of the times."""
+predict_cpu_runs = cpu_layouts   # the name notebook 09's first version used
+
+
+def measure_cpu_layouts(table: pd.DataFrame, world_size: int = 4, cfg: GPTConfig | None = None,
+                        global_batch: int = 8, seq_len: int = 32, steps: int = 3,
+                        rounds: int = 1) -> pd.DataFrame:
+    """Run every row on `world_size` ranks, in one launch, `rounds` times interleaved, and add
+    what was measured: measured_step_time_s (median over rounds of the slowest rank's steps after
+    the first; refimpl.cost.step_time; NaN with steps=1) and measured_memory_bytes (the largest
+    rank's params + grads + optimizer + activation peak, the same in every round)."""
+    from refimpl.cost.step_time import step_times_in_rounds
+    from refimpl.train import train_several_on_ranks
+
+    cfg = cfg or GPTConfig()
+    variants = {i: train_config(row, world_size, cfg, global_batch, seq_len, steps)
+                for i, row in table.iterrows()}
+    if steps >= 2:
+        times, last = step_times_in_rounds(variants, rounds)
+    else:   # memory only: a single step has no step after the warm-up to time
+        last = dict(zip(variants, train_several_on_ranks(list(variants.values()))))
+        times = {i: float("nan") for i in variants}
+    memory = {i: max(r["total"] for r in result["memory"]) for i, result in last.items()}
+    return table.assign(measured_step_time_s=pd.Series(times),
+                        measured_memory_bytes=pd.Series(memory))
+
+
+def ranking_agreement(predicted: pd.Series, measured: pd.Series, margin: float = 0.0) -> dict:
+    """How well the predicted order matches the measured one.
+
+    spearman: rank correlation; same_fastest: the predicted best is the measured best;
+    median/max_rel_error: |predicted - measured| / measured; misordered: the pairs whose measured
+    values differ by more than `margin` (relative to the smaller) that the prediction orders the
+    other way -- a pair closer than the measurement's own spread has no order to match.
+    """
     ranks = pd.DataFrame({"p": predicted.rank(), "m": measured.rank()})
-    rel = ((predicted - measured).abs() / measured)
+    rel = (predicted - measured).abs() / measured
+    keys = list(measured.index)
+    misordered = []
+    for i, a in enumerate(keys):
+        for b in keys[i + 1:]:
+            lo, hi = sorted((measured[a], measured[b]))
+            if hi > lo * (1 + margin) and (predicted[a] - predicted[b]) * (measured[a] - measured[b]) < 0:
+                misordered.append((a, b))
     return {"spearman": float(ranks.p.corr(ranks.m)),
             "same_fastest": bool(predicted.idxmin() == measured.idxmin()),
-            "median_rel_error": float(rel.median())}
+            "median_rel_error": float(rel.median()), "max_rel_error": float(rel.max()),
+            "misordered": misordered}
 
 
-def measure_cpu_runs(table: pd.DataFrame, timeout: float = 600.0) -> pd.DataFrame:
-    """Run each row's `command` (a fresh `python -m refimpl train ... --json`) and add what it
-    measured: measured_step_time_s (median step of the slowest rank) and measured_memory_bytes
-    (the largest rank's params + grads + optimizer + activation peak)."""
-    import json
-    import subprocess
-    import sys
+def compare_rankings(predicted: pd.Series, measured: pd.Series) -> dict:
+    """ranking_agreement without the pair list (Spearman, same fastest, median relative error)."""
+    out = ranking_agreement(predicted, measured)
+    return {k: out[k] for k in ("spearman", "same_fastest", "median_rel_error")}
 
-    times, memory = [], []
-    for command in table.command:
-        argv = [sys.executable, "-m", "refimpl"] + command.split()[3:]
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=True)
-        result = json.loads(out.stdout.strip().splitlines()[-1])
-        times.append(result["step_time_s"])
-        memory.append(max(r["total"] for r in result["memory"]))
-    return table.assign(measured_step_time_s=times, measured_memory_bytes=memory)
+
+def layout_name(row) -> str:
+    """dp2 tp2 zero1 ckpt sp: the axes above 1, the ZeRO stage, and the techniques switched on."""
+    parts = [f"{axis}{int(row[axis])}" for axis in ("dp", "tp", "pp", "cp") if row[axis] > 1]
+    parts.append(row["strategy"] if row["zero_stage"] == 0 else f"zero{int(row['zero_stage'])}")
+    if row["recompute"] == "full":
+        parts.append("ckpt")
+    if row["sequence_parallel"]:
+        parts.append("sp")
+    return " ".join(parts)

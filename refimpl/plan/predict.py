@@ -114,34 +114,59 @@ def predict_memory(shape: ModelShape, lay: Layout, global_batch: int, precision:
             "memory_bytes": states.total + activations}
 
 
+def micro_batch_work(shape: ModelShape, lay: Layout, act_bytes: int) -> dict:
+    """What one micro-batch costs the busiest stage (the last: its blocks and the logits), before
+    any communication: GEMM FLOPs, bytes the memory-bound ops move, and block passes (each pass
+    pays a fixed cost of op dispatch and kernel launches: Hardware.block_overhead_s)."""
+    s, h, v = shape.seq_len, shape.d_model, shape.vocab_size
+    b, t, c = lay.micro_batch_size, lay.tp, lay.cp
+    layers, s_loc = shape.n_layers // lay.pp, s // c
+    # Narayanan et al. 2021, §5.1 counts: 4 GEMMs + QK^T and PV per layer, forward
+    layer_fwd = 24 * b * s_loc * h * h * (1 + s / (6 * h)) / t
+    attn_core_fwd = 4 * b * s_loc * s * h / t
+    passes = 3 + (1 if lay.recompute == "full" else 0)   # backward = 2 forwards; recompute + 1
+    layer_flops = layer_fwd * passes + (attn_core_fwd if lay.recompute == "selective" else 0)
+    logits_flops = 3 * 2 * b * s_loc * h * v / t
+    # memory-bound ops read and write every stored activation once per pass (a coarse count)
+    hbm = 2 * passes * layers * _layer_activation_bytes(shape, lay, b, act_bytes, "none")
+    return {"flops": layers * layer_flops + logits_flops, "hbm_bytes": hbm,
+            "block_passes": (layers + 1) * passes,   # + 1: embedding and logits
+            "layer_flops": layer_flops, "logits_flops": logits_flops}
+
+
 def predict_time(shape: ModelShape, lay: Layout, global_batch: int, hw: Hardware,
-                 gpus_per_node: int = 8, precision: str = "bf16") -> dict:
+                 gpus_per_node: int = 8, precision: str = "bf16",
+                 grad_messages: int = 1) -> dict:
+    """Step time of one layout. Every collective pays alpha per ring step and its bytes over
+    beta, so where alpha is large (CPU ranks: ~1 ms) the number of messages matters as much as
+    their size. `grad_messages` is how many collectives the data-parallel gradient sync is cut
+    into: 1 models a bucketed sync (DDP's buckets overlap the backward on a GPU, leaving about one
+    exposed); refimpl's dp-naive sends one per parameter tensor."""
     bytes_ = PRECISIONS[precision]
     act = bytes_["activation"]
-    s, h, a, v = shape.seq_len, shape.d_model, shape.n_heads, shape.vocab_size
+    s, h = shape.seq_len, shape.d_model
     b, t, c, p = lay.micro_batch_size, lay.tp, lay.cp, lay.pp
     m = global_batch // (lay.dp * b)
     layers, s_loc = shape.n_layers // p, s // c
 
-    # --- compute per micro-batch on the busiest stage (Narayanan et al. 2021, §5.1 counts) ---
-    layer_fwd = 24 * b * s_loc * h * h * (1 + s / (6 * h)) / t   # 4 GEMMs + QK^T and PV
-    attn_core_fwd = 4 * b * s_loc * s * h / t
-    passes = 3 + (1 if lay.recompute == "full" else 0)
-    layer_flops = layer_fwd * passes + (attn_core_fwd if lay.recompute == "selective" else 0)
-    logits_flops = 3 * 2 * b * s_loc * h * v / t
-    stage_flops = layers * layer_flops + logits_flops   # the last stage: blocks + logits
-    # memory-bound ops read and write every stored activation once per pass (a coarse count)
-    hbm_traffic = 2 * (passes) * layers * _layer_activation_bytes(shape, lay, b, act, "none")
-    compute_s = (stage_flops / hw.matmul_rate + hbm_traffic / hw.memory_bandwidth
-                 + (layers + 1) * passes * hw.block_overhead_s)   # + 1: embedding/logits
+    work = micro_batch_work(shape, lay, act)
+    compute_s = (work["flops"] / hw.matmul_rate + work["hbm_bytes"] / hw.memory_bandwidth
+                 + work["block_passes"] * hw.block_overhead_s)
     hidden_by = compute_s if hw.overlaps_comm else 0.0   # what overlapping comm can hide behind
 
     # --- tensor parallel: 2 all-reduces forward, 2 backward, 2 more if the forward is redone
     # (Shoeybi et al. 2019 §3, f and g); sequence parallel swaps each for a reduce-scatter +
-    # all-gather pair: the same bytes (Korthikanti et al. 2022 §4.2.2)
+    # all-gather pair: the same bytes and ring steps (Korthikanti et al. 2022 §4.2.2). The ends of
+    # the model add their own: the vocabulary-parallel embedding's output (forward) and the
+    # logits' input gradient (backward), b*s*h each, and cross-entropy's max, sum of exponentials
+    # and target logit, b*s values each (Megatron's vocab_parallel_cross_entropy). The busiest
+    # stage is the last; with pp = 1 it also holds the embedding.
     tp_alpha, tp_beta = hw.link(lay.within_node("tp", gpus_per_node))
     n_tp = 4 + (2 if lay.recompute == "full" else 0)
-    tp_s = layers * n_tp * ring_all_reduce_s(b * s_loc * h * act, t, tp_alpha, tp_beta)
+    activation_ar = ring_all_reduce_s(b * s_loc * h * act, t, tp_alpha, tp_beta)
+    ends = ((2 if p == 1 else 1) * activation_ar
+            + 3 * ring_all_reduce_s(b * s_loc * 4, t, tp_alpha, tp_beta))
+    tp_s = layers * n_tp * activation_ar + ends
 
     # --- context parallel: K and V hop cp-1 times forward; backward hops K, V again and dK, dV
     # home (cp hops); each hop overlaps the attention on the block in hand (refimpl/parallel/cp.py)
@@ -171,24 +196,28 @@ def predict_time(shape: ModelShape, lay: Layout, global_batch: int, hw: Hardware
     dp_within = lay.within_node("dp", gpus_per_node) if lay.dp > 1 else lay.within_node("cp", gpus_per_node)
     dp_alpha, dp_beta = hw.link(dp_within)
     params = stage_params(shape, lay)
-    if lay.zero_stage == 0:
-        dp_s = ring_all_reduce_s(params * bytes_["grad"], n_dp, dp_alpha, dp_beta)
+    grad_bytes = params * bytes_["grad"]
+    k = grad_messages
+    if lay.zero_stage == 0:   # k bucketed all-reduces: k times the latency, the same bytes
+        dp_s = k * ring_all_reduce_s(grad_bytes / k, n_dp, dp_alpha, dp_beta)
     elif lay.zero_stage in (1, 2):   # reduce-scatter the grads, all-gather the updated params
-        dp_s = (ring_gather_s(params * bytes_["grad"], n_dp, dp_alpha, dp_beta)
+        dp_s = (k * ring_gather_s(grad_bytes / k, n_dp, dp_alpha, dp_beta)
                 + ring_gather_s(params * bytes_["param"], n_dp, dp_alpha, dp_beta))
-    else:   # ZeRO-3: gather params forward and backward, reduce-scatter grads, every micro-batch;
-        # prefetching hides them behind that micro-batch's compute where they fit (ZeRO §5.3)
-        per_mb = (2 * ring_gather_s(params * bytes_["param"], n_dp, dp_alpha, dp_beta)
-                  + ring_gather_s(params * bytes_["grad"], n_dp, dp_alpha, dp_beta))
-        dp_s = m * max(0.0, per_mb - hidden_by) + ring_gather_s(params * bytes_["grad"], n_dp,
-                                                                 dp_alpha, dp_beta)
+    else:   # ZeRO-3: each unit (a block; the embedding and the head) gathers its params forward
+        # and backward and reduce-scatters its grads, every micro-batch; prefetching hides them
+        # behind that micro-batch's compute where they fit (ZeRO §5.3)
+        units = layers + (2 if p == 1 else 1)
+        per_unit = (2 * ring_gather_s(params * bytes_["param"] / units, n_dp, dp_alpha, dp_beta)
+                    + ring_gather_s(grad_bytes / units, n_dp, dp_alpha, dp_beta))
+        dp_s = m * max(0.0, units * per_unit - hidden_by)
 
     # --- optimizer: Adam reads and writes its states and the param, reads the grad (memory-bound)
     shard = params / n_dp if lay.zero_stage >= 1 else params
     optimizer_s = shard * (2 * bytes_["optimizer"] + bytes_["grad"] + 2 * bytes_["param"]) / hw.memory_bandwidth
 
     step = pipeline_s + dp_s + optimizer_s
-    executed = ((layer_flops * t * c) * shape.n_layers + logits_flops * t * c) * global_batch / b
+    executed = ((work["layer_flops"] * t * c) * shape.n_layers
+                + work["logits_flops"] * t * c) * global_batch / b
     return {"step_time_s": step, "compute_s": m * compute_s, "tp_comm_s": m * tp_s,
             "cp_comm_s": m * cp_s, "pp_comm_s": m * pp_s, "bubble_s": (p - 1) * per_micro_batch,
             "dp_comm_s": dp_s, "optimizer_s": optimizer_s, "bubble_fraction": bubble,
@@ -196,13 +225,13 @@ def predict_time(shape: ModelShape, lay: Layout, global_batch: int, hw: Hardware
 
 
 def predict(shape: ModelShape, lay: Layout, global_batch: int, hw: Hardware,
-            gpus_per_node: int = 8, precision: str = "bf16") -> dict:
+            gpus_per_node: int = 8, precision: str = "bf16", grad_messages: int = 1) -> dict:
     """Memory and time of one layout, plus throughput: tflops_per_gpu counts the FLOPs executed
     (recomputation included, Megatron's convention), mfu the model's 6ND + attention FLOPs only."""
     from refimpl.memory import training_flops
 
     mem = predict_memory(shape, lay, global_batch, precision)
-    time = predict_time(shape, lay, global_batch, hw, gpus_per_node, precision)
+    time = predict_time(shape, lay, global_batch, hw, gpus_per_node, precision, grad_messages)
     tokens = global_batch * shape.seq_len
     model_flops = training_flops(shape.n_params, tokens, n_layers=shape.n_layers,
                                  seq=shape.seq_len, hidden=shape.d_model)
