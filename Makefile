@@ -64,6 +64,7 @@ bench: install
 	$(BIN)/python scripts/bench_tp.py
 	$(BIN)/python scripts/bench_pp.py
 	$(BIN)/python scripts/bench_composition.py
+	$(BIN)/python scripts/bench_plan_cpu.py
 
 # Execute every notebook and export it with its figures as offline HTML: report/index.html.
 report: install

@@ -249,6 +249,29 @@ def plan_scatter(df, title: str = "Every layout: memory per GPU vs predicted ste
     return fig
 
 
+def predicted_vs_measured(df, title: str = "The planner on this machine: predicted vs measured"
+                          ) -> go.Figure:
+    """Two panels, one point per layout (refimpl.plan.cpu's table with measured columns): memory
+    per rank and step time, predicted against measured, with the line where they are equal."""
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("memory per rank (MiB)", "step time (ms)"))
+    panels = ((1, "measured_memory_bytes", "memory_bytes", 2 ** -20),
+              (2, "measured_step_time_s", "step_time_s", 1e3))
+    for col, measured, predicted, scale in panels:
+        x, y = df[measured] * scale, df[predicted] * scale
+        fig.add_scatter(x=x, y=y, mode="markers", text=df["layout"], showlegend=False,
+                        hovertemplate="%{text}<br>measured %{x:.3g}<br>predicted %{y:.3g}<extra></extra>",
+                        row=1, col=col)
+        lo, hi = min(x.min(), y.min()), max(x.max(), y.max())
+        fig.add_scatter(x=[lo, hi], y=[lo, hi], mode="lines", line={"dash": "dash", "color": "grey"},
+                        showlegend=False, hoverinfo="skip", row=1, col=col)
+        fig.update_xaxes(title_text="measured", type="log", row=1, col=col)
+        fig.update_yaxes(title_text="predicted", type="log", row=1, col=col)
+    fig.update_layout(title=title, height=420)
+    return fig
+
+
 def cp_work_bars(df, title: str = "Ring attention: score blocks each rank computes") -> go.Figure:
     """Grouped bars per rank, one bar per sequence layout (head-tail vs contiguous).
     `df` columns: rank, layout, score_blocks (refimpl.parallel.cp.score_blocks_per_rank)."""

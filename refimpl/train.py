@@ -134,8 +134,15 @@ def train_on_ranks(cfg: TrainConfig, timeout: float = 900.0, quiet: bool = True)
     elif cfg.nproc == 1 and cfg.strategy == "single":
         per_rank = [_in_this_process(train_rank, 0, 1, cfg)]   # the reference needs no group
     else:
-        per_rank = launch.run(train_rank, cfg.nproc, cfg, timeout=timeout, quiet=quiet)
+        per_rank = launch.run(train_rank, cfg.nproc, cfg, timeout=timeout, quiet=quiet,
+                              backend=launch_backend(cfg))
     return merge_results(cfg, per_rank)
+
+
+def launch_backend(cfg: TrainConfig) -> str:
+    """device "cpu" keeps the ranks on gloo even where there are GPUs enough for NCCL (the CPU
+    planner check, refimpl.plan.cpu); otherwise NCCL exactly when every rank gets a GPU."""
+    return "gloo" if cfg.device == "cpu" else "auto"
 
 
 def train_several_on_ranks(cfgs: list[TrainConfig], timeout: float = 900.0,
@@ -149,10 +156,13 @@ def train_several_on_ranks(cfgs: list[TrainConfig], timeout: float = 900.0,
         validate(cfg)
     if len({cfg.nproc for cfg in cfgs}) != 1:
         raise ValueError("train_several_on_ranks needs the same nproc for every configuration")
+    if len({launch_backend(cfg) for cfg in cfgs}) != 1:
+        raise ValueError("train_several_on_ranks needs every configuration on the same device")
     if launch.under_torchrun():
         runs = launch.run(_train_several, cfgs[0].nproc, cfgs)
     else:
-        runs = launch.run(_train_several, cfgs[0].nproc, cfgs, timeout=timeout, quiet=quiet)
+        runs = launch.run(_train_several, cfgs[0].nproc, cfgs, timeout=timeout, quiet=quiet,
+                          backend=launch_backend(cfgs[0]))
     return [merge_results(cfg, [rank_runs[i] for rank_runs in runs]) for i, cfg in enumerate(cfgs)]
 
 

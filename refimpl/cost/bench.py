@@ -207,8 +207,9 @@ def sweep_rank(rank: int, world_size: int, ops=OPS, sizes=None, impls=IMPLS, war
 
 
 def sweep(world_sizes=(2,), ops=OPS, sizes=None, impls=IMPLS, warmup: int = 2, repeats: int = 5,
-          progress: bool = True, timeout: float = 1800.0) -> pd.DataFrame:
+          progress: bool = True, timeout: float = 1800.0, backend: str = "auto") -> pd.DataFrame:
     """Bandwidth sweep on fresh ranks, one launch per world size; a progress bar counts points.
+    `backend` as refimpl.launch.run's ("gloo" keeps the ranks on CPU on a GPU machine).
 
     Columns: impl, op, world_size, nominal_bytes (the size asked for), size_bytes (M as measured:
     block collectives round to n equal blocks of whole fp32 values), time_s (median), algbw,
@@ -220,18 +221,19 @@ def sweep(world_sizes=(2,), ops=OPS, sizes=None, impls=IMPLS, warmup: int = 2, r
         total = len(ops) * len(sizes) * len(impls)
         rows = _run_with_progress(n, total, progress, dict(
             ops=tuple(ops), sizes=sizes, impls=tuple(impls), warmup=warmup, repeats=repeats),
-            timeout)
+            timeout, backend)
         frames.append(pd.DataFrame(rows))
     return pd.concat(frames, ignore_index=True)
 
 
-def _run_with_progress(n: int, total: int, progress: bool, kwargs: dict, timeout: float) -> list:
+def _run_with_progress(n: int, total: int, progress: bool, kwargs: dict, timeout: float,
+                       backend: str = "auto") -> list:
     """launch.run in a helper thread while this one advances a progress bar from rank 0's tally file.
 
     The ranks' own output only reaches us when they exit, so progress travels through a file.
     """
     if not progress:
-        return run(sweep_rank, n, timeout=timeout, quiet=True, **kwargs)[0]
+        return run(sweep_rank, n, timeout=timeout, quiet=True, backend=backend, **kwargs)[0]
     from refimpl.progress import progress_bar  # a widget in a notebook, text in a terminal
 
     with tempfile.TemporaryDirectory(prefix="refimpl-sweep-") as tmp:
@@ -241,7 +243,7 @@ def _run_with_progress(n: int, total: int, progress: bool, kwargs: dict, timeout
 
         def target():
             try:
-                box["rows"] = run(sweep_rank, n, timeout=timeout, quiet=True,
+                box["rows"] = run(sweep_rank, n, timeout=timeout, quiet=True, backend=backend,
                                   progress_file=str(tally), **kwargs)[0]
             except BaseException as e:  # re-raised below, in the caller's thread
                 box["error"] = e

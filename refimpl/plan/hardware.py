@@ -145,7 +145,7 @@ def measure_cpu_preset(world_size: int = 2, max_bytes: int = 4 << 20) -> Hardwar
                                     message_sizes, sweep)
 
     df = sweep(world_sizes=(world_size,), ops=("all_reduce",), impls=("torch",),
-               sizes=message_sizes(1 << 10, max_bytes, 4), progress=False)
+               sizes=message_sizes(1 << 10, max_bytes, 4), progress=False, backend="gloo")
     # Fit per-byte-on-the-link time: ring all-reduce time = 2(n-1)/n * M / beta, so divide M by
     # the bus factor's inverse to read beta as the link rate the planner's formulas use.
     link_bytes = df.size_bytes * busbw_factor("all_reduce", world_size)

@@ -141,7 +141,8 @@ def predict_time(shape: ModelShape, lay: Layout, global_batch: int, hw: Hardware
     beta, so where alpha is large (CPU ranks: ~1 ms) the number of messages matters as much as
     their size. `grad_messages` is how many collectives the data-parallel gradient sync is cut
     into: 1 models a bucketed sync (DDP's buckets overlap the backward on a GPU, leaving about one
-    exposed); refimpl's dp-naive sends one per parameter tensor."""
+    exposed); refimpl's dp-naive sends one per parameter tensor, its zero1/zero2 one reduce per
+    owner (refimpl.plan.cpu.grad_messages)."""
     bytes_ = PRECISIONS[precision]
     act = bytes_["activation"]
     s, h = shape.seq_len, shape.d_model
