@@ -21,8 +21,8 @@ import time
 
 import pandas as pd
 
-from refimpl.plan.cpu import (calibrated_cpu_preset, cpu_layouts, layout_name, measure_cpu_layouts,
-                              ranking_agreement)
+from refimpl.plan.cpu import (calibrated_cpu_preset, comparison_view, cpu_layouts, layout_name,
+                              measure_cpu_layouts, ranking_agreement)
 
 
 def parse(argv=None):
@@ -48,7 +48,6 @@ def main(argv=None) -> int:
     table = cpu_layouts(hw, world_size=args.nproc, recompute=recompute)
     table = measure_cpu_layouts(table, world_size=args.nproc, steps=args.steps, rounds=args.rounds)
     table.insert(0, "layout", [layout_name(row) for _, row in table.iterrows()])
-    table["predicted/measured"] = table.step_time_s / table.measured_step_time_s
     agreement = ranking_agreement(table.step_time_s, table.measured_step_time_s, args.margin)
 
     ms = lambda s: s * 1e3   # noqa: E731
@@ -56,19 +55,8 @@ def main(argv=None) -> int:
           f"core, {ms(hw.block_overhead_s):.2f} ms per block pass, alpha {ms(hw.intra_alpha):.2f} ms "
           f"per ring step, beta {hw.intra_bandwidth / 1e9:.2f} GB/s; {args.rounds} rounds x "
           f"{args.steps - 1} timed steps, {time.perf_counter() - start:.0f} s in all")
-    view = table.sort_values("measured_step_time_s")
-    columns = {"layout": "layout", "measured_step_time_s": "measured ms", "step_time_s": "predicted ms",
-               "predicted/measured": "pred/meas", "critical_path_s": "critical ms",
-               "core_bound_s": "cores ms", "exposed_comm_s": "comm ms",
-               "measured_memory_bytes": "measured MiB", "memory_bytes": "predicted MiB"}
-    out = view[list(columns)].rename(columns=columns)
-    for col in out.columns:
-        if col.endswith(" ms"):
-            out[col] = ms(out[col])
-        elif col.endswith(" MiB"):
-            out[col] = out[col] / 2 ** 20
-    with pd.option_context("display.width", 200, "display.max_rows", 500, "display.precision", 2):
-        print(out.to_string(index=False))
+    with pd.option_context("display.width", 200, "display.max_rows", 500):
+        print(comparison_view(table).to_string(index=False))
     names = table.layout
     print(f"Spearman {agreement['spearman']:.3f}; predicted fastest is the measured fastest: "
           f"{agreement['same_fastest']}; median |error| {agreement['median_rel_error']:.0%}, "

@@ -91,3 +91,12 @@ def test_per_tensor_messages_are_counted():
     assert sp_grad_sync_s(cfg, Layout(tp=2, sequence_parallel=True), HW, 4) == pytest.approx(4 * per_micro_batch)
     alpha, _ = HW.link(True)
     assert per_micro_batch >= (6 * cfg.n_layers + 2) * 2 * alpha   # 26 all-reduces of 2 ring steps
+
+
+def test_moving_bytes_is_core_work_and_latency_is_not():
+    # 2 ranks' worth of work on 1 core: 10 ms of compute and 4 ms of collectives, 1 ms of it latency
+    row = {"micro_batches": 1, "pp": 1, "compute_s": 0.010, "optimizer_s": 0.0, "tp_comm_s": 0.0,
+           "cp_comm_s": 0.0, "pp_comm_s": 0.0, "dp_comm_s": 0.004}
+    step = time_sliced_step(row, world_size=2, cores=1, waiting_s=0.001)
+    assert step["step_time_s"] == pytest.approx(2 * (0.010 + 0.003) + 0.001)
+    assert time_sliced_step(row, 2, 2, waiting_s=0.001)["step_time_s"] == pytest.approx(0.014)

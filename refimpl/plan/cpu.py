@@ -93,22 +93,32 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def time_sliced_step(row, world_size: int, cores: int) -> dict:
+def exposed_comm_s(row) -> float:
+    """The communication of a step that nothing hides: each micro-batch's tp, cp and pp messages
+    on the busiest stage, (m + p - 1) times (its own and its share of the bubble), plus the dp sync."""
+    m, p = row["micro_batches"], row["pp"]
+    return (row["tp_comm_s"] + row["cp_comm_s"] + row["pp_comm_s"]) / m * (m + p - 1) + row["dp_comm_s"]
+
+
+def time_sliced_step(row, world_size: int, cores: int, waiting_s: float | None = None) -> dict:
     """A step of ranks that share `cores` cores (one thread each), from the planner's terms at
-    one-core speed: the compute is bounded below by the pipeline's critical path (every rank with
-    a core to itself: (m + p - 1) micro-batches) and by the total work of all ranks spread over
-    the cores (world_size · (m micro-batches + optimizer) / cores); the communication is added, as
-    a CPU rank neither computes while it waits nor hides a blocking collective. With as many cores
-    as ranks this is the planner's own step; with fewer, pipeline bubbles cost less than the
-    planner's formula says (an idle stage frees its core for another) and everything else more."""
+    one-core speed. A rank's CPU work is its compute, its optimizer and the byte-moving part of its
+    communication (gloo copies and sums on the rank's own core); the latency part (`waiting_s`,
+    the alpha terms; default: all of the communication) is waiting, which uses no core. The work
+    is bounded below by the pipeline's critical path (every rank with a core to itself: m + p - 1
+    micro-batches) and by all ranks' work spread over the cores; the waiting is added, as a CPU
+    rank hides no blocking collective. With a core per rank this is the planner's own step; with
+    fewer, a pipeline bubble costs less than the planner's formula says (an idle stage frees its
+    core for another) and everything else more."""
     m, p = row["micro_batches"], row["pp"]
     per_micro_batch = row["compute_s"] / m
-    critical = (m + p - 1) * per_micro_batch + row["optimizer_s"]
-    busy = world_size * (m * per_micro_batch + row["optimizer_s"]) / min(cores, world_size)
-    comm = ((row["tp_comm_s"] + row["cp_comm_s"] + row["pp_comm_s"]) / m * (m + p - 1)
-            + row["dp_comm_s"])
+    comm = exposed_comm_s(row)
+    waiting = comm if waiting_s is None else waiting_s
+    moving = comm - waiting
+    critical = (m + p - 1) * per_micro_batch + row["optimizer_s"] + moving
+    busy = world_size * (m * per_micro_batch + row["optimizer_s"] + moving) / min(cores, world_size)
     return {"critical_path_s": critical, "core_bound_s": busy, "exposed_comm_s": comm,
-            "step_time_s": max(critical, busy) + comm}
+            "waiting_s": waiting, "step_time_s": max(critical, busy) + waiting}
 
 
 def calibrate_compute(hw: Hardware, cfg: GPTConfig | None = None, seq_len: int = 32,
@@ -191,17 +201,21 @@ def cpu_layouts(hw: Hardware, world_size: int = 4, cfg: GPTConfig | None = None,
     cfg = cfg or GPTConfig()
     shape = shape_of(cfg, seq_len)
     cores = cores or available_cores()
+    # the same links with infinite bandwidth: what is left of each message is its latency
+    latency_only = replace(hw, intra_bandwidth=float("inf"), inter_bandwidth=float("inf"))
     rows = []
     for lay in enumerate_layouts(shape, global_batch, world_size, cp_sizes=cp_sizes,
                                  zero_stages=zero_stages, micro_batch_sizes=micro_batch_sizes,
                                  recompute=recompute):
         if not runs_here(lay):
             continue
-        row = predict(shape, lay, global_batch, hw, gpus_per_node=world_size, precision="fp32",
-                      grad_messages=grad_messages(cfg, lay))
+        row, waits = (predict(shape, lay, global_batch, links, gpus_per_node=world_size,
+                              precision="fp32", grad_messages=grad_messages(cfg, lay))
+                      for links in (hw, latency_only))
         row["planner_step_time_s"] = row["step_time_s"]   # every rank with a core to itself
-        row["tp_comm_s"] += sp_grad_sync_s(cfg, lay, hw, row["micro_batches"])
-        row.update(time_sliced_step(row, world_size, cores))
+        for r, links in ((row, hw), (waits, latency_only)):
+            r["tp_comm_s"] += sp_grad_sync_s(cfg, lay, links, r["micro_batches"])
+        row.update(time_sliced_step(row, world_size, cores, waiting_s=exposed_comm_s(waits)))
         row["strategy"] = cpu_strategy(lay.zero_stage, lay.pp)
         row["command"] = train_command(row, world_size, global_batch, seq_len)
         rows.append(row)
@@ -272,3 +286,18 @@ def layout_name(row) -> str:
     if row["sequence_parallel"]:
         parts.append("sp")
     return " ".join(parts)
+
+
+def comparison_view(table: pd.DataFrame) -> pd.DataFrame:
+    """measure_cpu_layouts' table for reading: one row per layout, fastest measured first, memory
+    in MiB and times in ms, measured beside predicted, and the parts of the predicted step."""
+    columns = {"measured_step_time_s": "measured ms", "step_time_s": "predicted ms",
+               "critical_path_s": "critical path ms", "core_bound_s": "cores bound ms",
+               "waiting_s": "waiting ms", "measured_memory_bytes": "measured MiB",
+               "memory_bytes": "predicted MiB"}
+    view = table.sort_values("measured_step_time_s", kind="stable")
+    out = pd.DataFrame({"layout": [layout_name(row) for _, row in view.iterrows()]}, index=view.index)
+    for column, name in columns.items():
+        out[name] = view[column] * (1e3 if name.endswith(" ms") else 2 ** -20)
+    return out.round(2).reset_index(drop=True)
+
