@@ -21,8 +21,12 @@ equal, the first is the arithmetic of notebook 00.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:   # annotations only: pandas is imported where a table is built
+    import pandas
 
 BLOCK = 512          # the CUDA caching allocator's rounding (kMinBlockSize)
 

@@ -17,7 +17,6 @@ import sys
 
 from refimpl.cost.step_time import step_times_in_rounds
 from refimpl.strategy import TrainConfig
-from refimpl.train import train_several_on_ranks
 
 VARIANTS = (("fsdp", False), ("torch-fsdp2-tp", False), ("fsdp", True), ("torch-fsdp2-tp", True),
             ("zero1", False))

@@ -16,7 +16,6 @@ import sys
 
 from refimpl.cost.step_time import step_times_in_rounds
 from refimpl.strategy import TrainConfig
-from refimpl.train import train_several_on_ranks
 
 
 def parse(argv=None):

@@ -1,6 +1,5 @@
 """Mixture of experts: router, capacity, load-balancing losses, and expert parallelism (all-to-all)
 computing exactly what the one-process MoE model computes."""
-import math
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ from refimpl.model import GPT, GPTConfig, build_model, count_params
 from refimpl.parallel.equivalence import TOLERANCE, compare_states, relative_error
 from refimpl.parallel.moe import (MoEMLP, expert_capacity, moe_aux_loss, route, switch_aux_loss,
                                   within_capacity)
-from tests.moe_runs import BASE, CASES, case_config, runs_on, single
+from tests.moe_runs import BASE, CASES, runs_on, single
 
 
 # --- the router ------------------------------------------------------------------------------------

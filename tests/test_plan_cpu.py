@@ -62,6 +62,7 @@ def test_ranking_agreement_counts_only_pairs_beyond_the_margin():
     assert ranking_agreement(predicted, measured, margin=0.0)["misordered"] == [(0, 1)]
     reversed_ = ranking_agreement(measured[::-1].reset_index(drop=True), measured, margin=0.5)
     assert reversed_["spearman"] == pytest.approx(-1.0) and len(reversed_["misordered"]) == 5
+    assert not reversed_["same_fastest"] and ranking_agreement(predicted, measured)["same_fastest"] is False
 
 
 def test_time_slicing_makes_bubbles_cheaper_and_full_pipelines_dearer():

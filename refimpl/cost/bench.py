@@ -19,7 +19,6 @@ sweep's largest size per device (MBs on CPU, a GB on GPUs, where links plateau l
 from __future__ import annotations
 
 import os
-import statistics
 import tempfile
 import threading
 import time

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from refimpl.model import Batch, GPT, lm_loss
+from refimpl.model import Batch, GPT
 from refimpl.parallel.checkpointing import checkpoint_blocks
-from refimpl.parallel.torch_tp import TorchTensorParallel, _local
+from refimpl.parallel.torch_tp import TorchTensorParallel
 from refimpl.parallel.torch_tp_plan import torch_parallelize_tp
 from refimpl.step import global_mean_loss
 from refimpl.strategy import LayoutError, TrainConfig, make_optimizer
-from refimpl.trace.profiling import phase
 
 
 def dp_tp_device_mesh(mesh, device_type: str):

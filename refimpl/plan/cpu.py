@@ -222,9 +222,6 @@ def cpu_layouts(hw: Hardware, world_size: int = 4, cfg: GPTConfig | None = None,
     return rank_layouts(rows)
 
 
-predict_cpu_runs = cpu_layouts   # the name notebook 09's first version used
-
-
 def measure_cpu_layouts(table: pd.DataFrame, world_size: int = 4, cfg: GPTConfig | None = None,
                         global_batch: int = 8, seq_len: int = 32, steps: int = 3,
                         rounds: int = 1) -> pd.DataFrame:
@@ -269,12 +266,6 @@ def ranking_agreement(predicted: pd.Series, measured: pd.Series, margin: float =
             "same_fastest": bool(predicted.idxmin() == measured.idxmin()),
             "median_rel_error": float(rel.median()), "max_rel_error": float(rel.max()),
             "misordered": misordered}
-
-
-def compare_rankings(predicted: pd.Series, measured: pd.Series) -> dict:
-    """ranking_agreement without the pair list (Spearman, same fastest, median relative error)."""
-    out = ranking_agreement(predicted, measured)
-    return {k: out[k] for k in ("spearman", "same_fastest", "median_rel_error")}
 
 
 def layout_name(row) -> str:
