@@ -16,7 +16,7 @@ all-reduce of M bytes on n ranks costs 2(n-1)·alpha + 2(n-1)/n · M / beta.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass
 
 from refimpl.memory import activation_bytes_per_layer, model_state_bytes
 from refimpl.plan.hardware import MEMORY_HEADROOM, Hardware
@@ -58,7 +58,8 @@ class Layout:
         return span <= gpus_per_node and gpus_per_node % span == 0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        # shallow, by hand: dataclasses.asdict deep-copies and was half of a 80k-layout search
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
 
 def ring_all_reduce_s(nbytes: float, n: int, alpha: float, beta: float) -> float:
