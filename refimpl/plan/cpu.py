@@ -15,16 +15,16 @@ interleaved rounds and prints how well the predicted order matches; tests never 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import numpy as np
 import pandas as pd
 
-from refimpl.model import GPTConfig
+from refimpl.env import cpu_cores
+from refimpl.model import GPT, GPTConfig
 from refimpl.plan.hardware import Hardware, measure_cpu_preset
 from refimpl.plan.models import ModelShape
-from refimpl.plan.predict import PRECISIONS, Layout, micro_batch_work, predict
+from refimpl.plan.predict import PRECISIONS, Layout, micro_batch_work, predict, ring_all_reduce_s
 from refimpl.plan.search import enumerate_layouts, rank_layouts
 from refimpl.strategy import TrainConfig
 
@@ -50,12 +50,14 @@ def runs_here(lay: Layout) -> bool:
 
 def stage_tensors(cfg: GPTConfig, pp: int) -> int:
     """Parameter tensors of the busiest (last) stage: what dp-naive all-reduces one by one."""
-    from refimpl.model import GPT
-
     model = GPT(cfg)
-    count = lambda module: len(list(module.parameters()))   # noqa: E731
-    last = count(model.blocks[0]) * (cfg.n_layers // pp) + count(model.final_norm) + count(model.lm_head)
-    return last + (count(model.embed) if pp == 1 else 0)
+    last = (_tensors(model.blocks[0]) * (cfg.n_layers // pp) + _tensors(model.final_norm)
+            + _tensors(model.lm_head))
+    return last + (_tensors(model.embed) if pp == 1 else 0)
+
+
+def _tensors(module) -> int:
+    return len(list(module.parameters()))
 
 
 def grad_messages(cfg: GPTConfig, lay: Layout) -> int:
@@ -76,21 +78,14 @@ def sp_grad_sync_s(cfg: GPTConfig, lay: Layout, hw: Hardware, micro_batches: int
     biases: 6 per block; the final norm's 2 on the last stage) has a partial gradient, all-reduced
     over tp by a hook in every backward (refimpl/parallel/tp_model.py). Megatron-LM sums them once
     per step instead. Small messages: on CPU ranks each costs about alpha per ring step."""
-    from refimpl.plan.predict import ring_all_reduce_s
-
     if not lay.sequence_parallel or lay.tp == 1:
         return 0.0
     alpha, beta = hw.link(True)
-    tensors = 6 * (cfg.n_layers // lay.pp) + 2
+    block = GPT(replace(cfg, n_layers=1)).blocks[0]
+    per_block = (_tensors(block.ln1) + _tensors(block.ln2)
+                 + sum(linear.bias is not None for linear in (block.attn.o, block.mlp.down)))
+    tensors = per_block * (cfg.n_layers // lay.pp) + 2   # + the final norm's weight and bias
     return micro_batches * tensors * ring_all_reduce_s(4 * cfg.d_model, lay.tp, alpha, beta)
-
-
-def available_cores() -> int:
-    """Cores this process may run on (a container's CPU set, not the host's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:   # not on Linux
-        return os.cpu_count() or 1
 
 
 def exposed_comm_s(row) -> float:
@@ -200,7 +195,7 @@ def cpu_layouts(hw: Hardware, world_size: int = 4, cfg: GPTConfig | None = None,
     cores this process may use) shared by the ranks."""
     cfg = cfg or GPTConfig()
     shape = shape_of(cfg, seq_len)
-    cores = cores or available_cores()
+    cores = cores or cpu_cores()
     # the same links with infinite bandwidth: what is left of each message is its latency
     latency_only = replace(hw, intra_bandwidth=float("inf"), inter_bandwidth=float("inf"))
     rows = []

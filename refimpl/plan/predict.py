@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from refimpl.memory import activation_bytes_per_layer, model_state_bytes
+from refimpl.mesh import AXES as GRID_AXES   # dp, pp, cp, tp: outermost to innermost
 from refimpl.plan.hardware import MEMORY_HEADROOM, Hardware
 from refimpl.plan.models import ModelShape
 
@@ -28,7 +29,7 @@ PRECISIONS = {
     # the CPU loop's default: fp32 weights and grads, AdamW's m and v
     "fp32": {"param": 4, "grad": 4, "optimizer": 8, "activation": 4},
 }
-AXES_INNER_FIRST = ("tp", "cp", "pp", "dp")   # the grid's order, innermost (neighbouring ranks) first
+AXES_INNER_FIRST = tuple(reversed(GRID_AXES))   # innermost (neighbouring ranks) first
 
 
 @dataclass(frozen=True)
