@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--micro-batches", type=int, default=1)
     t.add_argument("--mixed-precision", default="fp32", help="fp32 or bf16")
+    t.add_argument("--dtype", default="float32",
+                   help="float32, or float64 (exact comparisons with single on any processor)")
     t.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
     t.add_argument("--profile", action="store_true", help="write torch.profiler traces")
     t.add_argument("--trace-dir", default=None)
@@ -116,7 +118,7 @@ def config_from_args(args):
     return TrainConfig(strategy=args.strategy, nproc=nproc, steps=args.steps,
                        global_batch=args.global_batch, seq_len=args.seq_len, seed=args.seed,
                        lr=args.lr, micro_batches=args.micro_batches,
-                       mixed_precision=args.mixed_precision,
+                       mixed_precision=args.mixed_precision, dtype=args.dtype,
                        activation_checkpointing=args.checkpointing, profile=args.profile,
                        trace_dir=args.trace_dir, model=model, options=options,
                        tp=args.tp, pp=pp, cp=args.cp, ep=args.ep,

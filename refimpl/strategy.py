@@ -48,6 +48,7 @@ from refimpl.trace.profiling import phase
 __all__ = ["LayoutError", "TrainConfig", "RunContext", "Strategy", "Option", "make_optimizer"]
 
 COLLECTIVES = ("torch", "refimpl")
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,11 @@ class TrainConfig:
     lr: float = 3e-3
     weight_decay: float = 0.01
     micro_batches: int = 1            # gradient accumulation / pipeline micro-batches
-    mixed_precision: str = "fp32"     # "fp32" (exact comparisons) or "bf16" (autocast compute)
+    mixed_precision: str = "fp32"     # "fp32" or "bf16" (autocast compute, fp32 master weights)
+    # The dtype of weights, gradients and optimizer states. "float64" is the equivalence tests'
+    # dtype: reordered sums then differ by ~1e-15, so a gate at 1e-9 proves the maths on any
+    # processor (refimpl.parallel.equivalence); "float32" is what training uses.
+    dtype: str = "float32"
     activation_checkpointing: bool = False
     profile: bool = False
     trace_dir: str | None = None      # where --profile writes; default profiles/cli/<strategy>-<n>
@@ -122,6 +127,11 @@ class TrainConfig:
             raise LayoutError(f"--seq-len must be in [1, {self.model.seq_len}] (got {self.seq_len})")
         if self.mixed_precision not in ("fp32", "bf16"):
             raise LayoutError(f"--mixed-precision must be fp32 or bf16 (got {self.mixed_precision})")
+        if self.dtype not in DTYPES:
+            raise LayoutError(f"--dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
+        if self.dtype == "float64" and self.mixed_precision != "fp32":
+            raise LayoutError("--dtype float64 computes in float64: drop --mixed-precision "
+                              f"{self.mixed_precision}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise LayoutError(f"device must be auto, cpu or cuda (got {self.device})")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -164,8 +174,13 @@ class RunContext:
         return dist
 
     @property
+    def param_dtype(self) -> torch.dtype:
+        """Weights, gradients, optimizer states and flat buffers (--dtype)."""
+        return DTYPES[self.cfg.dtype]
+
+    @property
     def compute_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.cfg.mixed_precision == "bf16" else torch.float32
+        return torch.bfloat16 if self.cfg.mixed_precision == "bf16" else self.param_dtype
 
     def autocast(self):
         """bf16 autocast under --mixed-precision bf16: matmuls in bf16, weights and optimizer

@@ -26,7 +26,7 @@ from refimpl.parallel.transforms import validate_model_parallel
 from refimpl.trace.memory_events import StepPeak
 from refimpl.trace.profiling import StepProfiler, profiles_root
 from refimpl.trace.run_record import record_run
-from refimpl.strategy import RunContext, TrainConfig
+from refimpl.strategy import RunContext, Strategy, TrainConfig
 
 
 def resolve_layout(cfg: TrainConfig) -> TrainConfig:
@@ -54,8 +54,9 @@ def default_trace_dir(cfg: TrainConfig) -> str:
     return str(profiles_root() / "cli" / f"{cfg.strategy}-n{cfg.nproc}")
 
 
-def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
-    """Train on this rank; run by `launch.run` on every rank (or once, for `single`)."""
+def setup_rank(rank: int, world_size: int, cfg: TrainConfig) -> tuple[RunContext, Strategy, int]:
+    """This rank's context, its strategy placed from the reference model (and a checkpoint, if
+    any), and the reference's parameter count: everything before the first step."""
     cfg = resolve_layout(cfg)
     backend, device = _backend_and_device(cfg)
     exact_fp32_on_cuda(device)
@@ -63,7 +64,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     mesh = Mesh(cfg.dims, rank)
     ctx = RunContext(rank, world_size, backend, device, cfg, mesh)
     torch.manual_seed(cfg.seed)
-    reference = build_model(cfg.model, cfg.seed)
+    # --dtype float64: every copy and buffer below follows the reference's dtype.
+    reference = build_model(cfg.model, cfg.seed).to(ctx.param_dtype)
     if cfg.init_state is not None:
         # A checkpoint is the reference's full state dict, whatever strategy and world size wrote
         # it: every strategy places it from the reference model, so it reshards on load.
@@ -74,6 +76,13 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     if cfg.init_optimizer_state is not None:   # AdamW's m and v too, placed for this layout
         from refimpl.parallel.optim_reshard import load_optimizer_state
         load_optimizer_state(strategy, torch.load(cfg.init_optimizer_state, map_location="cpu"))
+    return ctx, strategy, n_params
+
+
+def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
+    """Train on this rank; run by `launch.run` on every rank (or once, for `single`)."""
+    ctx, strategy, n_params = setup_rank(rank, world_size, cfg)
+    cfg, device = ctx.cfg, ctx.device
 
     losses, step_times, activation_peak, moe_records = [], [], 0, []
     trace_dir = (cfg.trace_dir or default_trace_dir(cfg)) if cfg.profile else None

@@ -35,7 +35,7 @@ def case_config(name: str) -> GPTConfig:
 def train_moe(cfg: GPTConfig, rank: int = 0, world: int = 1, group=None, comm=None) -> dict:
     """STEPS AdamW steps; the first step's gradients, every step's loss, keep masks and loads."""
     torch.manual_seed(0)
-    model = build_model(cfg, seed=0)
+    model = build_model(cfg, seed=0).double()   # float64: the 1e-9 gate holds on any processor
     if cfg.balance == "bias" and "starved" in _name(cfg):
         for layer in moe_layers(model):       # expert 3 is never chosen: it receives no tokens
             layer.expert_bias[3] = -10.0

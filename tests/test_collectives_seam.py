@@ -2,12 +2,12 @@
 send/recv) instead of torch.distributed, and training computes the same thing.
 
 The rebuilt ring sums in another order than gloo's, so the comparison is with `single` at the
-fp32 tolerance, not bit for bit; the counter proves the rebuilt collectives really carried the
+float64 gate, not bit for bit; the counter proves the rebuilt collectives really carried the
 traffic (a seam that silently fell back to torch.distributed would send nothing through them).
 """
 import pytest
 
-from refimpl.parallel.equivalence import TOLERANCE, compare_states, reference_run
+from refimpl.parallel.equivalence import FP64_TOLERANCE, compare_states, reference_run
 from refimpl.strategy import TrainConfig
 from refimpl.train import train_several_on_ranks
 
@@ -16,7 +16,7 @@ STRATEGIES = ["dp", "zero2", "zero3"]
 
 def _configs(world):
     return [TrainConfig(strategy=s, nproc=world, steps=3, global_batch=12 if world == 3 else 8,
-                        collectives="refimpl", return_state=True,
+                        collectives="refimpl", return_state=True, dtype="float64",
                         options={"bucket_mb": 0.25} if s != "zero3" else {})
             for s in STRATEGIES]
 
@@ -32,7 +32,7 @@ def test_refimpl_collectives_train_like_single(seam_runs):
         ref = reference_run(cfg)
         loss_err = max(abs(a - b) / b for a, b in zip(result["losses"], ref["losses"]))
         whole, _, _ = compare_states(result["state_dict"], ref["state_dict"])
-        assert loss_err <= TOLERANCE and whole <= TOLERANCE, (cfg.strategy, loss_err, whole)
+        assert loss_err <= FP64_TOLERANCE and whole <= FP64_TOLERANCE, (cfg.strategy, loss_err, whole)
 
 
 def _train_counting(rank, world_size, cfg):

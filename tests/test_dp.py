@@ -13,7 +13,7 @@ from refimpl.parallel.grad_buckets import assign_buckets
 from refimpl.trace.profiling import load_trace, summarize
 from refimpl.strategy import LayoutError, TrainConfig
 from refimpl.train import validate
-from tests.data_parallel_runs import (assert_matches_single, reference, runs_on,
+from tests.data_parallel_runs import (ELEMENT, assert_matches_single, reference, runs_on,
                                       single_accumulating)
 
 DP = ["dp-naive", "dp", "dp-micro2", "torch-ddp"]
@@ -53,8 +53,9 @@ def test_replicas_hold_every_byte_of_model_state(world, name):
     # Plain DP shards nothing and pads nothing: N params, N grads, 2N Adam moments per rank.
     cfg, result = runs_on(world)[name]
     n = result["n_params"]
-    want = model_state_bytes(n, dp=world, zero_stage=0, param_bytes=4, grad_bytes=4,
-                             optimizer_bytes=8, padded=False)
+    e = ELEMENT[cfg.dtype]
+    want = model_state_bytes(n, dp=world, zero_stage=0, param_bytes=e, grad_bytes=e,
+                             optimizer_bytes=2 * e, padded=False)
     for mem in result["memory"]:
         assert (mem["params"], mem["grads"], mem["optimizer"]) == (
             want.params, want.grads, want.optimizer)

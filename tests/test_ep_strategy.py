@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from refimpl.model import GPTConfig
-from refimpl.parallel.equivalence import compare_with_single, reference_run
+from refimpl.parallel.equivalence import FP64_TOLERANCE, compare_with_single, reference_run
 from refimpl.parallel.expert_load import (all_to_all_frame, dropped_by_step, expert_frame,
                                           rank_frame)
 from refimpl.strategy import TrainConfig
@@ -22,7 +22,7 @@ def config(nproc: int, ep: int = 1, **moe) -> TrainConfig:
     from dataclasses import replace
 
     return TrainConfig(strategy="ep", nproc=nproc, ep=ep, steps=3, global_batch=8, seq_len=16,
-                       model=replace(MODEL, **moe), return_state=True)
+                       model=replace(MODEL, **moe), return_state=True, dtype="float64")
 
 
 CASES = {2: {"loose": config(2, **LOOSE), "tight": config(2, **TIGHT),
@@ -50,7 +50,7 @@ def runs_on(world: int) -> dict:
 def test_ep_matches_single_with_the_same_experts(world, name):
     cfg = CASES[world][name]
     eq = compare_with_single(cfg, runs_on(world)[name])
-    assert eq.ok, eq
+    assert eq.tolerance == FP64_TOLERANCE and eq.ok, eq
 
 
 @pytest.mark.parametrize("world,name", [(2, "tight"), (4, "tight"), (4, "ep2-tight")])
@@ -76,7 +76,7 @@ def test_each_rank_processes_the_tokens_routed_to_its_experts(world, name):
 
 @pytest.mark.parametrize("world,name", [(2, "loose"), (4, "loose"), (4, "ep2-loose")])
 def test_all_to_all_bytes_counted_per_step_are_the_rows_that_crossed_ranks(world, name):
-    traffic = all_to_all_frame(runs_on(world)[name], MODEL.d_model)
+    traffic = all_to_all_frame(runs_on(world)[name], MODEL.d_model, bytes_per_value=8)  # float64
     assert len(traffic) == world * CASES[world][name].steps
     assert (traffic.sent_bytes == traffic.from_routing).all() and traffic.sent_bytes.min() > 0
 

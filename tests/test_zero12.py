@@ -7,7 +7,7 @@ from refimpl.parallel.equivalence import compare_states
 from refimpl.memory import model_state_bytes
 from refimpl.parallel.sharded_adamw import ShardedAdamW
 from refimpl.strategy import TrainConfig
-from tests.data_parallel_runs import (assert_matches_single, reference, runs_on,
+from tests.data_parallel_runs import (ELEMENT, assert_matches_single, reference, runs_on,
                                       single_accumulating)
 
 ZERO = ["zero1", "zero2", "torch-zero1"]
@@ -40,8 +40,9 @@ def test_measured_model_state_is_the_zero_arithmetic_to_the_byte(world, stage):
     # fp32 AdamW; flat buffers padded to world * ceil(N / world)
     cfg, result = runs_on(world)[f"zero{stage}"]
     assert (result["n_params"] % world != 0) == (world == 3)     # 3 ranks exercise the padding
-    want = model_state_bytes(result["n_params"], dp=world, zero_stage=stage, param_bytes=4,
-                             grad_bytes=4, optimizer_bytes=8)
+    e = ELEMENT[cfg.dtype]
+    want = model_state_bytes(result["n_params"], dp=world, zero_stage=stage, param_bytes=e,
+                             grad_bytes=e, optimizer_bytes=2 * e)
     for mem in result["memory"]:
         assert (mem["params"], mem["grads"], mem["optimizer"]) == (
             want.params, want.grads, want.optimizer)
@@ -50,8 +51,9 @@ def test_measured_model_state_is_the_zero_arithmetic_to_the_byte(world, stage):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_offload_leaves_only_parameters_and_stage1_gradients_on_the_device(stage):
     cfg, result = runs_on(2)[f"zero{stage}-offload"]
-    want = model_state_bytes(result["n_params"], dp=2, zero_stage=stage, param_bytes=4,
-                             grad_bytes=4 if stage == 1 else 0, optimizer_bytes=0)
+    e = ELEMENT[cfg.dtype]
+    want = model_state_bytes(result["n_params"], dp=2, zero_stage=stage, param_bytes=e,
+                             grad_bytes=e if stage == 1 else 0, optimizer_bytes=0)
     mem = result["memory"][0]
     assert (mem["params"], mem["grads"], mem["optimizer"]) == (
         want.params, want.grads, want.optimizer)

@@ -32,6 +32,7 @@ class Slot:
 class FlatParams:
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], world_size: int):
         self.params = [p for _, p in named_params]
+        self.dtype = self.params[0].dtype if self.params else torch.float32   # the master dtype
         self.slots: list[Slot] = []
         offset = 0
         for name, p in named_params:
@@ -42,10 +43,11 @@ class FlatParams:
         self.shard_numel = math.ceil(offset / world_size)     # S = ceil(N / world_size)
         self.padded_numel = self.shard_numel * world_size
 
-    def empty(self, dtype=torch.float32, device="cpu") -> torch.Tensor:
-        return torch.zeros(self.padded_numel, dtype=dtype, device=device)
+    def empty(self, dtype=None, device="cpu") -> torch.Tensor:
+        """A zero flat buffer, in the parameters' dtype unless told otherwise."""
+        return torch.zeros(self.padded_numel, dtype=dtype or self.dtype, device=device)
 
-    def flatten(self, tensors, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    def flatten(self, tensors, dtype=None, device="cpu") -> torch.Tensor:
         """Copy one tensor per slot (e.g. each parameter, or each gradient) into a new flat buffer."""
         flat = self.empty(dtype, device)
         for slot, t in zip(self.slots, tensors):

@@ -76,7 +76,8 @@ class MoEStats:
 
 def route(logits: torch.Tensor, top_k: int, bias: torch.Tensor | None = None) -> Routing:
     """Top-k gating. `bias` (DeepSeek-V3) shifts the choice, never the gate values."""
-    probs = logits.float().softmax(dim=-1)
+    # At least fp32 (bf16 logits under autocast are widened), float64 kept as it is.
+    probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)
     scores = probs.detach() if bias is None else probs.detach() + bias
     # A stable descending sort keeps equal scores in index order: deterministic tie-breaking.
     chosen = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :top_k]
@@ -197,7 +198,7 @@ class MoEMLP(nn.Module):
         """DeepSeek-V3's nudge from the last forward's load: b_i -= gamma * sign(load_i - mean)."""
         if self.cfg.balance != "bias" or self.stats is None:
             return
-        load = self.stats.routed.float()
+        load = self.stats.routed.to(self.expert_bias.dtype)
         self.expert_bias -= self.cfg.bias_gamma * torch.sign(load - load.mean())
 
 

@@ -61,7 +61,7 @@ def _holders(strategy):
 
 
 def _gather_flat(shard: torch.Tensor, flat, group, comm) -> torch.Tensor:
-    whole = flat.empty(torch.float32, shard.device)
+    whole = flat.empty(shard.dtype, shard.device)
     if group is None:
         whole.copy_(shard)
     else:

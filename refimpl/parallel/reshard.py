@@ -30,24 +30,12 @@ def save_checkpoint(state: dict[str, torch.Tensor], path) -> None:
 
 def placed_state_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict[str, torch.Tensor]:
     """On one rank: place `cfg.init_state` under `cfg`'s layout, then gather it back, untrained."""
-    from refimpl.mesh import Mesh
-    from refimpl.model import build_model
-    from refimpl.parallel import get_strategy
-    from refimpl.strategy import RunContext
-    from refimpl.train import _backend_and_device, resolve_layout
+    from refimpl.parallel.optim_reshard import full_optimizer_state
+    from refimpl.train import setup_rank
 
-    cfg = resolve_layout(cfg)
-    backend, device = _backend_and_device(cfg)     # the same placement as refimpl.train's ranks
-    ctx = RunContext(rank, world_size, backend, device, cfg, Mesh(cfg.dims, rank))
-    reference = build_model(cfg.model, cfg.seed)
-    reference.load_state_dict(torch.load(cfg.init_state, map_location="cpu"))
-    strategy = get_strategy(cfg.strategy)(ctx)
-    strategy.setup(reference)
+    _, strategy, _ = setup_rank(rank, world_size, cfg)   # exactly as refimpl.train's ranks place it
     if cfg.init_optimizer_state is None:
         return strategy.full_state_dict()
-    from refimpl.parallel.optim_reshard import full_optimizer_state, load_optimizer_state
-
-    load_optimizer_state(strategy, torch.load(cfg.init_optimizer_state, map_location="cpu"))
     return {"weights": strategy.full_state_dict(), "optimizer": full_optimizer_state(strategy)}
 
 

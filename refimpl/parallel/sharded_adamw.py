@@ -30,10 +30,11 @@ class ShardedAdamW:
         if offload:
             host = torch.device("cpu")
             pin = shard.device.type == "cuda"  # pinned host memory: faster, async-capable copies
-            self.master = nn.Parameter(torch.empty(shard.shape, device=host, pin_memory=pin))
+            self.master = nn.Parameter(torch.empty(shard.shape, dtype=shard.dtype, device=host,
+                                                      pin_memory=pin))
             with torch.no_grad():
                 self.master.copy_(shard)
-            self.master.grad = torch.zeros(shard.shape, device=host, pin_memory=pin)
+            self.master.grad = torch.zeros(shard.shape, dtype=shard.dtype, device=host, pin_memory=pin)
         else:
             # A Parameter made from a view shares its storage: the update lands in the flat buffer.
             self.master = nn.Parameter(shard)

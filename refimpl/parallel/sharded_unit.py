@@ -46,8 +46,9 @@ class ShardedUnit:
         self.device, self.compute_dtype = device, compute_dtype
         self.flat = FlatParams(named_params, world_size)
         with torch.no_grad():
-            whole = self.flat.flatten([p.detach() for p in self.flat.params], torch.float32, device)
-            # The optimizer's parameter: fp32, this rank's slice only. Its .grad is the grad shard.
+            whole = self.flat.flatten([p.detach() for p in self.flat.params], device=device)
+            # The optimizer's parameter: the master dtype (the parameters' own: fp32, or float64
+            # under --dtype float64), this rank's slice only. Its .grad is the grad shard.
             self.master = nn.Parameter(self.flat.shard(whole, rank).clone().to(master_device))
         self.master.grad = torch.zeros_like(self.master)
         # The gathered buffer, allocated once and then freed/refilled; parameters view into it.
@@ -131,11 +132,11 @@ class ShardedUnit:
         (FSDP's MixedPrecision reduce_dtype; torchtitan's default). Returns a `finish` callable
         that waits for the collective and adds the shard, averaged over ranks, to the master grad.
         """
-        send = self.grad_full.to(torch.float32)     # a copy under bf16, the buffer itself in fp32
+        send = self.grad_full.to(self.flat.dtype)   # a copy under bf16, the buffer itself otherwise
         for p in self.flat.params:
             p.grad = None
         self.grad_full = None
-        shard = torch.empty(self.flat.shard_numel, dtype=torch.float32, device=self.device)
+        shard = torch.empty(self.flat.shard_numel, dtype=self.flat.dtype, device=self.device)
         if self.group is None:
             shard.copy_(send)
             async_op = False
@@ -161,8 +162,8 @@ class ShardedUnit:
     # --- gathering back -----------------------------------------------------------------------------
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Reference names -> full fp32 tensors on the CPU. Collective: all ranks call it."""
-        whole = self.flat.empty(torch.float32, self.device)
+        """Reference names -> full master-dtype tensors on the CPU. Collective: all ranks call it."""
+        whole = self.flat.empty(device=self.device)
         if self.group is None:
             whole.copy_(self.master.detach())
         else:

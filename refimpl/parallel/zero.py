@@ -178,7 +178,8 @@ class Zero2(ZeroDataParallel):
         # The only gradient memory that outlives a step: this rank's shard -- on the host under
         # offload (ZeRO-Offload streams the reduced gradients straight to the CPU optimizer).
         self.grad_shard = (self.optimizer.master.grad if self.optimizer.offload else
-                           torch.zeros(self.layout.shard_numel, device=self.ctx.device))
+                           torch.zeros(self.layout.shard_numel, dtype=self.layout.dtype,
+                                       device=self.ctx.device))
         self.stream = None
         if self.overlap:
             self.stream = StreamingReduce(self.layout, float(self.option("bucket_mb")) * MiB,
@@ -199,7 +200,7 @@ class Zero2(ZeroDataParallel):
         flat_grad = self.layout.flatten([p.grad for p in params], device=self.ctx.device)
         for p in params:
             p.grad = None
-        summed = torch.empty(self.layout.shard_numel, device=self.ctx.device)
+        summed = torch.empty(self.layout.shard_numel, dtype=flat_grad.dtype, device=self.ctx.device)
         self.reduce_scatter_into(summed, flat_grad)
         self.grad_shard.copy_(summed)
 
@@ -243,7 +244,8 @@ class StreamingReduce:
             self._next += 1
 
     def _launch(self, bucket) -> None:
-        buf = torch.zeros(bucket.numel, device=self.grad_shard.device)   # zeros: the padding
+        buf = torch.zeros(bucket.numel, dtype=self.grad_shard.dtype,   # zeros: the padding
+                          device=self.grad_shard.device)
         for i in bucket.params:
             slot, p = self.layout.slots[i], self.layout.params[i]
             lo, hi = max(bucket.start, slot.offset), min(bucket.end, slot.offset + slot.numel)
