@@ -85,6 +85,12 @@ class Equivalence:
     def ok(self) -> bool:
         return self.loss_rel_err <= self.loss_tolerance and self.weight_rel_err <= self.tolerance
 
+    def row(self) -> dict:
+        """One table row for a notebook: the errors beside the gates they are held to."""
+        return {"loss rel. err": self.loss_rel_err, "weights rel. err": self.weight_rel_err,
+                "weight gate": self.tolerance, "worst single tensor": self.worst_tensor_rel_err,
+                "ok": self.ok}
+
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()

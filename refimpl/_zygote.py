@@ -1,0 +1,88 @@
+"""A warm process that forks CPU ranks for `refimpl.launch.run` (python -m refimpl._zygote).
+
+Importing torch costs ~2 s of CPU in every fresh interpreter; a 4-rank launch on a 2-core machine
+paid ~4 s before any rank computed, and a test suite or a notebook launches hundreds of times. This
+process imports torch once (with OMP_NUM_THREADS=1 already in its environment, so the ranks it
+forks get one thread each, as `launch` promises) and then forks one child per rank on request. A
+child becomes exactly what `python -m refimpl._rank` would have been: its own session (so the
+launcher can kill its whole process group), stdout/stderr in the launcher's files, the launcher's
+environment and working directory, and then `refimpl._rank.main()`. refimpl itself is imported by
+each child, not here, so edits to refimpl take effect at the next launch as before.
+
+Protocol, one line each way (JSON requests on stdin; replies on stdout):
+    {"env": {...}, "cwd": "...", "stdout": "path", "stderr": "path"}  ->  "pid <pid>"
+    and, whenever a child exits:                                      ->  "exit <pid> <code>"
+(<code> as subprocess reports it: the exit status, or minus the signal that killed it.)
+The zygote never runs a torch operation and never touches CUDA, so forking it is safe; it exits
+when the launcher closes its stdin or dies (the kernel kills it, as it kills the ranks).
+"""
+import json
+import os
+import select
+import sys
+
+
+def _child(request: dict) -> None:
+    os.setsid()                          # its own process group: the launcher kills it whole
+    from refimpl._rank import _die_with_parent, main
+
+    _die_with_parent()                   # the zygote dies with the launcher, the rank with it
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for fd, target in ((devnull, 0), (out, 1), (err, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    main()                               # ends in os._exit
+
+
+def _exit_code(status: int) -> int:
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def serve() -> None:
+    from refimpl._rank import _die_with_parent
+
+    _die_with_parent()
+    import cloudpickle  # noqa: F401  the expensive imports, paid once for every rank forked
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+
+    reply = sys.stdout
+    reply.write("ready\n")
+    reply.flush()
+    children: set[int] = set()
+    pending = b""
+    while True:
+        readable, _, _ = select.select([0], [], [], 0.02)
+        if readable:
+            chunk = os.read(0, 65536)
+            if not chunk:                    # the launcher closed the pipe: done
+                break
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                pid = os.fork()
+                if pid == 0:
+                    try:
+                        _child(request)
+                    finally:
+                        os._exit(1)
+                children.add(pid)
+                reply.write(f"pid {pid}\n")
+                reply.flush()
+        for pid in list(children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                children.discard(pid)
+                reply.write(f"exit {pid} {_exit_code(status)}\n")
+                reply.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    serve()
