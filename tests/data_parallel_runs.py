@@ -18,18 +18,19 @@ from refimpl.parallel.equivalence import (FP64_TOLERANCE, compare_with_single, r
                                           reference_run)
 from refimpl.strategy import TrainConfig
 from refimpl.train import train_on_ranks, train_several_on_ranks
+from tests.models import SMALL
 
 STEPS = 3
 # The equivalence runs are float64 (refimpl.parallel.equivalence: a 1e-9 gate that no processor's
 # BLAS can move); the bf16 runs keep fp32 master weights. Bytes per element of each:
 ELEMENT = {"float64": 8, "float32": 4}
-SMALL_BUCKETS = {"bucket_mb": 0.25}          # several buckets on the 5.6 MB model
+SMALL_BUCKETS = {"bucket_mb": 0.25}          # several buckets on SMALL's 1.7 MB of float64
 WORK = Path(tempfile.mkdtemp(prefix="refimpl-dp-tests-"))   # traces and the checkpoint
 atexit.register(shutil.rmtree, WORK, ignore_errors=True)
 
 
 def base(world: int, strategy: str, **changes) -> TrainConfig:
-    return TrainConfig(strategy=strategy, nproc=world, steps=STEPS, dtype="float64",
+    return TrainConfig(strategy=strategy, nproc=world, steps=STEPS, dtype="float64", model=SMALL,
                        global_batch=12 if world == 3 else 8, return_state=True).with_(**changes)
 
 
@@ -97,6 +98,6 @@ def single_accumulating(world: int, global_batch: int) -> dict:
     """`single` with one micro-batch per rank's rows, in one thread like a rank: each micro-step's
     gradient is computed with exactly the arithmetic a data-parallel rank uses, and with 2 ranks
     the sum of two halves is the same in any order -- so DP must be bit-exact with it."""
-    return train_on_ranks(TrainConfig(steps=STEPS, global_batch=global_batch, dtype="float64",
+    return train_on_ranks(TrainConfig(steps=STEPS, global_batch=global_batch, dtype="float64", model=SMALL,
                                       micro_batches=world, return_state=True,
                                       device=ranks_device(world)))

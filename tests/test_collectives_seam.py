@@ -10,13 +10,14 @@ import pytest
 from refimpl.parallel.equivalence import FP64_TOLERANCE, compare_states, reference_run
 from refimpl.strategy import TrainConfig
 from refimpl.train import train_several_on_ranks
+from tests.models import SMALL
 
 STRATEGIES = ["dp", "zero2", "zero3"]
 
 
 def _configs(world):
     return [TrainConfig(strategy=s, nproc=world, steps=3, global_batch=12 if world == 3 else 8,
-                        collectives="refimpl", return_state=True, dtype="float64",
+                        collectives="refimpl", return_state=True, dtype="float64", model=SMALL,
                         options={"bucket_mb": 0.25} if s != "zero3" else {})
             for s in STRATEGIES]
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from refimpl.launch import run
+from tests.models import SMALL
 from refimpl.model import attention
 from refimpl.parallel.cp import (chunk_ids, score_blocks_per_rank, shard_sequence,
                                  unshard_sequence)
@@ -108,7 +109,8 @@ def test_loop_with_context_parallel_equals_single(strategy, nproc, cp, checkpoin
     from refimpl.strategy import TrainConfig
 
     eq = compare_with_single(TrainConfig(strategy=strategy, nproc=nproc, cp=cp, steps=3,
-                                         activation_checkpointing=checkpointing, dtype="float64"))
+                                         activation_checkpointing=checkpointing, dtype="float64",
+                                         model=SMALL))
     assert eq.tolerance == FP64_TOLERANCE and eq.ok, eq
 
 

@@ -15,6 +15,7 @@ from refimpl.mesh import LayoutError, ParallelDims, describe_grid
 from refimpl.parallel.equivalence import FP64_TOLERANCE, compare_states, reference_run
 from refimpl.strategy import TrainConfig
 from refimpl.train import validate
+from tests.models import SMALL
 
 DP_FAMILY = ["dp-naive", "dp", "zero1", "zero2", "zero3", "fsdp", "torch-ddp", "torch-zero1",
              "torch-fsdp2"]
@@ -83,6 +84,7 @@ def _train_guarded(rank, world_size, cfgs):
 @pytest.fixture(scope="module")
 def replica_runs():
     cfgs = [TrainConfig(strategy=s, nproc=4, replicas=2, steps=3, return_state=True, dtype="float64",
+                        model=SMALL,
                         options={"bucket_mb": 0.25} if s in ("dp", "zero1", "zero2") else {})
             for s in DP_FAMILY]
     for cfg in cfgs:

@@ -2,6 +2,7 @@
 dp x tp x pp x cp, each ZeRO stage, with and without activation checkpointing and sequence
 parallelism) is predicted by refimpl.plan and then run, and the predicted memory per rank must
 match the measured one (the loop counts the tensors a rank holds and the activations it saves).
+Here the 33 layouts with activation checkpointing; notebook 09 asserts the other 33.
 
 Memory is deterministic, so it is asserted here. Step time is wall time: the same table with
 measured step times is scripts/bench_plan_cpu.py's (never a test); its model's parts that do not
@@ -23,7 +24,9 @@ MEMORY_MARGIN = 0.20    # layouts whose measured memory differs by more than 20%
 
 @pytest.fixture(scope="module")
 def measured():
-    table = cpu_layouts(HW, world_size=4)
+    # The layouts with activation checkpointing; notebook 09 asserts the same on the other 33
+    # (recompute="none"), so together every layout is checked once (each costs ~1 s of set-up).
+    table = cpu_layouts(HW, world_size=4, recompute=("full",))
     return measure_cpu_layouts(table, world_size=4, steps=1)
 
 
@@ -32,7 +35,7 @@ def test_every_runnable_layout_is_in_the_table(measured):
     # every way to lay 4 ranks on the four axes, except tp x cp (refused before launch)
     assert grids == {(4, 1, 1, 1), (1, 4, 1, 1), (1, 1, 4, 1), (1, 1, 1, 4), (2, 2, 1, 1),
                      (2, 1, 2, 1), (2, 1, 1, 2), (1, 2, 2, 1), (1, 1, 2, 2)}
-    assert set(measured.zero_stage) == {0, 1, 2, 3} and set(measured.recompute) == {"none", "full"}
+    assert set(measured.zero_stage) == {0, 1, 2, 3} and set(measured.recompute) == {"full"}
     assert measured.sequence_parallel.any()
     assert len(measured) == len({layout_name(r) for _, r in measured.iterrows()})
 

@@ -5,6 +5,7 @@ One launch per world size; on 4 ranks every collective is also checked to carry 
 (tests/test_mesh.py's guard), including a layout of two independent tp pairs side by side.
 """
 import functools
+from dataclasses import replace
 
 import pytest
 
@@ -14,12 +15,13 @@ from refimpl.model import GPTConfig
 from refimpl.parallel.equivalence import FP64_TOLERANCE, compare_states, compare_with_single
 from refimpl.strategy import LayoutError, TrainConfig
 from refimpl.train import merge_results, resolve_layout, train_several_on_ranks, validate
+from tests.models import SMALL
 from tests.test_mesh import _train_guarded
 
 
 def base(world, strategy, **kw):
     return TrainConfig(strategy=strategy, nproc=world, steps=3, return_state=True,
-                       dtype="float64").with_(**kw)
+                       dtype="float64", model=SMALL).with_(**kw)
 
 
 RUNS = {
@@ -27,7 +29,7 @@ RUNS = {
         "torch-tp": base(2, "torch-tp"), "torch-tp+sp": base(2, "torch-tp", sequence_parallel=True),
         "tp+sp, refimpl collectives": base(2, "tp", sequence_parallel=True, collectives="refimpl")},
     4: {"tp": base(4, "tp"), "tp+sp": base(4, "tp", sequence_parallel=True),
-        "tp vocab 510": base(4, "tp", model=GPTConfig(vocab_size=510)),
+        "tp vocab 126": base(4, "tp", model=replace(SMALL, vocab_size=126)),   # padded to 128
         "zero1 --tp 2": base(4, "zero1", tp=2),
         "dp --tp 2 +sp micro2": base(4, "dp", tp=2, sequence_parallel=True, micro_batches=2),
         "tp, 2 replicas": base(4, "tp", replicas=2),

@@ -20,6 +20,7 @@ from refimpl.trace.profiling import comm_table, load_trace, summarize
 from refimpl.strategy import LayoutError, TrainConfig
 from refimpl.trace.memory_events import train_several_recording_memory
 from refimpl.train import validate
+from tests.models import SMALL
 
 STEPS = 3
 # The "fp32" runs below are float64 (the equivalence gate of refimpl.parallel.equivalence holds on
@@ -30,7 +31,7 @@ ELEMENT = 8
 def config(strategy: str, nproc: int, *, trace_dir=None, **kw) -> TrainConfig:
     options = kw.pop("options", {})
     kw["dtype"] = "float64" if kw.get("mixed_precision", "fp32") == "fp32" else "float32"
-    return TrainConfig(strategy=strategy, nproc=nproc, steps=STEPS,
+    return TrainConfig(strategy=strategy, nproc=nproc, steps=STEPS, model=SMALL,
                        global_batch=12 if nproc == 3 else 8, profile=trace_dir is not None,
                        trace_dir=trace_dir, return_state=True, options=dict(options), **kw)
 
@@ -128,7 +129,7 @@ def test_options_combine():
 
 
 def unit_sizes() -> list[int]:
-    model = build_model(GPTConfig(), 0)
+    model = build_model(SMALL, 0)
     return [sum(p.numel() for _, m in mods for p in m.parameters()) for _, mods in gpt_units(model)]
 
 
@@ -141,7 +142,7 @@ def test_model_state_matches_zero3_arithmetic_to_the_byte(strategy, nproc, optio
     for mem in run(strategy, nproc, options)["memory"]:
         assert (mem["params"], mem["grads"], mem["optimizer"]) == (
             predicted.params, predicted.grads, predicted.optimizer)
-    n_params = count_params(build_model(GPTConfig(), 0))
+    n_params = count_params(build_model(SMALL, 0))
     assert sum(unit_sizes()) == n_params
     if nproc == 3:   # per-unit padding never costs less than one flat buffer's
         assert predicted.params >= model_state_bytes(n_params, dp=3, zero_stage=3,
