@@ -175,5 +175,19 @@ def main(argv=None) -> int:
     return 0
 
 
+def _exit(code: int) -> None:
+    """Under torchrun this process was a rank: once its result is printed, leave without the
+    interpreter's teardown, where C++ destructors of leftover distributed objects have been seen
+    to abort ("terminate called without an active exception", SIGABRT) after a successful run,
+    which torchrun then reports as FAILED (refimpl._rank leaves the same way)."""
+    from refimpl.launch import under_torchrun
+
+    if under_torchrun():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())
