@@ -14,7 +14,8 @@ Protocol, one line each way (JSON requests on stdin; replies on stdout):
     and, whenever a child exits:                                      ->  "exit <pid> <code>"
 (<code> as subprocess reports it: the exit status, or minus the signal that killed it.)
 The zygote never runs a torch operation and never touches CUDA, so forking it is safe; it exits
-when the launcher closes its stdin or dies (the kernel kills it, as it kills the ranks).
+when the launcher closes its stdin or dies (its end of the pipe closes; the ranks then die
+with the zygote, by PR_SET_PDEATHSIG).
 """
 import json
 import os
@@ -44,9 +45,9 @@ def _exit_code(status: int) -> int:
 
 
 def serve() -> None:
-    from refimpl._rank import _die_with_parent
-
-    _die_with_parent()
+    # No PR_SET_PDEATHSIG here: Linux sends it when the *thread* that started us exits, and the
+    # launcher may start us from a short-lived thread (a progress bar's worker). We leave when the
+    # launcher's end of our stdin closes instead, which happens however the launcher dies.
     # The expensive imports, paid once for every rank forked: torch (~2 s of CPU), and the parts
     # a rank pulls in lazily, of which torch._dynamo (imported by the first optimizer) is another
     # ~2.5 s. Nothing here runs an operation, starts a thread pool or touches a GPU.

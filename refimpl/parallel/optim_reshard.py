@@ -105,14 +105,16 @@ def load_optimizer_state(strategy, saved: dict) -> None:
     sharded = placements(strategy.model)
     mesh = strategy.mesh
 
-    def local(m, name, shape, device):
-        return _this_ranks_slice(saved[m][name], shape, sharded.get(name), mesh).to(device)
+    def local(m, name, shape, device, dtype):   # in the master's dtype (fp32 saved, float64 run)
+        return _this_ranks_slice(saved[m][name], shape, sharded.get(name), mesh).to(device, dtype)
 
     for opt, master, flat, _, index, name in _holders(strategy):
         if flat is None:
-            moments = {m: local(m, name, master.shape, master.device).clone() for m in MOMENTS}
+            moments = {m: local(m, name, master.shape, master.device, master.dtype).clone()
+                       for m in MOMENTS}
         else:
-            moments = {m: flat.shard(flat.flatten([local(m, s.name, s.shape, master.device)
+            moments = {m: flat.shard(flat.flatten([local(m, s.name, s.shape, master.device,
+                                                         master.dtype)
                                                    for s in flat.slots], device=master.device),
                                      index).clone() for m in MOMENTS}
         opt.state[master] = {"step": torch.tensor(float(saved["step"])), **moments}
