@@ -48,10 +48,15 @@ lab: install
 env: install
 	$(BIN)/python -m refimpl env
 
-# One thread per process: ranks and the in-process reference share the machine's cores.
+# One thread per process: ranks and the in-process reference share the machine's cores. Two
+# xdist workers (TEST_WORKERS): a multi-rank test leaves cores idle while its ranks wait on each
+# other; tests/conftest.py keeps each module (and modules sharing runs) on one worker, and each
+# notebook runs whole in one kernel.
+TEST_WORKERS ?= 2
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/ -q
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --nbval-lax notebooks/ -q -p no:cacheprovider
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/ -q -n $(TEST_WORKERS) --dist loadgroup
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --nbval-lax notebooks/ -q -p no:cacheprovider \
+		-n $(TEST_WORKERS) --dist loadfile
 
 tensorboard: install
 	$(BIN)/tensorboard --logdir profiles --host 127.0.0.1 --port $(PORT)
