@@ -17,7 +17,7 @@ PIP_FROM := $(if $(WHEELS),--no-index --find-links $(WHEELS),)
 # jupyter refuses to start as root without --allow-root (containers and GPU images run as root)
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: install lab test test-unit test-notebooks tensorboard bench report e2e gpu-check gpu-wheels env clean
+.PHONY: install lab lint test tensorboard bench report e2e gpu-check gpu-wheels env clean
 
 install: $(STAMP)
 
@@ -35,7 +35,7 @@ else
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q $(PIP_FROM) --upgrade pip
 	$(BIN)/python -m pip install -q $(PIP_FROM) "torch==2.13.0"
-	$(BIN)/python -m pip install -q $(PIP_FROM) $(if $(WHEELS),--no-build-isolation,) -e ".[notebooks]"
+	$(BIN)/python -m pip install -q $(PIP_FROM) $(if $(WHEELS),--no-build-isolation,) -e ".[notebooks,dev]"
 endif
 	touch $(STAMP)
 
@@ -53,10 +53,16 @@ env: install
 # other; tests/conftest.py keeps each module (and modules sharing runs) on one worker, and each
 # notebook runs whole in one kernel.
 TEST_WORKERS ?= 2
-test: install
+test: install lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/ -q -n $(TEST_WORKERS) --dist loadgroup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --nbval-lax notebooks/ -q -p no:cacheprovider \
 		-n $(TEST_WORKERS) --dist loadfile
+
+# ruff (pinned in the dev extra, configured in pyproject.toml): pyflakes and import order. A
+# TORCH=system venv may lack it (the GPU wheels leave it out): then it says so and skips.
+lint: install
+	@if $(BIN)/python -m ruff --version >/dev/null 2>&1; then $(BIN)/python -m ruff check .; \
+	else echo "lint: ruff is not installed in $(VENV) (the dev extra); skipped"; fi
 
 tensorboard: install
 	$(BIN)/tensorboard --logdir profiles --host 127.0.0.1 --port $(PORT)

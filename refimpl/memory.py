@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 
 import torch
 

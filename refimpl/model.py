@@ -17,7 +17,7 @@ notebook 00 measures against Korthikanti et al. 2022.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn

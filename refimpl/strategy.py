@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from refimpl.memory import ModelStateBytes
 from refimpl.mesh import LayoutError, Mesh, ParallelDims
-from refimpl.model import Batch, GPT, GPTConfig, lm_loss
+from refimpl.model import GPT, Batch, GPTConfig, lm_loss
 from refimpl.step import forward_backward, global_mean_loss
 from refimpl.trace.profiling import phase
 
@@ -278,7 +278,7 @@ class Strategy(ABC):
         self.sync_gradients()
         with phase("optimizer"):
             self.optimizer_step()
-        from refimpl.parallel.moe import update_expert_bias   # (refimpl.parallel imports us)
+        from refimpl.parallel.moe import update_expert_bias  # (refimpl.parallel imports us)
 
         update_expert_bias(self.model)     # balance=bias (DeepSeek-V3): after the step; else no-op
         return global_mean_loss(local, self.mesh, self.comm)

@@ -23,10 +23,10 @@ from refimpl.numerics import exact_fp32_on_cuda
 from refimpl.parallel import get_strategy
 from refimpl.parallel.moe import moe_step_record
 from refimpl.parallel.transforms import validate_model_parallel
+from refimpl.strategy import RunContext, Strategy, TrainConfig
 from refimpl.trace.memory_events import StepPeak
 from refimpl.trace.profiling import StepProfiler, profiles_root
 from refimpl.trace.run_record import record_run
-from refimpl.strategy import RunContext, Strategy, TrainConfig
 
 
 def resolve_layout(cfg: TrainConfig) -> TrainConfig:

@@ -21,8 +21,14 @@ import time
 
 import pandas as pd
 
-from refimpl.plan.cpu import (calibrated_cpu_preset, comparison_view, cpu_layouts, layout_name,
-                              measure_cpu_layouts, ranking_agreement)
+from refimpl.plan.cpu import (
+    calibrated_cpu_preset,
+    comparison_view,
+    cpu_layouts,
+    layout_name,
+    measure_cpu_layouts,
+    ranking_agreement,
+)
 
 
 def parse(argv=None):

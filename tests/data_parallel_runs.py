@@ -14,8 +14,7 @@ from pathlib import Path
 
 import torch
 
-from refimpl.parallel.equivalence import (FP64_TOLERANCE, compare_with_single, ranks_device,
-                                          reference_run)
+from refimpl.parallel.equivalence import FP64_TOLERANCE, compare_with_single, ranks_device, reference_run
 from refimpl.strategy import TrainConfig
 from refimpl.train import train_on_ranks, train_several_on_ranks
 from tests.models import SMALL

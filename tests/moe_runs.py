@@ -12,8 +12,12 @@ import torch.distributed as dist
 
 from refimpl import launch
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
-from refimpl.parallel.expert_parallel import (all_to_all_bytes, gather_expert_state_dict,
-                                              is_expert_param, parallelize_experts)
+from refimpl.parallel.expert_parallel import (
+    all_to_all_bytes,
+    gather_expert_state_dict,
+    is_expert_param,
+    parallelize_experts,
+)
 from refimpl.parallel.moe import moe_aux_loss, moe_layers, update_expert_bias
 
 BASE = GPTConfig(vocab_size=96, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4)
@@ -74,8 +78,8 @@ def _name(cfg: GPTConfig) -> str:
 
 
 def _all_cases_rank(rank: int, world: int, use_refimpl_comm: bool = False) -> dict:
-    from refimpl.comm import CommCounter
     import refimpl.comm as rcomm
+    from refimpl.comm import CommCounter
 
     group = dist.new_group(list(range(world)))
     results = {name: train_moe(case_config(name), rank, world, group) for name in CASES}

@@ -45,8 +45,8 @@ def _async_checks(rank: int, world_size: int) -> dict:
 
 def _all_checks(rank: int, world_size: int) -> dict:
     from refimpl.comm import primitives
-    from refimpl.comm.versus_torch import compare_with_torch
     from refimpl.comm.traffic import all_reduce_messages, measure_sent
+    from refimpl.comm.versus_torch import compare_with_torch
 
     out = {"rows": compare_with_torch(rank, world_size),
            "messages": all_reduce_messages(rank, world_size, 1200),

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from refimpl.launch import run
-from tests.models import SMALL
 from refimpl.model import attention
-from refimpl.parallel.cp import (chunk_ids, score_blocks_per_rank, shard_sequence,
-                                 unshard_sequence)
+from refimpl.parallel.cp import chunk_ids, score_blocks_per_rank, shard_sequence, unshard_sequence
+from tests.models import SMALL
 
 BATCH, SEQ, HEADS, HEAD_DIM = 2, 32, 4, 8
 

@@ -5,16 +5,15 @@ All runs of a world size share one launch (tests/data_parallel_runs.py).
 import pytest
 import torch
 
-from refimpl.parallel.equivalence import compare_states
 from refimpl.memory import model_state_bytes
 from refimpl.model import GPTConfig, build_model
+from refimpl.parallel.equivalence import compare_states
 from refimpl.parallel.flat_param import FlatParams
 from refimpl.parallel.grad_buckets import assign_buckets
-from refimpl.trace.profiling import load_trace, summarize
 from refimpl.strategy import LayoutError, TrainConfig
+from refimpl.trace.profiling import load_trace, summarize
 from refimpl.train import validate
-from tests.data_parallel_runs import (ELEMENT, assert_matches_single, reference, runs_on,
-                                      single_accumulating)
+from tests.data_parallel_runs import ELEMENT, assert_matches_single, reference, runs_on, single_accumulating
 
 DP = ["dp-naive", "dp", "dp-micro2", "torch-ddp"]
 

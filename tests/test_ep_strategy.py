@@ -8,8 +8,7 @@ import pytest
 
 from refimpl.model import GPTConfig
 from refimpl.parallel.equivalence import FP64_TOLERANCE, compare_with_single, reference_run
-from refimpl.parallel.expert_load import (all_to_all_frame, dropped_by_step, expert_frame,
-                                          rank_frame)
+from refimpl.parallel.expert_load import all_to_all_frame, dropped_by_step, expert_frame, rank_frame
 from refimpl.strategy import TrainConfig
 from refimpl.train import train_several_on_ranks
 

@@ -4,8 +4,13 @@ import math
 import pytest
 import torch
 
-from refimpl.memory import (GB, ActivationTracker, activation_bytes_per_layer, model_state_bytes,
-                            training_flops)
+from refimpl.memory import (
+    GB,
+    ActivationTracker,
+    activation_bytes_per_layer,
+    model_state_bytes,
+    training_flops,
+)
 from refimpl.strategy import TrainConfig
 from refimpl.train import train_on_ranks
 

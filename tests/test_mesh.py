@@ -65,6 +65,7 @@ def test_bad_grids_fail_before_launch_with_one_line(changes, words):
 def _train_guarded(rank, world_size, cfgs):
     """train_rank for each configuration, recording collectives issued without a group."""
     import torch.distributed as dist
+
     from refimpl.train import train_rank
 
     ungrouped = []

@@ -7,10 +7,15 @@ import torch.distributed as dist
 
 from refimpl.model import GPT, GPTConfig, build_model, count_params
 from refimpl.parallel.equivalence import FP64_TOLERANCE, compare_states, relative_error
-from refimpl.parallel.moe import (MoEMLP, expert_capacity, moe_aux_loss, route, switch_aux_loss,
-                                  within_capacity)
+from refimpl.parallel.moe import (
+    MoEMLP,
+    expert_capacity,
+    moe_aux_loss,
+    route,
+    switch_aux_loss,
+    within_capacity,
+)
 from tests.moe_runs import BASE, CASES, runs_on, single
-
 
 # --- the router ------------------------------------------------------------------------------------
 

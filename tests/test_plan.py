@@ -36,7 +36,8 @@ def test_published_grid_is_among_the_best_few(megatron_table):
 
 
 def test_gpt3_on_1024_gpus_takes_about_34_days():
-    from refimpl.plan.models import GPT3_ON_1024 as g, training_days_of
+    from refimpl.plan.models import GPT3_ON_1024 as g
+    from refimpl.plan.models import training_days_of
 
     shape, _ = MODELS[g["model"]]
     df = plan(**shape.to_dict(), global_batch=g["global_batch"], gpus=g["gpus"], **TECHNIQUES_2021)
@@ -100,7 +101,7 @@ def test_cli_prints_the_seeds_70b_table(capsys):
     best = plan(**shape.to_dict(), global_batch=batch, gpus=64).iloc[0]
     assert lines[1].split()[:4] == [str(best.dp), str(best.tp), str(best.pp), str(best.cp)]
     assert plan_main(["--model", "nope", "--gpus", "64"]) == 2
-    from refimpl.__main__ import main   # the same table through `python -m refimpl plan`
+    from refimpl.__main__ import main  # the same table through `python -m refimpl plan`
     assert main(["plan", "--model", "70b", "--gpus", "64", "--top", "3"]) == 0
     assert capsys.readouterr().out.strip().splitlines() == lines
     assert plan_main(["--layers", "2", "--d-model", "64", "--heads", "3", "--vocab", "10",

@@ -11,8 +11,15 @@ depend on the clock are checked below on fixed inputs.
 import pytest
 
 from refimpl.model import GPTConfig
-from refimpl.plan.cpu import (cpu_layouts, layout_name, measure_cpu_layouts, ranking_agreement,
-                              sp_grad_sync_s, stage_tensors, time_sliced_step)
+from refimpl.plan.cpu import (
+    cpu_layouts,
+    layout_name,
+    measure_cpu_layouts,
+    ranking_agreement,
+    sp_grad_sync_s,
+    stage_tensors,
+    time_sliced_step,
+)
 from refimpl.plan.hardware import cpu_preset
 from refimpl.plan.predict import Layout
 

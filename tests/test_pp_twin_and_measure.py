@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from refimpl.launch import run
 from refimpl.model import build_model, synthetic_batch
-from refimpl.parallel.pp_measure import (action_slots, predicted_activation_peak, profile_pipeline)
+from refimpl.parallel.pp_measure import action_slots, predicted_activation_peak, profile_pipeline
 from refimpl.parallel.pp_schedules import schedule_table
 from refimpl.parallel.pp_stage import build_chunks
 from refimpl.parallel.torch_pp import TorchPipeline, check_torch_layout

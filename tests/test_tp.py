@@ -13,7 +13,7 @@ from refimpl.parallel.placement import Shard
 from refimpl.parallel.tp import ColumnParallelLinear, RowParallelLinear
 from refimpl.parallel.tp_mappings import TPCommLog
 from refimpl.parallel.tp_model import tp_layout_problem
-from tests.tp_runs import B, BLOCK_CFG, S, checks_on
+from tests.tp_runs import BLOCK_CFG, B, S, checks_on
 
 VOCAB = {2: 512, 4: 510}           # 510 on 4 ranks: the vocabulary is padded to 512 and masked
 FP32 = 1e-6                        # one layer, one pass: fp32 round-off of a different sum order

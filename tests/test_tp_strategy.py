@@ -11,7 +11,6 @@ import pytest
 
 from refimpl import launch
 from refimpl.__main__ import main as cli
-from refimpl.model import GPTConfig
 from refimpl.parallel.equivalence import FP64_TOLERANCE, compare_states, compare_with_single
 from refimpl.strategy import LayoutError, TrainConfig
 from refimpl.train import merge_results, resolve_layout, train_several_on_ranks, validate

@@ -3,12 +3,11 @@ optimizer states (stage 1) and gradients (stage 2) partitioned across the ranks.
 import pytest
 import torch
 
-from refimpl.parallel.equivalence import compare_states
 from refimpl.memory import model_state_bytes
+from refimpl.parallel.equivalence import compare_states
 from refimpl.parallel.sharded_adamw import ShardedAdamW
 from refimpl.strategy import TrainConfig
-from tests.data_parallel_runs import (ELEMENT, assert_matches_single, reference, runs_on,
-                                      single_accumulating)
+from tests.data_parallel_runs import ELEMENT, assert_matches_single, reference, runs_on, single_accumulating
 
 ZERO = ["zero1", "zero2", "torch-zero1"]
 

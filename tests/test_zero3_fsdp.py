@@ -11,14 +11,14 @@ from functools import cache
 
 import pytest
 
-from refimpl.parallel.equivalence import FP64_TOLERANCE, compare_with_single
-from refimpl.memory import model_state_bytes, sharded_state_bytes
-from refimpl.model import GPTConfig, build_model, count_params
-from refimpl.parallel.zero3 import gpt_units
 from refimpl.cost.volume import total_volume
-from refimpl.trace.profiling import comm_table, load_trace, summarize
+from refimpl.memory import model_state_bytes, sharded_state_bytes
+from refimpl.model import build_model, count_params
+from refimpl.parallel.equivalence import FP64_TOLERANCE, compare_with_single
+from refimpl.parallel.zero3 import gpt_units
 from refimpl.strategy import LayoutError, TrainConfig
 from refimpl.trace.memory_events import train_several_recording_memory
+from refimpl.trace.profiling import comm_table, load_trace, summarize
 from refimpl.train import validate
 from tests.models import SMALL
 

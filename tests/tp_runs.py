@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 from refimpl import launch
-from refimpl.parallel.tp_checks import B, BLOCK_CFG, S, all_checks  # noqa: F401 (re-exported)
+from refimpl.parallel.tp_checks import BLOCK_CFG, B, S, all_checks  # noqa: F401 (re-exported)
 
 
 @functools.cache

@@ -24,8 +24,13 @@ from refimpl.comm.counter import CommCounter
 from refimpl.comm.linear import gather, scatter
 from refimpl.comm.p2p import irecv, isend, recv, send
 from refimpl.comm.pairwise import all_to_all, all_to_all_single
-from refimpl.comm.ring import (all_gather, all_gather_into_tensor, all_reduce, reduce_scatter,
-                               reduce_scatter_tensor)
+from refimpl.comm.ring import (
+                               all_gather,
+                               all_gather_into_tensor,
+                               all_reduce,
+                               reduce_scatter,
+                               reduce_scatter_tensor,
+)
 from refimpl.comm.tree import broadcast, reduce
 from refimpl.comm.work import Work
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from refimpl.comm.p2p import GroupView, exchange
 from refimpl.comm.reduce_ops import finish, reduce_into
 

@@ -28,8 +28,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from refimpl.cost.ceilings import (ceiling_for, copy_sweep, cuda_copy_bandwidth,  # noqa: F401
-                                   max_message_bytes, memcpy_bandwidth)
+from refimpl.cost.ceilings import (  # noqa: F401
+    ceiling_for,
+    copy_sweep,
+    cuda_copy_bandwidth,
+    max_message_bytes,
+    memcpy_bandwidth,
+)
 from refimpl.cost.collective_bytes import bytes_per_rank_factor
 from refimpl.launch import run
 

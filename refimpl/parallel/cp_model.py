@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from refimpl.model import Batch, GPT
+from refimpl.model import GPT, Batch
 from refimpl.parallel.cp import positions, ring_attention, shard_sequence
 
 

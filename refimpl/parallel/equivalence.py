@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from refimpl.strategy import TrainConfig
-from refimpl.train import resolve_layout, train_on_ranks
+from refimpl.train import train_on_ranks
 
 TOLERANCE = 1e-5
 # float64: reordered sums differ by ~1e-16 relative and AdamW's amplification leaves the weights

@@ -32,7 +32,9 @@ import torch.distributed as dist
 
 from refimpl.comm import p2p
 from refimpl.model import Batch, lm_loss
-from refimpl.parallel.pp_schedules import Action
+
+# schedule_table and bubble_fraction: DESIGN's contract names them here (refimpl.parallel.pp).
+from refimpl.parallel.pp_schedules import Action, bubble_fraction, schedule_table  # noqa: F401
 from refimpl.parallel.pp_stage import StageChunk
 from refimpl.parallel.pp_weight_grad import WeightGradRecord, record_weight_grads
 from refimpl.trace.profiling import comm_span, phase

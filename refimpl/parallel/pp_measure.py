@@ -29,7 +29,7 @@ from refimpl.memory import ActivationTracker
 from refimpl.model import GPTConfig, build_model, synthetic_batch
 from refimpl.parallel.pp import run_schedule
 from refimpl.parallel.pp_schedules import Action, schedule_table
-from refimpl.parallel.pp_simulate import idle_fraction, in_flight, simulate, Slot
+from refimpl.parallel.pp_simulate import Slot, idle_fraction, in_flight, simulate
 from refimpl.parallel.pp_stage import build_chunks
 from refimpl.trace.profiling import StepProfiler
 

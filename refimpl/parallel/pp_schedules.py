@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from refimpl.strategy import LayoutError
+from refimpl.mesh import LayoutError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 _ACTION = re.compile(r"^(?P<kind>[FBW])(?P<mb>\d+)(?:\.(?P<chunk>\d+))?$")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from refimpl.model import Batch, GPT
+from refimpl.model import GPT, Batch
 from refimpl.parallel.checkpointing import checkpoint_blocks
 from refimpl.parallel.torch_tp import TorchTensorParallel
 from refimpl.parallel.torch_tp_plan import torch_parallelize_tp

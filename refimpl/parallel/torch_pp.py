@@ -38,8 +38,12 @@ class TorchPipeline:
 
     def __init__(self, chunks: list[StageChunk], group, stages: int, schedule: str, micro_batches: int,
                  device: torch.device | str = "cpu"):
-        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B)
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
 
         rank = torch.distributed.get_rank(group)
         pieces = stages * len(chunks)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
-from refimpl.model import Batch, GPT, lm_loss
+from refimpl.model import GPT, Batch, lm_loss
 from refimpl.parallel.checkpointing import checkpoint_blocks
 from refimpl.parallel.torch_tp_plan import full_state_dict, torch_parallelize_tp
 from refimpl.strategy import LayoutError, Strategy, TrainConfig, make_optimizer

@@ -27,9 +27,14 @@ import torch.nn as nn
 def torch_parallelize_tp(model: nn.Module, mesh, sequence_parallel: bool = False) -> nn.Module:
     """Apply DTensor tensor parallelism over the 1-D DeviceMesh `mesh` (in place)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   PrepareModuleOutput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     t = mesh.size()
     sp = sequence_parallel and t > 1

@@ -33,11 +33,27 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from refimpl.model import attention
-from refimpl.trace.profiling import phase
 from refimpl.parallel.placement import Shard, set_placement
-from refimpl.parallel.tp_mappings import (copy_to_region, gather_from_sequence, gather_last_dim,
-                                          group_rank, group_size, mark_sequence_partial,
-                                          reduce_from_region, scatter_to_sequence, split_last_dim)
+from refimpl.parallel.tp_mappings import (
+    copy_to_region,
+    gather_from_sequence,
+    gather_last_dim,
+    group_rank,
+    group_size,
+    mark_sequence_partial,
+    reduce_from_region,
+    scatter_to_sequence,
+    split_last_dim,
+)
+from refimpl.trace.profiling import phase
+
+
+def default_group(group):
+    """`group=None` is the default (world) group, as everywhere in torch.distributed; only in a
+    process with no process group at all does None mean one rank (nothing split)."""
+    if group is None and dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return group
 
 
 def _rows(full: torch.Tensor, group, pad_to_multiple: bool) -> torch.Tensor:
@@ -82,6 +98,7 @@ class ColumnParallelLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, group=None, gather_output: bool = False, *,
                     sequence_parallel: bool = False, input_in_region: bool = False,
                     pad: bool = False, comm=None) -> "ColumnParallelLinear":
+        group = default_group(group)
         w = _rows(linear.weight.detach(), group, pad)
         b = _rows(linear.bias.detach(), group, pad) if linear.bias is not None else None
         return cls(w, b, group, out_full=linear.out_features, gather_output=gather_output,
@@ -121,6 +138,7 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, input_is_parallel: bool = True, *,
                     sequence_parallel: bool = False, comm=None) -> "RowParallelLinear":
+        group = default_group(group)
         w = _rows(linear.weight.detach().t(), group, pad_to_multiple=False).t().contiguous()
         b = linear.bias.detach().clone() if linear.bias is not None else None
         return cls(w, b, group, input_is_parallel=input_is_parallel,

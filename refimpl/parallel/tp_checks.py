@@ -17,8 +17,7 @@ import torch.nn as nn
 from refimpl.memory import measure_block_activations
 from refimpl.model import Block, GPTConfig, build_model, lm_loss, synthetic_batch
 from refimpl.parallel.placement import placement_of, unshard
-from refimpl.parallel.tp import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention,
-                                 RowParallelLinear)
+from refimpl.parallel.tp import ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, RowParallelLinear
 from refimpl.parallel.tp_mappings import TPCommLog, group_rank, is_sequence_partial
 from refimpl.parallel.tp_model import TPOnlyMesh, gather_tp_state_dict, parallelize_tp, tp_lm_loss
 from refimpl.strategy import TrainConfig, make_optimizer

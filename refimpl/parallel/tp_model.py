@@ -34,8 +34,12 @@ import torch.nn as nn
 
 from refimpl.parallel.placement import gather_full_state_dict
 from refimpl.parallel.tp import ColumnParallelLinear, ParallelMLP, ParallelSelfAttention
-from refimpl.parallel.tp_mappings import (all_reduce_grad_logged, group_size, is_sequence_partial,
-                                          mark_sequence_partial)
+from refimpl.parallel.tp_mappings import (
+    all_reduce_grad_logged,
+    group_size,
+    is_sequence_partial,
+    mark_sequence_partial,
+)
 from refimpl.parallel.tp_vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 

@@ -28,8 +28,7 @@ import torch.nn.functional as F
 
 from refimpl.parallel.placement import Shard, set_placement
 from refimpl.parallel.tp import _rows, exit_region
-from refimpl.parallel.tp_mappings import (all_reduce_logged, group_rank, group_size,
-                                          mark_sequence_partial)
+from refimpl.parallel.tp_mappings import all_reduce_logged, group_rank, group_size, mark_sequence_partial
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -15,5 +15,5 @@ cpu.py       the layouts that run on a few CPU ranks, predicted for comparison w
 from refimpl.plan.hardware import GPUS, Hardware, cpu_preset, get_hardware  # noqa: F401
 from refimpl.plan.models import MODELS, ModelShape, megatron_runs  # noqa: F401
 from refimpl.plan.predict import Layout, predict  # noqa: F401
-from refimpl.plan.search import best_per_grid, enumerate_layouts, plan  # noqa: F401
 from refimpl.plan.published import compare_with_megatron  # noqa: F401
+from refimpl.plan.search import best_per_grid, enumerate_layouts, plan  # noqa: F401

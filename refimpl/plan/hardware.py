@@ -143,8 +143,7 @@ def measure_cpu_preset(world_size: int = 2, max_bytes: int = 16 << 20) -> Hardwa
     the alpha-beta fit of torch's all_reduce on `world_size` gloo ranks (a short bench.sweep). The
     sweep goes to 16 MiB: up to 4 MiB the latency still dominates on 4 CPU ranks and the fitted
     beta swung from 2 to 30 GB/s between runs on the CI machine (0.75-1.3 GB/s to 16 MiB)."""
-    from refimpl.cost.bench import (busbw_factor, fit_alpha_beta, memcpy_bandwidth,
-                                    message_sizes, sweep)
+    from refimpl.cost.bench import busbw_factor, fit_alpha_beta, memcpy_bandwidth, message_sizes, sweep
 
     df = sweep(world_sizes=(world_size,), ops=("all_reduce",), impls=("torch",),
                sizes=message_sizes(1 << 10, max_bytes, 4), progress=False, backend="gloo")

@@ -6,7 +6,7 @@ so its parameter count is Narayanan et al. 2021's (§5.1, eq. in "FLOPs calculat
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from refimpl.memory import activation_bytes_per_layer, model_state_bytes
-from refimpl.mesh import AXES as GRID_AXES   # dp, pp, cp, tp: outermost to innermost
+from refimpl.mesh import AXES as GRID_AXES  # dp, pp, cp, tp: outermost to innermost
 from refimpl.plan.hardware import MEMORY_HEADROOM, Hardware
 from refimpl.plan.models import ModelShape
 

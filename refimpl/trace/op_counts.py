@@ -20,9 +20,8 @@ def profile_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
     from torch.profiler import ProfilerActivity, profile
 
     from refimpl.model import lm_loss
-    from refimpl.trace.profiling import phase
-
     from refimpl.trace.native_stderr import quiet_profiler_in_notebook
+    from refimpl.trace.profiling import phase
 
     with quiet_profiler_in_notebook(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         with phase("forward"):
