@@ -50,11 +50,11 @@ env: install
 
 # One thread per process: ranks and the in-process reference share the machine's cores. Two
 # xdist workers (TEST_WORKERS): a multi-rank test leaves cores idle while its ranks wait on each
-# other; tests/conftest.py keeps each module (and modules sharing runs) on one worker, and each
-# notebook runs whole in one kernel.
+# other. --dist loadfile keeps each module on one worker (its launch-once caches run once) and
+# each notebook whole in one kernel.
 TEST_WORKERS ?= 2
 test: install lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/ -q -n $(TEST_WORKERS) --dist loadgroup
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/ -q -n $(TEST_WORKERS) --dist loadfile
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --nbval-lax notebooks/ -q -p no:cacheprovider \
 		-n $(TEST_WORKERS) --dist loadfile
 

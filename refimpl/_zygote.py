@@ -13,6 +13,7 @@ Protocol, one line each way (JSON requests on stdin; replies on stdout):
     {"env": {...}, "cwd": "...", "stdout": "path", "stderr": "path"}  ->  "pid <pid>"
     and, whenever a child exits:                                      ->  "exit <pid> <code>"
 (<code> as subprocess reports it: the exit status, or minus the signal that killed it.)
+The launcher's half (refimpl/_zygote_client.py) starts it, asks it for ranks and reads their exits.
 The zygote never runs a torch operation and never touches CUDA, so forking it is safe; it exits
 when the launcher closes its stdin or dies (its end of the pipe closes; the ranks then die
 with the zygote, by PR_SET_PDEATHSIG).

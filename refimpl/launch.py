@@ -23,10 +23,8 @@ The contract (DESIGN.md):
 """
 from __future__ import annotations
 
-import atexit
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -37,6 +35,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import cloudpickle
+
+from refimpl import _zygote_client
 
 # Set on every child we start, so a nested `run` inside a rank is not mistaken for torchrun.
 _CHILD_MARK = "REFIMPL_RANK_CHILD"
@@ -144,123 +144,13 @@ def _start_rank(rank: int, world_size: int, backend: str, port: int, payload: Pa
         if sys.platform.startswith("linux"):
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     out, err = tmp / f"stdout{rank}.txt", tmp / f"stderr{rank}.txt"
-    zygote = _zygote(backend)
+    zygote = _zygote_client.for_backend(backend)
     if zygote is not None:      # forked from a warm interpreter: torch is already imported
         return _Rank(rank, zygote.start(env, out, err), out, err)
     with open(out, "wb") as fo, open(err, "wb") as fe:
         proc = subprocess.Popen([sys.executable, "-m", "refimpl._rank"], env=env, stdout=fo,
                                 stderr=fe, stdin=subprocess.DEVNULL, start_new_session=True)
     return _Rank(rank, proc, out, err)
-
-
-# --- the zygote: CPU ranks forked from one warm interpreter (refimpl/_zygote.py) --------------
-
-class _ForkedRank:
-    """A rank forked by the zygote, with the part of subprocess.Popen's interface we use."""
-
-    def __init__(self, zygote: "_Zygote", pid: int):
-        self.zygote, self.pid = zygote, pid
-
-    def poll(self) -> int | None:
-        code = self.zygote.exit_codes.get(self.pid)
-        if code is None and not self.zygote.alive() and not _pid_alive(self.pid):
-            return -signal.SIGKILL        # the zygote died; the kernel killed its children
-        return code
-
-    def wait(self) -> int:
-        while (code := self.poll()) is None:
-            time.sleep(0.005)
-        return code
-
-
-class _Zygote:
-    """The launcher's side of refimpl._zygote: start it once, ask it for ranks, read their exits."""
-
-    def __init__(self, env: dict):
-        import threading
-
-        self.env = env
-        self.proc = subprocess.Popen([sys.executable, "-m", "refimpl._zygote"], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
-        if self.proc.stdout.readline() != b"ready\n":
-            self.proc.kill()
-            raise RuntimeError("the rank zygote did not start")
-        self.exit_codes: dict[int, int] = {}
-        self.pids: queue.Queue[int] = queue.Queue()
-        self.lock = threading.Lock()
-        threading.Thread(target=self._read, daemon=True, name="refimpl-zygote").start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            kind, *values = line.split()
-            if kind == b"pid":   # a pid the kernel reused: forget the exit of its namesake
-                self.exit_codes.pop(int(values[0]), None)
-                self.pids.put(int(values[0]))
-            elif kind == b"exit":
-                self.exit_codes[int(values[0])] = int(values[1])
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def start(self, env: dict, stdout: Path, stderr: Path) -> _ForkedRank:
-        request = {"env": env, "cwd": os.getcwd(), "stdout": str(stdout), "stderr": str(stderr)}
-        with self.lock:
-            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-            self.proc.stdin.flush()
-            return _ForkedRank(self, self.pids.get(timeout=60))
-
-    def close(self) -> None:
-        try:
-            self.proc.stdin.close()
-        except OSError:
-            pass
-        self.proc.wait()
-
-
-_ZYGOTE: _Zygote | None = None
-
-
-def _zygote(backend: str) -> _Zygote | None:
-    """The zygote for CPU ranks (gloo), started on first use and again whenever the launcher's
-    environment changed (a forked rank must see the environment a fresh one would). None where
-    ranks start as fresh interpreters instead: NCCL ranks (each binds a GPU; nothing to gain),
-    non-Linux systems, and REFIMPL_LAUNCH=spawn."""
-    global _ZYGOTE
-    if backend != "gloo" or not sys.platform.startswith("linux") or \
-            os.environ.get("REFIMPL_LAUNCH", "fork") == "spawn":
-        return None
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    if _ZYGOTE is not None and (_ZYGOTE.env != env or not _ZYGOTE.alive()):
-        _ZYGOTE.close()
-        _ZYGOTE = None
-    if _ZYGOTE is None:
-        try:
-            _ZYGOTE = _Zygote(env)
-        except (OSError, RuntimeError):
-            return None                  # fall back to fresh interpreters
-    return _ZYGOTE
-
-
-@atexit.register
-def _close_zygote() -> None:
-    if _ZYGOTE is not None:
-        _ZYGOTE.close()
-
-
-def zygote_pid() -> int | None:
-    """The zygote's pid while one runs (it is a child of this process between launches)."""
-    return _ZYGOTE.proc.pid if _ZYGOTE is not None and _ZYGOTE.alive() else None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _wait_all(ranks: list[_Rank], tmp: Path, timeout: float) -> None:

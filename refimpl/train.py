@@ -243,3 +243,15 @@ def _backend_and_device(cfg: TrainConfig) -> tuple[str, torch.device]:
 def _sync(ctx: RunContext) -> None:
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
+
+
+def train_several_recording_memory(cfgs, record_memory: list[bool], timeout: float = 900.0):
+    """train_several_on_ranks with `record_memory` set where asked; each such result gains
+    `transient_peak` (rank -> bytes), as notebooks 04-05 read it."""
+    cfgs = [c.with_(record_memory=bool(m)) for c, m in zip(cfgs, record_memory, strict=True)]
+    results = train_several_on_ranks(cfgs, timeout=timeout)
+    for cfg, result in zip(cfgs, results):
+        if cfg.record_memory:
+            result["transient_peak"] = {r: m["transient_peak"]
+                                        for r, m in enumerate(result["memory"])}
+    return results

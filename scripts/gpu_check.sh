@@ -62,7 +62,7 @@ line=$(grep -E "passed|failed|error" "$OUT/tests-gpu.log" | tail -1)
 
 # The test suite, under a budget: -x stops at the first failure, xdist spreads it over cores.
 XDIST=""
-"$PYTHON" -c "import xdist" 2>/dev/null && XDIST="-n 4 --dist loadgroup"   # modules grouped: tests/conftest.py
+"$PYTHON" -c "import xdist" 2>/dev/null && XDIST="-n 4 --dist loadfile"   # a module (and its launch-once caches) per worker
 timeout "$BUDGET_TESTS" env OMP_NUM_THREADS=1 "$PYTHON" -m pytest tests/ -q -x $XDIST \
   -p no:cacheprovider --ignore=tests/test_e2e_browser.py --junitxml="$OUT/tests.xml" \
   >"$OUT/tests.log" 2>&1

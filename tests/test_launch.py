@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from refimpl.launch import LaunchTimeoutError, RankFailedError, run, zygote_pid
+from refimpl._zygote_client import current_pid as zygote_pid
+from refimpl.launch import LaunchTimeoutError, RankFailedError, run
 
 
 def _all_reduce_rank(rank, world_size, scale, offset=0):

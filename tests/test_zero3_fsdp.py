@@ -17,9 +17,8 @@ from refimpl.model import build_model, count_params
 from refimpl.parallel.equivalence import FP64_TOLERANCE, compare_with_single
 from refimpl.parallel.zero3 import gpt_units
 from refimpl.strategy import LayoutError, TrainConfig
-from refimpl.trace.memory_events import train_several_recording_memory
 from refimpl.trace.profiling import comm_table, load_trace, summarize
-from refimpl.train import validate
+from refimpl.train import train_several_recording_memory, validate
 from tests.models import SMALL
 
 STEPS = 3

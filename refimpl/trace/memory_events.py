@@ -73,20 +73,6 @@ class StepPeak:
         return {"peak": int(kept_bytes + self._transient), "transient_peak": int(self._transient)}
 
 
-def train_several_recording_memory(cfgs, record_memory: list[bool], timeout: float = 900.0):
-    """train_several_on_ranks with `record_memory` set where asked; each such result gains
-    `transient_peak` (rank -> bytes), as notebooks 04-05 read it."""
-    from refimpl.train import train_several_on_ranks
-
-    cfgs = [c.with_(record_memory=bool(m)) for c, m in zip(cfgs, record_memory, strict=True)]
-    results = train_several_on_ranks(cfgs, timeout=timeout)
-    for cfg, result in zip(cfgs, results):
-        if cfg.record_memory:
-            result["transient_peak"] = {r: m["transient_peak"]
-                                        for r, m in enumerate(result["memory"])}
-    return results
-
-
 def step_windows(events: list[dict]) -> list[tuple[float, float]]:
     """(start, end) of each step: from its first forward to the end of its optimizer phase."""
     phases = sorted((ev["ts"], ev["ts"] + ev["dur"], ev["name"]) for ev in events
