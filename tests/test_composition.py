@@ -10,14 +10,12 @@ import functools
 import pytest
 import torch
 
-from refimpl.model import GPTConfig
 from refimpl.parallel.equivalence import FP64_TOLERANCE, compare_with_single
 from refimpl.parallel.pp_strategy import reference_config
 from refimpl.parallel.reshard import placed_state, save_checkpoint
 from refimpl.strategy import LayoutError, TrainConfig
 from refimpl.train import train_on_ranks, train_several_on_ranks, validate
-
-SMALL = GPTConfig(vocab_size=128, seq_len=32, d_model=64, n_heads=4, n_layers=4)
+from tests.models import SMALL
 
 
 def layout(strategy, world, **kw):

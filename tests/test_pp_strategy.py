@@ -12,8 +12,7 @@ from refimpl.parallel.equivalence import FP64_TOLERANCE, compare_with_single
 from refimpl.parallel.pp_strategy import reference_config
 from refimpl.strategy import LayoutError, TrainConfig
 from refimpl.train import train_several_on_ranks, validate
-
-SMALL = GPTConfig(vocab_size=128, seq_len=32, d_model=64, n_heads=4, n_layers=4)
+from tests.models import SMALL
 
 
 def cfg(strategy, world, m, *, pp=None, v=1, layers=4, batch=8, **kw):

@@ -22,12 +22,12 @@ from refimpl.train import train_on_ranks
 
 TOLERANCE = 1e-5
 # float64: reordered sums differ by ~1e-16 relative and AdamW's amplification leaves the weights
-# ~1e-14 apart (measured for every strategy, tests/test_equivalence.py); a real bug (a missing
+# ~1e-14 apart (measured for every strategy by the equivalence tests); a real bug (a missing
 # sync, a wrong scale) moves them by 1e-3 or more. A gate at 1e-9 has >= 1e4 x margin both ways,
 # on any processor: this is the gate that proves a layout computes single's maths.
 FP64_TOLERANCE = 1e-9
 # fp32 runs (notebooks, bf16, comparisons with PyTorch's twins as users run them) are gated at a
-# multiple of the processor's own fp32 noise: see fp32_weight_tolerance.
+# multiple of the processor's own fp32 noise: see weight_tolerance.
 FP32_NOISE_FACTOR = 4.0
 BF16_TOLERANCE = 2e-2      # bf16 compute: 8 mantissa bits, ~4e-3 per rounding, compared in fp32
 
@@ -41,8 +41,8 @@ def fp32_noise_floor(cfg: TrainConfig) -> float:
     gradient element sits near eps, to ~1e-5 in the weights after a few steps. Any fp32 layout is
     one more such rounding of the same exact (float64) trajectory, so its distance to fp32
     single is at most about twice this floor, whatever the processor."""
-    ref32 = reference_run(cfg.with_(dtype="float32", mixed_precision="fp32"))
-    ref64 = reference_run(cfg.with_(dtype="float64", mixed_precision="fp32"))
+    ref32 = reference_run(cfg.with_(dtype="float32"))
+    ref64 = reference_run(cfg.with_(dtype="float64"))
     weights, _, _ = compare_states(ref32["state_dict"], ref64["state_dict"])
     return weights
 
