@@ -17,7 +17,7 @@ PIP_FROM := $(if $(WHEELS),--no-index --find-links $(WHEELS),)
 # jupyter refuses to start as root without --allow-root (containers and GPU images run as root)
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: install lab lint test tensorboard bench report e2e gpu-check gpu-wheels env clean
+.PHONY: install lab lint test test-fast tensorboard bench report e2e gpu-check gpu-wheels env clean
 
 install: $(STAMP)
 
@@ -57,6 +57,13 @@ test: install lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/ -q -n $(TEST_WORKERS) --dist loadfile
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --nbval-lax notebooks/ -q -p no:cacheprovider \
 		-n $(TEST_WORKERS) --dist loadfile
+
+# The tests that start no rank process and take seconds (arithmetic, schedules, the model, the
+# import layers, the planner): under a minute. A test that launches ranks must be marked `ranks`;
+# REFIMPL_FORBID_RANKS makes an unmarked one fail here (tests/conftest.py).
+test-fast: install
+	REFIMPL_FORBID_RANKS=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/ -q -n $(TEST_WORKERS) \
+		-m "not ranks and not slow" -p no:cacheprovider
 
 # ruff (pinned in the dev extra, configured in pyproject.toml): pyflakes and import order. A
 # TORCH=system venv may lack it (the GPU wheels leave it out): then it says so and skips.

@@ -96,7 +96,8 @@ def _add_env_parser(sub) -> None:
 
 
 def config_from_args(args):
-    from refimpl.strategy import LayoutError, TrainConfig
+    from refimpl.config import TrainConfig
+    from refimpl.mesh import LayoutError
 
     nproc = args.nproc
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:   # torchrun decides the world size
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
     if args.command == "plan":
         from refimpl.plan.cli import plan_from_args
         return plan_from_args(args)
-    from refimpl.strategy import LayoutError
+    from refimpl.mesh import LayoutError
     from refimpl.train import train_on_ranks, validate
 
     try:
@@ -160,7 +161,7 @@ def main(argv=None) -> int:
     if int(os.environ.get("RANK", "0")) != 0:
         return 0                                  # under torchrun, rank 0 speaks for all
     if args.save_state:
-        from refimpl.parallel.reshard import save_checkpoint
+        from refimpl.verify.reshard import save_checkpoint
         save_checkpoint(state, args.save_state)
     if args.save_optimizer_state:
         import torch

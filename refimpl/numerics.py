@@ -1,6 +1,6 @@
 """fp32 that means fp32 on a GPU: the settings every CUDA run of the loop uses.
 
-Equivalence is checked at fp32 round-off (relative error <= 1e-5, refimpl.parallel.equivalence).
+Equivalence is checked at fp32 round-off (relative error <= 1e-5, refimpl.verify.equivalence).
 On NVIDIA GPUs since Ampere, PyTorch may run fp32 matmuls and convolutions in TF32 (10-bit
 mantissa, relative error ~5e-4 per product), and several CUDA kernels (atomics in index_add,
 scatter, embedding backward) sum in an order that changes from run to run. Either would make a

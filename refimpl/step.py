@@ -14,7 +14,7 @@ from typing import Callable, ContextManager
 import torch
 
 from refimpl.model import Batch
-from refimpl.trace.profiling import comm_span, phase
+from refimpl.trace.labels import comm_span, phase
 
 
 def forward_backward(model: Callable, micro_batches: list[Batch], *, loss_fn: Callable,

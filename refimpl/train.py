@@ -16,16 +16,19 @@ import time
 import torch
 
 from refimpl import launch
+from refimpl.compose.optim_reshard import full_optimizer_state, load_optimizer_state, validate_optimizer_state
+from refimpl.compose.transforms import model_parallel, validate_model_parallel
+from refimpl.config import RunContext, TrainConfig
 from refimpl.memory import ActivationTracker
 from refimpl.mesh import Mesh
 from refimpl.model import build_model, count_params, synthetic_batch
+from refimpl.model.moe import moe_step_record
 from refimpl.numerics import exact_fp32_on_cuda
 from refimpl.parallel import get_strategy
-from refimpl.parallel.moe import moe_step_record
-from refimpl.parallel.transforms import validate_model_parallel
-from refimpl.strategy import RunContext, Strategy, TrainConfig
+from refimpl.rank_model import RankModel
+from refimpl.strategy import Strategy
+from refimpl.trace.capture import StepProfiler, profiles_root
 from refimpl.trace.memory_events import StepPeak
-from refimpl.trace.profiling import StepProfiler, profiles_root
 from refimpl.trace.run_record import record_run
 
 
@@ -46,7 +49,6 @@ def validate(cfg: TrainConfig) -> None:
     validate_model_parallel(cfg)
     get_strategy(cfg.strategy).validate(cfg)
     if cfg.init_optimizer_state or cfg.return_optimizer_state:
-        from refimpl.parallel.optim_reshard import validate_optimizer_state
         validate_optimizer_state(cfg)
 
 
@@ -72,9 +74,11 @@ def setup_rank(rank: int, world_size: int, cfg: TrainConfig) -> tuple[RunContext
         reference.load_state_dict(torch.load(cfg.init_state, map_location="cpu"))
     n_params = count_params(reference)
     strategy = get_strategy(cfg.strategy)(ctx)
-    strategy.setup(reference)
+    # The model-parallel transforms in their fixed order (refimpl.compose.transforms), then the
+    # strategy's data-parallel placement. PyTorch's DTensor twins parallelize the plain reference.
+    strategy.place(model_parallel(reference, ctx) if strategy.takes_our_transforms
+                   else RankModel(reference.to(device)))
     if cfg.init_optimizer_state is not None:   # AdamW's m and v too, placed for this layout
-        from refimpl.parallel.optim_reshard import load_optimizer_state
         load_optimizer_state(strategy, torch.load(cfg.init_optimizer_state, map_location="cpu"))
     return ctx, strategy, n_params
 
@@ -122,7 +126,6 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     if cfg.return_state:
         result["state_dict"] = strategy.full_state_dict()
     if cfg.return_optimizer_state:
-        from refimpl.parallel.optim_reshard import full_optimizer_state
         result["optimizer_state"] = full_optimizer_state(strategy)
     if trace_dir is not None:   # traces are flushed: leave a summary and scalars beside them
         record_run(trace_dir, rank, world_size, cfg.strategy, result)
@@ -223,7 +226,7 @@ def merge_results(cfg: TrainConfig, per_rank: list[dict]) -> dict:
         out["state_dict"] = first["state_dict"]
     if cfg.return_optimizer_state:
         out["optimizer_state"] = first["optimizer_state"]
-    if "moe" in first:   # per rank, per step (refimpl.parallel.moe.moe_step_record)
+    if "moe" in first:   # per rank, per step (refimpl.model.moe.moe_step_record)
         out["moe"] = [r["moe"] for r in per_rank]
     return out
 

@@ -15,7 +15,7 @@ import argparse
 
 import pandas as pd
 
-from refimpl.cost import bench
+from refimpl.cost import alpha_beta, bench
 
 
 def parse_bytes(text: str) -> int:
@@ -49,7 +49,7 @@ def main() -> None:
         wide = table.pivot_table(index="nominal_bytes", columns=["op", "impl"], values="busbw") / 1e9
         print(f"--- busbw (GB/s), {n} ranks ---")
         print(wide.round(3).to_string(), "\n")
-    fits = bench.fit_table(df)
+    fits = alpha_beta.fit_table(df)
     fits = fits.assign(alpha_us=fits.alpha_s * 1e6, beta_GBps=fits.beta_bytes_per_s / 1e9)
     print("--- alpha-beta fits ---")
     print(fits[["impl", "op", "world_size", "alpha_us", "beta_GBps", "r2_log", "median_rel_err"]]

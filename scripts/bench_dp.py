@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from refimpl.cost.step_time import step_times_in_rounds
-from refimpl.strategy import TrainConfig
+from refimpl.config import TrainConfig
+from refimpl.verify.step_time import step_times_in_rounds
 
 PAIRS = [("dp", "torch-ddp"), ("zero1", "torch-zero1")]
 

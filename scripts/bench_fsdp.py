@@ -22,7 +22,7 @@ import statistics
 
 import pandas as pd
 
-from refimpl.strategy import TrainConfig
+from refimpl.config import TrainConfig
 from refimpl.train import train_several_on_ranks, train_several_recording_memory
 
 # (label, strategy, options, the twin it is compared with)

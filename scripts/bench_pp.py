@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bench_pp.py                          # 2 stages, gpipe / 1f1b / interleaved
     .venv/bin/python scripts/bench_pp.py --nproc 4 --micro-batches 8 --layers 8
 
-Both sides run the same stages (refimpl.parallel.pp_stage), the same batches, on the same ranks.
+Both sides run the same stages (refimpl.parallel.pp.stage), the same batches, on the same ranks.
 Rounds alternate ours, theirs, ours, ... so a slow spell of the machine hits both; a side's step
 time is the median over its steps after each round's first (the slowest rank per step). Prints per
 schedule: loss of each side, median step times, the ratio ours / theirs, and the bubble the table
@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 from refimpl.launch import run
 from refimpl.model import GPTConfig, build_model, synthetic_batch
-from refimpl.parallel.pp import run_schedule
-from refimpl.parallel.pp_schedules import bubble_fraction, schedule_table
-from refimpl.parallel.pp_stage import build_chunks
-from refimpl.parallel.torch_pp import TorchPipeline, check_torch_layout
+from refimpl.parallel.pp.runner import run_schedule
+from refimpl.parallel.pp.schedules import bubble_fraction, schedule_table
+from refimpl.parallel.pp.stage import build_chunks
+from refimpl.parallel.pp.torch_pp import TorchPipeline, check_torch_layout
 
 
 def parse(argv=None):

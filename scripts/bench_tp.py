@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from refimpl.cost.step_time import step_times_in_rounds
-from refimpl.strategy import TrainConfig
+from refimpl.config import TrainConfig
+from refimpl.verify.step_time import step_times_in_rounds
 
 
 def parse(argv=None):

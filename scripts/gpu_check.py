@@ -102,7 +102,7 @@ def _memory(add, gpu, out):
     if not gpu:
         add("cuda memory", "memory_allocated vs arithmetic", NO_GPU)
         return
-    from refimpl.cuda_memory import measure_model_states
+    from refimpl.memory.cuda import measure_model_states
 
     df = measure_model_states()
     df.to_csv(out / "cuda_memory.csv", index=False)
@@ -117,7 +117,7 @@ def _memory(add, gpu, out):
 
 
 def _steps(add, gpu, out):
-    from refimpl.strategy import TrainConfig
+    from refimpl.config import TrainConfig
     from refimpl.train import train_on_ranks
 
     device = "cuda" if gpu else "cpu"
@@ -138,7 +138,7 @@ def _steps(add, gpu, out):
 
 def _profiled_step(add, gpu, out):
     from refimpl import plots
-    from refimpl.strategy import TrainConfig
+    from refimpl.config import TrainConfig
     from refimpl.trace import profiling
     from refimpl.train import train_on_ranks
 
@@ -169,7 +169,7 @@ def _nccl_step(add, gpu, out):
     """dp on 2 ranks over NCCL, profiled: NCCL kernels beside compute kernels (>= 2 GPUs only)."""
     import torch
 
-    from refimpl.strategy import TrainConfig
+    from refimpl.config import TrainConfig
     from refimpl.trace import profiling
     from refimpl.train import train_on_ranks
 
@@ -193,9 +193,9 @@ def _nccl_step(add, gpu, out):
 
 
 def _equivalence(add, gpu, out):
+    from refimpl.config import TrainConfig
     from refimpl.env import machine
-    from refimpl.parallel.equivalence import compare_with_single, ranks_device
-    from refimpl.strategy import TrainConfig
+    from refimpl.verify.equivalence import compare_with_single, ranks_device
 
     eq = compare_with_single(TrainConfig(strategy="dp", nproc=2, steps=3))
     add("equivalence", f"dp, 2 ranks on {machine(topology=False).where(2)}, reference on "

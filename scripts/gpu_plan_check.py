@@ -4,7 +4,7 @@
 
 Prints, as one JSON object:
   * the bf16 GEMM rate of large square matmuls, and its fraction of the preset's datasheet peak
-    (the planner assumes refimpl.plan.hardware.GEMM_FRACTION);
+    (the planner assumes refimpl.cost.hardware.GEMM_FRACTION);
   * the HBM copy bandwidth (read + write bytes / s) against the preset's datasheet number;
   * ring attention on one rank (cp = 1, no communication) on this device, forward and gradients,
     against refimpl.model.attention: the relative errors in fp32.
@@ -47,7 +47,7 @@ def copy_bandwidth(device, nbytes: int) -> float:
 
 def ring_attention_errors(device) -> dict:
     from refimpl.model import attention
-    from refimpl.parallel.cp import ring_attention
+    from refimpl.parallel.cp.ring import ring_attention
 
     g = torch.Generator().manual_seed(0)
     q, k, v, grad = (torch.randn(2, 256, 8 * 64, generator=g).to(device) for _ in range(4))
@@ -63,7 +63,7 @@ def ring_attention_errors(device) -> dict:
 
 
 def main() -> None:
-    from refimpl.plan.hardware import GPUS
+    from refimpl.cost.hardware import GPUS
 
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="h200", choices=sorted(GPUS))

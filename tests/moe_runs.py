@@ -12,13 +12,12 @@ import torch.distributed as dist
 
 from refimpl import launch
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
-from refimpl.parallel.expert_parallel import (
-    all_to_all_bytes,
-    gather_expert_state_dict,
+from refimpl.model.moe import all_to_all_bytes, moe_aux_loss, moe_layers, update_expert_bias
+from refimpl.parallel.ep.dispatch import (
     is_expert_param,
     parallelize_experts,
 )
-from refimpl.parallel.moe import moe_aux_loss, moe_layers, update_expert_bias
+from refimpl.placement import GroupMesh, gather_full_state_dict
 
 BASE = GPTConfig(vocab_size=96, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4)
 CASES = {
@@ -68,8 +67,7 @@ def train_moe(cfg: GPTConfig, rank: int = 0, world: int = 1, group=None, comm=No
         out["received"].append([layer.stats.received.clone() for layer in layers])
         out["dropped"].append([layer.stats.dropped for layer in layers])
         out["bytes"].append(all_to_all_bytes(model))
-    out["state"] = (gather_expert_state_dict(model, group) if group is not None else
-                    {k: v.detach().clone() for k, v in model.state_dict().items()})
+    out["state"] = gather_full_state_dict(model.state_dict(), model, GroupMesh(ep=group), dist)
     return out
 
 

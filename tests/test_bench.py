@@ -1,22 +1,23 @@
-"""refimpl.bench and refimpl.cost.strategy_cost: the arithmetic, no ranks needed."""
+"""refimpl.cost.alpha_beta, refimpl.cost.bench and refimpl.cost.strategy_cost: the arithmetic, no
+ranks needed."""
 import math
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from refimpl.cost import bench, strategy_cost
+from refimpl.cost import alpha_beta, bench, strategy_cost
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_busbw_factors_are_nccl_tests(n):
-    assert bench.busbw_factor("all_reduce", n) == pytest.approx(2 * (n - 1) / n)
+    assert alpha_beta.busbw_factor("all_reduce", n) == pytest.approx(2 * (n - 1) / n)
     for op in ("all_gather", "reduce_scatter", "all_to_all"):
-        assert bench.busbw_factor(op, n) == pytest.approx((n - 1) / n)
+        assert alpha_beta.busbw_factor(op, n) == pytest.approx((n - 1) / n)
     for op in ("broadcast", "reduce", "send_recv"):
-        assert bench.busbw_factor(op, n) == 1.0
+        assert alpha_beta.busbw_factor(op, n) == 1.0
     with pytest.raises(ValueError):
-        bench.busbw_factor("gossip", n)
+        alpha_beta.busbw_factor("gossip", n)
 
 
 def test_message_sizes_default_is_4_bytes_to_64_mb():
@@ -28,9 +29,9 @@ def test_message_sizes_default_is_4_bytes_to_64_mb():
 def test_fit_recovers_alpha_and_beta_exactly_without_noise():
     sizes = np.array(bench.message_sizes(4, 64 << 20, 4), dtype=float)
     alpha, beta = 25e-6, 3e9
-    alpha_fit, beta_fit = bench.fit_alpha_beta(sizes, alpha + sizes / beta)
+    alpha_fit, beta_fit = alpha_beta.fit_alpha_beta(sizes, alpha + sizes / beta)
     assert alpha_fit == pytest.approx(alpha, rel=1e-6) and beta_fit == pytest.approx(beta, rel=1e-6)
-    err = bench.fit_error(sizes, alpha + sizes / beta, alpha_fit, beta_fit)
+    err = alpha_beta.fit_error(sizes, alpha + sizes / beta, alpha_fit, beta_fit)
     assert err["r2_log"] == pytest.approx(1.0) and err["max_rel_err"] < 1e-6
 
 
@@ -39,17 +40,17 @@ def test_fit_is_robust_to_relative_noise():
     sizes = np.array(bench.message_sizes(4, 64 << 20, 2), dtype=float)
     alpha, beta = 100e-6, 1e9
     noisy = (alpha + sizes / beta) * rng.uniform(0.9, 1.1, sizes.size)
-    alpha_fit, beta_fit = bench.fit_alpha_beta(sizes, noisy)
+    alpha_fit, beta_fit = alpha_beta.fit_alpha_beta(sizes, noisy)
     assert alpha_fit == pytest.approx(alpha, rel=0.1) and beta_fit == pytest.approx(beta, rel=0.1)
-    assert bench.fit_error(sizes, noisy, alpha_fit, beta_fit)["median_rel_err"] < 0.1
+    assert alpha_beta.fit_error(sizes, noisy, alpha_fit, beta_fit)["median_rel_err"] < 0.1
 
 
 def test_fit_never_returns_negative_parameters():
     sizes = np.array([4, 64, 1024, 16384], dtype=float)
     flat = np.full(4, 1e-4)  # no size dependence: beta must come out infinite, alpha the level
-    alpha, beta = bench.fit_alpha_beta(sizes, flat)
+    alpha, beta = alpha_beta.fit_alpha_beta(sizes, flat)
     assert alpha == pytest.approx(1e-4) and math.isinf(beta)
-    alpha, beta = bench.fit_alpha_beta(sizes, sizes / 1e9)  # no latency: alpha 0
+    alpha, beta = alpha_beta.fit_alpha_beta(sizes, sizes / 1e9)  # no latency: alpha 0
     assert alpha == pytest.approx(0.0, abs=1e-15) and beta == pytest.approx(1e9)
 
 
@@ -59,10 +60,10 @@ def test_fit_table_and_predictions_cover_each_group():
              "time_s": a + m / b} for impl, a, b in (("torch", 1e-5, 2e9), ("refimpl", 2e-5, 1e9))
             for m in sizes]
     df = pd.DataFrame(rows)
-    fits = bench.fit_table(df).set_index("impl")
+    fits = alpha_beta.fit_table(df).set_index("impl")
     assert fits.loc["torch", "alpha_s"] == pytest.approx(1e-5)
     assert fits.loc["refimpl", "beta_bytes_per_s"] == pytest.approx(1e9)
-    pred = bench.with_predictions(df, fits.reset_index())
+    pred = alpha_beta.with_predictions(df, fits.reset_index())
     assert np.allclose(pred.predicted_s, pred.time_s)
 
 

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

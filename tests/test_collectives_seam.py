@@ -7,10 +7,12 @@ traffic (a seam that silently fell back to torch.distributed would send nothing 
 """
 import pytest
 
-from refimpl.parallel.equivalence import FP64_TOLERANCE, compare_states, reference_run
-from refimpl.strategy import TrainConfig
+from refimpl.config import TrainConfig
 from refimpl.train import train_several_on_ranks
+from refimpl.verify.equivalence import FP64_TOLERANCE, compare_states, reference_run
 from tests.models import SMALL
+
+pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
 STRATEGIES = ["dp", "zero2", "zero3"]
 

@@ -10,6 +10,8 @@ import torch
 
 from refimpl.launch import run
 
+pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
+
 WORLD_SIZES = (2, 3, 4)
 
 

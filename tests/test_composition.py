@@ -10,17 +10,19 @@ import functools
 import pytest
 import torch
 
-from refimpl.parallel.equivalence import FP64_TOLERANCE, compare_with_single
-from refimpl.parallel.pp_strategy import reference_config
-from refimpl.parallel.reshard import placed_state, save_checkpoint
-from refimpl.strategy import LayoutError, TrainConfig
+from refimpl.config import TrainConfig
+from refimpl.mesh import LayoutError
 from refimpl.train import train_on_ranks, train_several_on_ranks, validate
+from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single
+from refimpl.verify.reshard import placed_state, save_checkpoint
 from tests.models import SMALL
+
+pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
 
 def layout(strategy, world, **kw):
     kw.setdefault("micro_batches", 2)
-    kw.setdefault("dtype", "float64")     # the equivalence gate (refimpl.parallel.equivalence)
+    kw.setdefault("dtype", "float64")     # the equivalence gate (refimpl.verify.equivalence)
     return TrainConfig(strategy=strategy, nproc=world, steps=3, global_batch=8, return_state=True,
                        model=SMALL, **kw)
 
@@ -64,7 +66,7 @@ def results(world):
 @pytest.mark.parametrize("world,name", [(w, n) for w, runs in RUNS.items() for n in runs])
 def test_composed_layout_equals_single(world, name):
     config, result = RUNS[world][name], results(world)[name]
-    eq = compare_with_single(reference_config(config), result)
+    eq = compare_with_single(config, result)
     assert eq.tolerance == FP64_TOLERANCE and eq.ok, (eq.loss_rel_err, eq.weight_rel_err)
     assert len({tuple(r["losses"]) for r in result["per_rank"]}) == 1   # one loss on every rank
 
@@ -104,7 +106,7 @@ def test_checkpoint_saved_under_one_layout_resumes_under_another(tmp_path):
     """Weights and AdamW's m, v and step, saved under zero3 x tp2, placed exactly by zero1 on
     pp2 x dp2; the continued run equals single continued from the same state, and differs from a
     continuation whose moments restart from zero (so the moments did arrive)."""
-    from refimpl.parallel.equivalence import compare_states
+    from refimpl.verify.equivalence import compare_states
 
     written = results(4)["zero3 dp2 x tp2"]            # ran with return_optimizer_state
     saved, moments = written["state_dict"], written["optimizer_state"]
@@ -122,7 +124,7 @@ def test_checkpoint_saved_under_one_layout_resumes_under_another(tmp_path):
                for m in ("exp_avg", "exp_avg_sq") for k in saved)
     # One launch: resumed with the moments, resumed without them, and from scratch.
     runs = [resumed, resumed.with_(init_optimizer_state=None), layout("zero1", 4, pp=2)]
-    eq, restarted, fresh = (compare_with_single(reference_config(c), r)
+    eq, restarted, fresh = (compare_with_single(c, r)
                             for c, r in zip(runs, train_several_on_ranks(runs, timeout=900)))
     assert eq.ok, (eq.loss_rel_err, eq.weight_rel_err)
     assert restarted.ok and abs(restarted.losses[1] - eq.losses[1]) > 1e-3

@@ -14,7 +14,7 @@ import torch
 def _world_linear_shapes(rank, world_size):
     import torch.nn as nn
 
-    from refimpl.parallel.tp import ColumnParallelLinear, RowParallelLinear
+    from refimpl.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
 
     torch.manual_seed(0)
     lin = nn.Linear(8, 12)
@@ -24,6 +24,7 @@ def _world_linear_shapes(rank, world_size):
     return tuple(col.weight.shape), tuple(row.weight.shape), bool(torch.allclose(col(x), lin(x)))
 
 
+@pytest.mark.ranks
 def test_launch_run_returns_rank_order_and_takes_kwargs():
     from refimpl.launch import run
 
@@ -97,7 +98,7 @@ def test_mesh_parallel_dims_groups_are_designs_example():
 
 
 def test_pp_schedule_table_and_bubble_fraction():
-    from refimpl.parallel.pp import bubble_fraction, schedule_table
+    from refimpl.parallel.pp.runner import bubble_fraction, schedule_table
 
     table = schedule_table(4, 8, "1f1b")
     assert len(table) == 4 and table[3][:2] == ["F0", "B0"]
@@ -105,6 +106,7 @@ def test_pp_schedule_table_and_bubble_fraction():
     assert schedule_table(2, 4, "interleaved", virtual_stages=2)[0][0] == "F0.0"
 
 
+@pytest.mark.ranks
 def test_tp_layers_from_linear_default_to_the_world_group():
     from refimpl.launch import run
 

@@ -17,10 +17,10 @@ def test_llama2_70b_gpu_hours_imply_about_40_percent_mfu():
     from refimpl.memory import training_flops
 
     flops = training_flops(70e9, 2e12)
-    mfu = compute.implied_mfu(flops, "A100", 1_720_320)      # Llama 2 paper, Table 2
+    mfu = compute.implied_mfu(flops, "a100-80gb", 1_720_320)      # Llama 2 paper, Table 2
     assert 0.35 < mfu < 0.5
-    cluster = compute.Cluster("2,048 A100", "A100", 2048)
-    days = compute.training_days(flops, cluster, mfu)
+    cluster = compute.Cluster("2,048 A100", "a100-80gb", 2048)
+    days = compute.days_on_cluster(flops, cluster, mfu)
     assert days == pytest.approx(1_720_320 / 2048 / 24)      # the same budget back in days
 
 
@@ -94,7 +94,7 @@ def test_bottleneck_table_predicts_from_two_ranks():
 
 def test_op_counts_see_the_recomputed_forward():
     from refimpl.model import GPTConfig, build_model, synthetic_batch
-    from refimpl.parallel.checkpointing import checkpoint_blocks
+    from refimpl.model.activation_checkpointing import checkpoint_blocks
     from refimpl.trace import op_counts
 
     cfg = GPTConfig()
@@ -124,11 +124,11 @@ def test_all_reduce_lower_bound():
 
 
 def test_profiled_config_writes_under_the_group(tmp_path, monkeypatch):
-    from refimpl.strategy import TrainConfig
-    from refimpl.trace import profiling
+    from refimpl.config import TrainConfig
+    from refimpl.trace import capture
 
     monkeypatch.setenv("REFIMPL_PROFILES", str(tmp_path))
-    cfg = profiling.profiled(TrainConfig(strategy="dp", nproc=2), "03_data_parallel", "dp")
+    cfg = capture.profiled(TrainConfig(strategy="dp", nproc=2), "03_data_parallel", "dp")
     assert cfg.profile and cfg.trace_dir == str(tmp_path / "03_data_parallel" / "dp") and cfg.strategy == "dp"
 
 
@@ -137,9 +137,9 @@ def test_profiles_land_in_the_repos_folder_whatever_the_cwd(monkeypatch, tmp_pat
     from pathlib import Path
 
     import refimpl
-    from refimpl.trace import profiling
+    from refimpl.trace import capture
 
     monkeypatch.delenv("REFIMPL_PROFILES", raising=False)
     monkeypatch.chdir(tmp_path)
     repo = Path(refimpl.__file__).resolve().parent.parent
-    assert profiling.profiles_root() == repo / "profiles"
+    assert capture.profiles_root() == repo / "profiles"

@@ -1,4 +1,4 @@
-"""Ring attention (refimpl.parallel.cp) against full causal attention, on 2 and 4 gloo ranks.
+"""Ring attention (refimpl.parallel.cp.ring) against full causal attention, on 2 and 4 gloo ranks.
 
 Each rank builds the same full Q, K, V from one seed, keeps its slice of the sequence, runs ring
 attention forward and backward with its slice of one fixed output gradient, and hands back its
@@ -10,8 +10,10 @@ import torch
 
 from refimpl.launch import run
 from refimpl.model import attention
-from refimpl.parallel.cp import chunk_ids, score_blocks_per_rank, shard_sequence, unshard_sequence
+from refimpl.parallel.cp.ring import chunk_ids, score_blocks_per_rank, shard_sequence, unshard_sequence
 from tests.models import SMALL
+
+pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
 BATCH, SEQ, HEADS, HEAD_DIM = 2, 32, 4, 8
 
@@ -25,7 +27,7 @@ def _full_inputs():
 def _ring_rank(rank: int, world: int, balanced: bool) -> dict:
     import torch.distributed as dist
 
-    from refimpl.parallel.cp import ring_attention
+    from refimpl.parallel.cp.ring import ring_attention
 
     group = dist.new_group(list(range(world)))
     q, k, v, grad = (shard_sequence(t, rank, world, balanced=balanced) for t in _full_inputs())
@@ -83,7 +85,7 @@ def test_sequence_layout_round_trip():
 
 
 def test_one_rank_is_plain_causal_attention(reference):
-    from refimpl.parallel.cp import ring_attention
+    from refimpl.parallel.cp.ring import ring_attention
 
     q, k, v, grad = _full_inputs()
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
@@ -103,9 +105,9 @@ def test_one_rank_is_plain_causal_attention(reference):
 def test_loop_with_context_parallel_equals_single(strategy, nproc, cp, checkpointing):
     """In float64 ring attention's reordered softmax sums cost ~1e-16 each: the whole model after
     3 AdamW steps is single's to the 1e-9 gate (in fp32 the same reordering, amplified by AdamW,
-    leaves ~1.5e-5, whatever the layout: refimpl.parallel.equivalence.fp32_noise_floor)."""
-    from refimpl.parallel.equivalence import FP64_TOLERANCE, compare_with_single
-    from refimpl.strategy import TrainConfig
+    leaves ~1.5e-5, whatever the layout: refimpl.verify.equivalence.fp32_noise_floor)."""
+    from refimpl.config import TrainConfig
+    from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single
 
     eq = compare_with_single(TrainConfig(strategy=strategy, nproc=nproc, cp=cp, steps=3,
                                          activation_checkpointing=checkpointing, dtype="float64",
@@ -114,8 +116,8 @@ def test_loop_with_context_parallel_equals_single(strategy, nproc, cp, checkpoin
 
 
 def test_sequence_must_split_into_2cp_chunks():
+    from refimpl.config import TrainConfig
     from refimpl.mesh import LayoutError
-    from refimpl.strategy import TrainConfig
     from refimpl.train import validate
 
     with pytest.raises(LayoutError, match="divisible by 2 x cp = 8"):

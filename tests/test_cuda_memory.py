@@ -1,8 +1,8 @@
-"""refimpl.cuda_memory: the allocator's rounding, computed; on a GPU, measured to the byte."""
+"""refimpl.memory.cuda: the allocator's rounding, computed; on a GPU, measured to the byte."""
 import pytest
 import torch
 
-from refimpl import cuda_memory
+from refimpl.memory import cuda as cuda_memory
 from refimpl.memory import model_state_bytes
 from refimpl.model import GPTConfig, build_model, count_params
 

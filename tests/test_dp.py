@@ -5,15 +5,18 @@ All runs of a world size share one launch (tests/data_parallel_runs.py).
 import pytest
 import torch
 
+from refimpl.config import TrainConfig
 from refimpl.memory import model_state_bytes
+from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig, build_model
-from refimpl.parallel.equivalence import compare_states
-from refimpl.parallel.flat_param import FlatParams
-from refimpl.parallel.grad_buckets import assign_buckets
-from refimpl.strategy import LayoutError, TrainConfig
+from refimpl.parallel.dp.flat_param import FlatParams
+from refimpl.parallel.dp.grad_buckets import assign_buckets
 from refimpl.trace.profiling import load_trace, summarize
 from refimpl.train import validate
+from refimpl.verify.equivalence import compare_states
 from tests.data_parallel_runs import ELEMENT, assert_matches_single, reference, runs_on, single_accumulating
+
+pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
 DP = ["dp-naive", "dp", "dp-micro2", "torch-ddp"]
 

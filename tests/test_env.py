@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from refimpl import launch
+from refimpl.config import TrainConfig
 from refimpl.env import GPU, Machine, machine
-from refimpl.parallel.equivalence import ranks_device
-from refimpl.strategy import LayoutError, TrainConfig
+from refimpl.mesh import LayoutError
 from refimpl.train import _backend_and_device, validate
+from refimpl.verify.equivalence import ranks_device
 
 H200 = GPU("NVIDIA H200", 143771 * 2 ** 20)
 
@@ -39,6 +40,7 @@ def test_summary_is_computed_from_the_facts():
         cpu.backend_for(0)
 
 
+@pytest.mark.slow   # two CLI processes, each importing torch
 def test_cli_env_prints_json_and_text():
     out = subprocess.run([sys.executable, "-m", "refimpl", "env", "--json"], capture_output=True,
                          text=True, timeout=120, check=True).stdout

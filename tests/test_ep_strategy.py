@@ -6,11 +6,13 @@ import sys
 
 import pytest
 
+from refimpl.config import TrainConfig
 from refimpl.model import GPTConfig
-from refimpl.parallel.equivalence import FP64_TOLERANCE, compare_with_single, reference_run
-from refimpl.parallel.expert_load import all_to_all_frame, dropped_by_step, expert_frame, rank_frame
-from refimpl.strategy import TrainConfig
+from refimpl.parallel.ep.load import all_to_all_frame, dropped_by_step, expert_frame, rank_frame
 from refimpl.train import train_several_on_ranks
+from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single, reference_run
+
+pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
 MODEL = GPTConfig(vocab_size=96, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4)
 LOOSE = dict(top_k=2, capacity_factor=4.0)                                  # nothing dropped

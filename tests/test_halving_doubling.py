@@ -1,4 +1,5 @@
-"""Halving-doubling all-reduce: the rank bookkeeping and the alpha-beta comparison with the ring.
+"""Halving-doubling all-reduce: the rank bookkeeping, and the alpha-beta comparison with the ring
+(refimpl.cost.alpha_beta).
 
 The multi-rank checks (equal to torch's on 2, 3 and 4 ranks, bytes and messages counted) run in
 tests/test_comm.py's one launch per world size.
@@ -8,6 +9,7 @@ import math
 import pytest
 
 from refimpl.comm import halving_doubling as hd
+from refimpl.cost import alpha_beta as ab
 
 
 @pytest.mark.parametrize("n, p, r", [(1, 1, 0), (2, 2, 0), (3, 2, 1), (4, 4, 0), (6, 4, 2), (7, 4, 3), (8, 8, 0)])
@@ -41,18 +43,25 @@ def test_uneven_and_tiny_tensors_skip_empty_messages():
 
 def test_alpha_beta_crossover_only_when_the_count_is_not_a_power_of_two():
     alpha, beta = 20e-6, 10e9
+
+    def hd_s(m, n):
+        return ab.halving_doubling_seconds(m, n, alpha, beta)
+
+    def ring_s(m, n):
+        return ab.ring_seconds("all_reduce", m, n, alpha, beta)
+
     for n in (2, 4, 8, 64):
-        assert hd.crossover_bytes(n, alpha, beta) == math.inf
-        assert hd.predicted_seconds(n, 1e9, alpha, beta) <= hd.ring_seconds(n, 1e9, alpha, beta)
+        assert ab.crossover_bytes(n, alpha, beta) == math.inf
+        assert hd_s(1e9, n) <= ring_s(1e9, n)
     # 3 ranks: fold-in + 2 rounds + fold-out = 4 messages, the ring's 2(3-1): no latency gain,
     # and the fold's extra bytes, so the ring is never slower
-    assert hd.crossover_bytes(3, alpha, beta) == 0
+    assert ab.crossover_bytes(3, alpha, beta) == 0
     for n in (6, 12):
-        m = hd.crossover_bytes(n, alpha, beta)
+        m = ab.crossover_bytes(n, alpha, beta)
         assert 0 < m < math.inf
-        assert math.isclose(hd.predicted_seconds(n, m, alpha, beta), hd.ring_seconds(n, m, alpha, beta))
-        assert hd.predicted_seconds(n, m / 10, alpha, beta) < hd.ring_seconds(n, m / 10, alpha, beta)
-        assert hd.predicted_seconds(n, m * 10, alpha, beta) > hd.ring_seconds(n, m * 10, alpha, beta)
+        assert math.isclose(hd_s(m, n), ring_s(m, n))
+        assert hd_s(m / 10, n) < ring_s(m / 10, n)
+        assert hd_s(m * 10, n) > ring_s(m * 10, n)
 
 
 def test_latency_steps_grow_as_log2_against_the_rings_linear():
@@ -60,8 +69,8 @@ def test_latency_steps_grow_as_log2_against_the_rings_linear():
     assert hd.messages_per_rank(1024) * 100 < 2 * (1024 - 1)
 
 
-def test_predicted_rows_cover_both_algorithms():
-    rows = hd.predicted_rows([4, 6], [1, 1e6], 1e-5, 1e9)
+def test_all_reduce_rows_cover_both_algorithms():
+    rows = ab.all_reduce_rows([4, 6], [1, 1e6], 1e-5, 1e9)
     assert len(rows) == 8 and {r["algorithm"] for r in rows} == {"ring", "halving-doubling"}
     six = {(r["size_bytes"], r["algorithm"]): r["seconds"] for r in rows if r["ranks"] == 6}
     assert six[(1, "halving-doubling")] < six[(1, "ring")] and six[(1e6, "halving-doubling")] > six[(1e6, "ring")]

@@ -11,6 +11,8 @@ import pytest
 from refimpl._zygote_client import current_pid as zygote_pid
 from refimpl.launch import LaunchTimeoutError, RankFailedError, run
 
+pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
+
 
 def _all_reduce_rank(rank, world_size, scale, offset=0):
     import torch

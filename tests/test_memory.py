@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from refimpl.config import TrainConfig
 from refimpl.memory import (
     GB,
     ActivationTracker,
@@ -11,7 +12,6 @@ from refimpl.memory import (
     model_state_bytes,
     training_flops,
 )
-from refimpl.strategy import TrainConfig
 from refimpl.train import train_on_ranks
 
 

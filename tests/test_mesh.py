@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from refimpl import launch
+from refimpl.config import TrainConfig
 from refimpl.mesh import LayoutError, ParallelDims, describe_grid
-from refimpl.parallel.equivalence import FP64_TOLERANCE, compare_states, reference_run
-from refimpl.strategy import TrainConfig
 from refimpl.train import validate
+from refimpl.verify.equivalence import FP64_TOLERANCE, compare_states, reference_run
 from tests.models import SMALL
+
+pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
 DP_FAMILY = ["dp-naive", "dp", "zero1", "zero2", "zero3", "fsdp", "torch-ddp", "torch-zero1",
              "torch-fsdp2"]

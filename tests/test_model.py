@@ -2,8 +2,8 @@
 import pytest
 import torch
 
+from refimpl.config import TrainConfig
 from refimpl.model import GPTConfig, build_model, count_params, lm_loss, synthetic_batch
-from refimpl.strategy import TrainConfig
 from refimpl.train import train_on_ranks
 
 CFG = GPTConfig()

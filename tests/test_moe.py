@@ -6,8 +6,7 @@ import torch
 import torch.distributed as dist
 
 from refimpl.model import GPT, GPTConfig, build_model, count_params
-from refimpl.parallel.equivalence import FP64_TOLERANCE, compare_states, relative_error
-from refimpl.parallel.moe import (
+from refimpl.model.moe import (
     MoEMLP,
     expert_capacity,
     moe_aux_loss,
@@ -15,6 +14,7 @@ from refimpl.parallel.moe import (
     switch_aux_loss,
     within_capacity,
 )
+from refimpl.verify.equivalence import FP64_TOLERANCE, compare_states, relative_error
 from tests.moe_runs import BASE, CASES, runs_on, single
 
 # --- the router ------------------------------------------------------------------------------------
@@ -112,6 +112,7 @@ def _merged(per_rank: list[dict], key: str) -> dict:
     return merged
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", list(CASES))
 def test_expert_parallel_equals_one_process(world, name):
@@ -127,6 +128,7 @@ def test_expert_parallel_equals_one_process(world, name):
     assert weight_err <= FP64_TOLERANCE
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", ["top1-tight", "top2-tight-bias"])
 def test_tight_capacity_drops_the_same_tokens(world, name):
@@ -139,6 +141,7 @@ def test_tight_capacity_drops_the_same_tokens(world, name):
     assert sum(map(sum, ref["dropped"])) > 0
 
 
+@pytest.mark.ranks
 @pytest.mark.parametrize("world", [2, 4])
 def test_an_expert_with_no_tokens_has_zero_gradients(world):
     per_rank, ref = [r["expert3-starved"] for r in runs_on(world)], single("expert3-starved")
@@ -150,6 +153,7 @@ def test_an_expert_with_no_tokens_has_zero_gradients(world):
     assert all(int(layer[:, -1].sum()) == 0 for step in owner["received"] for layer in step)
 
 
+@pytest.mark.ranks
 def test_bytes_counted_are_the_rows_sent_to_other_ranks():
     world = 2
     per_rank = [r["refimpl-comm"] for r in runs_on(world)]
@@ -179,6 +183,7 @@ def _count_bytes(r: dict, world: int) -> int:
     return len(r["bytes"]) * BASE.n_layers * (e - e // world) * 8
 
 
+@pytest.mark.ranks
 def test_experts_must_divide_over_ep():
     from refimpl import launch
 
@@ -187,7 +192,7 @@ def test_experts_must_divide_over_ep():
 
 
 def _parallelize_three_experts(rank, world):
-    from refimpl.parallel.expert_parallel import parallelize_experts
+    from refimpl.parallel.ep.dispatch import parallelize_experts
 
     group = dist.new_group(list(range(world)))
     parallelize_experts(build_model(GPTConfig(d_model=16, n_heads=2, n_experts=3), 0), group)
@@ -228,8 +233,8 @@ def test_published_moe_sizes_from_their_configs(name, total_tol, active_tol):
     (dict(n_experts=4, capacity_factor=0.0), 1, "--capacity-factor"),
     (dict(n_experts=4, balance="loss"), 1, "balance"), (dict(), 2, "needs --experts")])
 def test_bad_moe_layouts_are_one_line_layout_errors(changes, ep, words):
-    from refimpl.parallel.moe import validate_moe
-    from refimpl.strategy import LayoutError
+    from refimpl.mesh import LayoutError
+    from refimpl.model.moe import validate_moe
 
     with pytest.raises(LayoutError, match=words) as e:
         validate_moe(GPTConfig(**changes), ep=ep)

@@ -7,11 +7,11 @@ best few, and predict a throughput near the one they measured.
 """
 import pytest
 
+from refimpl.cost.hardware import GPUS, cpu_preset
 from refimpl.model import GPTConfig
 from refimpl.plan import Layout, best_per_grid, megatron_runs, plan
 from refimpl.plan.cli import plan_main
 from refimpl.plan.cpu import cpu_layouts, train_config
-from refimpl.plan.hardware import GPUS, cpu_preset
 from refimpl.plan.models import MODELS, megatron_flops
 from refimpl.plan.predict import predict, predict_memory
 from refimpl.plan.published import TECHNIQUES_2021, compare_with_megatron

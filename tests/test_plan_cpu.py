@@ -10,6 +10,7 @@ depend on the clock are checked below on fixed inputs.
 """
 import pytest
 
+from refimpl.cost.hardware import cpu_preset
 from refimpl.model import GPTConfig
 from refimpl.plan.cpu import (
     cpu_layouts,
@@ -20,8 +21,9 @@ from refimpl.plan.cpu import (
     stage_tensors,
     time_sliced_step,
 )
-from refimpl.plan.hardware import cpu_preset
 from refimpl.plan.predict import Layout
+
+pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
 # Any rates: memory does not depend on them (measured ones are the benchmark's business).
 HW = cpu_preset(5e10, 8e-4, 1e9, 1e10, block_overhead_s=4e-4)

@@ -11,12 +11,14 @@ import torch
 import torch.distributed as dist
 
 from refimpl.launch import run
+from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
-from refimpl.parallel.pp import run_schedule
-from refimpl.parallel.pp_schedules import SCHEDULES, schedule_table
-from refimpl.parallel.pp_stage import build_chunks, partition
-from refimpl.parallel.pp_weight_grad import WeightGradRecord, record_weight_grads
-from refimpl.strategy import LayoutError
+from refimpl.parallel.pp.runner import run_schedule
+from refimpl.parallel.pp.schedules import SCHEDULES, schedule_table
+from refimpl.parallel.pp.stage import build_chunks, partition
+from refimpl.parallel.pp.zero_bubble import WeightGradRecord, record_weight_grads
+
+pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
 BATCH, SEQ, SEED = 12, 16, 3
 

@@ -5,8 +5,9 @@ The bubble is measured by replaying each table (pp_simulate), never restated fro
 import pandas as pd
 import pytest
 
-from refimpl.parallel.pp_schedules import SCHEDULES, bubble_fraction, bubble_over_ideal, schedule_table
-from refimpl.parallel.pp_simulate import (
+from refimpl.mesh import LayoutError
+from refimpl.parallel.pp.schedules import SCHEDULES, bubble_fraction, bubble_over_ideal, schedule_table
+from refimpl.parallel.pp.simulate import (
     ScheduleError,
     check_table,
     idle_fraction,
@@ -14,7 +15,6 @@ from refimpl.parallel.pp_simulate import (
     simulate,
     simulated_bubble,
 )
-from refimpl.strategy import LayoutError
 
 SIZES = [(2, 1), (2, 2), (2, 4), (3, 3), (3, 5), (4, 1), (4, 2), (4, 4), (4, 8), (8, 16)]
 

@@ -7,12 +7,14 @@ import functools
 import pytest
 
 from refimpl.__main__ import build_parser, config_from_args
+from refimpl.config import TrainConfig
+from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig
-from refimpl.parallel.equivalence import FP64_TOLERANCE, compare_with_single
-from refimpl.parallel.pp_strategy import reference_config
-from refimpl.strategy import LayoutError, TrainConfig
 from refimpl.train import train_several_on_ranks, validate
+from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single
 from tests.models import SMALL
+
+pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
 
 def cfg(strategy, world, m, *, pp=None, v=1, layers=4, batch=8, **kw):
@@ -45,7 +47,7 @@ def results(world):
 @pytest.mark.parametrize("world,name", [(w, n) for w, runs in RUNS.items() for n in runs])
 def test_pipeline_strategies_match_single(world, name):
     config, result = RUNS[world][name], results(world)[name]
-    eq = compare_with_single(reference_config(config), result)
+    eq = compare_with_single(config, result)
     assert eq.tolerance == FP64_TOLERANCE and eq.ok, (eq.loss_rel_err, eq.weight_rel_err)
     assert len({tuple(r["losses"]) for r in result["per_rank"]}) == 1   # every rank returns the loss
 

@@ -7,14 +7,16 @@ import pytest
 import torch.distributed as dist
 
 from refimpl.launch import run
+from refimpl.mesh import LayoutError
 from refimpl.model import build_model, synthetic_batch
-from refimpl.parallel.pp_measure import action_slots, predicted_activation_peak, profile_pipeline
-from refimpl.parallel.pp_schedules import schedule_table
-from refimpl.parallel.pp_stage import build_chunks
-from refimpl.parallel.torch_pp import TorchPipeline, check_torch_layout
-from refimpl.strategy import LayoutError
+from refimpl.parallel.pp.measure import action_slots, predicted_activation_peak, profile_pipeline
+from refimpl.parallel.pp.schedules import schedule_table
+from refimpl.parallel.pp.stage import build_chunks
+from refimpl.parallel.pp.torch_pp import TorchPipeline, check_torch_layout
 from refimpl.trace.profiling import load_trace
 from tests.test_pp import BATCH, SEED, SEQ, config, reference, rel_err
+
+pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
 TWIN_CASES = [("gpipe", 2, 1), ("1f1b", 2, 1), ("1f1b", 4, 1), ("interleaved", 2, 2), ("interleaved", 4, 2)]
 

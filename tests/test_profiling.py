@@ -1,5 +1,6 @@
 """Profiling: one trace per rank, labelled ranges found again, and the time split computed right."""
 import pandas as pd
+import pytest
 
 from refimpl.launch import run
 from refimpl.trace.profiling import comm_table, load_trace, summarize
@@ -9,7 +10,8 @@ def _profiled_all_reduce(rank, world_size, out_dir, steps):
     import torch
     import torch.distributed as dist
 
-    from refimpl.trace.profiling import StepProfiler, comm_span, phase
+    from refimpl.trace.capture import StepProfiler
+    from refimpl.trace.labels import comm_span, phase
 
     x = torch.randn(256, 256)
     with StepProfiler(out_dir, rank, steps) as prof:
@@ -22,6 +24,7 @@ def _profiled_all_reduce(rank, world_size, out_dir, steps):
     return y.sum().item()
 
 
+@pytest.mark.ranks
 def test_two_ranks_write_one_trace_each_and_the_loader_finds_the_communication(tmp_path):
     run(_profiled_all_reduce, 2, str(tmp_path), 4, quiet=True)
     assert sorted(p.name.split(".")[0] for p in tmp_path.glob("*.pt.trace.json")) == ["rank0", "rank1"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from refimpl.config import TrainConfig
 from refimpl.model import GPTConfig
-from refimpl.strategy import TrainConfig
 from refimpl.trace.run_record import EVENT_SUFFIX, read_run_summary
 from refimpl.train import train_on_ranks
 from tests.trace_runs import REAL_RUN, shared_logdir
@@ -20,6 +20,7 @@ def scalars(run) -> dict[str, list]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+@pytest.mark.ranks
 def test_two_ranks_summary_and_scalars(tmp_path_factory):
     logdir, results = shared_logdir(tmp_path_factory)
     run = logdir / REAL_RUN

@@ -12,10 +12,13 @@ from tensorboard.plugins.base_plugin import TBContext
 from werkzeug.test import Client
 
 from refimpl.tb_plugin.plugin import STATIC, RankTimelinePlugin, plotly_js_path
-from refimpl.trace.profiling import PHASES, load_trace, summarize
+from refimpl.trace.labels import PHASES
+from refimpl.trace.profiling import load_trace, summarize
 from tests.trace_runs import BIG_RUN as BIG
 from tests.trace_runs import GRAD_NUMEL, shared_logdir
 from tests.trace_runs import REAL_RUN as REAL
+
+pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism (refimpl.parallel.tp*): every layer, and the whole model, equals
+"""Tensor and sequence parallelism (refimpl.parallel.tp.layers*): every layer, and the whole model, equals
 the reference; the communication is the seed's list; the activation bytes are the ones we count.
 
 All multi-rank checks of a world size run in one launch (tests/tp_runs.py).
@@ -9,11 +9,13 @@ import torch.nn as nn
 
 from refimpl.memory import activation_bytes_per_layer, block_activation_bytes, tp_block_activation_bytes
 from refimpl.model import GPTConfig
-from refimpl.parallel.placement import Shard
-from refimpl.parallel.tp import ColumnParallelLinear, RowParallelLinear
-from refimpl.parallel.tp_mappings import TPCommLog
-from refimpl.parallel.tp_model import tp_layout_problem
+from refimpl.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
+from refimpl.parallel.tp.mappings import TPCommLog
+from refimpl.parallel.tp.parallelize import tp_layout_problem
+from refimpl.placement import Shard
 from tests.tp_runs import BLOCK_CFG, B, S, checks_on
+
+pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
 VOCAB = {2: 512, 4: 510}           # 510 on 4 ranks: the vocabulary is padded to 512 and masked
 FP32 = 1e-6                        # one layer, one pass: fp32 round-off of a different sum order
@@ -174,11 +176,11 @@ def test_layout_problems_name_the_constraint():
 
 
 def test_tp_cost_model_reproduces_the_fit_and_the_papers():
-    from refimpl.cost import tp_comm
+    from refimpl.cost import alpha_beta, tp_comm
 
     alpha, beta, m = 30e-6, 2e9, 1 << 20
-    hop, link = tp_comm.hop_model_from_fit(alpha, beta)
-    assert tp_comm.ring_seconds("all_reduce", m, 2, hop, link) == pytest.approx(alpha + m / beta)
+    hop, link = alpha_beta.hop_model_from_fit(alpha, beta)
+    assert alpha_beta.ring_seconds("all_reduce", m, 2, hop, link) == pytest.approx(alpha + m / beta)
     shape = tp_comm.LayerShape(2, 64, 32, 4)
     # SP: twice the calls, the same bandwidth term; a layer's bytes are Narayanan's 8bsh(t-1)/t
     no_latency = [tp_comm.comm_seconds_per_layer(shape, 4, 0.0, link, sp) for sp in (False, True)]

@@ -3,11 +3,13 @@ optimizer states (stage 1) and gradients (stage 2) partitioned across the ranks.
 import pytest
 import torch
 
+from refimpl.config import TrainConfig
 from refimpl.memory import model_state_bytes
-from refimpl.parallel.equivalence import compare_states
-from refimpl.parallel.sharded_adamw import ShardedAdamW
-from refimpl.strategy import TrainConfig
+from refimpl.parallel.zero.sharded_adamw import ShardedAdamW
+from refimpl.verify.equivalence import compare_states
 from tests.data_parallel_runs import ELEMENT, assert_matches_single, reference, runs_on, single_accumulating
+
+pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
 ZERO = ["zero1", "zero2", "torch-zero1"]
 

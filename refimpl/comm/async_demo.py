@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import torch
 
+import refimpl.comm as comm
+from refimpl.launch import device_for
+
 
 def overlap_demo(rank: int, world_size: int, numel: int = 1 << 20) -> dict:
     """Run on every rank (launch.run): one blocking and one asynchronous all-reduce of `numel`."""
     import torch.distributed as dist
 
-    import refimpl.comm as comm
-    from refimpl.launch import device_for
 
     device = device_for(dist.get_backend())
     want = float(sum(range(world_size)))

@@ -12,14 +12,16 @@ communication operations in MPICH", section 4.5; Rabenseifner 2004): on p = 2^k 
 
 Bytes each rank sends: M/2 + M/4 + ... = (p-1)/p * M per half, 2(p-1)/p * M in all, the ring's
 (and the lower bound's) figure; but in 2 log2 p messages instead of the ring's 2(p-1). In the
-alpha-beta model:  T = 2 log2(p) alpha + 2 (p-1)/p M / beta.
+alpha-beta model:  T = 2 log2(p) alpha + 2 (p-1)/p M / beta. This file counts the messages and bytes
+(`messages_per_rank`, `bytes_on_critical_path`); refimpl.cost.alpha_beta turns them into seconds,
+beside the ring's formula (`halving_doubling_seconds`, `crossover_bytes`).
 
 Not a power of two (n = p + r, p the largest power of two <= n): the standard fold-in (MPICH, same
 section). Of the first 2r ranks, each even one sends its whole vector to the odd one above it and
 sits out; the odd one adds it. The remaining p ranks run the algorithm above, and at the end each
 odd rank of the first 2r sends the whole result back to its even partner. The price is two extra
 full-size messages on the critical path: T = (2 log2 p + 2) alpha + (2 + 2 (p-1)/p) M / beta, which
-is why the ring wins for large messages on such counts (`crossover_bytes`).
+is why the ring wins for large messages on such counts (refimpl.cost.alpha_beta.crossover_bytes).
 """
 from __future__ import annotations
 
@@ -112,30 +114,6 @@ def bytes_on_critical_path(n: int, m: float) -> float:
     return 2 * (p - 1) / p * m + (2 * m if r else 0)
 
 
-def predicted_seconds(n: int, m: float, alpha: float, beta: float) -> float:
-    """T = messages * alpha + bytes / beta (alpha-beta model, per the module docstring)."""
-    return messages_per_rank(n) * alpha + bytes_on_critical_path(n, m) / beta
-
-
-def ring_seconds(n: int, m: float, alpha: float, beta: float) -> float:
-    """The ring's T = 2(n-1) alpha + 2(n-1)/n * M / beta (Patarasuk & Yuan 2009)."""
-    return 2 * (n - 1) * alpha + 2 * (n - 1) / n * m / beta
-
-
-def crossover_bytes(n: int, alpha: float, beta: float) -> float:
-    """Message size above which the ring beats halving-doubling on n ranks (inf: never; 0: always).
-
-    Solves ring_seconds == predicted_seconds for M: both are a + b M lines. On a power of two the
-    bandwidth terms are equal and halving-doubling wins at every size (in this model); on 3 ranks
-    the latency terms are equal (4 alphas each) and the ring wins at every size.
-    """
-    extra_alpha = 2 * (n - 1) - messages_per_rank(n)            # ring's extra latency, in alphas
-    extra_bytes = bytes_on_critical_path(n, 1.0) - 2 * (n - 1) / n  # HD's extra bytes per byte of M
-    if extra_bytes <= 0:
-        return math.inf
-    return max(0.0, extra_alpha * alpha * beta / extra_bytes)
-
-
 def sent_by_rank(rank: int, n: int, numel: int, itemsize: int = 4) -> tuple[int, int]:
     """(bytes, messages) that `rank` sends in the all-reduce of a `numel`-element tensor.
 
@@ -166,9 +144,3 @@ def sent_by_rank(rank: int, n: int, numel: int, itemsize: int = 4) -> tuple[int,
     sent = [k for k in sent if k]
     return sum(sent) * itemsize, len(sent)
 
-
-def predicted_rows(world_sizes, sizes_bytes, alpha: float, beta: float) -> list[dict]:
-    """Alpha-beta time of both algorithms for each world size and message size (for a plot)."""
-    return [{"ranks": n, "size_bytes": m, "algorithm": name, "seconds": fn(n, m, alpha, beta)}
-            for n in world_sizes for m in sizes_bytes
-            for name, fn in (("ring", ring_seconds), ("halving-doubling", predicted_seconds))]

@@ -19,6 +19,10 @@ from __future__ import annotations
 
 import pandas as pd
 import torch
+import torch.distributed as dist
+
+import refimpl.comm as refimpl_comm
+from refimpl.launch import device_for
 
 PRIMITIVES = ("broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather",
               "reduce_scatter", "send_recv", "all_to_all")
@@ -46,12 +50,10 @@ def labelled(rank: int, length: int = 4) -> torch.Tensor:
 
 
 def _implementation(name: str):
-    if name == "torch":
-        import torch.distributed as backend
-    elif name == "refimpl":
-        import refimpl.comm as backend
-    else:
+    implementations = {"torch": dist, "refimpl": refimpl_comm}
+    if name not in implementations:
         raise ValueError(f"impl must be 'torch' or 'refimpl', got {name!r}")
+    backend = implementations[name]
     return backend
 
 
@@ -120,8 +122,6 @@ def reference(primitive: str, inputs: list[torch.Tensor], rank: int) -> torch.Te
 def run_primitives(rank: int, world_size: int, impl: str = "torch", length: int = 4) -> dict:
     """On every rank (under launch.run): {primitive: {"before", "after", "perturbed": [per rank]}}."""
     import torch.distributed as dist
-
-    from refimpl.launch import device_for
 
     c = _implementation(impl)
     x = labelled(rank, length).to(device_for(dist.get_backend()))

@@ -19,6 +19,8 @@ import torch
 
 import refimpl.comm as comm
 from refimpl.comm import halving_doubling
+from refimpl.comm.ring import ALGORITHMS
+from refimpl.launch import device_for
 
 HALVING_DOUBLING = "all_reduce (halving-doubling)"
 COLLECTIVES = ("all_reduce", HALVING_DOUBLING, "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce",
@@ -82,8 +84,6 @@ def measure_sent(rank: int, world_size: int, numel: int) -> dict:
     """
     import torch.distributed as dist
 
-    from refimpl.launch import device_for
-
     n = world_size
     piece = numel // n
     with torch.device(device_for(dist.get_backend())), comm.CommCounter() as counted:
@@ -116,8 +116,6 @@ def all_reduce_messages(rank: int, world_size: int, numel: int) -> dict:
     """Per algorithm, the (bytes, messages) this rank sent: run on ranks by launch.run."""
     import torch.distributed as dist
 
-    from refimpl.comm.ring import ALGORITHMS
-    from refimpl.launch import device_for
 
     with torch.device(device_for(dist.get_backend())):
         return {algorithm: all_reduce_sent(numel, algorithm) for algorithm in ALGORITHMS}

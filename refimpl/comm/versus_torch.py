@@ -15,6 +15,8 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 import refimpl.comm as comm
+from refimpl.comm.traffic import all_reduce_messages, measure_sent
+from refimpl.launch import device_for
 
 
 def _ints(shape, seed: int, lo: int = -8, hi: int = 9, dtype=torch.float32) -> torch.Tensor:
@@ -37,8 +39,6 @@ def _twin(fn_name: str):
 
 def compare_with_torch(rank: int, world_size: int, sizes=(1, 7, 13, 1001)) -> list[dict]:
     """Every collective x every case on this rank; returns rows (see module docstring)."""
-    from refimpl.launch import device_for
-
     n, rows = world_size, []
     seed = 1000 * rank
     with torch.device(device_for(dist.get_backend())):  # new tensors on this rank's device
@@ -232,7 +232,5 @@ def _subgroup_cases(rows, seed, n, rank):
 def check_and_count(rank: int, world_size: int, numel: int = 1200) -> tuple:
     """One launch, three answers (notebook 01): every collective against torch's, the bytes each
     sent on a `numel`-element tensor, and both all-reduce algorithms' bytes and messages."""
-    from refimpl.comm.traffic import all_reduce_messages, measure_sent
-
     return (compare_with_torch(rank, world_size), measure_sent(rank, world_size, numel),
             all_reduce_messages(rank, world_size, numel))

@@ -1,2 +1,3 @@
-"""What communication costs: measured sweeps and the alpha-beta fit (`bench`), the seed's
-per-strategy table (`strategy_cost`), and volumes counted from traces (`volume`)."""
+"""What communication and compute cost: measured sweeps (`bench`), the alpha-beta model and its fit
+(`alpha_beta`), the GPU datasheet presets (`hardware`), the seed's per-strategy table
+(`strategy_cost`), and volumes counted from traces (`volume`)."""

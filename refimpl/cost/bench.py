@@ -1,5 +1,6 @@
-"""What a collective costs: a bandwidth sweep measured as nccl-tests measures it, and the
-alpha-beta model T = alpha + M / beta fitted to it (seed, section 2.3).
+"""What a collective costs, measured: a bandwidth sweep as nccl-tests runs it (seed, section 2.3).
+The alpha-beta model T = alpha + M / beta fitted to it, and the bus-bandwidth factor, are
+refimpl.cost.alpha_beta's.
 
 Two bandwidths per measurement, as in nccl-tests (doc/PERFORMANCE.md):
 
@@ -24,10 +25,11 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
 
+import refimpl.comm as comm
+from refimpl.cost.alpha_beta import busbw_factor
 from refimpl.cost.ceilings import (  # noqa: F401
     ceiling_for,
     copy_sweep,
@@ -35,17 +37,11 @@ from refimpl.cost.ceilings import (  # noqa: F401
     max_message_bytes,
     memcpy_bandwidth,
 )
-from refimpl.cost.collective_bytes import bytes_per_rank_factor
-from refimpl.launch import run
+from refimpl.launch import device_for, run
+from refimpl.progress import progress_bar  # a widget in a notebook, text in a terminal
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send_recv")
 IMPLS = ("torch", "refimpl")
-
-
-def busbw_factor(op: str, world_size: int) -> float:
-    """nccl-tests' bus-bandwidth factor: bytes a rank's link carries per byte of message
-    (the table in refimpl.cost.collective_bytes)."""
-    return bytes_per_rank_factor(op, world_size)
 
 
 def message_sizes(min_bytes: int = 4, max_bytes: int = 64 << 20, factor: int = 2) -> list[int]:
@@ -56,66 +52,6 @@ def message_sizes(min_bytes: int = 4, max_bytes: int = 64 << 20, factor: int = 2
         size *= factor
     return sizes
 
-
-# --- fitting ----------------------------------------------------------------------------------
-
-def fit_alpha_beta(sizes_bytes, seconds) -> tuple[float, float]:
-    """Least-squares fit of T = alpha + M / beta; returns (alpha in s, beta in bytes/s).
-
-    The squared error is taken relative to each measurement, ((alpha + M/beta - T) / T)^2: a plain
-    least squares is decided by the largest messages alone (their times are 10^4 x larger) and
-    leaves alpha, the part that dominates small messages, to noise. Both parameters are kept
-    non-negative (a negative latency is not physical); beta = inf means no size dependence.
-    """
-    m = np.asarray(sizes_bytes, dtype=float)
-    t = np.asarray(seconds, dtype=float)
-    a = np.stack([1.0 / t, m / t], axis=1)  # rows scaled by 1/T: weighted least squares
-    (alpha, inv_beta), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
-    if alpha < 0:  # refit with alpha = 0: T = M / beta
-        alpha, inv_beta = 0.0, float(np.sum(m / t) / np.sum((m / t) ** 2))
-    if inv_beta <= 0:  # refit with no bandwidth term: T = alpha
-        alpha, inv_beta = float(np.sum(1.0 / t) / np.sum((1.0 / t) ** 2)), 0.0
-    return float(alpha), (1.0 / inv_beta if inv_beta > 0 else float("inf"))
-
-
-def predict_seconds(alpha: float, beta: float, sizes_bytes) -> np.ndarray:
-    return alpha + np.asarray(sizes_bytes, dtype=float) / beta
-
-
-def fit_error(sizes_bytes, seconds, alpha: float, beta: float) -> dict:
-    """How well the fitted line explains the data: R^2 of log T, median and worst relative error.
-
-    R^2 is computed on log(time) because the sizes span seven decades: on raw times it would only
-    say whether the largest message was fitted.
-    """
-    t = np.asarray(seconds, dtype=float)
-    p = predict_seconds(alpha, beta, sizes_bytes)
-    rel = np.abs(p - t) / t
-    lt, lp = np.log(t), np.log(p)
-    ss_res, ss_tot = float(np.sum((lt - lp) ** 2)), float(np.sum((lt - lt.mean()) ** 2))
-    return {"r2_log": 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
-            "median_rel_err": float(np.median(rel)), "max_rel_err": float(np.max(rel))}
-
-
-def fit_table(sweep_df: pd.DataFrame) -> pd.DataFrame:
-    """One alpha-beta fit per (impl, op, world_size) of a sweep, with its error."""
-    rows = []
-    for (impl, op, n), g in sweep_df.groupby(["impl", "op", "world_size"], sort=False):
-        alpha, beta = fit_alpha_beta(g.size_bytes, g.time_s)
-        rows.append({"impl": impl, "op": op, "world_size": n, "alpha_s": alpha,
-                     "beta_bytes_per_s": beta, **fit_error(g.size_bytes, g.time_s, alpha, beta)})
-    return pd.DataFrame(rows)
-
-
-def with_predictions(sweep_df: pd.DataFrame, fits: pd.DataFrame) -> pd.DataFrame:
-    """The sweep plus each row's model time `predicted_s` (for predicted-vs-measured plots)."""
-    df = sweep_df.merge(fits[["impl", "op", "world_size", "alpha_s", "beta_bytes_per_s"]],
-                        on=["impl", "op", "world_size"])
-    df["predicted_s"] = predict_seconds(df.alpha_s, df.beta_bytes_per_s, df.size_bytes)
-    return df.drop(columns=["alpha_s", "beta_bytes_per_s"])
-
-
-# --- measuring --------------------------------------------------------------------------------
 
 def _buffers(op: str, size_bytes: int, n: int, device="cpu"):
     """(input, output, M) for a nominal size: fp32, at least one element per rank's block."""
@@ -133,8 +69,6 @@ def _buffers(op: str, size_bytes: int, n: int, device="cpu"):
 def _rank_device():
     """This rank's device: its GPU under NCCL (then timing needs a synchronize), else the CPU."""
     import torch.distributed as dist
-
-    from refimpl.launch import device_for
 
     return device_for(dist.get_backend())
 
@@ -187,8 +121,6 @@ def sweep_rank(rank: int, world_size: int, ops=OPS, sizes=None, impls=IMPLS, war
     """
     import torch.distributed as dist
 
-    import refimpl.comm as comm
-
     modules = {"torch": dist, "refimpl": comm}
     sizes = sizes or message_sizes()
     rows, n, device = [], world_size, _rank_device()
@@ -238,7 +170,6 @@ def _run_with_progress(n: int, total: int, progress: bool, kwargs: dict, timeout
     """
     if not progress:
         return run(sweep_rank, n, timeout=timeout, quiet=True, backend=backend, **kwargs)[0]
-    from refimpl.progress import progress_bar  # a widget in a notebook, text in a terminal
 
     with tempfile.TemporaryDirectory(prefix="refimpl-sweep-") as tmp:
         tally = Path(tmp) / "progress"
@@ -282,8 +213,6 @@ def head_to_head_rank(rank: int, world_size: int, op: str = "all_reduce", size_b
     during the busy spell.
     """
     import torch.distributed as dist
-
-    import refimpl.comm as comm
 
     modules = {"torch": dist, "refimpl": comm}
     device = _rank_device()

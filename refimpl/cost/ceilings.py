@@ -27,6 +27,8 @@ import time
 import pandas as pd
 import torch
 
+from refimpl.launch import pick_backend
+
 # Largest message of a sweep per backend: CPU ranks on shared cores (a notebook's 2 minutes) vs GPUs
 # (where links need >= 100s of MB to approach their plateau; nccl-tests goes to 8 GB).
 DEFAULT_MAX_BYTES = {"gloo": 4 << 20, "nccl": 1 << 30}
@@ -132,8 +134,6 @@ def ceiling_for(nproc: int, backend: str | None = None, nbytes: int | None = Non
     but is not a bound: NCCL drives several links at once and NVLink SHARP reduces in the switch,
     so its busbw can exceed one copy engine's peer copy.
     """
-    from refimpl.launch import pick_backend
-
     backend = backend or pick_backend(nproc)
     if backend != "nccl":
         return {"backend": backend, "kind": "memcpy, one CPU core",

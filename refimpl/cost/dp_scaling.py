@@ -2,7 +2,7 @@
 
 With a fixed global batch each rank's compute shrinks as 1/n, its gradient all-reduce does not:
 a ring of M bytes on n ranks takes 2(n-1) steps of M/n bytes each,
-    T(n) = 2(n-1)·α_link + 2(n-1)/n · M/B        (Patarasuk & Yuan 2009).
+    T(n) = 2(n-1)·α_link + 2(n-1)/n · M/B        (Patarasuk & Yuan 2009; refimpl.cost.alpha_beta).
 On 2 ranks that is 2α_link + M/B, so a 2-rank α-β fit T = α₂ + M/β₂ gives α_link = α₂/2, B = β₂,
 and T(n) = (n-1)·α₂ + 2(n-1)/n · M/β₂: the latency term grows linearly in n, the bandwidth term
 tends to 2M/β₂ and stays flat.
@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import pandas as pd
 
-from refimpl.comm.halving_doubling import ring_seconds
+from refimpl.cost.alpha_beta import hop_model_from_fit, predict_seconds, ring_seconds
 
 
 def ring_from_two_rank_fit(n: int, message_bytes: float, alpha2: float, beta2: float) -> float:
     """T(n) of a ring all-reduce, from the α-β fit of the 2-rank sweep (module docstring)."""
-    return ring_seconds(n, message_bytes, alpha2 / 2, beta2)
+    alpha_link, link = hop_model_from_fit(alpha2, beta2)
+    return ring_seconds("all_reduce", message_bytes, n, alpha_link, link)
 
 
 def per_step_times(summary: pd.DataFrame) -> pd.Series:
@@ -34,11 +35,9 @@ def per_step_times(summary: pd.DataFrame) -> pd.Series:
 def bottleneck_table(fits: pd.DataFrame, summaries: dict, grad_bytes: float) -> pd.DataFrame:
     """Predicted (from n = 2) vs measured all-reduce time and comm share of the step, per n.
 
-    `fits`: `bench.fit_table` of an all-reduce sweep indexed by world size; `summaries`: n ->
+    `fits`: `alpha_beta.fit_table` of an all-reduce sweep indexed by world size; `summaries`: n ->
     `profiling.summarize` of a profiled dp run on n ranks, the same global batch for all.
     """
-    from refimpl.cost.bench import predict_seconds
-
     alpha2, beta2 = fits.alpha_s[2], fits.beta_bytes_per_s[2]
     compute_2 = per_step_times(summaries[2]).compute_us * 1e-6
     rows = []

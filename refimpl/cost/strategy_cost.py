@@ -18,7 +18,7 @@ Sources: DP and the ring, Patarasuk & Yuan 2009; ZeRO-3's 1.5x of DP's volume, R
 and Narayanan et al. 2021 (PipeDream-1F1B / Megatron interleaving).
 
 Time: each call costs alpha + M/beta with (alpha, beta) fitted per collective on this machine
-(refimpl.bench.fit_table), so the table's time column is "this hardware, this message size".
+(refimpl.cost.alpha_beta.fit_table), so the table's time column is "this hardware, this message size".
 For a 7B model the messages are far beyond any size a laptop sweep measures: that column then
 extrapolates the fitted line, and says what the bandwidth term alone would cost.
 """
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from refimpl.cost.alpha_beta import predict_seconds
 from refimpl.cost.collective_bytes import sent_per_rank
 
 # The seed's qualitative columns (frequency, bottleneck), in English with the Korean beside.
@@ -98,7 +99,7 @@ def call_seconds(calls, fits: pd.DataFrame, n: int, impl: str = "torch") -> floa
         if row.empty:
             return float("nan")
         alpha, beta = float(row.alpha_s.iloc[0]), float(row.beta_bytes_per_s.iloc[0])
-        total += count * (alpha + message / beta)
+        total += count * float(predict_seconds(alpha, beta, message))
     return total
 
 

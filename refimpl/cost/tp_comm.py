@@ -8,21 +8,25 @@ Sequence parallelism replaces each all-reduce by an all-gather + a reduce-scatte
 the same bytes in twice the calls (Korthikanti et al. 2022, §4.2.2).
 
 Time. A ring all-reduce over t ranks is 2(t-1) steps, each a latency α_hop plus a chunk of M/t
-bytes at the link bandwidth B: T = 2(t-1)·α_hop + 2(t-1)/t · M/B (Patarasuk & Yuan 2009). An
-α-β fit at t = 2 (T = α + M/β, refimpl.cost.bench.fit_alpha_beta) gives α_hop = α/2 and B = β,
+bytes at the link bandwidth B: T = 2(t-1)·α_hop + 2(t-1)/t · M/B (Patarasuk & Yuan 2009;
+refimpl.cost.alpha_beta.ring_seconds). An α-β fit at t = 2 (T = α + M/β,
+refimpl.cost.alpha_beta.fit_alpha_beta) gives α_hop = α/2 and B = β (alpha_beta.hop_model_from_fit),
 from which the same model predicts other t.
 
 Compute, to compare with. One layer's forward is 24·b·s·h² + 4·b·s²·h FLOPs (Narayanan et al.
 2021, §5.1: the four h×h-sized matmuls and the 4h MLP, plus scores and S·V); backward twice that:
 72·b·s·h²·(1 + s/(6h)) per layer, split t ways under TP.
 
-Links and peak rates come from the planner's GPU presets (refimpl.plan.hardware, datasheet
-sources there): e.g. H100 SXM, NVLink 4 at 450 GB/s each way (900 GB/s bidirectional), one 400 Gb/s
-NDR InfiniBand port per GPU (50 GB/s each way), 989 TFLOP/s dense BF16.
+Links and peak rates come from the planner's GPU presets (refimpl.cost.hardware: the datasheet
+numbers and their sources, written once): NVLink inside a node, one InfiniBand port per GPU across
+nodes, the dense BF16 peak.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from refimpl.cost.alpha_beta import ring_seconds
+from refimpl.cost.hardware import get_hardware
 
 
 def bytes_per_layer(b: int, s: int, h: int, t: int, dtype_bytes: int = 2) -> float:
@@ -35,18 +39,6 @@ def calls_per_layer(sequence_parallel: bool = False) -> dict:
     if sequence_parallel:
         return {"all_gather": 4, "reduce_scatter": 4}
     return {"all_reduce": 4}
-
-
-def ring_seconds(op: str, message_bytes: float, t: int, alpha_hop: float,
-                 link_bytes_per_s: float) -> float:
-    """Time of one ring collective of a `message_bytes` tensor over t ranks (Patarasuk & Yuan)."""
-    steps = {"all_reduce": 2 * (t - 1), "all_gather": t - 1, "reduce_scatter": t - 1}[op]
-    return steps * (alpha_hop + message_bytes / t / link_bytes_per_s)
-
-
-def hop_model_from_fit(alpha_s: float, beta_bytes_per_s: float) -> tuple[float, float]:
-    """(α_hop, B) from an all-reduce fit T = α + M/β measured on 2 ranks: T = 2α_hop + M/B."""
-    return alpha_s / 2, beta_bytes_per_s
 
 
 @dataclass(frozen=True)
@@ -72,11 +64,9 @@ def flops_per_layer(shape: LayerShape) -> float:
 
 def comm_to_compute(shape: LayerShape, t: int, gpu: str = "h100-sxm",
                     within_node: bool = True) -> float:
-    """TP communication time / compute time per layer on `gpu` (a refimpl.plan.hardware preset),
+    """TP communication time / compute time per layer on `gpu` (a refimpl.cost.hardware preset),
     its ring inside a node (NVLink) or across nodes (InfiniBand). The best case for the link:
     datasheet rates, no latency, nothing overlapped. > 1: the GPUs wait longer than they compute."""
-    from refimpl.plan.hardware import get_hardware
-
     hw = get_hardware(gpu)
     link = hw.intra_bandwidth if within_node else hw.inter_bandwidth
     compute = flops_per_layer(shape) / t / hw.peak_flops

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from refimpl.cost.collective_bytes import paper_factor
+from refimpl.trace.profiling import comm_table, load_trace
 
 PAPER_FACTOR = {op: paper_factor(op) for op in ("all_reduce", "reduce_scatter", "all_gather", "reduce")}
 
@@ -25,8 +26,6 @@ def volume_per_step(run: str | Path, min_bytes: int = 1024):
 
     Collectives smaller than `min_bytes` (the all-reduce of the scalar loss) are left out.
     """
-    from refimpl.trace.profiling import comm_table, load_trace
-
     df = load_trace(run)
     steps = df[df.category == "step"].groupby("rank").size()
     labelled = df[(df.category == "comm") & df.name.str.startswith("comm:") & df.step.notna()

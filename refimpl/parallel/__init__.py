@@ -7,31 +7,32 @@ from __future__ import annotations
 
 import importlib
 
-from refimpl.strategy import LayoutError, Strategy
+from refimpl.mesh import LayoutError
+from refimpl.strategy import Strategy
 
 STRATEGIES: dict[str, str] = {
-    "single": "refimpl.parallel.single:Single",
-    "dp-naive": "refimpl.parallel.dp_naive:NaiveDataParallel",
-    "dp": "refimpl.parallel.dp_bucketed:BucketedDataParallel",
-    "torch-ddp": "refimpl.parallel.torch_ddp:TorchDDP",
-    "zero1": "refimpl.parallel.zero:Zero1",
-    "zero2": "refimpl.parallel.zero:Zero2",
-    "torch-zero1": "refimpl.parallel.torch_zero1:TorchZero1",
-    "zero3": "refimpl.parallel.zero3:Zero3",
-    "fsdp": "refimpl.parallel.fsdp:FSDP",
-    "torch-fsdp2": "refimpl.parallel.torch_fsdp2:TorchFSDP2",
-    "torch-fsdp2-gradop": "refimpl.parallel.torch_fsdp2:TorchFSDP2GradOp",
-    "tp": "refimpl.parallel.tensor_parallel:TensorParallel",
-    "torch-tp": "refimpl.parallel.torch_tp:TorchTensorParallel",
-    "torch-fsdp2-tp": "refimpl.parallel.torch_fsdp2_tp:TorchFSDP2TP",
-    "pp-gpipe": "refimpl.parallel.pp_strategy:PipelineParallel",
-    "pp-1f1b": "refimpl.parallel.pp_strategy:PipelineParallel",
-    "pp-interleaved": "refimpl.parallel.pp_strategy:PipelineParallel",
-    "pp-zb": "refimpl.parallel.pp_strategy:PipelineParallel",
-    "torch-pp-gpipe": "refimpl.parallel.pp_strategy:TorchPipelineParallel",
-    "torch-pp-1f1b": "refimpl.parallel.pp_strategy:TorchPipelineParallel",
-    "torch-pp-interleaved": "refimpl.parallel.pp_strategy:TorchPipelineParallel",
-    "ep": "refimpl.parallel.ep:ExpertParallel",
+    "single": "refimpl.parallel.dp.single:Single",
+    "dp-naive": "refimpl.parallel.dp.naive:NaiveDataParallel",
+    "dp": "refimpl.parallel.dp.bucketed:BucketedDataParallel",
+    "torch-ddp": "refimpl.parallel.dp.torch_ddp:TorchDDP",
+    "zero1": "refimpl.parallel.zero.stages:Zero1",
+    "zero2": "refimpl.parallel.zero.stages:Zero2",
+    "torch-zero1": "refimpl.parallel.zero.torch_zero1:TorchZero1",
+    "zero3": "refimpl.parallel.fsdp.zero3:Zero3",
+    "fsdp": "refimpl.parallel.fsdp.fully_shard:FSDP",
+    "torch-fsdp2": "refimpl.parallel.fsdp.torch_fsdp2:TorchFSDP2",
+    "torch-fsdp2-gradop": "refimpl.parallel.fsdp.torch_fsdp2:TorchFSDP2GradOp",
+    "tp": "refimpl.parallel.tp.strategy:TensorParallel",
+    "torch-tp": "refimpl.parallel.tp.torch_tp:TorchTensorParallel",
+    "torch-fsdp2-tp": "refimpl.compose.torch_fsdp2_tp:TorchFSDP2TP",
+    "pp-gpipe": "refimpl.parallel.pp.strategy:PipelineParallel",
+    "pp-1f1b": "refimpl.parallel.pp.strategy:PipelineParallel",
+    "pp-interleaved": "refimpl.parallel.pp.strategy:PipelineParallel",
+    "pp-zb": "refimpl.parallel.pp.strategy:PipelineParallel",
+    "torch-pp-gpipe": "refimpl.parallel.pp.strategy:TorchPipelineParallel",
+    "torch-pp-1f1b": "refimpl.parallel.pp.strategy:TorchPipelineParallel",
+    "torch-pp-interleaved": "refimpl.parallel.pp.strategy:TorchPipelineParallel",
+    "ep": "refimpl.parallel.ep.strategy:ExpertParallel",
 }
 
 

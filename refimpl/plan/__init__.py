@@ -4,15 +4,17 @@
     plan(n_layers=80, d_model=8192, n_heads=64, vocab_size=32000, seq_len=4096,
          global_batch=1024, gpus=64)
 
-hardware.py  GPU presets (datasheet numbers) and the CPU preset measured on this machine
 models.py    model shapes by name, and Narayanan et al. 2021's published layouts
 predict.py   one layout's memory and step time, term by term
 search.py    enumerate, predict, rank: plan()
 cli.py       `python -m refimpl plan --model 70b --gpus 64`: plan_main(argv)
 published.py the planner against Narayanan et al. 2021 Table 1
 cpu.py       the layouts that run on a few CPU ranks, predicted for comparison with measured runs
+
+The GPU presets it predicts with are refimpl.cost.hardware's (the datasheet numbers, re-exported
+here); this machine as a preset is measured by refimpl.cost.this_machine.
 """
-from refimpl.plan.hardware import GPUS, Hardware, cpu_preset, get_hardware  # noqa: F401
+from refimpl.cost.hardware import GPUS, Hardware, cpu_preset, get_hardware  # noqa: F401
 from refimpl.plan.models import MODELS, ModelShape, megatron_runs  # noqa: F401
 from refimpl.plan.predict import Layout, predict  # noqa: F401
 from refimpl.plan.published import compare_with_megatron  # noqa: F401

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from refimpl.plan.hardware import GPUS
+from refimpl.cost.hardware import GPUS
 from refimpl.plan.models import MODELS, get_model
 from refimpl.plan.search import RECOMPUTE, plan
 

@@ -20,13 +20,17 @@ from dataclasses import replace
 import numpy as np
 import pandas as pd
 
+from refimpl.config import TrainConfig
+from refimpl.cost.alpha_beta import ring_seconds
+from refimpl.cost.hardware import Hardware
+from refimpl.cost.this_machine import measure_cpu_preset
 from refimpl.env import cpu_cores
 from refimpl.model import GPT, GPTConfig
-from refimpl.plan.hardware import Hardware, measure_cpu_preset
 from refimpl.plan.models import ModelShape
-from refimpl.plan.predict import PRECISIONS, Layout, micro_batch_work, predict, ring_all_reduce_s
+from refimpl.plan.predict import PRECISIONS, Layout, micro_batch_work, predict
 from refimpl.plan.search import enumerate_layouts, rank_layouts
-from refimpl.strategy import TrainConfig
+from refimpl.train import train_on_ranks, train_several_on_ranks
+from refimpl.verify.step_time import step_times_in_rounds
 
 ZERO_STRATEGY = {0: "dp", 1: "zero1", 2: "zero2", 3: "zero3"}
 LAYOUT_COLUMNS = ["dp", "tp", "pp", "cp", "zero_stage", "micro_batch_size", "recompute",
@@ -39,7 +43,7 @@ def shape_of(cfg: GPTConfig, seq_len: int) -> ModelShape:
 
 def cpu_strategy(zero_stage: int, pp: int) -> str:
     """The loop's strategy for a ZeRO stage. Stage 0 under a pipeline is dp-naive (one all-reduce
-    per parameter tensor): the bucketed `dp` is refused with pp (refimpl.parallel.composition)."""
+    per parameter tensor): the bucketed `dp` is refused with pp (refimpl.plan.composition)."""
     return "dp-naive" if zero_stage == 0 and pp > 1 else ZERO_STRATEGY[zero_stage]
 
 
@@ -63,7 +67,7 @@ def _tensors(module) -> int:
 def grad_messages(cfg: GPTConfig, lay: Layout) -> int:
     """How many collectives the loop's gradient sync sends per step (the planner's default, 1, is
     a bucketed sync): dp-naive all-reduces each tensor; zero1/zero2 reduce each owner's shard to
-    it, one reduce per rank of dp x cp (refimpl/parallel/zero.py); `dp`'s one bucket holds the
+    it, one reduce per rank of dp x cp (refimpl/parallel/zero/stages.py); `dp`'s one bucket holds the
     tiny model's gradients whole."""
     if cpu_strategy(lay.zero_stage, lay.pp) == "dp-naive":
         return stage_tensors(cfg, lay.pp)
@@ -76,7 +80,7 @@ def sp_grad_sync_s(cfg: GPTConfig, lay: Layout, hw: Hardware, micro_batches: int
     """What the planner leaves out and refimpl's sequence parallelism pays: every parameter that
     sees only this rank's tokens (the LayerNorms' weights and biases, the row-parallel layers'
     biases: 6 per block; the final norm's 2 on the last stage) has a partial gradient, all-reduced
-    over tp by a hook in every backward (refimpl/parallel/tp_model.py). Megatron-LM sums them once
+    over tp by a hook in every backward (refimpl/parallel/tp/parallelize.py). Megatron-LM sums them once
     per step instead. Small messages: on CPU ranks each costs about alpha per ring step."""
     if not lay.sequence_parallel or lay.tp == 1:
         return 0.0
@@ -85,7 +89,7 @@ def sp_grad_sync_s(cfg: GPTConfig, lay: Layout, hw: Hardware, micro_batches: int
     per_block = (_tensors(block.ln1) + _tensors(block.ln2)
                  + sum(linear.bias is not None for linear in (block.attn.o, block.mlp.down)))
     tensors = per_block * (cfg.n_layers // lay.pp) + 2   # + the final norm's weight and bias
-    return micro_batches * tensors * ring_all_reduce_s(4 * cfg.d_model, lay.tp, alpha, beta)
+    return micro_batches * tensors * ring_seconds("all_reduce", 4 * cfg.d_model, lay.tp, alpha, beta)
 
 
 def exposed_comm_s(row) -> float:
@@ -121,11 +125,10 @@ def calibrate_compute(hw: Hardware, cfg: GPTConfig | None = None, seq_len: int =
     """Fit the preset's compute terms to the reference itself: `single` on one thread at a few
     batch sizes. A step is T(b) = FLOPs(b) / rate + bytes(b) / memcpy + passes * overhead +
     optimizer; least squares over b gives the rate and the per-pass overhead. The isolated
-    measurements (measure_matmul_rate's 512 x 512 matmul, measure_block_overhead's one-token block
-    pass) miss the tiny model's thin GEMMs, the loss, the optimizer call and the bookkeeping: on the
-    2-core CI machine they predicted `single`'s step ~1.5x too fast (fit: 1.0x by construction)."""
-    from refimpl.train import train_on_ranks
-
+    measurements (refimpl.cost.this_machine: measure_matmul_rate's 512 x 512 matmul,
+    measure_block_overhead's one-token block pass) miss the tiny model's thin GEMMs, the loss, the
+    optimizer call and the bookkeeping: on the 2-core CI machine they predicted `single`'s step
+    ~1.5x too fast (fit: 1.0x by construction)."""
     cfg = cfg or GPTConfig()
     shape = shape_of(cfg, seq_len)
     rows, targets = [], []
@@ -141,7 +144,7 @@ def calibrate_compute(hw: Hardware, cfg: GPTConfig | None = None, seq_len: int =
     a, t = np.array(rows, dtype=float), np.maximum(np.array(targets), 1e-9)
     (inv_rate, overhead), *_ = np.linalg.lstsq(a, t, rcond=None)
     # Noise on a busy machine can push one term below zero: keep both non-negative, as
-    # refimpl.cost.bench.fit_alpha_beta does, refitting the other one alone.
+    # refimpl.cost.alpha_beta.fit_alpha_beta does, refitting the other one alone.
     if overhead < 0:
         inv_rate, overhead = float(a[:, 0] @ t / (a[:, 0] @ a[:, 0])), 0.0
     if inv_rate <= 0:
@@ -222,10 +225,8 @@ def measure_cpu_layouts(table: pd.DataFrame, world_size: int = 4, cfg: GPTConfig
                         rounds: int = 1) -> pd.DataFrame:
     """Run every row on `world_size` ranks, in one launch, `rounds` times interleaved, and add
     what was measured: measured_step_time_s (median over rounds of the slowest rank's steps after
-    the first; refimpl.cost.step_time; NaN with steps=1) and measured_memory_bytes (the largest
+    the first; refimpl.verify.step_time; NaN with steps=1) and measured_memory_bytes (the largest
     rank's params + grads + optimizer + activation peak, the same in every round)."""
-    from refimpl.cost.step_time import step_times_in_rounds
-    from refimpl.train import train_several_on_ranks
 
     cfg = cfg or GPTConfig()
     variants = {i: train_config(row, world_size, cfg, global_batch, seq_len, steps)

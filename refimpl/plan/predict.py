@@ -11,16 +11,18 @@ Step time, for the busiest pipeline stage (the first holds the embedding, the la
                         + pp activation sends
   pipeline         (m + p - 1) · T_mb         1F1B: bubble (p-1)/(m+p-1) (Narayanan et al. 2021 §2.2)
   then             data-parallel gradient sync (exposed) + the optimizer step (memory-bound)
-Collective times are the alpha-beta model of a ring (Thakur et al. 2005; the seed's §2.3): an
-all-reduce of M bytes on n ranks costs 2(n-1)·alpha + 2(n-1)/n · M / beta.
+Collective times are the alpha-beta model of a ring (Thakur et al. 2005; the seed's §2.3), written
+once in refimpl.cost.alpha_beta.ring_seconds: an all-reduce of M bytes on n ranks costs
+2(n-1)·alpha + 2(n-1)/n · M / beta, an all-gather or reduce-scatter half that.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from refimpl.memory import activation_bytes_per_layer, model_state_bytes
+from refimpl.cost.alpha_beta import ring_seconds
+from refimpl.cost.hardware import MEMORY_HEADROOM, Hardware
+from refimpl.memory import activation_bytes_per_layer, model_state_bytes, training_flops
 from refimpl.mesh import AXES as GRID_AXES  # dp, pp, cp, tp: outermost to innermost
-from refimpl.plan.hardware import MEMORY_HEADROOM, Hardware
 from refimpl.plan.models import ModelShape
 
 PRECISIONS = {
@@ -63,15 +65,6 @@ class Layout:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
 
-def ring_all_reduce_s(nbytes: float, n: int, alpha: float, beta: float) -> float:
-    return 0.0 if n <= 1 else 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / beta
-
-
-def ring_gather_s(nbytes: float, n: int, alpha: float, beta: float) -> float:
-    """all_gather (M = the gathered result) or reduce_scatter (M = the input): half an all-reduce."""
-    return 0.0 if n <= 1 else (n - 1) * alpha + (n - 1) / n * nbytes / beta
-
-
 def stage_params(shape: ModelShape, lay: Layout) -> float:
     """Parameters one GPU of the first stage holds: its blocks and the word embedding, split tp
     ways (Megatron's vocabulary-parallel embedding); position embeddings replicated."""
@@ -81,7 +74,7 @@ def stage_params(shape: ModelShape, lay: Layout) -> float:
 
 def _layer_activation_bytes(shape, lay, batch, act_bytes, recompute) -> float:
     """Korthikanti et al. 2022 Table 2 on this rank's s/cp tokens. Ring attention (cp > 1) never
-    stores the s x s probabilities (it recomputes them blockwise, refimpl/parallel/cp.py), so its
+    stores the s x s probabilities (it recomputes them blockwise, refimpl/parallel/cp/ring.py), so its
     score term is dropped as selective recomputation drops it."""
     if lay.cp > 1 and recompute == "none":
         recompute = "selective"
@@ -166,13 +159,13 @@ def predict_time(shape: ModelShape, lay: Layout, global_batch: int, hw: Hardware
     # stage is the last; with pp = 1 it also holds the embedding.
     tp_alpha, tp_beta = hw.link(lay.within_node("tp", gpus_per_node))
     n_tp = 4 + (2 if lay.recompute == "full" else 0)
-    activation_ar = ring_all_reduce_s(b * s_loc * h * act, t, tp_alpha, tp_beta)
+    activation_ar = ring_seconds("all_reduce", b * s_loc * h * act, t, tp_alpha, tp_beta)
     ends = ((2 if p == 1 else 1) * activation_ar
-            + 3 * ring_all_reduce_s(b * s_loc * 4, t, tp_alpha, tp_beta))
+            + 3 * ring_seconds("all_reduce", b * s_loc * 4, t, tp_alpha, tp_beta))
     tp_s = layers * n_tp * activation_ar + ends
 
     # --- context parallel: K and V hop cp-1 times forward; backward hops K, V again and dK, dV
-    # home (cp hops); each hop overlaps the attention on the block in hand (refimpl/parallel/cp.py)
+    # home (cp hops); each hop overlaps the attention on the block in hand (refimpl/parallel/cp/ring.py)
     cp_s = 0.0
     if c > 1:
         cp_alpha, cp_beta = hw.link(lay.within_node("cp", gpus_per_node))
@@ -202,16 +195,17 @@ def predict_time(shape: ModelShape, lay: Layout, global_batch: int, hw: Hardware
     grad_bytes = params * bytes_["grad"]
     k = grad_messages
     if lay.zero_stage == 0:   # k bucketed all-reduces: k times the latency, the same bytes
-        dp_s = k * ring_all_reduce_s(grad_bytes / k, n_dp, dp_alpha, dp_beta)
+        dp_s = k * ring_seconds("all_reduce", grad_bytes / k, n_dp, dp_alpha, dp_beta)
     elif lay.zero_stage in (1, 2):   # reduce-scatter the grads, all-gather the updated params
-        dp_s = (k * ring_gather_s(grad_bytes / k, n_dp, dp_alpha, dp_beta)
-                + ring_gather_s(params * bytes_["param"], n_dp, dp_alpha, dp_beta))
+        dp_s = (k * ring_seconds("reduce_scatter", grad_bytes / k, n_dp, dp_alpha, dp_beta)
+                + ring_seconds("all_gather", params * bytes_["param"], n_dp, dp_alpha, dp_beta))
     else:   # ZeRO-3: each unit (a block; the embedding and the head) gathers its params forward
         # and backward and reduce-scatters its grads, every micro-batch; prefetching hides them
         # behind that micro-batch's compute where they fit (ZeRO §5.3)
         units = layers + (2 if p == 1 else 1)
-        per_unit = (2 * ring_gather_s(params * bytes_["param"] / units, n_dp, dp_alpha, dp_beta)
-                    + ring_gather_s(grad_bytes / units, n_dp, dp_alpha, dp_beta))
+        per_unit = (2 * ring_seconds("all_gather", params * bytes_["param"] / units, n_dp,
+                                     dp_alpha, dp_beta)
+                    + ring_seconds("reduce_scatter", grad_bytes / units, n_dp, dp_alpha, dp_beta))
         dp_s = m * max(0.0, units * per_unit - hidden_by)
 
     # --- optimizer: Adam reads and writes its states and the param, reads the grad (memory-bound)
@@ -231,8 +225,6 @@ def predict(shape: ModelShape, lay: Layout, global_batch: int, hw: Hardware,
             gpus_per_node: int = 8, precision: str = "bf16", grad_messages: int = 1) -> dict:
     """Memory and time of one layout, plus throughput: tflops_per_gpu counts the FLOPs executed
     (recomputation included, Megatron's convention), mfu the model's 6ND + attention FLOPs only."""
-    from refimpl.memory import training_flops
-
     mem = predict_memory(shape, lay, global_batch, precision)
     time = predict_time(shape, lay, global_batch, hw, gpus_per_node, precision, grad_messages)
     tokens = global_batch * shape.seq_len

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from refimpl.plan.hardware import get_hardware
+from refimpl.cost.hardware import get_hardware
 from refimpl.plan.models import ModelShape
 from refimpl.plan.predict import Layout, predict
 

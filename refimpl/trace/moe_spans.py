@@ -1,7 +1,7 @@
 """Where an MoE step's time goes, from a profiled run's trace (refimpl.trace.profiling).
 
 The MoE layer labels its phases `moe:router`, `moe:dispatch`, `moe:experts`, `moe:combine`
-(refimpl.parallel.moe, refimpl.parallel.expert_parallel), and each all-to-all inside them is a
+(refimpl.model.moe, refimpl.parallel.ep.dispatch), and each all-to-all inside them is a
 `comm:all_to_all <bytes>B` range (forward and backward: `moe:combine.backward` sends the
 gradients of the combine back along the dispatch's edges, `moe:dispatch.backward` the reverse).
 `moe_spans` keeps those ranges, and for each all-to-all the innermost MoE phase it ran in.

@@ -15,6 +15,8 @@ import re
 import threading
 from contextlib import contextmanager
 
+from refimpl.progress import in_notebook
+
 PROFILER_CHATTER = re.compile(
     r"SyncActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)"
     r"|Memory block of unknown size was allocated before the profiling started")
@@ -47,8 +49,6 @@ def filtered_native_stderr(pattern: re.Pattern = PROFILER_CHATTER):
 @contextmanager
 def quiet_profiler_in_notebook():
     """`filtered_native_stderr` in a Jupyter kernel; nothing changes anywhere else."""
-    from refimpl.progress import in_notebook
-
     if not in_notebook():
         yield
         return

@@ -13,15 +13,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from refimpl.model import lm_loss
+from refimpl.trace.labels import phase
+from refimpl.trace.native_stderr import quiet_profiler_in_notebook
+
 
 def profile_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                  optimizer: torch.optim.Optimizer | None = None):
     """One training step of `model` under torch.profiler (CPU activity, shapes recorded)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from refimpl.model import lm_loss
-    from refimpl.trace.native_stderr import quiet_profiler_in_notebook
-    from refimpl.trace.profiling import phase
 
     with quiet_profiler_in_notebook(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         with phase("forward"):

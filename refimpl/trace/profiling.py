@@ -1,149 +1,22 @@
-"""Where the time went: per-rank torch.profiler traces, labelled, and a loader that reads them back.
+"""Reading a profile back: every rank's trace as one DataFrame, and where the time went.
 
-Capture. Every rank profiles its own steps into one run folder, in TensorBoard's layout
-(`profiles/<notebook>/<run>/rank<r>.<id>.pt.trace.json`), so `make tensorboard` lists the run and
-its profiler plugin shows one worker per rank. A schedule marks each step (ProfilerStep#N).
-
-Labels. The code under test wraps its phases in `phase("forward" | "backward" | "optimizer")` and
-every collective in `comm_span(op, nbytes)` -> a `comm:<op> <n>B` range. Both are plain
-`record_function` ranges: free when no profiler is running.
-
-Reading. `load_trace(run_dir)` turns every rank's trace into one DataFrame (rank, name, category,
-start_us, dur_us, step); `summarize(df)` gives per rank the time spent computing, communicating,
-both at once (overlap) and neither (idle) inside the profiled steps: from our labelled ranges on
-CPU ranks, from the GPU streams' kernels on CUDA runs (refimpl.trace.kernels explains why). The
-ranks' clocks are one host clock on one machine; on several nodes only as aligned as NTP.
+`load_trace(run_dir)` turns every rank's trace into one DataFrame (rank, name, category, start_us,
+dur_us, step); `summarize(df)` gives per rank the time spent computing, communicating, both at once
+(overlap) and neither (idle) inside the profiled steps: from our labelled ranges
+(refimpl.trace.labels) on CPU ranks, from the GPU streams' kernels on CUDA runs
+(refimpl.trace.kernels explains why). The ranks' clocks are one host clock on one machine; on
+several nodes only as aligned as NTP. Traces are written by refimpl.trace.capture.
 """
 from __future__ import annotations
 
 import gzip
 import json
-import os
 import re
 from pathlib import Path
 
 from refimpl.trace import kernels
+from refimpl.trace.labels import COMM_LABEL, PHASES, categorize
 
-# torch is imported inside the capture functions only: the reading half of this module is what the
-# TensorBoard plugin loads, and it should not pay for importing torch.
-
-PHASES = ("forward", "backward", "optimizer")
-_COMM = re.compile(r"^comm:(?P<op>[\w\-]+)(?: (?P<bytes>\d+)B)?$")
-
-
-# --- where traces go --------------------------------------------------------------------------------
-
-def profiles_root() -> Path:
-    """The TensorBoard logdir: $REFIMPL_PROFILES, else the repo's profiles/ folder, else ./profiles."""
-    if os.environ.get("REFIMPL_PROFILES"):
-        return Path(os.environ["REFIMPL_PROFILES"]).resolve()
-    repo_profiles = Path(__file__).resolve().parents[2] / "profiles"   # refimpl/trace/ -> repo
-    if repo_profiles.is_dir():
-        return repo_profiles
-    return Path.cwd() / "profiles"
-
-
-def run_dir(group: str, run: str) -> Path:
-    """profiles/<group>/<run>, e.g. run_dir("00_memory", "single-step")."""
-    return profiles_root() / group / run
-
-
-# --- labels -----------------------------------------------------------------------------------------
-
-def profiled(cfg, group: str, run: str):
-    """`cfg` with profiling on, writing to profiles/<group>/<run> (a notebook's runs, by name)."""
-    return cfg.with_(profile=True, trace_dir=str(run_dir(group, run)))
-
-
-def phase(name: str):
-    """Label a phase of a step (forward, backward, optimizer, or any compute you name)."""
-    from torch.profiler import record_function
-
-    return record_function(name)
-
-
-def comm_span(op: str, nbytes: int | None = None):
-    """Label one communication call; bytes in the name let the loader build a bandwidth table."""
-    from torch.profiler import record_function
-
-    return record_function(f"comm:{op}" + (f" {int(nbytes)}B" if nbytes is not None else ""))
-
-
-# --- capture ----------------------------------------------------------------------------------------
-
-def _all_threads_config(all_threads: bool):
-    """Optionally record every thread, not only the one that started the profiler.
-
-    refimpl.comm's asynchronous collectives run on a worker thread of their own, which the default
-    profiler does not see (the backends' own threads, gloo's and NCCL's, are recorded either way).
-    It is opt-in because in torch 2.13 recording all threads drops the allocator's memory events,
-    which TensorBoard's memory view needs.
-    """
-    if not all_threads:
-        return None
-    from torch._C._profiler import _ExperimentalConfig
-
-    try:
-        return _ExperimentalConfig(profile_all_threads=True)
-    except TypeError:            # an older torch without the option: the calling thread only
-        return None
-
-
-class StepProfiler:
-    """Profile a loop of steps on this rank; call `.step()` after each one.
-
-    The first step is warm-up (allocations, lazy inits), the next `active` steps are recorded.
-    With a single step, that step is recorded.
-    """
-
-    def __init__(self, out_dir: str | Path | None, rank: int, steps: int, active: int = 3,
-                 all_threads: bool = False, device=None):
-        self.enabled = out_dir is not None
-        self.out_dir = Path(out_dir) if out_dir is not None else None
-        if not self.enabled:
-            return
-        import torch
-        from torch.profiler import ProfilerActivity, profile, schedule
-
-        warmup = 1 if steps > 1 else 0
-        active = max(1, min(active, steps - warmup))
-        activities = [ProfilerActivity.CPU]
-        # GPU kernels when this rank computes on a GPU (device None: whenever there is one). A CPU
-        # rank on a GPU machine skips CUPTI: it would only start a CUDA context per rank.
-        on_gpu = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
-        if on_gpu:
-            activities.append(ProfilerActivity.CUDA)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._prof = profile(
-            activities=activities,
-            schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(
-                str(self.out_dir), worker_name=f"rank{rank}"),
-            record_shapes=False, profile_memory=True, with_stack=False,
-            experimental_config=_all_threads_config(all_threads))
-
-    def __enter__(self):
-        if self.enabled:
-            from refimpl.trace.native_stderr import quiet_profiler_in_notebook
-
-            self._quiet = quiet_profiler_in_notebook()   # kineto's start/stop lines, in a kernel
-            self._quiet.__enter__()
-            self._prof.__enter__()
-        return self
-
-    def step(self) -> None:
-        if self.enabled:
-            self._prof.step()
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            try:
-                self._prof.__exit__(*exc)
-            finally:
-                self._quiet.__exit__(*exc)
-
-
-# --- reading ----------------------------------------------------------------------------------------
 
 def trace_files(run: str | Path) -> dict[int, Path]:
     """rank -> its newest trace file in a run folder."""
@@ -159,17 +32,6 @@ def read_trace(path: Path) -> dict:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
         return json.load(f)
-
-
-def categorize(name: str) -> str:
-    """forward / backward / optimizer / comm / step / op, from a range's name."""
-    if name in PHASES:
-        return name
-    if _COMM.match(name) or name.startswith(("gloo:", "nccl:", "c10d::", "record_param_comms")):
-        return "comm"
-    if name.startswith("ProfilerStep#"):
-        return "step"
-    return "op"
 
 
 def rank_clock_shifts(base_ns: dict[int, int]) -> dict[int, float]:
@@ -215,7 +77,7 @@ def load_trace(run: str | Path, include_ops: bool = False):
             cat = categorize(name)
             if cat == "op" and not include_ops:
                 continue
-            m = _COMM.match(name)
+            m = COMM_LABEL.match(name)
             rows.append({
                 "rank": rank, "name": name, "category": cat,
                 "op": (m.group("op") if m else name.split(":")[-1]) if cat == "comm" else None,
@@ -329,7 +191,7 @@ def comm_table(df):
     if not gpu.empty:
         calls = gpu.groupby(["rank", "label_id"]).agg(label=("label", "first"),
                                                       dur_us=("dur_us", "sum")).reset_index()
-        parsed = calls.label.str.extract(_COMM.pattern)
+        parsed = calls.label.str.extract(COMM_LABEL.pattern)
         labelled = calls.assign(name=calls.label, op=parsed["op"],
                                 bytes=parsed["bytes"].astype(float))
     else:

@@ -26,6 +26,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from refimpl.trace.profiling import load_trace
+from refimpl.trace.views import step_breakdown
+
 SUMMARY_NAME = "run_summary.json"
 EVENT_SUFFIX = ".refimpl"
 
@@ -99,8 +102,6 @@ def write_scalars(run: Path, summary: dict) -> Path:
 def comm_fractions(run: Path, world_size: int) -> list[dict]:
     """Per profiled step and rank: the share of the step spent communicating (hidden or not) and
     the share spent communicating while not computing, from the traces."""
-    from refimpl.trace.profiling import load_trace
-    from refimpl.trace.views import step_breakdown
 
     df = load_trace(run)
     if df.empty:

@@ -1,0 +1,118 @@
+"""AdamW's m and v, resharded: the optimizer's half of a checkpoint that moves between layouts.
+
+The weights of a checkpoint are the reference's full state dict (refimpl.verify.reshard). AdamW
+also keeps, per parameter element, a first moment m (exp_avg) and a second moment v (exp_avg_sq),
+and a step count for the bias correction (Loshchilov & Hutter 2019, Alg. 2; Kingma & Ba 2015, Alg.
+1). Written the same way -- reference names and full shapes -- they too load under any layout, and
+the resumed run is the uninterrupted one, not a run whose optimizer restarts from zero.
+
+Where each layout keeps m and v, and how it is made whole (`full_optimizer_state`):
+  plain AdamW (dp-naive, dp, tp, pp-*, single)   per parameter, shaped like this rank's slice
+  zero1 / zero2 (ShardedAdamW)                   a flat shard over dp x cp of the flat parameters
+  zero3 / fsdp (FullySharded)                    one flat shard per unit over dp x cp
+The flat shards are all-gathered over dp x cp and cut back into parameters (FlatParams); then the
+same unsharding as the weights (placement.gather_full_state_dict: tp slices, pipeline stages).
+`load_optimizer_state` is the inverse: each parameter's m and v cut to this rank's tp slice (the
+padded vocabulary padded with zeros, as its weights are), kept if this stage holds it, flattened
+and sharded the way this layout's optimizer holds them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from refimpl.mesh import LayoutError
+from refimpl.parallel.zero.sharded_adamw import ShardedAdamW
+from refimpl.placement import gather_full_state_dict, placements
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+# PyTorch's twins keep DTensor moments, `ep` keeps experts' moments on their owners: weights only.
+UNSUPPORTED_PREFIXES = ("torch-", "ep")
+
+
+def validate_optimizer_state(cfg) -> None:
+    """Before launch: optimizer-state resharding is built for our AdamW strategies only."""
+    if cfg.strategy.startswith(UNSUPPORTED_PREFIXES):
+        raise LayoutError(f"--init/--save-optimizer-state: not for {cfg.strategy!r} (its optimizer "
+                          "state is not resharded; --save-state / --init-state carry the weights)")
+    if cfg.options.get("offload"):
+        raise LayoutError("--init/--save-optimizer-state: not with --set offload=true")
+
+
+def _holders(strategy):
+    """[(optimizer, master tensor, FlatParams or None, group, index, names)] for a strategy: where
+    its AdamW states live. names: the parameter names of a plain (non-flat) master."""
+    if hasattr(strategy, "units"):                      # zero3 / fsdp
+        return [(strategy.optimizer, u.master, u.flat, u.group, u.rank, None)
+                for u in strategy.units]
+    if isinstance(strategy.optimizer, ShardedAdamW):    # zero1 / zero2
+        opt = strategy.optimizer
+        return [(opt.optimizer, opt.master, strategy.layout, strategy.group, strategy.index, None)]
+    if isinstance(strategy.optimizer, torch.optim.AdamW):
+        owned = {id(p) for g in strategy.optimizer.param_groups for p in g["params"]}
+        named = [(n, p) for n, p in strategy.model.named_parameters() if id(p) in owned]
+        if len(named) != len(owned):
+            raise NotImplementedError(f"{strategy.name}: its optimizer's tensors are not the "
+                                      "model's parameters")
+        return [(strategy.optimizer, p, None, None, 0, n) for n, p in named]
+    raise NotImplementedError(f"{strategy.name}: optimizer-state resharding is not supported")
+
+
+def _gather_flat(shard: torch.Tensor, flat, group, comm) -> torch.Tensor:
+    whole = flat.empty(shard.dtype, shard.device)
+    if group is None:
+        whole.copy_(shard)
+    else:
+        comm.all_gather_into_tensor(whole, shard.contiguous(), group=group)
+    return whole
+
+
+def full_optimizer_state(strategy) -> dict:
+    """{"step": int, "exp_avg": {name: full tensor}, "exp_avg_sq": {...}} under the reference's
+    names and shapes, on every rank. Collective over every axis (every rank calls it)."""
+    local: dict[str, dict] = {m: {} for m in MOMENTS}
+    step = 0
+    for opt, master, flat, group, _, name in _holders(strategy):
+        state = opt.state[master]
+        step = int(state["step"])
+        for m in MOMENTS:
+            if flat is None:
+                local[m][name] = state[m].detach()
+            else:
+                whole = _gather_flat(state[m].detach(), flat, group, strategy.comm)
+                local[m].update(flat.state_dict(whole))
+    full = {m: gather_full_state_dict(local[m], strategy.model, strategy.mesh, strategy.comm)
+            for m in MOMENTS}
+    return {"step": step, **full}
+
+
+def _this_ranks_slice(full: torch.Tensor, shape, shard, mesh) -> torch.Tensor:
+    """The part of a reference-shaped tensor this rank holds (inverse of placement.unshard)."""
+    if shard is None:
+        return full
+    size, n = shape[shard.dim], mesh.size(shard.axis)
+    pad = size * n - full.shape[shard.dim]
+    if pad:
+        widths = [0, 0] * (full.dim() - 1 - shard.dim) + [0, pad]
+        full = F.pad(full, widths)
+    return full.narrow(shard.dim, mesh.index(shard.axis) * size, size)
+
+
+def load_optimizer_state(strategy, saved: dict) -> None:
+    """Place a `full_optimizer_state` (from any layout) into this strategy's optimizer."""
+    sharded = placements(strategy.model)
+    mesh = strategy.mesh
+
+    def local(m, name, shape, device, dtype):   # in the master's dtype (fp32 saved, float64 run)
+        return _this_ranks_slice(saved[m][name], shape, sharded.get(name), mesh).to(device, dtype)
+
+    for opt, master, flat, _, index, name in _holders(strategy):
+        if flat is None:
+            moments = {m: local(m, name, master.shape, master.device, master.dtype).clone()
+                       for m in MOMENTS}
+        else:
+            moments = {m: flat.shard(flat.flatten([local(m, s.name, s.shape, master.device,
+                                                         master.dtype)
+                                                   for s in flat.slots], device=master.device),
+                                     index).clone() for m in MOMENTS}
+        opt.state[master] = {"step": torch.tensor(float(saved["step"])), **moments}

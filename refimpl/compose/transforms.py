@@ -1,0 +1,95 @@
+"""A rank's model is the reference model transformed, in one fixed order:
+
+    tensor / sequence parallel -> context parallel (ring attention) -> expert parallel
+    -> activation checkpointing -> pipeline split
+    -> data-parallel wrapping (the strategy's own: replicate, or shard over dp x cp)
+
+torchtitan cuts the pipeline first and then parallelizes each stage; here every transform works
+on the whole reference model in place (parameter names stay the reference's) and the pipeline
+split comes last, keeping the blocks of this rank's stage. The result is the same model: each
+transform touches only its own modules. `model_parallel` applies everything before the
+data-parallel wrapping and returns a `RankModel` (refimpl.rank_model): the module, and what the
+step runner must know about it (the loss on split logits, the batch's sequence chunks, the
+pipeline's runner). refimpl.train.setup_rank then hands it to the strategy, which wraps it for dp.
+Each transform is a function of the module, its axis's process group and its options, readable
+alone in its parallelism's folder (refimpl.parallel.tp.parallelize, cp.parallelize, ep.dispatch,
+pp.stage; refimpl.model.activation_checkpointing); `validate_model_parallel` checks their
+constraints before any rank starts.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch.nn as nn
+
+from refimpl.mesh import LayoutError
+from refimpl.model.activation_checkpointing import checkpoint_blocks
+from refimpl.model.moe import validate_moe
+from refimpl.parallel.cp.parallelize import apply_context_parallel, shard_batch
+from refimpl.parallel.ep.dispatch import parallelize_experts, share_routing_counts
+from refimpl.parallel.pp.runner import pipeline_forward_backward
+from refimpl.parallel.pp.stage import split_for_pipeline
+from refimpl.parallel.pp.strategy import validate_pipeline
+from refimpl.parallel.tp.parallelize import parallelize_tp, tp_layout_problem, tp_lm_loss
+from refimpl.rank_model import RankModel
+
+
+def validate_model_parallel(cfg) -> None:
+    """The model-parallel constraints of a layout, checked before launch (one line each)."""
+    if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):
+        raise LayoutError(f"--seq-len {cfg.seq_len} must be divisible by 2 x cp = {2 * cfg.cp}: "
+                          "ring attention cuts each sequence into 2·cp equal chunks")
+    validate_moe(cfg.model, cfg.dims.ep)
+    if cfg.dims.ep > 1 and cfg.strategy != "ep":
+        # Every other data-parallel flavour would average different experts' gradients over dp.
+        raise LayoutError(f"--ep {cfg.dims.ep} runs with --strategy ep (its data-parallel sync "
+                          "keeps expert gradients on the ranks holding the same experts)")
+    if cfg.model.n_experts and (cfg.pp > 1 or cfg.cp > 1):
+        # pp: the schedules' loss has no MoE auxiliary loss yet; cp: a rank's tokens are not a
+        # contiguous run of the batch, so the capacity's batch order would differ from single's.
+        raise LayoutError("--experts with --pp or --cp is not supported yet (MoE runs on dp/ep)")
+    if cfg.tp > 1 and cfg.model.n_experts:
+        raise LayoutError("--tp with --experts: the expert MLPs are not split over tp yet")
+    if cfg.sequence_parallel and cfg.tp == 1:
+        raise LayoutError("--sequence-parallel needs --tp > 1 (it splits what tensor parallelism "
+                          "leaves replicated)")
+    if cfg.tp > 1 and cfg.cp > 1:
+        raise LayoutError("--tp with --cp: ring attention over tensor-parallel heads is not built "
+                          "(use one of them)")
+    if cfg.tp > 1:
+        problem = tp_layout_problem(cfg.model, cfg.tp, cfg.seq_len, cfg.sequence_parallel)
+        if problem:
+            raise LayoutError(problem)
+    validate_pipeline(cfg)
+
+
+def model_parallel(model: nn.Module, ctx) -> RankModel:
+    """This rank's share of the reference model, on its device, before data parallelism."""
+    model = model.to(ctx.device)
+    mesh, cfg = ctx.mesh, ctx.cfg
+    loss_fn = None
+    seq_split = 1
+    if mesh.size("tp") > 1:
+        parallelize_tp(model, mesh.group("tp"), sequence_parallel=cfg.sequence_parallel,
+                       comm=ctx.comm)
+        loss_fn = functools.partial(tp_lm_loss, model)   # reads the vocabulary-split logits
+        seq_split = mesh.size("tp") if cfg.sequence_parallel else 1
+    batch_chunks = None
+    if mesh.size("cp") > 1:   # ring attention in every block, global positions
+        apply_context_parallel(model, mesh.group("cp"))
+        batch_chunks = functools.partial(shard_batch, rank=mesh.index("cp"), cp=mesh.size("cp"))
+    if mesh.size("ep") > 1:
+        # Tokens come from every dp x cp rank (the capacity is global); experts move over "ep".
+        parallelize_experts(model, mesh.group("ep"), mesh.group("dp_cp"), comm=ctx.comm)
+    elif cfg.model.n_experts and mesh.size("dp_cp") > 1:
+        share_routing_counts(model, mesh.group("dp_cp"), comm=ctx.comm)   # global capacity
+    if cfg.activation_checkpointing:
+        checkpoint_blocks(model)
+    pipeline = None
+    if mesh.size("pp") > 1:
+        model = split_for_pipeline(model, ctx, seq_split)
+        pipeline = functools.partial(pipeline_forward_backward, model)
+    placed = RankModel(model, shard_batch=batch_chunks, pipeline=pipeline)
+    if loss_fn is not None:
+        placed.loss_fn = loss_fn
+    return placed

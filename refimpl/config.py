@@ -1,0 +1,179 @@
+"""What a run is told: the layout and knobs (`TrainConfig`, the CLI's flags), where a rank runs
+(`RunContext`), and a strategy's own knobs (`Option`).
+
+`TrainConfig.validate` holds the constraints every strategy shares; it runs in the launching
+process, so a layout that cannot work fails with one line before any rank starts.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import refimpl.comm as refimpl_comm
+from refimpl.mesh import LayoutError, Mesh, ParallelDims
+from refimpl.model import GPTConfig
+
+COLLECTIVES = ("torch", "refimpl")
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    strategy: str = "single"
+    nproc: int = 1
+    steps: int = 5
+    global_batch: int = 8
+    seq_len: int = 32
+    seed: int = 0
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    micro_batches: int = 1            # gradient accumulation / pipeline micro-batches
+    mixed_precision: str = "fp32"     # "fp32" or "bf16" (autocast compute, fp32 master weights)
+    # The dtype of weights, gradients and optimizer states. "float64" is the equivalence tests'
+    # dtype: reordered sums then differ by ~1e-15, so a gate at 1e-9 proves the maths on any
+    # processor (refimpl.verify.equivalence); "float32" is what training uses.
+    dtype: str = "float32"
+    activation_checkpointing: bool = False
+    profile: bool = False
+    trace_dir: str | None = None      # where --profile writes; default profiles/cli/<strategy>-<n>
+    return_state: bool = False        # include the full state dict in each rank's result
+    init_state: str | None = None     # torch.save'd full state dict to start from (any strategy's)
+    init_optimizer_state: str | None = None   # AdamW's m, v, step in reference names (optim_reshard)
+    return_optimizer_state: bool = False      # include them, gathered, in rank 0's result
+    record_memory: bool = False       # measure each rank's peak inside a step (memory[r].peak)
+    model: GPTConfig = field(default_factory=GPTConfig)
+    # Where an in-process run (nproc 1) computes: "auto" = a GPU if there is one. A reference for
+    # an N-rank comparison sets the ranks' device (equivalence.ranks_device), so the two never
+    # straddle CPU and GPU. Ranks themselves always compute where their backend puts them.
+    device: str = "auto"
+    options: dict = field(default_factory=dict)   # strategy-specific knobs, e.g. {"bucket_mb": 25}
+    # The grid (refimpl.mesh): dp = nproc / (replicas x pp x cp x tp).
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    replicas: int = 1                 # independent copies of the layout (tests: group isolation)
+    sequence_parallel: bool = False   # with tp > 1: LayerNorm regions split along the sequence
+    collectives: str = "torch"        # "refimpl": every collective from refimpl.comm's send/recv
+    schedule: str | None = None       # pipeline schedule (pp > 1): gpipe, 1f1b, interleaved, zb-h1
+    virtual_stages: int = 1           # model chunks per pipeline rank (interleaved)
+
+    def with_(self, **changes) -> "TrainConfig":
+        return replace(self, **changes)
+
+    @property
+    def dims(self) -> ParallelDims:
+        per_replica = self.replicas * self.pp * self.cp * self.tp
+        dp = max(self.nproc // per_replica, 1)
+        # The shorthand `--strategy ep` (no --ep): every data-parallel rank in one ep group.
+        ep = dp * self.cp if self.strategy == "ep" and self.ep == 1 else self.ep
+        return ParallelDims(dp=dp, pp=self.pp, cp=self.cp, tp=self.tp, ep=ep,
+                            replica=self.replicas)
+
+    def validate(self) -> None:
+        """Constraints every strategy shares; each strategy adds its own in `Strategy.validate`."""
+        positive = {"steps": self.steps, "nproc": self.nproc, "global-batch": self.global_batch,
+                    "micro-batches": self.micro_batches, "layers": self.model.n_layers,
+                    "d-model": self.model.d_model, "heads": self.model.n_heads,
+                    "vocab": self.model.vocab_size, "tp": self.tp, "pp": self.pp, "cp": self.cp,
+                    "ep": self.ep, "replicas": self.replicas, "virtual-stages": self.virtual_stages}
+        for flag, value in positive.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LayoutError(f"--{flag} must be a positive integer (got {value!r})")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise LayoutError(f"--lr must be a finite number > 0 (got {self.lr!r})")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise LayoutError(f"weight decay must be finite and >= 0 (got {self.weight_decay!r})")
+        if self.model.n_experts < 0:
+            raise LayoutError(f"--experts must be >= 0 (got {self.model.n_experts})")
+        if self.global_batch % self.micro_batches:
+            raise LayoutError(f"global batch {self.global_batch} must be a positive multiple of "
+                              f"--micro-batches {self.micro_batches}")
+        if not 1 <= self.seq_len <= self.model.seq_len:
+            raise LayoutError(f"--seq-len must be in [1, {self.model.seq_len}] (got {self.seq_len})")
+        if self.mixed_precision not in ("fp32", "bf16"):
+            raise LayoutError(f"--mixed-precision must be fp32 or bf16 (got {self.mixed_precision})")
+        if self.dtype not in DTYPES:
+            raise LayoutError(f"--dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
+        if self.dtype == "float64" and self.mixed_precision != "fp32":
+            raise LayoutError("--dtype float64 computes in float64: drop --mixed-precision "
+                              f"{self.mixed_precision}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise LayoutError(f"device must be auto, cpu or cuda (got {self.device})")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise LayoutError("device cuda asked for, but torch sees no GPU on this machine")
+        if self.collectives not in COLLECTIVES:
+            raise LayoutError(f"--collectives must be one of {', '.join(COLLECTIVES)} "
+                              f"(got {self.collectives!r})")
+        per_replica = self.replicas * self.pp * self.cp * self.tp
+        if self.nproc % per_replica:
+            raise LayoutError(f"--nproc {self.nproc} must be a multiple of pp x cp x tp = "
+                              f"{per_replica}" + (f" (x {self.replicas} replicas)"
+                                                  if self.replicas > 1 else ""))
+        self.dims.validate(self.nproc)
+        dp = self.dims.dp
+        if self.global_batch % (dp * self.micro_batches):
+            raise LayoutError(f"global batch {self.global_batch} must be a multiple of {dp} data-"
+                              f"parallel rank(s) x --micro-batches {self.micro_batches} "
+                              f"(= {dp * self.micro_batches}): every rank takes equal rows")
+
+
+@dataclass
+class RunContext:
+    """What a strategy is told about where it runs: its place in the grid, its device, its
+    collectives. Process groups come from `mesh`, never from a global."""
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+    cfg: TrainConfig
+    mesh: Mesh
+
+    @property
+    def comm(self):
+        """The collectives every strategy calls: torch.distributed's, or (--collectives refimpl)
+        refimpl.comm's, rebuilt from send/recv with the same signatures and in-place semantics."""
+        return refimpl_comm if self.cfg.collectives == "refimpl" else dist
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """Weights, gradients, optimizer states and flat buffers (--dtype)."""
+        return DTYPES[self.cfg.dtype]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.cfg.mixed_precision == "bf16" else self.param_dtype
+
+    def autocast(self):
+        """bf16 autocast under --mixed-precision bf16: matmuls in bf16, weights and optimizer
+        states stay fp32 (the master copy). bf16 has fp32's exponent range, so unlike fp16 it
+        needs no loss scaling."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16,
+                              enabled=self.cfg.mixed_precision == "bf16")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One strategy knob (`--set key=value`): its default and what values it accepts."""
+    default: Any
+    kind: type = float                # bool, float, int or str
+    choices: tuple = ()
+    positive: bool = False
+
+    def check(self, key: str, value) -> None:
+        if self.kind is bool and not isinstance(value, bool):
+            raise LayoutError(f"--set {key} must be true or false (got {value!r})")
+        if self.kind in (int, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or (self.kind is int and value != int(value)):
+                raise LayoutError(f"--set {key} must be a{'n integer' if self.kind is int else ' number'}"
+                                  f" (got {value!r})")
+            if self.positive and not value > 0:
+                raise LayoutError(f"--set {key} must be > 0 (got {value!r})")
+        if self.choices and value not in self.choices:
+            raise LayoutError(f"--set {key} must be one of {', '.join(map(str, self.choices))} "
+                              f"(got {value!r})")

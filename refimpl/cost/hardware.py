@@ -1,0 +1,103 @@
+"""What one accelerator and its links can do: the one table of GPU datasheet numbers.
+
+The planner (refimpl.plan) predicts with these presets; refimpl.cost.compute turns their peak
+rates into cluster-scale figures, refimpl.cost.tp_comm their links into TP's comm/compute ratio.
+Each preset is per GPU, from NVIDIA's datasheets (the URL next to each). Datasheets quote NVLink as
+the bidirectional total; a ring all-reduce sends and receives at the same time, so the rate one
+direction carries -- half the quoted total, NVLink's links x 25 GB/s (refimpl.cost.links) -- is
+what the alpha-beta model's beta is. InfiniBand is one ConnectX NIC per GPU in the DGX systems (DGX
+datasheets): its line rate in Gb/s / 8 per direction (refimpl.cost.links.gbit).
+
+Two fractions are assumptions, not datasheet numbers, and are stated here once:
+  GEMM_FRACTION = 0.75   large, well-shaped bf16 GEMMs sustain ~70-80% of the tensor-core peak
+                         (NVIDIA, "Matrix Multiplication Background User's Guide", Deep Learning
+                         Performance docs: A100 GEMM throughput vs size).
+  LINK_FRACTION = 0.8    NCCL's all-reduce bus bandwidth reaches ~80% of the link rate on DGX
+                         systems (nccl-tests, doc/PERFORMANCE.md, bus bandwidth vs hardware peak).
+Latencies (alpha) are orders of magnitude of NCCL's small-message times, also assumptions.
+`cpu_preset` replaces every one of these by a measurement on this machine
+(refimpl.cost.this_machine.measure_cpu_preset).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from refimpl.cost.links import gbit, nvlink_bytes_per_s
+from refimpl.memory import GiB
+
+GEMM_FRACTION = 0.75
+LINK_FRACTION = 0.8
+MEMORY_HEADROOM = 0.9   # fits if predicted bytes <= 90% of capacity: CUDA context, NCCL buffers,
+                        # allocator fragmentation and temporary buffers take the rest
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float              # dense bf16 (or the measured matmul rate), FLOP/s
+    memory_bytes: float            # HBM capacity
+    memory_bandwidth: float        # HBM bytes/s: the rate memory-bound ops and the optimizer run at
+    intra_bandwidth: float         # one direction, bytes/s, GPU <-> GPU inside a node (NVLink)
+    inter_bandwidth: float         # one direction, bytes/s, per GPU across nodes (InfiniBand)
+    intra_alpha: float = 5e-6      # seconds per message step inside a node
+    inter_alpha: float = 10e-6     # seconds per message step across nodes
+    gemm_fraction: float = GEMM_FRACTION
+    link_fraction: float = LINK_FRACTION
+    # Can communication run while compute runs? On a GPU, NCCL kernels use their own SMs and
+    # streams; CPU ranks with one thread each on fewer cores than ranks cannot hide anything.
+    overlaps_comm: bool = True
+    # Fixed cost of one block's pass per micro-batch (Python, op dispatch, kernel launches):
+    # negligible against a GPU's large GEMMs, dominant for the tiny model on CPU.
+    block_overhead_s: float = 0.0
+    source: str = ""
+
+    @property
+    def matmul_rate(self) -> float:
+        return self.peak_flops * self.gemm_fraction
+
+    def link(self, within_node: bool) -> tuple[float, float]:
+        """(alpha seconds, achievable bytes/s) of a ring that stays inside a node or leaves it."""
+        if within_node:
+            return self.intra_alpha, self.intra_bandwidth * self.link_fraction
+        return self.inter_alpha, self.inter_bandwidth * self.link_fraction
+
+
+GPUS = {
+    # https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf
+    # A100 80GB SXM: BF16 tensor core 312 TFLOPS (dense), HBM2e 2,039 GB/s, NVLink 600 GB/s;
+    # DGX A100: 8x ConnectX-6 200 Gb/s HDR InfiniBand, one per GPU.
+    "a100-80gb": Hardware("a100-80gb", 312e12, 80 * GiB, 2.039e12, nvlink_bytes_per_s(12), gbit(200),
+                          source="NVIDIA A100 datasheet; DGX A100 datasheet"),
+    # https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet
+    # H100 SXM: BF16 1,979 TFLOPS with sparsity = 989 dense, HBM3 3.35 TB/s, NVLink 900 GB/s;
+    # DGX H100: 8x ConnectX-7 400 Gb/s NDR, one per GPU.
+    "h100-sxm": Hardware("h100-sxm", 989e12, 80 * GiB, 3.35e12, nvlink_bytes_per_s(18), gbit(400),
+                         source="NVIDIA H100 datasheet; DGX H100 datasheet"),
+    # https://www.nvidia.com/en-us/data-center/h200/
+    # H200 SXM: BF16 1,979 TFLOPS with sparsity = 989 dense, 141 GB HBM3e at 4.8 TB/s,
+    # NVLink 900 GB/s; DGX H200: 8x ConnectX-7 400 Gb/s.
+    "h200": Hardware("h200", 989e12, 141e9, 4.8e12, nvlink_bytes_per_s(18), gbit(400),
+                     source="NVIDIA H200 datasheet; DGX H200 datasheet"),
+}
+
+
+def get_hardware(gpu) -> Hardware:
+    if isinstance(gpu, Hardware):
+        return gpu
+    try:
+        return GPUS[gpu]
+    except KeyError:
+        raise ValueError(f"unknown gpu {gpu!r}; presets: {sorted(GPUS)}") from None
+
+
+def cpu_preset(matmul_flops: float, alpha_s: float, beta_bytes_per_s: float,
+               memory_bandwidth: float, block_overhead_s: float = 0.0,
+               memory_bytes: float = 16 * GiB, overlaps_comm: bool = False) -> Hardware:
+    """This machine as a 'GPU' for the planner, every number measured here: one rank's matmul rate
+    (fraction 1: it is already what a matmul achieves), one thread's memcpy bandwidth, the
+    alpha-beta fit of a collective (notebook 02; refimpl.cost.alpha_beta.fit_alpha_beta) and the
+    fixed cost of one block pass. All ranks share one machine, so every axis is 'inside the node'."""
+    return Hardware("cpu", matmul_flops, memory_bytes, memory_bandwidth,
+                    beta_bytes_per_s, beta_bytes_per_s, intra_alpha=alpha_s, inter_alpha=alpha_s,
+                    gemm_fraction=1.0, link_fraction=1.0, overlaps_comm=overlaps_comm,
+                    block_overhead_s=block_overhead_s, source="measured on this machine")

@@ -1,0 +1,113 @@
+"""The reference model: a tiny GPT, deterministic from a seed.
+
+Every strategy in `refimpl.parallel` starts from the same `GPT(config)` built under the same seed,
+and trains on the same `synthetic_batch(config, step)`, so "same losses, same weights" is a fair
+test. The model is deliberately plain (pre-norm blocks, explicit attention, GELU MLP) so that each
+weight matrix is one that a strategy can shard, slice or move by name:
+
+    embed.tok, embed.pos          token and position embeddings
+    blocks[i].attn.{q,k,v,o}      W_Q, W_K, W_V (column-parallel in TP), W_O (row-parallel)
+    blocks[i].mlp.{up,down}       A (column-parallel) and B (row-parallel) of Y = GELU(XA)B
+    final_norm, lm_head           (lm_head shares embed.tok's weight when tie_embeddings)
+
+Attention is written out (scores -> mask -> softmax -> @V) instead of calling a fused kernel: the
+s x s score and probability tensors it saves for backward are the O(s^2) activation term that
+notebook 00 measures against Korthikanti et al. 2022.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from refimpl.model.config import GPTConfig
+from refimpl.model.layers import MLP, CausalSelfAttention
+from refimpl.model.moe import MoEMLP
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = make_mlp(cfg)
+
+        # Activation checkpointing (refimpl.model.activation_checkpointing): keep only the
+        # block's input and recompute its forward during backward.
+        self.recompute = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            # use_reentrant=False: works with autograd hooks and saved-tensor hooks (the
+            # activation tracker), and is what PyTorch recommends.
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+def make_mlp(cfg: GPTConfig) -> nn.Module:
+    """The block's feed-forward layer: dense, or a mixture of experts when cfg.n_experts > 0."""
+    if cfg.n_experts > 0:
+        return MoEMLP(cfg)
+    return MLP(cfg)
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.tok(idx) + self.pos(positions)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.final_norm = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.tok.weight
+        self.apply(_init_weights)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.final_norm(x))
+
+
+def _init_weights(module: nn.Module) -> None:
+    # GPT-2's init: N(0, 0.02) for matrices and embeddings, zero biases, unit LayerNorm.
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+def build_model(cfg: GPTConfig, seed: int) -> GPT:
+    """The reference weights: every rank that calls this with the same seed gets the same model."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GPT(cfg)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every token of the batch given."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() skips tied duplicates

@@ -1,0 +1,53 @@
+"""The two sublayers of a block: causal self-attention (written out, so its s x s scores are the
+activation term notebook 00 measures) and the GELU MLP Y = GELU(XA)B."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from refimpl.model.config import GPTConfig
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.n_heads = cfg.n_heads
+        self.q = nn.Linear(d, d)
+        # No bias on K: adding the same vector to every key adds q·b_k to a whole row of scores,
+        # which softmax cancels, so its gradient is exactly zero. Adam would then turn fp32
+        # round-off in that zero (it differs between 1 and N ranks) into full-size steps.
+        self.k = nn.Linear(d, d, bias=False)
+        self.v = nn.Linear(d, d)
+        self.o = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(attention(self.q(x), self.k(x), self.v(x), self.n_heads))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Causal multi-head attention on [batch, seq, n_heads*head_dim] inputs.
+
+    `n_heads` is the number of heads *in these tensors*: under tensor parallelism a rank holds
+    n_heads/tp heads and calls this unchanged, which is why heads must divide by tp.
+    """
+    b, s, width = q.shape
+    hd = width // n_heads
+    q, k, v = (t.view(b, s, n_heads, hd).transpose(1, 2) for t in (q, k, v))
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
+    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
+    return (probs @ v).transpose(1, 2).reshape(b, s, width)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.up = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.down = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))

@@ -1,0 +1,287 @@
+"""Mixture of experts: the MLP that a router splits into E experts, k of them active per token.
+
+Seed (001, 전문가 병렬화): a router (게이팅 네트워크) sends each token to a few expert networks, so
+the parameter count grows with E while the compute per token grows only with k. Seed (003): the
+hard part is load balancing (로드 밸런싱) -- a router that favours a few experts leaves the others,
+and the devices holding them, idle.
+
+One MoE layer, top to bottom (the numbers are the papers' formulas):
+
+  router      logits = x W_r (no bias), probabilities p = softmax(logits) over the E experts.
+  top-k       choose the k largest scores per token (k = 1: Switch Transformer, Fedus et al. 2021;
+              k = 2: GShard, Lepikhin et al. 2020). Ties go to the lower expert index (a stable
+              sort), so every layout picks the same experts for the same scores.
+  gates       k = 1: the gate is p itself (Switch, section 2.1: the router learns through it);
+              k > 1: p renormalised over the chosen experts (GShard, Mixtral).
+  capacity    C = ceil(k * T / E * capacity_factor) (Switch, eq. 3 with GShard's k*T slots for
+              top-k; T = tokens in the whole global batch). An expert takes assignments in batch
+              order (token, then slot) until it holds C; the rest overflow: they skip the expert
+              and the token keeps only its residual path (Block adds x back). Overflows are counted.
+  aux loss    Switch, eq. 4-6: alpha * E * sum_i f_i P_i, with f_i the fraction of assignments
+              routed to expert i (a count, no gradient) and P_i the mean router probability of
+              expert i (differentiable). Minimal (= alpha) when the load is uniform.
+  bias        DeepSeek-V3 (Liu et al. 2024, section 2.1.2, auxiliary-loss-free balancing): a
+              per-expert bias b_i is added to the scores *for choosing only* (gates still come from
+              p); after each step b_i moves by -gamma if expert i was overloaded, +gamma if under.
+
+`--set balance=aux|bias|none` picks the balancing: aux (the default) adds the loss, bias nudges,
+none does neither (the load then drifts: notebook 08 shows it).
+
+The layer only *routes*; who runs the experts is its `dispatch`: `LocalExperts` here (every expert
+on this process), or refimpl.parallel.ep.dispatch's all-to-all over an ep group. Both receive
+the assignments sorted by expert and in global batch order, so a layout never changes the maths.
+The capacity and f_i are global (counts gathered over the ranks that hold tokens): that is what
+makes an expert-parallel run drop exactly the tokens the single process drops.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from refimpl.mesh import LayoutError
+from refimpl.model.config import GPTConfig
+from refimpl.model.layers import MLP
+from refimpl.trace.labels import comm_span, phase
+
+BALANCE = ("aux", "bias", "none")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The router's decision for T tokens: `experts[t, j]` is token t's j-th choice."""
+    experts: torch.Tensor   # [T, k] long
+    gates: torch.Tensor     # [T, k] weights of the chosen experts' outputs (differentiable)
+    probs: torch.Tensor     # [T, E] softmax of the router logits (differentiable)
+
+
+@dataclass(frozen=True)
+class MoEStats:
+    """What one forward of one MoE layer did, for the whole global batch (every rank agrees)."""
+    routed: torch.Tensor    # [E] assignments the router sent to each expert
+    kept: torch.Tensor      # [E] assignments each expert processed (<= capacity)
+    capacity: int
+    received: torch.Tensor  # [source ranks, E_local] rows this rank's experts got from each rank
+
+    @property
+    def dropped(self) -> int:
+        return int((self.routed - self.kept).sum())
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean of the routed load: 1.0 is perfect balance, E means one expert takes all."""
+        return float(self.routed.max() / self.routed.float().mean())
+
+
+def route(logits: torch.Tensor, top_k: int, bias: torch.Tensor | None = None) -> Routing:
+    """Top-k gating. `bias` (DeepSeek-V3) shifts the choice, never the gate values."""
+    # At least fp32 (bf16 logits under autocast are widened), float64 kept as it is.
+    probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)
+    scores = probs.detach() if bias is None else probs.detach() + bias
+    # A stable descending sort keeps equal scores in index order: deterministic tie-breaking.
+    chosen = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    picked = probs.gather(1, chosen)
+    gates = picked if top_k == 1 else picked / picked.sum(dim=-1, keepdim=True)
+    return Routing(chosen, gates.to(logits.dtype), probs)
+
+
+def expert_capacity(n_tokens: int, n_experts: int, top_k: int, capacity_factor: float) -> int:
+    """C = ceil(k * T / E * capacity_factor): the most assignments one expert takes per forward."""
+    return math.ceil(top_k * n_tokens / n_experts * capacity_factor)
+
+
+def within_capacity(experts_flat: torch.Tensor, n_experts: int, offsets: torch.Tensor,
+                    capacity: int) -> torch.Tensor:
+    """Which assignments fit: an assignment's place in its expert's queue is the number of earlier
+    assignments to that expert (`offsets`: those of the ranks before this one; then this rank's,
+    in batch order). Places >= capacity overflow."""
+    one_hot = F.one_hot(experts_flat, n_experts)
+    place = one_hot.cumsum(dim=0) - 1 + offsets
+    return place.gather(1, experts_flat[:, None]).squeeze(1) < capacity
+
+
+def all_gather_counts(counts: torch.Tensor, group, comm) -> tuple[torch.Tensor, int]:
+    """[ranks, E] per-expert counts of every rank of `group` (in batch order), and my row."""
+    n = dist.get_world_size(group)
+    rows = [torch.empty_like(counts) for _ in range(n)]
+    with comm_span("all_gather", counts.nbytes * (n - 1)):
+        comm.all_gather(rows, counts, group=group)
+    return torch.stack(rows), dist.get_rank(group)
+
+
+def switch_aux_loss(probs: torch.Tensor, routed: torch.Tensor, alpha: float) -> torch.Tensor:
+    """alpha * E * sum_i f_i * P_i (Switch eq. 4). `routed` are the global counts, so f is the
+    global fraction; P is this rank's mean, so the mean of the ranks' losses is the global loss."""
+    n_experts = probs.shape[1]
+    f = routed.to(probs.dtype) / routed.sum()
+    return alpha * n_experts * (f * probs.mean(dim=0)).sum()
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank sent to other ranks, per all-to-all kind, since the last reset (an
+    expert-parallel dispatch counts them; a local one sends nothing)."""
+    dispatch: int = 0
+    combine: int = 0
+
+
+class LocalExperts:
+    """Every expert lives in this process: the single-process reference's dispatch, and a
+    data-parallel replica's (`token_group`: the ranks holding the other rows of the batch, whose
+    counts make the capacity and f_i global, as in the single process)."""
+
+    first = 0          # the global index of this rank's first expert
+
+    def __init__(self, token_group=None, comm=None):
+        self.token_group, self.comm = token_group, comm
+        self.traffic = Traffic()
+
+    def gather_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Counts per expert of every token-holding rank ([ranks, E]) and this rank's row."""
+        if self.token_group is None:
+            return counts[None], 0
+        return all_gather_counts(counts, self.token_group, self.comm)
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleDict) -> tuple:
+        """x: the kept assignments' inputs, sorted by expert. Returns their outputs, same order,
+        and the rows each of this rank's experts processed, per source rank ([1, E])."""
+        parts = torch.split(x, counts.tolist())
+        # Every expert runs, even on zero rows, so its gradient is a zero tensor, never None.
+        return torch.cat([experts[str(e)](part) for e, part in enumerate(parts)]), counts[None]
+
+
+class MoEMLP(nn.Module):
+    """The MLP of a block when cfg.n_experts > 0: router + E experts (each the dense MLP's shape).
+
+    Parameter names: `router.weight`, `experts.<e>.up.weight`, ... (a ModuleDict keyed by the
+    expert's global index, so an expert-parallel rank that keeps experts 2 and 3 still calls them
+    `experts.2`, `experts.3`). Buffer `expert_bias` (DeepSeek-V3's b, zero unless balance=bias).
+    After a forward: `aux_loss` (0 unless balance=aux), `stats` (MoEStats), `keep` ([T, k] which of
+    this rank's assignments reached their expert).
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.balance not in BALANCE:
+            raise ValueError(f"balance must be one of {BALANCE} (got {cfg.balance!r})")
+        self.cfg = cfg
+        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleDict({str(e): MLP(cfg) for e in range(cfg.n_experts)})
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
+        self.dispatch = LocalExperts()
+        self.aux_loss = torch.zeros(())
+        self.stats: MoEStats | None = None
+        self.keep: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, tokens = x.shape, x.reshape(-1, x.shape[-1])
+        E, k = self.n_experts, self.top_k
+        with phase("moe:router"):
+            bias = self.expert_bias if self.cfg.balance == "bias" else None
+            r = route(self.router(tokens), k, bias)
+            flat = r.experts.reshape(-1)                 # assignment a = (token a // k, slot a % k)
+            counts_by_rank, me = self.dispatch.gather_counts(torch.bincount(flat, minlength=E))
+            routed = counts_by_rank.sum(dim=0)
+            capacity = expert_capacity(int(routed.sum()) // k, E, k, self.cfg.capacity_factor)
+            keep = within_capacity(flat, E, counts_by_rank[:me].sum(dim=0), capacity)
+            self.aux_loss = (switch_aux_loss(r.probs, routed, self.cfg.aux_alpha)
+                             if self.cfg.balance == "aux" else tokens.new_zeros(()))
+            kept = keep.nonzero().squeeze(1)
+            order = kept[torch.argsort(flat[kept], stable=True)]   # by expert, then batch order
+            token_of = order // k
+        y, received = self.dispatch(tokens[token_of], torch.bincount(flat[order], minlength=E),
+                                    self.experts)
+        self.stats = MoEStats(routed, routed.clamp(max=capacity), capacity, received)
+        self.keep = keep.view(-1, k)
+        gate = r.gates.reshape(-1)[order]
+        weighted = y * gate[:, None]          # (under bf16 autocast the experts' dtype)
+        out = weighted.new_zeros(tokens.shape).index_add(0, token_of, weighted)
+        return out.view(shape)
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """DeepSeek-V3's nudge from the last forward's load: b_i -= gamma * sign(load_i - mean)."""
+        if self.cfg.balance != "bias" or self.stats is None:
+            return
+        load = self.stats.routed.to(self.expert_bias.dtype)
+        self.expert_bias -= self.cfg.bias_gamma * torch.sign(load - load.mean())
+
+
+def validate_moe(cfg: GPTConfig, ep: int = 1) -> None:
+    """The MoE layout constraints, in the launching process; raises LayoutError (one line)."""
+    if cfg.n_experts == 0:
+        if ep > 1:
+            raise LayoutError(f"expert parallelism (ep = {ep}) needs --experts E > 0")
+        return
+    if cfg.n_experts < 0:
+        raise LayoutError(f"--experts must be >= 0 (got {cfg.n_experts})")
+    if not 1 <= cfg.top_k <= cfg.n_experts:
+        raise LayoutError(f"--top-k must be in [1, --experts = {cfg.n_experts}] (got {cfg.top_k})")
+    if not cfg.capacity_factor > 0:
+        raise LayoutError(f"--capacity-factor must be > 0 (got {cfg.capacity_factor})")
+    if cfg.balance not in BALANCE:
+        raise LayoutError(f"--set balance must be one of {', '.join(BALANCE)} (got {cfg.balance!r})")
+    for key in ("aux_alpha", "bias_gamma"):
+        value = getattr(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise LayoutError(f"--set {key} must be a number >= 0 (got {value!r})")
+    if cfg.n_experts % ep:
+        raise LayoutError(f"--experts {cfg.n_experts} must be divisible by ep = {ep}: "
+                          f"every rank of the ep group holds E/ep experts")
+
+
+# --- what the training loop calls -------------------------------------------------------------------
+
+def moe_layers(model: nn.Module) -> list[MoEMLP]:
+    return [m for m in model.modules() if isinstance(m, MoEMLP)]
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor | float:
+    """Sum of the MoE layers' auxiliary losses from the last forward (0.0 for a dense model).
+    The loop adds it to the language-model loss before backward."""
+    layers = moe_layers(model)
+    return sum(layer.aux_loss for layer in layers) if layers else 0.0
+
+
+def update_expert_bias(model: nn.Module) -> None:
+    """After the optimizer step: nudge every layer's bias (balance=bias; a no-op otherwise)."""
+    for layer in moe_layers(model):
+        layer.update_bias()
+
+
+def expert_load(model: nn.Module) -> torch.Tensor:
+    """[layers, E] assignments routed to each expert in the last forward (the heatmap's data)."""
+    return torch.stack([layer.stats.routed for layer in moe_layers(model)])
+
+
+def moe_step_record(model: nn.Module) -> dict | None:
+    """What the MoE layers did in the last forward, as plain lists for the loop's JSON result
+    (None for a dense model). The expert-parallel all-to-all byte counters are read and reset:
+    call once per step, after backward (the backward's all-to-alls are counted too)."""
+    layers = moe_layers(model)
+    if not layers or layers[0].stats is None:
+        return None
+    return {"routed": [layer.stats.routed.tolist() for layer in layers],
+            "received": [layer.stats.received.tolist() for layer in layers],
+            "dropped": [layer.stats.dropped for layer in layers],
+            "capacity": layers[0].stats.capacity,
+            "first_expert": layers[0].dispatch.first,
+            "all_to_all_bytes": all_to_all_bytes(model)}
+
+
+def all_to_all_bytes(model: nn.Module, reset: bool = True) -> dict[str, int]:
+    """Bytes this rank sent to other ranks in dispatch and combine all-to-alls (forward and
+    backward) since the last reset, summed over the MoE layers (zero for local experts)."""
+    total = Traffic()
+    for layer in moe_layers(model):
+        t = layer.dispatch.traffic
+        total.dispatch += t.dispatch
+        total.combine += t.combine
+        if reset:   # in place: a pending backward still holds this object
+            t.dispatch = t.combine = 0
+    return {"dispatch": total.dispatch, "combine": total.combine}

@@ -1,0 +1,79 @@
+"""The context-parallel transform: the reference GPT, run on this rank's slice of every sequence.
+
+    model = apply_context_parallel(build_model(cfg, seed), group)   # group: the cp axis's
+    local = shard_batch(batch, rank, cp)                             # its two chunks of each row
+    loss = lm_loss(model(local.inputs), local.targets)               # mean over its tokens
+
+Only two things in the model see more than one token at a time, so only they change:
+  * attention: each block's CausalSelfAttention becomes RingSelfAttention -- the same q, k, v, o
+    Linear modules (parameter names unchanged) around refimpl.parallel.cp.ring.ring_attention;
+  * position embeddings: a token's position is its place in the full sequence, not in the slice.
+Everything else (LayerNorm, MLP, the head, the loss) works token by token.
+
+Gradients: every cp rank holds the same weights and sees different tokens, exactly as data-parallel
+ranks see different rows, so the gradients are synchronised over dp × cp together (the mesh's
+"dp_cp" axis, as Megatron-LM's distributed optimizer does). With the loss of each of the cp slices
+scaled by 1/cp and the gradients summed, the result is the full sequence's mean-loss gradient
+because the head-tail layout gives every rank the same number of tokens.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from refimpl.model import GPT, Batch
+from refimpl.parallel.cp.ring import positions, ring_attention, shard_sequence
+
+
+class RingSelfAttention(nn.Module):
+    """CausalSelfAttention's projections, with ring attention over `group` in the middle."""
+
+    def __init__(self, attn: nn.Module, group, balanced: bool = True):
+        super().__init__()
+        self.q, self.k, self.v, self.o = attn.q, attn.k, attn.v, attn.o
+        self.n_heads, self.group, self.balanced = attn.n_heads, group, balanced
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = ring_attention(self.q(x), self.k(x), self.v(x), self.n_heads, self.group,
+                             balanced=self.balanced)
+        return self.o(out)
+
+
+class SlicedEmbedding(nn.Module):
+    """Token + position embedding for a slice of the sequence: positions of this rank's chunks."""
+
+    def __init__(self, embed: nn.Module, rank: int, cp: int, balanced: bool = True):
+        super().__init__()
+        self.tok, self.pos = embed.tok, embed.pos
+        self.rank, self.cp, self.balanced = rank, cp, balanced
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        full_len = idx.shape[1] * self.cp
+        where = positions(self.rank, self.cp, full_len, balanced=self.balanced).to(idx.device)
+        return self.tok(idx) + self.pos(where)
+
+
+def _rank_and_size(group) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def apply_context_parallel(model: GPT, group, *, balanced: bool = True) -> GPT:
+    """Turn `model` (in place) into its context-parallel form over `group` (None: cp = 1)."""
+    rank, cp = _rank_and_size(group)
+    if cp == 1:
+        return model
+    model.embed = SlicedEmbedding(model.embed, rank, cp, balanced)
+    for block in model.blocks:
+        block.attn = RingSelfAttention(block.attn, group, balanced)
+    return model
+
+
+def shard_batch(batch: Batch, rank: int, cp: int, *, balanced: bool = True) -> Batch:
+    """This cp rank's tokens of every sequence (inputs and targets cut the same way)."""
+    if cp == 1:
+        return batch
+    return Batch(shard_sequence(batch.inputs, rank, cp, balanced=balanced),
+                 shard_sequence(batch.targets, rank, cp, balanced=balanced))

@@ -1,0 +1,9 @@
+"""Data parallelism: every rank holds the whole model and a slice of the batch; gradients agree.
+
+    single.py        the reference: one process, the whole batch
+    naive.py         dp-naive: one all-reduce per parameter after backward
+    flat_param.py    parameters viewed as one flat buffer, cut into equal shards (padded)
+    grad_buckets.py  gradient buckets reduced as backward produces them (Li et al. 2020)
+    bucketed.py      dp: ours, bucketed and overlapped with backward (DDP's design)
+    torch_ddp.py     torch-ddp: PyTorch's DistributedDataParallel, the twin
+"""

@@ -1,0 +1,176 @@
+"""Gradient buckets: communication that starts while backward is still running.
+
+PyTorch's DDP (Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel
+Training", §3.2) makes two observations this module reproduces:
+
+  * bucketing (§3.2.2): one all-reduce per tensor pays the per-call latency α once per tensor;
+    concatenating gradients into buckets of ~25 MB pays it once per bucket, and large messages reach
+    the link's bandwidth;
+  * overlap (§3.2.3): gradients become ready in roughly the reverse of the order the parameters are
+    used in forward, so buckets are filled in reverse parameter order, and a bucket's collective is
+    launched (async) the moment its last gradient has been accumulated, while autograd goes on
+    computing the gradients of earlier layers. Collectives must be issued in the same order on
+    every rank, so bucket k is launched only after bucket k-1, even if it became ready first.
+
+Buckets here are contiguous ranges of one flat gradient buffer (refimpl.parallel.dp.flat_param), and
+every parameter's `.grad` is a view into it, so autograd accumulates straight into the bucket and
+no copy is needed (DDP's `gradient_as_bucket_view=True`, §4.2 of the paper describes the copy it
+saves). With gradient accumulation, only the last micro-step's backward launches communication;
+the earlier ones just accumulate locally (DDP's `no_sync`).
+
+What a bucket's collective *is* belongs to the strategy: `all_reduce_sum` for DP,
+`reduce_sum_to_owner` for ZeRO-1 and ZeRO-2 (`cut_at` then splits buckets at shard boundaries so that each
+bucket has exactly one owner). Both sum: the 1/world of the average was applied to each rank's
+loss (refimpl.strategy's docstring explains why not to every gradient element, as DDP does).
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from refimpl.parallel.dp.flat_param import FlatParams
+from refimpl.trace.labels import comm_span
+
+
+@dataclass
+class Bucket:
+    index: int                 # launch order: 0 holds the last parameters (ready first)
+    start: int                 # [start, end) in the flat gradient buffer
+    end: int
+    params: list[int]          # indices of the parameters with elements in [start, end)
+    pending: int = 0           # gradients not yet accumulated in this backward
+    work: dist.Work | None = field(default=None, repr=False)
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def assign_buckets(layout: FlatParams, cap_bytes: float, element_size: int = 4,
+                   cut_at=()) -> list[Bucket]:
+    """Cut the flat layout into buckets in reverse parameter order.
+
+    Like DDP's `_compute_bucket_assignment_by_size`: parameters are added (last one first) until
+    the bucket holds at least `cap_bytes`, so a bucket overshoots by at most one parameter and a
+    parameter larger than the cap gets a bucket to itself. The first bucket also takes the flat
+    buffer's zero padding. Every offset in `cut_at` becomes a bucket boundary too.
+    """
+    ranges, end, size = [], layout.padded_numel, 0
+    for slot in reversed(layout.slots):
+        size += slot.numel * element_size
+        if size >= cap_bytes or slot is layout.slots[0]:
+            ranges.append((slot.offset, end))
+            end, size = slot.offset, 0
+    cuts = sorted(set(cut_at))
+    split = []
+    for start, stop in ranges:
+        inner = [c for c in reversed(cuts) if start < c < stop]
+        bounds = [stop, *inner, start]
+        split += [(lo, hi) for hi, lo in zip(bounds, bounds[1:])]
+    buckets = []
+    for index, (start, stop) in enumerate(split):
+        params = [i for i, s in enumerate(layout.slots)
+                  if s.offset < stop and s.offset + s.numel > start]
+        buckets.append(Bucket(index, start, stop, params))
+    return buckets
+
+
+class _Done:
+    """The handle of a collective that had nothing to do (one rank on the axis)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def all_reduce_sum(bucket: Bucket, grads: torch.Tensor, *, group, comm=dist):
+    """Every rank of `group` gets the bucket's summed gradient (async)."""
+    if group is None:
+        return _Done()
+    with comm_span("all_reduce", grads.nbytes):
+        return comm.all_reduce(grads, group=group, async_op=True)
+
+
+def reduce_sum_to_owner(bucket: Bucket, grads: torch.Tensor, *, shard_numel: int,
+                        owners: list[int], group, comm=dist):
+    """Only the rank whose shard holds this bucket gets its summed gradient (async).
+    `owners[i]` is the global rank holding shard i (torch's `dst` is a global rank)."""
+    if group is None:
+        return _Done()
+    with comm_span("reduce", grads.nbytes):
+        return comm.reduce(grads, dst=owners[bucket.start // shard_numel], group=group,
+                           async_op=True)
+
+
+class GradBuckets:
+    """Launches one collective per bucket from gradient hooks; `wait()` before the optimizer.
+
+        buckets = GradBuckets(layout, cap_bytes, reduce=partial(all_reduce_sum, group=g))
+        buckets.attach(flat_grad)          # params' .grad become views of flat_grad
+        with buckets.micro_step(sync=True):   # communicate this backward? (False: accumulate)
+            loss.backward()                    # hooks launch the buckets as they fill
+        buckets.wait()                     # every bucket's collective has finished
+    """
+
+    def __init__(self, layout: FlatParams, cap_bytes: float,
+                 reduce: Callable[[Bucket, torch.Tensor], dist.Work], cut_at=()):
+        self.layout = layout
+        self.reduce = reduce
+        self.buckets = assign_buckets(layout, cap_bytes, cut_at=cut_at)
+        self._buckets_of = [[] for _ in layout.slots]   # parameter index -> buckets it feeds
+        for b in self.buckets:
+            for i in b.params:
+                self._buckets_of[i].append(b)
+        self.flat_grad: torch.Tensor | None = None
+        self._sync = False
+        self._next = 0                                  # the next bucket to launch, in order
+        # No reference cycles through the parameters' hooks (so `reduce` should not be a bound
+        # method of an object holding this one, and the hooks hold `self` weakly): a cycle is
+        # freed only by the garbage collector, possibly at interpreter exit, and destroying a
+        # Python hook owned by a C++ tensor there aborts the process ("terminate called...").
+        this = weakref.ref(self)
+        self._handles = [p.register_post_accumulate_grad_hook(
+            lambda _p, i=i: this()._on_gradient_ready(i)) for i, p in enumerate(layout.params)]
+
+    def attach(self, flat_grad: torch.Tensor) -> None:
+        """Point every parameter's .grad into `flat_grad`, where autograd will accumulate."""
+        self.flat_grad = flat_grad
+        self.layout.bind_grads(flat_grad)
+
+    @contextlib.contextmanager
+    def micro_step(self, sync: bool):
+        """Wrap each micro-step's backward; with sync=False gradients only accumulate (no_sync)."""
+        self._sync = sync
+        if sync:
+            self._next = 0
+            for b in self.buckets:
+                b.pending, b.work = len(b.params), None
+        yield
+
+    def _on_gradient_ready(self, i: int) -> None:
+        if not self._sync:
+            return
+        for b in self._buckets_of[i]:
+            b.pending -= 1
+        # Launch in bucket order only: every rank must issue the same collectives in the same order.
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            b = self.buckets[self._next]
+            b.work = self.reduce(b, self.flat_grad[b.start:b.end])
+            self._next += 1
+
+    def wait(self) -> None:
+        """Block until every bucket's collective has completed (before the optimizer reads them)."""
+        if self._next < len(self.buckets):
+            missing = [self.layout.slots[i].name for i in self.buckets[self._next].params]
+            raise RuntimeError(f"bucket {self._next} was never launched: parameter(s) {missing} "
+                               f"got no gradient (unused parameters are not supported)")
+        with comm_span("wait"):
+            for b in self.buckets:
+                b.work.wait()
+                b.work = None
+        self._sync = False
+

@@ -1,0 +1,52 @@
+"""`ep`: expert parallelism over the data-parallel ranks (GShard's layout; Megatron's EP over DP).
+
+    python -m refimpl train --strategy ep --nproc 4 --experts 8 --top-k 2
+
+Every rank of the dp x cp group takes its rows of the global batch, as in data parallelism; inside
+each chunk of `ep` consecutive ranks, the experts are spread E/ep per rank
+(refimpl.parallel.ep.dispatch: tokens reach their experts by all-to-all). So a rank holds:
+
+    non-expert parameters (attention, norms, router, embeddings)  replicated: gradients summed
+                                                                  over every dp x cp rank
+    expert parameters (E/ep experts of each MoE layer)            its own: every token that chose
+                                                                  them sent its gradient back
+                                                                  through the all-to-all; summed
+                                                                  only over "edp", the ranks of
+                                                                  the other chunks holding the
+                                                                  same experts
+
+Averaging an expert's gradient over dp x cp would mix expert 0's gradient into expert 2's weights:
+that is the one rule expert parallelism adds to data parallelism.
+
+Equal to `single` with the same experts (tests/test_ep_strategy.py), dropped tokens included,
+because capacity and the aux loss's f_i are computed over the whole global batch. With
+`--micro-batches m > 1` they are per micro-batch, and a rank's i-th micro-batch is not single's
+i-th micro-batch: the two runs then agree only when nothing overflows and balance != aux
+(and the bias is nudged from the last micro-batch's load). `--strategy ep --nproc N` puts
+the whole world on one ep group (ep = N, edp = 1); `--ep E` with a larger dp keeps E per chunk.
+"""
+from __future__ import annotations
+
+from refimpl.config import TrainConfig
+from refimpl.mesh import LayoutError
+from refimpl.parallel.ep.dispatch import is_expert_param
+from refimpl.strategy import Strategy
+from refimpl.trace.labels import comm_span
+
+
+class ExpertParallel(Strategy):
+    name = "ep"
+
+    @classmethod
+    def validate(cls, cfg: TrainConfig) -> None:
+        super().validate(cfg)
+        if cfg.model.n_experts == 0:
+            raise LayoutError("strategy 'ep' needs --experts E > 0")
+
+
+    def sync_gradients(self) -> None:
+        for p in self.model.parameters():
+            group = self.mesh.group("edp" if is_expert_param(p) else "dp_cp")
+            if group is not None:
+                with comm_span("all_reduce", p.grad.nbytes):
+                    self.comm.all_reduce(p.grad, group=group)

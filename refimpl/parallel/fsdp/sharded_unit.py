@@ -1,0 +1,177 @@
+"""One unit of a fully sharded model: its parameters as flat shards, gathered only while needed.
+
+ZeRO stage 3 (Rajbhandari et al. 2020, §5.3) and PyTorch FSDP (Zhao et al. 2023, §3) share one
+mechanism, which this file holds; `zero3.py` decides *when* to call it (the policy).
+
+A unit is a group of modules that compute together -- one transformer block, the embeddings, or
+final_norm + lm_head. Its parameters are laid end to end in one `FlatParams` buffer, padded to a
+multiple of the world size, and rank r keeps only shard r, in fp32: the *master* shard, the
+parameter its optimizer updates. Around the unit's computation:
+
+    gather()          all-gather the shards into `full`; the modules' parameters are views of it
+    reshard()         free `full` (its storage is resized to 0: the memory really goes away)
+    prepare_grads()   a zeroed flat gradient buffer; autograd accumulates each .grad into it
+    reduce_scatter()  sum the flat gradient over ranks, keep this rank's shard, free the buffer
+
+Why free by resizing the storage rather than dropping the tensor? Autograd saved views of the
+weights during forward (a Linear saves W for dX = dY·W). Those views keep pointing at the same
+storage; filling it again before backward makes them valid again. FSDP does the same.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from refimpl.parallel.dp.flat_param import FlatParams
+from refimpl.trace.labels import comm_span
+
+
+class ShardedUnit:
+    """Flat shards of one unit's parameters on this rank, and the collectives that move them.
+
+    `compute_dtype` is the dtype the parameters are gathered in (bf16 under mixed precision: half
+    the all-gather bytes); the master shard and its gradient stay fp32. `master_device` is where
+    the shard, its gradient and (through the optimizer) Adam's m and v live: the compute device, or
+    the CPU under ZeRO-Offload (Ren et al. 2021), in which case the optimizer step runs there.
+    """
+
+    def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter]], group, rank: int,
+                 world_size: int, device: torch.device, compute_dtype: torch.dtype,
+                 master_device: torch.device, comm=dist):
+        self.name = name
+        # `group` is the dp x cp axis of the mesh; `rank`/`world_size` this rank's place in it.
+        # `comm` is torch.distributed or refimpl.comm (--collectives refimpl): same signatures.
+        self.group, self.rank, self.world_size, self.comm = group, rank, world_size, comm
+        self.device, self.compute_dtype = device, compute_dtype
+        self.flat = FlatParams(named_params, world_size)
+        with torch.no_grad():
+            whole = self.flat.flatten([p.detach() for p in self.flat.params], device=device)
+            # The optimizer's parameter: the master dtype (the parameters' own: fp32, or float64
+            # under --dtype float64), this rank's slice only. Its .grad is the grad shard.
+            self.master = nn.Parameter(self.flat.shard(whole, rank).clone().to(master_device))
+        self.master.grad = torch.zeros_like(self.master)
+        # The gathered buffer, allocated once and then freed/refilled; parameters view into it.
+        self.full = self.flat.empty(compute_dtype, device)
+        self.flat.bind(self.full)
+        self._free_storage(self.full)
+        self.grad_full: torch.Tensor | None = None
+        self.gathered = False
+        self.pending_gather = None             # (work, send buffer) of an async all-gather
+        self.grads_left = 0                    # countdown to "this unit's backward is done"
+        del whole
+
+    @property
+    def numel(self) -> int:
+        return self.flat.numel
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes the gathered parameter buffer holds right now (0 when resharded)."""
+        return self.full.untyped_storage().nbytes()
+
+    # --- parameters -------------------------------------------------------------------------------
+
+    def gather(self, async_op: bool = False) -> None:
+        """All-gather every rank's shard into `full` (no-op if gathered or already on its way)."""
+        if self.gathered or self.pending_gather is not None:
+            return
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        # The shard as it travels: cast to the compute dtype, moved off the host under offload.
+        send = self.master.detach().to(self.device, self.compute_dtype)
+        if self.group is None:                 # one rank on the axis: the shard is everything
+            self.full.copy_(send)
+            self.gathered = True
+            return
+        with comm_span("all_gather", self.full.numel() * self.full.element_size()):
+            work = self.comm.all_gather_into_tensor(self.full, send, group=self.group,
+                                                    async_op=async_op)
+        if async_op:
+            self.pending_gather = (work, send)
+        else:
+            self.gathered = True
+
+    def wait_gather(self) -> None:
+        """Block until this unit's parameters are present, gathering now if nobody prefetched them."""
+        if self.pending_gather is not None:
+            work, _ = self.pending_gather
+            with comm_span("wait"):
+                work.wait()
+            self.pending_gather = None
+            self.gathered = True
+        elif not self.gathered:
+            self.gather()
+
+    def reshard(self) -> None:
+        """Free the gathered parameters; only this rank's master shard remains."""
+        if self.pending_gather is not None:
+            self.wait_gather()
+        self._free_storage(self.full)
+        self.gathered = False
+
+    # --- gradients --------------------------------------------------------------------------------
+
+    def expect_grads(self) -> None:
+        """The unit's backward is starting: count down its parameters' gradients from here."""
+        self.grads_left = len(self.flat.params)
+
+    def prepare_grads(self) -> None:
+        """Give every parameter a .grad that is a view of one zeroed flat buffer, so autograd
+        accumulates straight into the layout that reduce-scatter sends. Called when the unit's
+        first gradient arrives rather than when its backward starts, so the buffer is not yet
+        allocated while the unit's first backward op runs (FSDP2 likewise lets gradients appear
+        as they are computed)."""
+        if self.grad_full is None:
+            self.grad_full = self.flat.empty(self.compute_dtype, self.device)
+            self.flat.bind_grads(self.grad_full)
+
+    def reduce_scatter(self, async_op: bool = False):
+        """Sum the flat gradient over ranks; this rank keeps its shard (ZeRO-2/3's reduce-scatter).
+
+        Reduced in fp32 even under bf16 compute: a sum over many ranks in bf16 loses the low bits
+        (FSDP's MixedPrecision reduce_dtype; torchtitan's default). Returns a `finish` callable
+        that waits for the collective and adds the shard, averaged over ranks, to the master grad.
+        """
+        send = self.grad_full.to(self.flat.dtype)   # a copy under bf16, the buffer itself otherwise
+        for p in self.flat.params:
+            p.grad = None
+        self.grad_full = None
+        shard = torch.empty(self.flat.shard_numel, dtype=self.flat.dtype, device=self.device)
+        if self.group is None:
+            shard.copy_(send)
+            async_op = False
+        else:
+            with comm_span("reduce_scatter", send.numel() * send.element_size()):
+                work = self.comm.reduce_scatter_tensor(shard, send, op=dist.ReduceOp.SUM,
+                                                       group=self.group, async_op=async_op)
+
+        def finish() -> None:
+            if async_op:
+                with comm_span("wait"):
+                    work.wait()
+            # Each rank's loss was already scaled by 1/ranks before backward, so the sum over
+            # ranks is the global mean gradient (no per-element division, which is inexact).
+            self.master.grad.add_(shard.to(self.master.device))
+            send.untyped_storage().resize_(0)   # free the full-size gradient now, not at GC
+
+        if not async_op:
+            finish()
+            return lambda: None
+        return finish
+
+    # --- gathering back -----------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Reference names -> full master-dtype tensors on the CPU. Collective: all ranks call it."""
+        whole = self.flat.empty(device=self.device)
+        if self.group is None:
+            whole.copy_(self.master.detach())
+        else:
+            with comm_span("all_gather", whole.numel() * whole.element_size()):
+                self.comm.all_gather_into_tensor(whole, self.master.detach().to(self.device),
+                                                 group=self.group)
+        return {k: v.cpu() for k, v in self.flat.state_dict(whole).items()}
+
+    @staticmethod
+    def _free_storage(t: torch.Tensor) -> None:
+        t.untyped_storage().resize_(0)

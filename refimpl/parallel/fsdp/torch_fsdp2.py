@@ -1,0 +1,96 @@
+"""`torch-fsdp2` (and `torch-fsdp2-gradop`): PyTorch's own FSDP2, the twin of `zero3` / `fsdp`.
+
+`torch.distributed.fsdp.fully_shard` applied bottom-up as torchtitan does -- each transformer
+block, then the root -- with the embeddings as a unit of their own, so that the units are exactly
+our `fsdp`'s (the root keeps final_norm + lm_head). Each parameter becomes a DTensor sharded on dim 0 (FSDP2 pads each parameter's dim 0
+to a multiple of the world size, rather than one flat buffer per unit as FSDP1 and our
+FlatParams do); the optimizer then runs on the local shards.
+
+  torch-fsdp2         reshard_after_forward=True  (FULL_SHARD)
+  torch-fsdp2-gradop  reshard_after_forward=False (SHARD_GRAD_OP)
+
+--mixed-precision bf16 maps to MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), the
+policy our own strategies use; --set offload=true to CPUOffloadPolicy (which needs a GPU to mean
+anything: on CPU ranks there is nowhere to offload from).
+"""
+from __future__ import annotations
+
+import torch
+
+from refimpl.config import Option, TrainConfig
+from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
+from refimpl.model import GPT
+from refimpl.parallel.dp.torch_ddp import require_dp_group
+from refimpl.strategy import Strategy, make_optimizer
+
+
+class TorchFSDP2(Strategy):
+    name = "torch-fsdp2"
+    reshard_after_forward = True
+    options = {"offload": Option(False, bool)}
+    scales_loss_by_world = False    # FSDP2 divides the reduced gradients by the world size
+
+    @classmethod
+    def validate(cls, cfg: TrainConfig) -> None:
+        super().validate(cfg)
+        require_dp_group(cls.name, cfg)
+
+    def setup(self, model: GPT) -> None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        ctx, cfg = self.ctx, self.ctx.cfg
+        # Activation checkpointing before wrapping, the order torchtitan uses.
+        self.model = model
+        kw = {"reshard_after_forward": self.reshard_after_forward, "mesh": self.device_mesh()}
+        if cfg.mixed_precision == "bf16":
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32)
+        if cfg.options.get("offload", False) and ctx.device.type == "cuda":
+            kw["offload_policy"] = CPUOffloadPolicy()
+        fully_shard(self.model.embed, **kw)
+        for block in self.model.blocks:
+            fully_shard(block, **kw)
+        fully_shard(self.model, **kw)
+        self.fsdp_modules = [self.model.embed, *self.model.blocks, self.model]
+        for module in self.fsdp_modules:   # allocate each unsharded parameter once (see below)
+            module.unshard()
+            module.reshard()
+        self.optimizer = make_optimizer(self.model.parameters(), cfg)
+
+    def device_mesh(self):
+        """FSDP2 shards over a DeviceMesh: the mesh's dp x cp group, wrapped as one."""
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        group = self.mesh.group("dp_cp")
+        if group is None:   # one process in all (validate refused dp = 1 beside other axes)
+            return init_device_mesh(self.ctx.device.type, (1,))
+        return DeviceMesh.from_group(group, self.ctx.device.type)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.full_tensor().detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def model_state(self) -> ModelStateBytes:
+        params = list(self.model.parameters())
+        return ModelStateBytes(
+            params=tensor_bytes(p.to_local() for p in params),
+            grads=tensor_bytes(p.grad.to_local() for p in params if p.grad is not None),
+            optimizer=tensor_bytes(t.to_local() for t in optimizer_state_tensors(self.optimizer)))
+
+    def activation_exclusions(self) -> list[torch.Tensor]:
+        # FSDP2 gathers into one unsharded tensor per parameter, allocated on the first unshard
+        # and then freed / refilled by resizing its storage, as ours does: autograd saves views of
+        # them, and they are model state. (Private attributes: FSDP2 offers no public accessor.)
+        from torch.distributed.fsdp import fully_shard
+
+        gathered = []
+        for module in self.fsdp_modules:
+            for group in fully_shard.state(module)._fsdp_param_groups:
+                gathered += [fp._unsharded_param for fp in group.fsdp_params
+                             if hasattr(fp, "_unsharded_param")]
+        return gathered
+
+
+class TorchFSDP2GradOp(TorchFSDP2):
+    """SHARD_GRAD_OP: parameters stay unsharded from forward until the end of backward."""
+    name = "torch-fsdp2-gradop"
+    reshard_after_forward = False

@@ -1,0 +1,210 @@
+"""`zero3`: ZeRO stage 3 -- parameters, gradients and optimizer states all partitioned -- and the
+schedule that every fully sharded strategy shares (`fsdp` is this class with another policy).
+
+Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+§5.3 (P_os+g+p, 파라미터까지 분할): each rank stores 1/N of every model state, so per-rank
+model-state memory falls as (2 + 2 + K)·Ψ/N. The price is communication: a unit's parameters are
+all-gathered before its forward *and again* before its backward (they were discarded in between),
+and its gradients are reduce-scattered when its backward ends -- Ψ + Ψ + Ψ = 3Ψ per step against
+plain DP's 2Ψ (§7.2.2). `zero3` is the plain version: nothing is prefetched, every gather waits,
+so the trace shows the communication exposed; `fsdp` (fsdp.py) adds the overlap.
+
+The mechanism of one unit is in `sharded_unit.py`; this file cuts the reference GPT into units and
+hooks them into its forward and backward, under a `ShardingPolicy`:
+
+  forward   pre-hook of unit i:  wait for / gather its parameters; [prefetch] start gathering i+1
+            post-hook of unit i: [reshard_after_forward] free them; hook the unit's output so we
+                                 know when its backward begins
+  backward  output's grad hook:  gather again (if freed); [prefetch] start gathering unit i-1
+            last .grad of unit i accumulated: reduce-scatter its gradient, free its parameters
+  step      AdamW on this rank's fp32 shards only (every state sharded)
+
+The shards are cut over the mesh's dp x cp ranks (refimpl.mesh): on a composed grid each
+tensor-parallel or pipeline slice is sharded among the ranks that hold the same slice.
+
+    python -m refimpl train --strategy zero3 --nproc 2 --set offload=true
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from refimpl.config import Option, TrainConfig
+from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
+from refimpl.mesh import LayoutError
+from refimpl.model import GPT
+from refimpl.parallel.fsdp.sharded_unit import ShardedUnit
+from refimpl.placement import gather_full_state_dict
+from refimpl.strategy import Strategy, make_optimizer
+
+
+@dataclass(frozen=True)
+class ShardingPolicy:
+    reshard_after_forward: bool = True   # ZeRO-3 / FULL_SHARD; False: SHARD_GRAD_OP (≈ ZeRO-2)
+    keep_last_unit: bool = False         # don't free the unit whose backward comes first (FSDP2's
+                                         # root heuristic: it would be gathered again at once)
+    prefetch: bool = False               # gather the next unit while this one computes
+    async_reduce: bool = False           # reduce-scatter in the background of the next backward
+
+
+def gpt_units(model: GPT) -> list[tuple[str, list]]:
+    """The wrapping policy: (unit name, modules) in forward order -- the embeddings, one unit per
+    transformer block (FSDP's transformer auto-wrap policy), and final_norm + lm_head.
+
+    A pipeline stage (stage.PipelineStageModel) holds only some of them: its blocks keyed by
+    their reference index, the embedding only on the first stage, the head only on the last; the
+    units are the ones it has, under the same names."""
+    blocks = (model.blocks.items() if isinstance(model.blocks, nn.ModuleDict)
+              else enumerate(model.blocks))
+    units = [("embed", [("embed", model.embed)])] if model.embed is not None else []
+    units += [(f"blocks.{i}", [(f"blocks.{i}", b)]) for i, b in blocks]
+    if model.lm_head is not None:
+        units.append(("head", [("final_norm", model.final_norm), ("lm_head", model.lm_head)]))
+    return units
+
+
+class FullySharded(Strategy):
+    """Base of `zero3` and `fsdp`; subclasses set `policy(cfg)`."""
+
+    options = {"offload": Option(False, bool)}
+
+    @classmethod
+    def policy(cls, cfg: TrainConfig) -> ShardingPolicy:
+        raise NotImplementedError
+
+    @classmethod
+    def validate(cls, cfg: TrainConfig) -> None:
+        super().validate(cfg)
+        if cfg.model.tie_embeddings:
+            raise LayoutError(f"strategy {cls.name!r} does not support tied embeddings (the tied "
+                              "weight would belong to two units)")
+        if cfg.model.n_experts:
+            raise LayoutError(f"strategy {cls.name!r} needs a dense model: an expert that gets no "
+                              "token would leave its unit's backward unfinished")
+
+    def setup(self, model: GPT) -> None:
+        ctx, cfg, mesh = self.ctx, self.ctx.cfg, self.mesh
+        self.pol = self.policy(cfg)
+        self.model = model
+        self.offload = bool(self.option("offload"))
+        master_device = torch.device("cpu") if self.offload else ctx.device
+        self.units: list[ShardedUnit] = []
+        for name, modules in gpt_units(self.model):
+            named = [(f"{prefix}.{n}", p) for prefix, m in modules for n, p in m.named_parameters()]
+            unit = ShardedUnit(name, named, mesh.group("dp_cp"), mesh.index("dp_cp"),
+                               mesh.size("dp_cp"), ctx.device, ctx.compute_dtype, master_device,
+                               comm=self.comm)
+            self._install_hooks(len(self.units), unit, modules[0][1], modules[-1][1])
+            self.units.append(unit)
+        self.optimizer = make_optimizer([u.master for u in self.units], cfg)
+        self._pending_reduce: list = []
+
+    # --- the schedule -----------------------------------------------------------------------------
+
+    def _install_hooks(self, i: int, unit: ShardedUnit, first, last) -> None:
+        first.register_forward_pre_hook(lambda module, args: self._before_forward(i))
+        last.register_forward_hook(lambda module, args, out: self._after_forward(i, out))
+        for p in unit.flat.params:
+            p.register_hook(lambda grad: unit.prepare_grads())     # before it is accumulated
+            p.register_post_accumulate_grad_hook(lambda param: self._grad_ready(i))
+
+    def _before_forward(self, i: int) -> None:
+        unit = self.units[i]
+        unit.wait_gather()
+        if self.pol.prefetch and i + 1 < len(self.units):
+            self.units[i + 1].gather(async_op=True)   # overlaps with unit i's compute
+
+    def _after_forward(self, i: int, out: torch.Tensor) -> None:
+        backward_follows = torch.is_grad_enabled() and out.requires_grad
+        keep = self.pol.keep_last_unit and i == len(self.units) - 1
+        if not backward_follows or (self.pol.reshard_after_forward and not keep):
+            self.units[i].reshard()
+        if backward_follows:
+            out.register_hook(lambda grad: self._before_backward(i))
+
+    def _before_backward(self, i: int) -> None:
+        unit = self.units[i]
+        unit.wait_gather()
+        unit.expect_grads()
+        if self.pol.prefetch and i > 0:
+            self.units[i - 1].gather(async_op=True)   # overlaps with unit i's backward
+
+    def _grad_ready(self, i: int) -> None:
+        unit = self.units[i]
+        unit.grads_left -= 1
+        if unit.grads_left:
+            return
+        # The unit's last gradient is in: its backward is over (every op that needed its
+        # weights also produced a weight gradient), so free its parameters first, then reduce.
+        # At most one reduce-scatter stays in flight: the previous unit's has had this unit's
+        # whole backward to finish, and waiting for it here frees its full-size gradient buffer
+        # before another is sent.
+        unit.reshard()
+        self._finish_reduces()
+        self._pending_reduce.append(unit.reduce_scatter(async_op=self.pol.async_reduce))
+
+    def _finish_reduces(self) -> None:
+        for finish in self._pending_reduce:
+            finish()
+        self._pending_reduce.clear()
+
+    # --- the runner's hooks (refimpl.strategy.Strategy.train_step) ----------------------------------
+
+    @contextlib.contextmanager
+    def micro_step(self, is_last: bool):
+        yield
+        self._finish_reduces()          # every unit's reduce-scatter of this backward is done
+
+    def sync_gradients(self) -> None:
+        # A pipeline's schedule runs its backwards without micro_step: the last reduce is here.
+        self._finish_reduces()
+        unfinished = [u.name for u in self.units if u.grads_left or u.gathered]
+        if unfinished:
+            raise RuntimeError(f"units {unfinished} did not finish their backward")
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        for u in self.units:
+            u.master.grad.zero_()
+
+    # --- reporting --------------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = {}
+        for unit in self.units:            # whole over dp x cp; then any model-parallel axes
+            state.update(unit.full_state_dict())
+        return gather_full_state_dict(state, self.model, self.mesh, self.comm)
+
+    def model_state(self) -> ModelStateBytes:
+        """Bytes on the compute device: the shards, their gradients, Adam's m and v, and any
+        parameters gathered right now. Under offload the shards live on the host instead
+        (`shard_state`) and the device keeps only gathered parameters, for as long as needed."""
+        gathered = sum(u.gathered_bytes for u in self.units)
+        if self.offload:
+            return ModelStateBytes(params=gathered, grads=0, optimizer=0)
+        shards = self.shard_state()
+        return ModelStateBytes(shards.params + gathered, shards.grads, shards.optimizer)
+
+    def shard_state(self) -> ModelStateBytes:
+        """Bytes of this rank's fp32 shards, their gradients and Adam's m and v, wherever they
+        live (the host, under offload)."""
+        masters = [u.master for u in self.units]
+        return ModelStateBytes(params=tensor_bytes(masters),
+                               grads=tensor_bytes(m.grad for m in masters),
+                               optimizer=tensor_bytes(optimizer_state_tensors(self.optimizer)))
+
+    def activation_exclusions(self) -> list[torch.Tensor]:
+        # Gathered parameter buffers are model state: autograd saves views of them (W for dX).
+        return [u.full for u in self.units]
+
+
+class Zero3(FullySharded):
+    name = "zero3"
+
+    @classmethod
+    def policy(cls, cfg: TrainConfig) -> ShardingPolicy:
+        return ShardingPolicy(reshard_after_forward=True, keep_last_unit=False, prefetch=False,
+                              async_reduce=False)

@@ -1,0 +1,177 @@
+"""The bubble and the activation memory of a real pipeline run, against what the tables predict.
+
+    rows = launch.run(profile_pipeline, 2, cfg, "1f1b", 8, trace_dir=run)    # on each rank
+    slots = action_slots(load_trace(run, include_ops=True))                  # every F/B/W range
+    measured_bubble(slots)     vs bubble_fraction(...) and simulate(table, per-rank durations)
+
+Bubble. Each action runs inside a `pp:F3` range (refimpl.parallel.pp.runner); a rank waiting for a
+neighbour is outside every such range. Per profiled step the measured idle share is
+1 - (sum of action times) / (ranks x (last end - first start)), the same definition that
+`simulate.idle_fraction` applies to a replayed table: the closed form assumes every stage costs
+the same; `simulated_bubble_from` replays the table with each rank's *measured* mean F, B, W times,
+so stage imbalance (embedding on the first, head and loss on the last) is in the prediction too.
+
+Activations. Saved-for-backward bytes are counted per rank with memory.ActivationTracker. A stage
+holds the activations of every micro-batch in flight (F done, backward not yet), so the prediction
+is (peak in-flight of its row of the table) x (bytes one forward of the stage saves). For zb-h1 the
+tracker sees only what autograd saves: the layer inputs and output gradients that pp.zero_bubble
+keeps from B until W are not autograd's and are not in its count.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from refimpl.memory import ActivationTracker
+from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
+from refimpl.parallel.pp.runner import run_schedule
+from refimpl.parallel.pp.schedules import Action, schedule_table
+from refimpl.parallel.pp.simulate import TimedAction, idle_fraction, in_flight, simulate
+from refimpl.parallel.pp.stage import build_chunks
+from refimpl.parallel.pp.torch_pp import TorchPipeline
+from refimpl.trace.capture import StepProfiler
+
+
+def profile_pipeline(rank: int, world: int, cfg: GPTConfig, schedule: str, micro_batches: int, *,
+                     virtual_stages: int = 1, global_batch: int = 16, seq_len: int | None = None,
+                     steps: int = 3, trace_dir: str | None = None, seed: int = 0) -> dict:
+    """One rank of a pipeline run: `steps` steps of the schedule (the first is warm-up), profiled
+    into `trace_dir` when given. Returns this rank's loss, median step time, the peak activation
+    bytes of a step and the bytes one micro-batch's forward saves on this stage."""
+    group = dist.new_group(list(range(world)))
+    seq = seq_len or cfg.seq_len
+    chunks = build_chunks(build_model(cfg, seed), world, rank, virtual_stages)
+    params = [p for c in chunks for p in c.parameters()]
+    row = schedule_table(world, micro_batches, schedule, virtual_stages)[rank]
+    times, peaks, loss = [], [], None
+    with StepProfiler(trace_dir, rank, steps) as prof:
+        for step in range(steps):
+            micro = synthetic_batch(cfg, global_batch, seq, seed, step).micro_batches(micro_batches)
+            dist.barrier(group)     # start every rank's step together: the bubble is then the schedule's
+            start = time.perf_counter()
+            with ActivationTracker(exclude=params) as tracker:
+                loss = run_schedule(chunks, row, micro, group)
+            dist.barrier(group)
+            times.append(time.perf_counter() - start)
+            peaks.append(tracker.peak)
+            for p in params:
+                p.grad = None
+            prof.step()
+    return {"rank": rank, "loss": loss, "step_time_s": statistics.median(times[1:] or times),
+            "activation_peak": max(peaks),
+            "per_micro_batch": _one_forward_bytes(chunks, world, rank, micro[0], group)}
+
+
+def _one_forward_bytes(chunks, world, rank, mb, group) -> list[int]:
+    """Bytes saved by one micro-batch's forward of each chunk (fed a stand-in input of the right
+    shape: what is saved depends on shapes only)."""
+    out = []
+    for chunk in chunks:
+        params = list(chunk.parameters())
+        x = mb.inputs if chunk.is_first else torch.zeros(*mb.inputs.shape, chunk.d_model, requires_grad=True)
+        with ActivationTracker(exclude=params) as tracker:
+            y = chunk(x)
+            if chunk.is_last:
+                y = lm_loss(y, mb.targets)
+        out.append(tracker.peak)
+        del y
+    return out
+
+
+def predicted_activation_peak(row: list[str], per_micro_batch: list[int]) -> int:
+    """Peak in-flight micro-batches of each chunk x that chunk's bytes per micro-batch. For one chunk
+    per rank this is in-flight x bytes; for interleaved the chunks' in-flight counts are replayed
+    together and the largest sum taken."""
+    held, peak = [0] * len(per_micro_batch), 0
+    for a in map(Action.parse, row):
+        held[a.chunk] += {"F": 1, "B": -1, "W": 0}[a.kind]
+        peak = max(peak, sum(h * b for h, b in zip(held, per_micro_batch)))
+    return peak
+
+
+def action_slots(df):
+    """From `load_trace(run, include_ops=True)`: one row per pipeline action per profiled step,
+    columns step, rank, action, start, end (ms from the step's first action on any rank)."""
+    acts = df[df["name"].str.startswith("pp:") & df["step"].notna()].copy()
+    acts["action"] = acts["name"].str[3:]
+    first = acts.groupby("step")["start_us"].transform("min")
+    acts["start"] = (acts["start_us"] - first) / 1e3
+    acts["end"] = (acts["start_us"] + acts["dur_us"] - first) / 1e3
+    return acts[["step", "rank", "action", "start", "end"]].reset_index(drop=True)
+
+
+def measured_bubble(slots) -> float:
+    """Median over the profiled steps of the idle share (the definition of simulate.idle_fraction)."""
+    shares = [idle_fraction([TimedAction(r.rank, r.action, r.start, r.end) for r in g.itertuples()])
+              for _, g in slots.groupby("step")]
+    return statistics.median(shares)
+
+
+def mean_durations(slots) -> list[dict]:
+    """Per rank, the mean time of its F, B and W actions (ms): the simulator's per_rank input."""
+    kinds = slots.assign(kind=slots["action"].str[0], dur=slots["end"] - slots["start"])
+    means = kinds.groupby(["rank", "kind"])["dur"].mean()
+    return [{k: float(means[r][k]) for k in means[r].index} for r in sorted(slots["rank"].unique())]
+
+
+def simulated_bubble_from(slots, stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1) -> float:
+    """The table replayed with each rank's measured mean F, B, W times (no communication time)."""
+    table = schedule_table(stages, micro_batches, schedule, virtual_stages)
+    return idle_fraction(simulate(table, F=0, B=0, W=0, per_rank=mean_durations(slots)))
+
+
+def peak_in_flight(stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1) -> list[int]:
+    """Per stage, the most micro-batches (chunk-pieces) whose activations it holds at once."""
+    return [max(in_flight(row)) for row in schedule_table(stages, micro_batches, schedule, virtual_stages)]
+
+
+# --- one step, compared with one process ------------------------------------------------------------
+
+def one_step(rank: int, world: int, cfg: GPTConfig, schedule: str, micro_batches: int, *,
+             virtual_stages: int = 1, global_batch: int = 8, seq_len: int | None = None,
+             seed: int = 0, twin: bool = False) -> dict:
+    """One forward + backward of the pipeline on this rank (ours, or PyTorch's twin with `twin`):
+    {"loss": on the last stage else None, "grads": this stage's gradients under the reference names}."""
+    group = dist.new_group(list(range(world)))
+    chunks = build_chunks(build_model(cfg, seed), world, rank, virtual_stages)
+    batch = synthetic_batch(cfg, global_batch, seq_len or cfg.seq_len, seed, 0)
+    if twin:
+        loss = TorchPipeline(chunks, group, world, schedule, micro_batches).step(batch)
+    else:
+        row = schedule_table(world, micro_batches, schedule, virtual_stages)[rank]
+        loss = run_schedule(chunks, row, batch.micro_batches(micro_batches), group)
+    return {"loss": loss, "grads": {n: p.grad for c in chunks for n, p in c.named_parameters()}}
+
+
+def reference_step(cfg: GPTConfig, micro_batches: int, *, global_batch: int = 8,
+                   seq_len: int | None = None, seed: int = 0) -> dict:
+    """The same step in one process on the whole model: gradient accumulation over the micro-batches."""
+    model = build_model(cfg, seed)
+    total = 0.0
+    for mb in synthetic_batch(cfg, global_batch, seq_len or cfg.seq_len, seed, 0).micro_batches(micro_batches):
+        loss = lm_loss(model(mb.inputs), mb.targets) / micro_batches
+        loss.backward()
+        total += loss.item()
+    return {"loss": total, "grads": {n: p.grad for n, p in model.named_parameters()}}
+
+
+def step_errors(ranks: list[dict], reference: dict) -> dict:
+    """Relative error of the pipeline's loss and of its gradients (whole model as one vector)."""
+    grads = {n: g for r in ranks for n, g in r["grads"].items()}
+    if sorted(grads) != sorted(reference["grads"]):
+        raise AssertionError("the stages do not hold every parameter exactly once")
+    flat = torch.cat([grads[n].flatten() for n in reference["grads"]]).double()
+    ref = torch.cat([g.flatten() for g in reference["grads"].values()]).double()
+    loss = [r["loss"] for r in ranks if r["loss"] is not None]
+    return {"loss_rel_err": abs(loss[-1] - reference["loss"]) / abs(reference["loss"]),
+            "grad_rel_err": float((flat - ref).norm() / ref.norm()),
+            "bit_exact": bool(torch.equal(flat, ref))}
+
+
+def run_each(rank: int, world: int, fn, calls: list[tuple]) -> list:
+    """fn(rank, world, *args, **kwargs) for each (args, kwargs) in `calls`, on the same ranks: one
+    launch (process start-up costs seconds) for a whole sweep."""
+    return [fn(rank, world, *args, **kwargs) for args, kwargs in calls]

@@ -1,0 +1,113 @@
+"""Cutting the GPT into pipeline stages (seed 000, sec. 3.4: 스테이지 / partition).
+
+The model is a chain: embedding -> blocks[0..L-1] -> final_norm -> lm_head -> loss. With p ranks and
+v virtual stages per rank it is cut into K = p*v consecutive pieces of whole blocks; the embedding
+goes on the first piece, final_norm, lm_head and the loss on the last. Piece k lives on rank k % p
+as its chunk k // p (Narayanan et al. 2021's round-robin assignment; v = 1 is the plain pipeline).
+
+Each piece keeps the reference model's parameter names ("blocks.5.mlp.up.weight"), so the full
+state dict is just the union of every stage's, and a checkpoint moves between layouts unchanged.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from refimpl.mesh import LayoutError
+from refimpl.model import GPT
+from refimpl.parallel.pp.schedules import pipeline_schedule, schedule_table
+
+
+def partition(n_blocks: int, pieces: int) -> list[range]:
+    """Consecutive block ranges, as equal as whole blocks allow; the earlier pieces take the extra
+    ones, since the last piece also carries final_norm, lm_head and the loss (e.g. 4 over 3: 2, 1, 1)."""
+    if pieces > n_blocks:
+        raise LayoutError(f"{pieces} pipeline pieces (stages x virtual stages) need at least as many "
+                          f"transformer blocks; the model has {n_blocks}")
+    base, extra = divmod(n_blocks, pieces)
+    bounds = [0]
+    for k in range(pieces):
+        bounds.append(bounds[-1] + base + (k < extra))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+class StageChunk(nn.Module):
+    """One piece of the model: [embedding] + some blocks + [final_norm, lm_head].
+
+    forward() takes token ids on the first piece and hidden states [b, s, d] elsewhere; it returns
+    hidden states, or logits on the last piece.
+    """
+
+    def __init__(self, model: GPT, blocks: range, first: bool, last: bool, seq_split: int = 1):
+        super().__init__()
+        if model.cfg.tie_embeddings and not (first and last):
+            raise LayoutError("pipeline parallelism here needs untied embeddings (tie_embeddings=False)")
+        self.d_model = model.cfg.d_model
+        # Under sequence parallelism (tp.parallelize) the residual stream between blocks holds
+        # s/t tokens per rank, so that is what travels between stages: seq_split = t.
+        self.seq_split = seq_split
+        self.is_first, self.is_last = first, last
+        self.embed = model.embed if first else None
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
+        self.final_norm = model.final_norm if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.lm_head is not None:
+            x = self.lm_head(self.final_norm(x))
+        return x
+
+
+def build_chunks(model: GPT, stages: int, stage: int, virtual_stages: int = 1,
+                 seq_split: int = 1) -> list[StageChunk]:
+    """This rank's chunks, chunk c being piece c*stages + stage. The rest of `model` is dropped."""
+    pieces = stages * virtual_stages
+    ranges = partition(len(model.blocks), pieces)
+    return [StageChunk(model, ranges[k], first=k == 0, last=k == pieces - 1, seq_split=seq_split)
+            for k in range(stage, pieces, stages)]
+
+
+def stage_state_dict(chunks: list[StageChunk]) -> dict[str, torch.Tensor]:
+    """This rank's share of the reference model's state dict, under the reference's names."""
+    out = {}
+    for chunk in chunks:
+        out.update({k: v.detach().cpu().clone() for k, v in chunk.state_dict().items()})
+    return out
+
+
+class PipelineStageModel(nn.Module):
+    """This rank's whole share of a pipeline: its chunks, as one module with the reference's
+    parameter names (so data-parallel wrapping, the optimizer, memory accounting and the full-state
+    gather treat it like any model), plus what the step needs: the chunks in order, this rank's
+    row of the schedule table and the pp group. Its own forward is not the pipeline: the step runs
+    `refimpl.parallel.pp.runner.pipeline_forward_backward` instead (the transforms hand it to the
+    step as `RankModel.pipeline`)."""
+
+    def __init__(self, chunks: list[StageChunk], actions: list[str], group, schedule: str):
+        super().__init__()
+        self.embed = next((c.embed for c in chunks if c.embed is not None), None)
+        self.blocks = nn.ModuleDict({k: b for c in chunks for k, b in c.blocks.items()})
+        last = next((c for c in chunks if c.is_last), None)
+        self.final_norm = last.final_norm if last else None
+        self.lm_head = last.lm_head if last else None
+        self.chunks = list(chunks)       # a plain list: the modules are registered once, above
+        self.actions, self.group, self.schedule = actions, group, schedule
+
+    def forward(self, *_):
+        raise RuntimeError("a pipeline stage runs through pipeline_forward_backward, not forward()")
+
+
+def split_for_pipeline(model: GPT, ctx, seq_split: int = 1) -> PipelineStageModel:
+    """The pipeline transform (refimpl.compose.transforms): this rank's stage of `model` on the
+    mesh's pp axis, with its row of the schedule table (validated before launch by
+    refimpl.parallel.pp.strategy.validate_pipeline)."""
+    cfg, mesh = ctx.cfg, ctx.mesh
+    p, stage, v = mesh.size("pp"), mesh.index("pp"), cfg.virtual_stages
+    schedule = pipeline_schedule(cfg)
+    chunks = build_chunks(model, p, stage, v, seq_split)
+    actions = schedule_table(p, cfg.micro_batches, schedule, v)[stage]
+    return PipelineStageModel(chunks, actions, mesh.group("pp"), schedule)

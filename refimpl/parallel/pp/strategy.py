@@ -1,0 +1,89 @@
+"""`pp-gpipe`, `pp-1f1b`, `pp-interleaved`, `pp-zb`: pipeline parallelism as strategies of the loop,
+and PyTorch's twins `torch-pp-gpipe`, `torch-pp-1f1b`, `torch-pp-interleaved`.
+
+    python -m refimpl train --strategy pp-1f1b --nproc 4 --micro-batches 8         # pp = 4
+    python -m refimpl train --strategy pp-interleaved --nproc 2 --virtual-stages 2 --micro-batches 4
+    python -m refimpl train --strategy pp-zb --nproc 4 --pp 2 --micro-batches 4     # dp 2 x pp 2
+
+Placement: `compose.transforms.model_parallel` cuts the reference model into this rank's stage
+(`stage.split_for_pipeline`) and hands the step its runner (`RankModel.pipeline`, i.e.
+`runner.pipeline_forward_backward`), which runs this rank's row of the schedule table instead of
+the plain micro-batch loop;
+the loss lives on the last stage and `global_mean_loss` broadcasts it over pp. With dp > 1 the
+stages' gradients are all-reduced over dp after the schedule, as dp-naive does (nothing overlaps).
+Gathering: every rank holds only its stage's parameters; the default `full_state_dict` merges them
+over the pp group.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from refimpl.config import TrainConfig
+from refimpl.mesh import LayoutError
+from refimpl.parallel.dp.naive import NaiveDataParallel
+from refimpl.parallel.pp.schedules import SCHEDULE_OF, check_layout, pipeline_schedule
+from refimpl.parallel.pp.stage import partition
+from refimpl.parallel.pp.torch_pp import TorchPipeline, check_torch_layout
+
+# Data-parallel flavours that run on a pipeline's stages (refimpl.plan.composition). Not `dp`:
+# its buckets are reduced from gradient hooks gated by micro_step, which a schedule does not call.
+DP_ON_A_PIPELINE = ("dp-naive", "zero1", "zero2", "zero3", "fsdp", "tp")
+
+
+def validate_pipeline(cfg: TrainConfig) -> None:
+    """The pipeline's constraints, one line each, before launch (compose.transforms)."""
+
+    v = getattr(cfg, "virtual_stages", 1)
+    if cfg.pp == 1:
+        if v != 1 or getattr(cfg, "schedule", None):
+            raise LayoutError("--schedule / --virtual-stages need a pipeline: --pp >= 2")
+        return
+    if cfg.strategy not in SCHEDULE_OF and cfg.strategy not in DP_ON_A_PIPELINE:
+        raise LayoutError(f"--pp {cfg.pp} runs with the pp-* strategies or "
+                          f"{', '.join(DP_ON_A_PIPELINE)}, not {cfg.strategy!r}")
+    schedule = pipeline_schedule(cfg)
+    check_layout(cfg.pp, cfg.micro_batches, schedule, v)
+    partition(cfg.model.n_layers, cfg.pp * v)
+    if cfg.model.tie_embeddings:
+        raise LayoutError("--pp needs untied embeddings: the head and the embedding sit on different stages")
+    if schedule == "zb-h1" and cfg.strategy in ("zero3", "fsdp"):
+        raise LayoutError(f"--schedule zb-h1 with {cfg.strategy}: the deferred weight gradients "
+                          "bypass its per-unit reduce-scatter (use zero1/zero2 or another schedule)")
+    if schedule == "zb-h1" and cfg.activation_checkpointing:
+        raise LayoutError("pp-zb records each layer's input for the deferred W: not with --checkpointing")
+
+
+class PipelineParallel(NaiveDataParallel):
+    """Ours: one runner for any schedule table (refimpl.parallel.pp.runner)."""
+
+    name = "pp"
+    min_world_size = 2
+
+    @classmethod
+    def validate(cls, cfg: TrainConfig) -> None:
+        super().validate(cfg)
+        if cfg.pp < 2:
+            raise LayoutError(f"--strategy {cfg.strategy} needs --pp >= 2 pipeline stages "
+                              f"(the CLI puts the whole world on pp when --pp is not given)")
+    # setup is dp-naive's: the transforms cut the stage, the optimizer covers its parameters
+
+
+class TorchPipelineParallel(PipelineParallel):
+    """PyTorch's twin: the same stages, run by torch.distributed.pipelining's schedules."""
+
+    scales_loss_by_world = False
+
+    @classmethod
+    def validate(cls, cfg: TrainConfig) -> None:
+        super().validate(cfg)
+        if cfg.pp != cfg.nproc:
+            raise LayoutError(f"--strategy {cfg.strategy} puts the whole world on pp "
+                              f"(--pp {cfg.pp} != --nproc {cfg.nproc})")
+        check_torch_layout(cfg.pp, cfg.micro_batches, pipeline_schedule(cfg), getattr(cfg, "virtual_stages", 1))
+
+    def setup(self, model: nn.Module) -> None:
+        super().setup(model)
+        cfg = self.ctx.cfg
+        twin = TorchPipeline(model.chunks, model.group, cfg.pp, pipeline_schedule(cfg),
+                             cfg.micro_batches, self.ctx.device)
+        self.rank_model.pipeline = twin.forward_backward   # PyTorch's schedule instead of ours

@@ -1,0 +1,79 @@
+"""PyTorch's twin of refimpl.parallel.pp.runner: the same stages run by `torch.distributed.pipelining`.
+
+The comparator, never a dependency. Each rank wraps its chunks (refimpl.parallel.pp.stage, the
+same cut as ours) in `PipelineStage`s and hands them to PyTorch's schedule:
+
+  gpipe        ScheduleGPipe
+  1f1b         Schedule1F1B              (PyTorch requires micro-batches >= stages)
+  interleaved  ScheduleInterleaved1F1B   (one PipelineStage per chunk; virtual stage c*p + r)
+
+PyTorch splits the batch into micro-batches along dim 0 itself, computes `loss_fn` per micro-batch
+and (scale_grads=True) divides the accumulated gradients by m afterwards: the gradient of the mean
+loss, as ours, with the 1/m applied after the sum instead of before it (round-off differs).
+"""
+from __future__ import annotations
+
+import torch
+
+from refimpl.mesh import LayoutError
+from refimpl.model import Batch, lm_loss
+from refimpl.parallel.pp.stage import StageChunk
+from refimpl.trace.labels import phase
+
+TWIN_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def check_torch_layout(stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1) -> None:
+    """PyTorch's own constraints, as one-line LayoutErrors before launch."""
+    if schedule not in TWIN_SCHEDULES:
+        raise LayoutError(f"PyTorch's pipelining twin runs {', '.join(TWIN_SCHEDULES)}, not {schedule!r}")
+    if schedule == "1f1b" and micro_batches < stages:
+        raise LayoutError(f"torch Schedule1F1B needs micro-batches ({micro_batches}) >= stages ({stages})")
+    if schedule == "interleaved" and (virtual_stages < 2 and stages > 1 or micro_batches % stages):
+        raise LayoutError(f"torch ScheduleInterleaved1F1B needs --virtual-stages >= 2 and micro-batches "
+                          f"({micro_batches}) a multiple of stages ({stages})")
+
+
+class TorchPipeline:
+    """This rank's PipelineStage(s) and PyTorch's schedule for them."""
+
+    def __init__(self, chunks: list[StageChunk], group, stages: int, schedule: str, micro_batches: int,
+                 device: torch.device | str = "cpu"):
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
+
+        rank = torch.distributed.get_rank(group)
+        pieces = stages * len(chunks)
+        self.stages = [PipelineStage(chunk, stage_index=c * stages + rank, num_stages=pieces,
+                                     device=torch.device(device), group=group)
+                       for c, chunk in enumerate(chunks)]
+        self.has_first = any(s.is_first for s in self.stages)
+        self.has_last = any(s.is_last for s in self.stages)
+        if schedule == "interleaved":
+            self.schedule = ScheduleInterleaved1F1B(self.stages, micro_batches, loss_fn=lm_loss)
+        else:
+            cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+            self.schedule = cls(self.stages[0], micro_batches, loss_fn=lm_loss)
+
+    def step(self, batch: Batch) -> float | None:
+        """Forward and backward of the whole batch; the mean loss on the last stage, None elsewhere."""
+        args = (batch.inputs,) if self.has_first else ()
+        losses: list = []
+        kwargs = {"target": batch.targets, "losses": losses} if self.has_last else {}
+        self.schedule.step(*args, **kwargs)
+        if not self.has_last:
+            return None
+        return float(sum(loss.item() for loss in losses) / len(losses))
+
+    def forward_backward(self, micro: list[Batch], *, divisor: int = 1, autocast=None,
+                         loss_fn=None) -> torch.Tensor:
+        """The step runner's pipeline contract (RankModel.pipeline), run by PyTorch's schedule:
+        it cuts the batch into micro-batches itself, so the micro-batches are joined back."""
+        whole = Batch(torch.cat([mb.inputs for mb in micro]), torch.cat([mb.targets for mb in micro]))
+        with phase("forward-backward"):
+            loss = self.step(whole)
+        return torch.tensor(0.0 if loss is None else loss, dtype=torch.float64)

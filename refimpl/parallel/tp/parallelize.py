@@ -1,0 +1,108 @@
+"""`parallelize_tp`: the reference GPT turned, in place, into this rank's tensor-parallel model.
+
+    model = build_model(cfg, seed)                      # the same reference on every rank
+    parallelize_tp(model, group, sequence_parallel=sp)  # this rank's slices, reference names kept
+    loss = tp_lm_loss(model, model(inputs), targets)    # vocabulary-parallel cross-entropy
+    full = gather_tp_state_dict(model, group)           # == single's state dict, key for key
+
+What changes (refimpl.parallel.tp.layers, tp.vocab):
+    embed                 VocabParallelEmbedding (token table split by id; positions replicated)
+    blocks[i].attn        ParallelSelfAttention  (q, k, v column-parallel by heads, o row-parallel)
+    blocks[i].mlp         ParallelMLP            (up column-parallel, down row-parallel)
+    lm_head               ColumnParallelLinear over the (padded) vocabulary; logits stay split
+    ln1, ln2, final_norm  unchanged and replicated
+The Block and GPT forwards are the reference's, untouched: under sequence parallelism the residual
+stream between the layers simply holds s/t tokens per rank, which LayerNorm (per token) and the
+residual additions (elementwise) do not notice.
+
+Sequence parallelism's one subtlety (Korthikanti et al. 2022, §4.2.2; Megatron marks these
+parameters `sequence_parallel` and all-reduces their grads after backward): a replicated weight
+applied to the split tokens -- LayerNorm's gain and bias, the row-parallel biases, the position
+table -- receives on each rank the gradient of *its* tokens only. The true gradient is the sum over
+all tokens, so we sum it over tp with a hook on the parameter (it runs before the gradient is
+accumulated into .grad, so micro-batch accumulation stays correct). Without it the replicas would
+drift apart after the first step. Without SP the same parameters see every token on every rank and
+their gradients are already equal.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from refimpl.parallel.tp.layers import ColumnParallelLinear, ParallelMLP, ParallelSelfAttention
+from refimpl.parallel.tp.mappings import (
+    all_reduce_grad_logged,
+    group_size,
+    is_sequence_partial,
+    mark_sequence_partial,
+)
+from refimpl.parallel.tp.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from refimpl.placement import GroupMesh, gather_full_state_dict
+
+
+def tp_layout_problem(cfg, tp: int, seq_len: int | None = None,
+                      sequence_parallel: bool = False) -> str | None:
+    """One line naming the constraint a model config breaks for this tp, or None if it fits."""
+    if cfg.n_heads % tp:
+        return f"--tp {tp} must divide the number of attention heads ({cfg.n_heads})"
+    if (cfg.mlp_ratio * cfg.d_model) % tp:   # implied by the heads for a 4h MLP; kept for others
+        return f"--tp {tp} must divide the MLP width ({cfg.mlp_ratio * cfg.d_model})"
+    if getattr(cfg, "n_experts", 0):
+        return "tensor parallelism of MoE MLPs is not implemented (use --ep)"
+    if sequence_parallel and seq_len is not None and seq_len % tp:
+        return f"--sequence-parallel needs --seq-len ({seq_len}) divisible by --tp {tp}"
+    return None
+
+
+def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False,
+                   comm=None) -> nn.Module:
+    """Replace the reference GPT's layers by this rank's tensor-parallel ones (in place).
+    `comm`: the collectives module (torch.distributed by default, refimpl.comm for the rebuilt ones)."""
+    comm = comm or dist
+    t = group_size(group)
+    problem = tp_layout_problem(model.cfg, t)
+    if problem:
+        raise ValueError(problem)
+    sp = sequence_parallel and t > 1
+    tied = model.cfg.tie_embeddings
+    model.embed = VocabParallelEmbedding.from_embedding(model.embed, group, sp, comm)
+    for i, block in enumerate(model.blocks):
+        block.attn = ParallelSelfAttention.from_attention(block.attn, group, sp, comm)
+        block.mlp = ParallelMLP.from_mlp(block.mlp, group, sp, comm)
+        # forward ranges "tp:blocks.<i>.attn" / ".mlp" around each layer's collectives in a trace
+        block.attn.label, block.mlp.label = f"tp:blocks.{i}.attn", f"tp:blocks.{i}.mlp"
+        for norm in (block.ln1, block.ln2):
+            _mark_norm(norm, sp)
+    _mark_norm(model.final_norm, sp)
+    # The output layer reads the final norm's output: full tokens (copy) or gathered ones (SP).
+    model.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group, sequence_parallel=sp,
+                                                     pad=True, comm=comm)
+    if tied:   # same vocabulary split, same padding: the two modules can share one shard
+        model.lm_head.weight = model.embed.tok.weight
+    for p in model.parameters():
+        if is_sequence_partial(p):
+            p.register_hook(lambda grad: all_reduce_grad_logged(grad, group, comm))
+    return model
+
+
+def _mark_norm(module: nn.Module, sequence_parallel: bool) -> None:
+    if sequence_parallel:
+        for p in module.parameters():
+            mark_sequence_partial(p)
+
+
+def tp_lm_loss(model: nn.Module, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy from this rank's vocabulary slice of the logits (equal to
+    refimpl.model.lm_loss on the gathered logits, which are never built)."""
+    head = model.lm_head
+    return vocab_parallel_cross_entropy(logits, targets, head.group, head.out_start,
+                                        head.out_full, head.comm).mean()
+
+
+def gather_tp_state_dict(model: nn.Module, group, grads: bool = False) -> dict:
+    """The reference model's full state dict (or gradients) rebuilt from the tp ranks' shards,
+    with refimpl.placement's one gather (here on an explicit group, not a mesh)."""
+    local = ({n: (p.grad if p.grad is not None else torch.zeros_like(p))
+              for n, p in model.named_parameters()} if grads else model.state_dict())
+    return gather_full_state_dict(local, model, GroupMesh(tp=group), dist)

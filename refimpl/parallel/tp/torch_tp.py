@@ -1,0 +1,80 @@
+"""`torch-tp`: PyTorch's DTensor tensor parallelism, the twin of `tp` (plan: tp/torch_plan.py).
+
+The whole world on tp, over the mesh's tp group (`DeviceMesh.from_group`). The cross-entropy runs
+inside `loss_parallel()`, which computes it from logits sharded on the vocabulary without gathering
+them -- and `backward()` must run inside the same context, since the gradient of the sharded
+logits is produced there too. The loss is then a replicated DTensor: the step reads its local
+value. This twin does not compose with our data-parallel strategies (dp must be 1).
+"""
+from __future__ import annotations
+
+import torch
+
+from refimpl.config import TrainConfig
+from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
+from refimpl.mesh import LayoutError
+from refimpl.model import GPT, Batch, lm_loss
+from refimpl.model.activation_checkpointing import checkpoint_blocks
+from refimpl.parallel.tp.torch_plan import full_state_dict, torch_parallelize_tp
+from refimpl.strategy import Strategy, make_optimizer
+from refimpl.trace.labels import phase
+
+
+def _local(t):
+    return getattr(t, "_local_tensor", t)
+
+
+class TorchTensorParallel(Strategy):
+    name = "torch-tp"
+    whole_world_axis = "tp"
+    takes_our_transforms = False   # DTensor parallelize_module on the plain reference
+
+    @classmethod
+    def validate(cls, cfg: TrainConfig) -> None:
+        super().validate(cfg)
+        if cfg.nproc != cfg.tp * cfg.replicas:
+            raise LayoutError(f"strategy 'torch-tp' puts every rank on tp (--tp {cfg.tp} with "
+                              f"--nproc {cfg.nproc}): it does not compose with dp, pp or cp")
+
+    def setup(self, model: GPT) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ctx = self.ctx
+        self.model = model.to(ctx.device)
+        group = self.mesh.group("tp")
+        if group is not None:
+            tp_mesh = DeviceMesh.from_group(group, ctx.device.type)
+            torch_parallelize_tp(self.model, tp_mesh, sequence_parallel=ctx.cfg.sequence_parallel)
+        if ctx.cfg.activation_checkpointing:
+            checkpoint_blocks(self.model)
+        self.optimizer = make_optimizer(self.model.parameters(), ctx.cfg)
+
+    def train_step(self, batch: Batch) -> torch.Tensor:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        micro = self.local_micro_batches(batch)
+        total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        for mb in micro:
+            with loss_parallel():
+                with phase("forward"), self.ctx.autocast():
+                    loss = lm_loss(self.model(mb.inputs), mb.targets) / len(micro)
+                with phase("backward"):
+                    loss.backward()
+            total += _local(loss.detach()).double()
+        with phase("optimizer"):
+            self.optimizer_step()
+        return total
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return full_state_dict(self.model)
+
+    def activation_exclusions(self) -> list[torch.Tensor]:
+        return [_local(p) for p in self.model.parameters()]
+
+    def model_state(self) -> ModelStateBytes:
+        # DTensor parameters: count each rank's local shards (what this rank's memory holds).
+        params = list(self.model.parameters())
+        return ModelStateBytes(
+            params=tensor_bytes(_local(p) for p in params),
+            grads=tensor_bytes(_local(p.grad) for p in params if p.grad is not None),
+            optimizer=tensor_bytes(_local(t) for t in optimizer_state_tensors(self.optimizer)))

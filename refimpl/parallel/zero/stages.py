@@ -1,0 +1,273 @@
+"""`zero1` and `zero2`: ZeRO stages 1 and 2 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
+Toward Training Trillion Parameter Models", §5.1-5.2), sharded data parallel (샤드 데이터 병렬화,
+seed §3.2).
+
+Plain DP keeps W identical copies of everything. ZeRO removes the redundancy one model state at a
+time, over the flat padded buffer of refimpl.parallel.dp.flat_param (rank r owns [r·S, (r+1)·S),
+S = ceil(N / W)):
+
+  stage 1 (P_os, 옵티마이저 상태 분할): each rank keeps AdamW's m and v for its shard only and
+      updates only its shard of the parameters. It still holds a full gradient buffer, but only
+      its own shard of it needs the sum over ranks, so gradients are reduce-scattered, not
+      all-reduced; after the step the updated shards are all-gathered into the flat buffer the
+      model's parameters view, so every rank again holds the full, identical weights.
+  stage 2 (P_os+g, + 그래디언트 분할): a rank only needs the gradient of its own shard, so it
+      never holds a full gradient buffer: during backward each bucket of gradients is copied out
+      of autograd's .grad tensors, reduced to the rank that owns it (합을 계산한 뒤 결과를 즉시
+      분산), and the full-size gradients it came from are freed at once; the owner adds the sum
+      into its gradient shard. At every moment a rank holds its Ψ/N gradient shard plus the
+      buckets in flight and the gradients of layers whose bucket is not full yet (§5.2: "we
+      reduce the gradients ... and release the memory of the gradients not owned by the rank").
+      Stage 1 keeps the full buffer until the step ends: its transient peak is higher by about
+      (1 - 1/N) of the gradient bytes, which notebook 04 measures.
+
+Communication volume per rank and step, in a ring (§7.2.1; bytes per collective in refimpl.cost.collective_bytes): all-reduce = reduce-scatter +
+all-gather = 2Ψ. Stages 1 and 2 both reduce-scatter the gradients (Ψ) and all-gather the updated
+parameters (Ψ): 2Ψ, DP's volume. The two stages differ only in what they keep, not in what they
+send. (All-reducing in stage 1 would also work, but would move 3Ψ for nothing.)
+
+Options:
+  bucket_mb (25)   with overlap, gradients leave in buckets from hooks during backward
+                   (refimpl.parallel.dp.grad_buckets), cut at shard boundaries, each one reduced to
+                   the rank that owns it (together those reduces are the reduce-scatter;
+                   DeepSpeed's stage 2 does the same, `average_tensor` in its stage_1_and_2.py)
+  overlap (true)   false: one reduce_scatter_tensor of the whole flat gradient after backward --
+                   the textbook picture, nothing hidden (and, at stage 2, the full gradients
+                   held until backward ends)
+  offload (false)  ZeRO-Offload (Ren et al. 2021): see refimpl.parallel.zero.sharded_adamw
+"""
+from __future__ import annotations
+
+import weakref
+from functools import partial
+
+import torch
+
+from refimpl.config import Option
+from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
+from refimpl.model import GPT
+from refimpl.parallel.dp.flat_param import FlatParams
+from refimpl.parallel.dp.grad_buckets import GradBuckets, assign_buckets, reduce_sum_to_owner
+from refimpl.parallel.zero.sharded_adamw import ShardedAdamW
+from refimpl.strategy import Strategy
+from refimpl.trace.labels import comm_span
+
+MiB = 2 ** 20
+
+
+class ZeroDataParallel(Strategy):
+    """What stages 1 and 2 share: flat parameters sharded over the dp x cp ranks of the mesh, the
+    sharded AdamW, and the all-gather of the updated shards after it."""
+
+    options = {"bucket_mb": Option(25.0, float, positive=True), "overlap": Option(True, bool),
+               "offload": Option(False, bool)}
+
+    def setup(self, model: GPT) -> None:
+        ctx, mesh = self.ctx, self.mesh
+        self.group, self.index, self.size = (mesh.group("dp_cp"), mesh.index("dp_cp"),
+                                             mesh.size("dp_cp"))
+        self.model = model
+        self.layout = FlatParams(list(self.model.named_parameters()), self.size)
+        # Every rank keeps the full parameters (stages 1-2 do not shard them), laid out flat so
+        # that the updated shards can be all-gathered straight into the model's storage.
+        self.flat = self.layout.flatten([p.detach() for p in self.layout.params],
+                                        device=ctx.device)
+        self.layout.bind(self.flat)
+        self.optimizer = ShardedAdamW(self.layout.shard(self.flat, self.index), ctx.cfg,
+                                      offload=bool(self.option("offload")))
+        self.setup_gradients()      # sets self.grad_shard: this rank's slice of the summed gradient
+
+    def setup_gradients(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def overlap(self) -> bool:
+        """Bucketed reduces during backward, gated by micro_step. A pipeline's schedule runs its
+        backwards without micro_step (and interleaves micro-batches), so under pp the gradients
+        are reduce-scattered once, after the schedule (the `overlap=false` path)."""
+        return bool(self.option("overlap")) and self.mesh.size("pp") == 1
+
+    def bucket_cuts(self) -> list[int]:
+        # A bucket never straddles two ranks' shards, so each has exactly one owner to reduce to.
+        return [r * self.layout.shard_numel for r in range(1, self.size)]
+
+    def bucket_reduce(self):
+        """Each bucket is summed onto the rank that owns its range: together, a reduce-scatter."""
+        return partial(reduce_sum_to_owner, shard_numel=self.layout.shard_numel,
+                       owners=self.mesh.ranks("dp_cp"), group=self.group, comm=self.comm)
+
+    def reduce_scatter_into(self, out: torch.Tensor, flat_grad: torch.Tensor) -> None:
+        """Without buckets: one reduce-scatter of the whole flat gradient into `out`."""
+        if self.group is None:
+            out.copy_(flat_grad)
+            return
+        with comm_span("reduce_scatter", flat_grad.nbytes):
+            self.comm.reduce_scatter_tensor(out, flat_grad, group=self.group)
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step(self.grad_shard)
+        self.all_gather_parameters()
+        self.grad_shard.zero_()
+
+    def all_gather_parameters(self) -> None:
+        # In place: this rank's shard is already where it belongs in `flat`.
+        if self.group is None:
+            return
+        shard = self.layout.shard(self.flat, self.index)
+        with comm_span("all_gather", self.flat.nbytes):
+            self.comm.all_gather_into_tensor(self.flat, shard, group=self.group)
+
+    def model_state(self) -> ModelStateBytes:
+        """Bytes on the compute device. With offload, the fp32 master shard, m and v live in host
+        memory instead (`host_state`): the device keeps the parameters and gradients."""
+        params = list(self.model.parameters())
+        optimizer = 0 if self.optimizer.offload else \
+            tensor_bytes(optimizer_state_tensors(self.optimizer.optimizer))
+        return ModelStateBytes(params=tensor_bytes(params),
+                               grads=tensor_bytes([p.grad for p in params] + [
+                                   None if self.optimizer.offload else self.grad_shard]),
+                               optimizer=optimizer)
+
+    def host_state(self) -> ModelStateBytes:
+        return self.optimizer.host_state()
+
+
+class Zero1(ZeroDataParallel):
+    """Full gradients accumulate in one flat buffer; only this rank's shard of it is summed."""
+
+    name = "zero1"
+
+    def setup_gradients(self) -> None:
+        self.flat_grad = self.layout.empty(device=self.ctx.device)
+        self.grad_shard = self.layout.shard(self.flat_grad, self.index)   # a view: no copy
+        self.buckets = None
+        if self.overlap:
+            self.buckets = GradBuckets(self.layout, float(self.option("bucket_mb")) * MiB,
+                                       reduce=self.bucket_reduce(), cut_at=self.bucket_cuts())
+            self.buckets.attach(self.flat_grad)
+        else:
+            self.layout.bind_grads(self.flat_grad)
+
+    def micro_step(self, is_last: bool):
+        if self.buckets is None:
+            return super().micro_step(is_last)
+        return self.buckets.micro_step(is_last)
+
+    def sync_gradients(self) -> None:
+        if self.buckets is not None:
+            # The buckets were reduced to their owners: this rank's shard of flat_grad holds the
+            # sum. The rest is this rank's own gradient, which nothing reads.
+            self.buckets.wait()
+        else:
+            # reduce_scatter_tensor's output may not alias its input: reduce, then copy in place.
+            summed = torch.empty_like(self.grad_shard)
+            self.reduce_scatter_into(summed, self.flat_grad)
+            self.grad_shard.copy_(summed)
+
+    def optimizer_step(self) -> None:
+        super().optimizer_step()
+        self.flat_grad.zero_()
+
+
+class Zero2(ZeroDataParallel):
+    """No full gradient buffer: buckets are reduced and freed while backward runs."""
+
+    name = "zero2"
+
+    def setup_gradients(self) -> None:
+        # The only gradient memory that outlives a step: this rank's shard -- on the host under
+        # offload (ZeRO-Offload streams the reduced gradients straight to the CPU optimizer).
+        self.grad_shard = (self.optimizer.master.grad if self.optimizer.offload else
+                           torch.zeros(self.layout.shard_numel, dtype=self.layout.dtype,
+                                       device=self.ctx.device))
+        self.stream = None
+        if self.overlap:
+            self.stream = StreamingReduce(self.layout, float(self.option("bucket_mb")) * MiB,
+                                          self.bucket_cuts(), self.bucket_reduce(),
+                                          self.grad_shard, self.index)
+
+    def micro_step(self, is_last: bool):
+        if self.stream is not None:
+            self.stream.start()          # every micro-batch's gradients go out (and are freed)
+        return super().micro_step(is_last)
+
+    def sync_gradients(self) -> None:
+        if self.stream is not None:
+            self.stream.wait()
+            return
+        # Textbook order: autograd left full gradients; flatten, reduce-scatter, free them.
+        params = self.layout.params
+        flat_grad = self.layout.flatten([p.grad for p in params], device=self.ctx.device)
+        for p in params:
+            p.grad = None
+        summed = torch.empty(self.layout.shard_numel, dtype=flat_grad.dtype, device=self.ctx.device)
+        self.reduce_scatter_into(summed, flat_grad)
+        self.grad_shard.copy_(summed)
+
+
+class StreamingReduce:
+    """ZeRO-2's gradient path: a bucket leaves the moment its gradients are complete, and the
+    full-size gradients it was copied from are freed at once.
+
+    Buckets are ranges of the flat layout in reverse parameter order, cut at shard boundaries
+    (refimpl.parallel.dp.grad_buckets.assign_buckets), so each has one owner. When the last gradient
+    feeding a bucket has been accumulated, the bucket is copied into a fresh buffer, reduced
+    (async) to its owner, and every parameter whose buckets have all left drops its .grad. The
+    owner adds the summed bucket into its gradient shard when the reduce completes; at most two
+    buckets are in flight, so the buffers in flight stay bounded too.
+    """
+
+    def __init__(self, layout: FlatParams, cap_bytes: float, cuts: list[int], reduce,
+                 grad_shard: torch.Tensor, index: int):
+        self.layout, self.reduce, self.grad_shard = layout, reduce, grad_shard
+        self.shard_start = index * layout.shard_numel
+        self.buckets = assign_buckets(layout, cap_bytes, cut_at=cuts)
+        self._feeds = [sum(i in b.params for b in self.buckets) for i in range(len(layout.slots))]
+        self._in_flight: list = []
+        self._next = 0
+        this = weakref.ref(self)       # no reference cycle through the hooks (grad_buckets.py)
+        self._handles = [p.register_post_accumulate_grad_hook(
+            lambda _p, i=i: this()._on_gradient_ready(i)) for i, p in enumerate(layout.params)]
+
+    def start(self) -> None:
+        self._next = 0
+        self._left = list(self._feeds)
+        for b in self.buckets:
+            b.pending = len(b.params)
+
+    def _on_gradient_ready(self, i: int) -> None:
+        for b in self.buckets:
+            if i in b.params:
+                b.pending -= 1
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket) -> None:
+        buf = torch.zeros(bucket.numel, dtype=self.grad_shard.dtype,   # zeros: the padding
+                          device=self.grad_shard.device)
+        for i in bucket.params:
+            slot, p = self.layout.slots[i], self.layout.params[i]
+            lo, hi = max(bucket.start, slot.offset), min(bucket.end, slot.offset + slot.numel)
+            buf[lo - bucket.start:hi - bucket.start] = \
+                p.grad.reshape(-1)[lo - slot.offset:hi - slot.offset]
+            self._left[i] -= 1
+            if self._left[i] == 0:
+                p.grad = None            # this parameter's full gradient is no longer needed
+        while len(self._in_flight) >= 2:
+            self._finish(*self._in_flight.pop(0))
+        self._in_flight.append((bucket, buf, self.reduce(bucket, buf)))
+
+    def _finish(self, bucket, buf: torch.Tensor, work) -> None:
+        with comm_span("wait"):
+            work.wait()
+        start = bucket.start - self.shard_start
+        if 0 <= start < self.grad_shard.numel():          # this rank owns the bucket
+            self.grad_shard[start:start + bucket.numel] += buf.to(self.grad_shard.device)
+
+    def wait(self) -> None:
+        if self._next < len(self.buckets):
+            raise RuntimeError(f"bucket {self._next} was never launched: a parameter got no "
+                               "gradient (unused parameters are not supported)")
+        while self._in_flight:
+            self._finish(*self._in_flight.pop(0))

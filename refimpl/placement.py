@@ -1,0 +1,159 @@
+"""Where each parameter lives, recorded on the parameter, and one function that reassembles the
+reference model's full state dict from any layout.
+
+A transform that slices or moves a parameter says so once, with `set_placement`:
+
+    replicated             every rank of the axis holds the whole tensor (the default: DP)
+    Shard(axis, dim, full) this rank holds its part of dim `dim`, cut evenly over `axis`'s group;
+                           `full` is the reference size of that dim (a padded vocabulary is
+                           longer on the ranks than in the reference, and is cut back)
+    Owned(axis, segment,   the whole tensor of one of `count` equal modules (an expert), held by
+          index, count)    one rank of `axis`'s group: the others hold other indices under the
+                           same names but for `<segment>.<index>` (expert parallelism)
+    stage-local            under a pipeline a rank holds only its stage's parameters: the full
+                           state dict is the union over the pp group
+
+`gather_full_state_dict` applies these in one order -- undo the shards (all-gather over their
+axis), then merge the pipeline stages -- so ZeRO-3 (which first reassembles each unit's flat
+buffer over dp) and every model-parallel axis share it, and any checkpoint reshards onto any
+other layout: a checkpoint is always the reference's state dict.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from refimpl.trace.labels import comm_span
+
+ATTRIBUTE = "_refimpl_placement"
+
+
+@dataclass(frozen=True)
+class Shard:
+    axis: str          # a mesh axis: "tp", "ep", ...
+    dim: int           # the tensor dimension cut over that axis
+    full: int          # the reference's size of that dimension
+
+
+@dataclass(frozen=True)
+class Owned:
+    axis: str          # a mesh axis: "ep"
+    segment: str       # the name segment before the index: "experts" in "...mlp.experts.5.up.weight"
+    index: int         # this module's index in the reference
+    count: int         # how many the reference has (E); each rank of the axis owns count / size
+
+    def slot(self, axis_size: int) -> int:
+        """Its place among its owner's modules (the owner is the rank index // per-rank count)."""
+        return self.index % (self.count // axis_size)
+
+    def renamed(self, name: str, index: int) -> str:
+        """`name` with this module's index replaced by `index` (the same slot on another rank)."""
+        return name.replace(f"{self.segment}.{self.index}.", f"{self.segment}.{index}.", 1)
+
+
+Placement = Shard | Owned
+
+
+def set_placement(tensor: torch.Tensor, placement: Placement | None) -> None:
+    setattr(tensor, ATTRIBUTE, placement)
+
+
+def placement_of(tensor: torch.Tensor) -> Placement | None:
+    return getattr(tensor, ATTRIBUTE, None)
+
+
+def placements(model: nn.Module) -> dict[str, Placement]:
+    """State-dict name -> placement, for the model's sharded parameters and buffers."""
+    found = {}
+    # remove_duplicate=False: a tied weight (lm_head = embed.tok) is in the state dict under both
+    # names, and both must be unsharded.
+    for name, t in (list(model.named_parameters(remove_duplicate=False))
+                    + list(model.named_buffers())):
+        p = placement_of(t)
+        if p is not None:
+            found[name] = p
+    return found
+
+
+def unshard(tensor: torch.Tensor, shard: Shard, mesh, comm) -> torch.Tensor:
+    """All-gather `tensor`'s parts over `shard.axis` along `shard.dim`; cut to the reference size."""
+    group_size = mesh.size(shard.axis)
+    if group_size > 1:
+        parts = [torch.empty_like(tensor) for _ in range(group_size)]
+        with comm_span("all_gather", tensor.nbytes * group_size):
+            comm.all_gather(parts, tensor.contiguous(), group=mesh.group(shard.axis))
+        tensor = torch.cat(parts, dim=shard.dim)
+    return tensor.narrow(shard.dim, 0, shard.full)
+
+
+def gather_full_state_dict(local: dict[str, torch.Tensor], model: nn.Module, mesh,
+                           comm) -> dict[str, torch.Tensor]:
+    """The reference's full state dict on every rank, from this rank's `local` state dict.
+
+    Collective over every axis the model is sharded on (every rank must call it)."""
+    sharded = placements(model)
+    full = {}
+    # The same order on every rank (the all-gathers must match): an owned module's names sort by
+    # its slot, which every owner shares, not by its index, which differs.
+    for name in sorted(local, key=lambda n: _canonical(n, sharded.get(n), mesh)):
+        tensor = local[name].detach()
+        where = sharded.get(name)
+        if isinstance(where, Owned):
+            full.update(gather_owned(name, tensor, where, mesh, comm))
+            continue
+        if where is not None:
+            tensor = unshard(tensor, where, mesh, comm)
+        full[name] = tensor.cpu().clone()
+    if mesh.size("pp") > 1:
+        full = merge_stages(full, mesh)
+    return full
+
+
+def _canonical(name: str, where: Placement | None, mesh) -> str:
+    if isinstance(where, Owned):
+        return where.renamed(name, where.slot(mesh.size(where.axis)))
+    return name
+
+
+def gather_owned(name: str, tensor: torch.Tensor, owned: Owned, mesh, comm) -> dict[str, torch.Tensor]:
+    """Every owner's module in this slot: one all-gather over `owned.axis`, renamed to each
+    owner's index (rank r of the axis owns indices [r·count/size, (r+1)·count/size))."""
+    size = mesh.size(owned.axis)
+    if size == 1:
+        return {name: tensor.cpu().clone()}
+    copies = [torch.empty_like(tensor) for _ in range(size)]
+    with comm_span("all_gather", tensor.nbytes * (size - 1)):
+        comm.all_gather(copies, tensor.contiguous(), group=mesh.group(owned.axis))
+    per, slot = owned.count // size, owned.slot(size)
+    return {owned.renamed(name, owner * per + slot): t.cpu().clone()
+            for owner, t in enumerate(copies)}
+
+
+def merge_stages(stage_state: dict[str, torch.Tensor], mesh) -> dict[str, torch.Tensor]:
+    """Under a pipeline each stage holds some of the names: the union over the pp group."""
+
+    every: list = [None] * mesh.size("pp")
+    dist.all_gather_object(every, stage_state, group=mesh.group("pp"))
+    merged = {}
+    for part in every:
+        merged.update(part)
+    return merged
+
+
+class GroupMesh:
+    """The two questions gather_full_state_dict asks a mesh (`size`, `group`), answered for
+    process groups made by hand: GroupMesh(tp=group) in the layer-by-layer TP checks,
+    GroupMesh(ep=group) in the MoE tests. Axes not given have size 1."""
+
+    def __init__(self, **groups):
+        self._groups = groups
+
+    def size(self, axis: str) -> int:
+        group = self._groups.get(axis)
+        return 1 if group is None else dist.get_world_size(group)
+
+    def group(self, axis: str):
+        return self._groups.get(axis)

@@ -1,0 +1,208 @@
+"""The package's layers, enforced: every import in refimpl/ (function-level ones too) runs
+downward, no module is part of an import circle, and a parallelism never imports another.
+
+The layers, bottom first (../shared/DESIGN.md, "Layout"). A module may import its own layer and
+the layers below it:
+
+    foundation   launch (+ the rank entry points), env, numerics, progress, mesh
+    labels       trace.labels: the profiler range names (the MoE layer labels its phases)
+    model        the GPT, the MoE layer, activation checkpointing, the data
+    measure      memory, trace, comm: what a run holds, where its time went, collectives rebuilt
+    cost         α-β, bytes per collective, hardware datasheets, ceilings
+    interface    config, placement, rank_model, step, strategy: what every strategy plugs into
+    parallel     one folder per parallelism (dp < zero < fsdp may share; tp, pp, cp, ep build on
+                 the data-parallel base, never on each other)
+    compose      the transforms in their order, optimizer resharding, composed twins
+    train        the one loop
+    tools        verify, plan, plots, the TensorBoard plugin, bench, the CLI
+
+An import inside a function is allowed only where the module says why (ALLOWED_LAZY).
+"""
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "refimpl"
+
+LAYERS = [
+    ("foundation", ("launch", "_rank", "_zygote", "_zygote_client", "env", "numerics", "progress",
+                    "mesh", "__init__")),
+    ("labels", ("trace.labels",)),
+    ("model", ("model",)),
+    ("measure", ("memory", "trace", "comm")),
+    ("cost", ("cost",)),
+    ("interface", ("config", "placement", "rank_model", "step", "strategy")),
+    ("parallel", ("parallel",)),
+    ("compose", ("compose",)),
+    ("train", ("train",)),
+    ("tools", ("verify", "plan", "plots", "tb_plugin", "bench", "__main__")),
+]
+# Inside parallel/: a folder may import the folders listed for it (and its own), nothing else.
+PARALLEL_MAY_IMPORT = {
+    "dp": set(), "zero": {"dp"}, "fsdp": {"dp", "zero"},
+    "tp": {"dp"}, "pp": {"dp"}, "cp": {"dp"}, "ep": {"dp"},
+    "__init__": {"dp", "zero", "fsdp", "tp", "pp", "cp", "ep"},   # the registry (names only)
+}
+# Function-level imports of refimpl modules, each with its reason.
+ALLOWED_LAZY = {
+    "__main__": "the CLI imports a subcommand's modules only when that subcommand runs",
+    "_rank": "a rank imports the launcher after its environment (threads, device) is set",
+    "_zygote": "the zygote forks ranks; each imports its entry point after the fork",
+    "tb_plugin.plugin": "TensorBoard loads the plugin at start; pandas/plotly wait for a request",
+    "tb_plugin.runs": "as tb_plugin.plugin",
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__" and len(parts) > 1:
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _resolve(module: str, node: ast.AST) -> list[str]:
+    """The refimpl modules (relative names) an import statement loads."""
+    if isinstance(node, ast.Import):
+        targets = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:   # relative: from . import x
+            pkg = module.split(".")[:-node.level] if not MODULES[module].name == "__init__.py" \
+                else module.split(".")[:len(module.split(".")) - node.level + 1]
+            base = ".".join(["refimpl", *pkg, base]).rstrip(".")
+        targets = [f"{base}.{a.name}" for a in node.names] + [base]
+    out = []
+    for t in targets:
+        if t != "refimpl" and not t.startswith("refimpl."):
+            continue
+        name = t[len("refimpl."):] if t != "refimpl" else "__init__"
+        while name and name not in MODULES:
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            out.append(name)
+    return out
+
+
+def _edges() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    edges, lazy = defaultdict(set), defaultdict(set)
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in _resolve(module, node):
+                    edges[module].add(target)
+                    if id(node) not in top:
+                        lazy[module].add(target)
+    return edges, lazy
+
+
+def layer_of(module: str) -> int:
+    best, best_len = None, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    if best is None:
+        raise AssertionError(f"refimpl.{module} is in no layer: add it to tests/test_imports.py")
+    return best
+
+
+def test_every_module_has_a_layer():
+    for module in MODULES:
+        layer_of(module)
+
+
+def upward(edges) -> list[str]:
+    return [f"refimpl.{a} ({LAYERS[layer_of(a)][0]}) imports refimpl.{b} ({LAYERS[layer_of(b)][0]})"
+            for a in sorted(edges) for b in sorted(edges[a]) if layer_of(b) > layer_of(a)]
+
+
+def _folder(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "parallel":
+        return None
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def crossing(edges) -> list[str]:
+    found = []
+    for a in sorted(edges):
+        for b in sorted(edges[a]):
+            fa, fb = _folder(a), _folder(b)
+            if fa and fb and fb != fa and fb not in PARALLEL_MAY_IMPORT[fa]:
+                found.append(f"refimpl.{a} imports refimpl.{b}")
+    return found
+
+
+def circles(edges) -> list[list[str]]:
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):   # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(set(edges) | {b for bs in edges.values() for b in bs}):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_imports_run_downward():
+    edges, _ = _edges()
+    assert not upward(edges), "upward imports:\n" + "\n".join(upward(edges))
+
+
+def test_a_parallelism_never_imports_another():
+    edges, _ = _edges()
+    assert not crossing(edges), "\n".join(crossing(edges))
+
+
+def test_no_import_circle():
+    edges, _ = _edges()
+    found = circles(edges)
+    assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_function_level_imports_only_where_a_reason_is_written():
+    _, lazy = _edges()
+    unexplained = [f"refimpl.{a} imports {sorted(lazy[a])} inside a function"
+                   for a in sorted(lazy) if lazy[a] and a not in ALLOWED_LAZY]
+    assert not unexplained, "\n".join(unexplained)
+
+
+def test_the_checks_name_what_they_find():
+    """On a made-up graph with one fault of each kind, each check names exactly that fault (so a
+    pass on the real graph means something)."""
+    made_up = {"model.gpt": {"parallel.tp.layers"},            # upward
+               "parallel.tp.layers": {"parallel.pp.stage"},    # a parallelism into another
+               "parallel.pp.stage": {"parallel.pp.runner"},
+               "parallel.pp.runner": {"parallel.pp.stage"}}    # a circle
+    assert upward(made_up) == ["refimpl.model.gpt (model) imports refimpl.parallel.tp.layers (parallel)"]
+    assert crossing(made_up) == ["refimpl.parallel.tp.layers imports refimpl.parallel.pp.stage"]
+    assert circles(made_up) == [["parallel.pp.runner", "parallel.pp.stage"]]
