@@ -33,10 +33,6 @@ def _row(rows: list, name: str, case: str, ours, theirs) -> None:
                  "equal": same_shape and torch.equal(ours, theirs)})
 
 
-def _twin(fn_name: str):
-    return getattr(comm, fn_name), getattr(dist, fn_name)
-
-
 def compare_with_torch(rank: int, world_size: int, sizes=(1, 7, 13, 1001)) -> list[dict]:
     """Every collective x every case on this rank; returns rows (see module docstring)."""
     n, rows = world_size, []

@@ -254,11 +254,6 @@ def update_expert_bias(model: nn.Module) -> None:
         layer.update_bias()
 
 
-def expert_load(model: nn.Module) -> torch.Tensor:
-    """[layers, E] assignments routed to each expert in the last forward (the heatmap's data)."""
-    return torch.stack([layer.stats.routed for layer in moe_layers(model)])
-
-
 def moe_step_record(model: nn.Module) -> dict | None:
     """What the MoE layers did in the last forward, as plain lists for the loop's JSON result
     (None for a dense model). The expert-parallel all-to-all byte counters are read and reset:

@@ -29,9 +29,8 @@ from refimpl.memory import ActivationTracker
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
 from refimpl.parallel.pp.runner import run_schedule
 from refimpl.parallel.pp.schedules import Action, schedule_table
-from refimpl.parallel.pp.simulate import TimedAction, idle_fraction, in_flight, simulate
+from refimpl.parallel.pp.simulate import TimedAction, idle_fraction, simulate
 from refimpl.parallel.pp.stage import build_chunks
-from refimpl.parallel.pp.torch_pp import TorchPipeline
 from refimpl.trace.capture import StepProfiler
 
 
@@ -121,54 +120,6 @@ def simulated_bubble_from(slots, stages: int, micro_batches: int, schedule: str,
     """The table replayed with each rank's measured mean F, B, W times (no communication time)."""
     table = schedule_table(stages, micro_batches, schedule, virtual_stages)
     return idle_fraction(simulate(table, F=0, B=0, W=0, per_rank=mean_durations(slots)))
-
-
-def peak_in_flight(stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1) -> list[int]:
-    """Per stage, the most micro-batches (chunk-pieces) whose activations it holds at once."""
-    return [max(in_flight(row)) for row in schedule_table(stages, micro_batches, schedule, virtual_stages)]
-
-
-# --- one step, compared with one process ------------------------------------------------------------
-
-def one_step(rank: int, world: int, cfg: GPTConfig, schedule: str, micro_batches: int, *,
-             virtual_stages: int = 1, global_batch: int = 8, seq_len: int | None = None,
-             seed: int = 0, twin: bool = False) -> dict:
-    """One forward + backward of the pipeline on this rank (ours, or PyTorch's twin with `twin`):
-    {"loss": on the last stage else None, "grads": this stage's gradients under the reference names}."""
-    group = dist.new_group(list(range(world)))
-    chunks = build_chunks(build_model(cfg, seed), world, rank, virtual_stages)
-    batch = synthetic_batch(cfg, global_batch, seq_len or cfg.seq_len, seed, 0)
-    if twin:
-        loss = TorchPipeline(chunks, group, world, schedule, micro_batches).step(batch)
-    else:
-        row = schedule_table(world, micro_batches, schedule, virtual_stages)[rank]
-        loss = run_schedule(chunks, row, batch.micro_batches(micro_batches), group)
-    return {"loss": loss, "grads": {n: p.grad for c in chunks for n, p in c.named_parameters()}}
-
-
-def reference_step(cfg: GPTConfig, micro_batches: int, *, global_batch: int = 8,
-                   seq_len: int | None = None, seed: int = 0) -> dict:
-    """The same step in one process on the whole model: gradient accumulation over the micro-batches."""
-    model = build_model(cfg, seed)
-    total = 0.0
-    for mb in synthetic_batch(cfg, global_batch, seq_len or cfg.seq_len, seed, 0).micro_batches(micro_batches):
-        loss = lm_loss(model(mb.inputs), mb.targets) / micro_batches
-        loss.backward()
-        total += loss.item()
-    return {"loss": total, "grads": {n: p.grad for n, p in model.named_parameters()}}
-
-
-def step_errors(ranks: list[dict], reference: dict) -> dict:
-    """Relative error of the pipeline's loss and of its gradients (whole model as one vector)."""
-    grads = {n: g for r in ranks for n, g in r["grads"].items()}
-    if sorted(grads) != sorted(reference["grads"]):
-        raise AssertionError("the stages do not hold every parameter exactly once")
-    flat = torch.cat([grads[n].flatten() for n in reference["grads"]]).double()
-    ref = torch.cat([g.flatten() for g in reference["grads"].values()]).double()
-    loss = [r["loss"] for r in ranks if r["loss"] is not None]
-    return {"loss_rel_err": abs(loss[-1] - reference["loss"]) / abs(reference["loss"]),
-            "grad_rel_err": float((flat - ref).norm() / ref.norm()),
-            "bit_exact": bool(torch.equal(flat, ref))}
 
 
 def run_each(rank: int, world: int, fn, calls: list[tuple]) -> list:

@@ -71,14 +71,6 @@ def build_chunks(model: GPT, stages: int, stage: int, virtual_stages: int = 1,
             for k in range(stage, pieces, stages)]
 
 
-def stage_state_dict(chunks: list[StageChunk]) -> dict[str, torch.Tensor]:
-    """This rank's share of the reference model's state dict, under the reference's names."""
-    out = {}
-    for chunk in chunks:
-        out.update({k: v.detach().cpu().clone() for k, v in chunk.state_dict().items()})
-    return out
-
-
 class PipelineStageModel(nn.Module):
     """This rank's whole share of a pipeline: its chunks, as one module with the reference's
     parameter names (so data-parallel wrapping, the optimizer, memory accounting and the full-state
