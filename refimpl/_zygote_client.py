@@ -41,7 +41,7 @@ class Zygote:
     """The launcher's side of refimpl._zygote: start it once, ask it for ranks, read their exits."""
 
     def __init__(self, env: dict):
-        self.env = env
+        self.env, self.sources = env, source_stamp()
         self.proc = subprocess.Popen([sys.executable, "-m", "refimpl._zygote"], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, start_new_session=True)
@@ -85,7 +85,8 @@ _CURRENT: Zygote | None = None
 
 def for_backend(backend: str) -> Zygote | None:
     """The zygote for CPU ranks (gloo), started on first use and again whenever the launcher's
-    environment changed (a forked rank must see the environment a fresh one would). None where
+    environment or refimpl's sources changed (a forked rank must see the environment and the code a
+    fresh one would: the zygote has refimpl imported). None where
     ranks start as fresh interpreters instead: NCCL ranks (CUDA after fork was never run here, so
     GPU ranks keep the path known to work), non-Linux systems, and REFIMPL_LAUNCH=spawn."""
     global _CURRENT
@@ -93,7 +94,8 @@ def for_backend(backend: str) -> Zygote | None:
             os.environ.get("REFIMPL_LAUNCH", "fork") == "spawn":
         return None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    if _CURRENT is not None and (_CURRENT.env != env or not _CURRENT.alive()):
+    if _CURRENT is not None and (_CURRENT.env != env or _CURRENT.sources != source_stamp()
+                                 or not _CURRENT.alive()):
         _CURRENT.close()
         _CURRENT = None
     if _CURRENT is None:
@@ -102,6 +104,13 @@ def for_backend(backend: str) -> Zygote | None:
         except (OSError, RuntimeError):
             return None                  # fall back to fresh interpreters
     return _CURRENT
+
+
+def source_stamp() -> tuple:
+    """(path, mtime, size) of every refimpl source file: what the zygote imported."""
+    package = Path(__file__).resolve().parent
+    return tuple((str(p), s.st_mtime_ns, s.st_size)
+                 for p in sorted(package.rglob("*.py")) for s in (p.stat(),))
 
 
 @atexit.register

@@ -19,7 +19,7 @@ the rest.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -36,8 +36,8 @@ class RankModel:
     shard_batch: Callable[[Batch], Batch] | None = None
     # pipeline(micro_batches, *, divisor, autocast, loss_fn) -> this rank's mean loss (0-d float64)
     pipeline: Callable[..., torch.Tensor] | None = None
-    aux_loss: Callable[[], torch.Tensor | float] = field(default=None)
-    after_step: Callable[[], None] = field(default=None)
+    aux_loss: Callable[[], torch.Tensor | float] | None = None    # default: the module's MoE layers'
+    after_step: Callable[[], None] | None = None                 # default: their bias step
 
     def __post_init__(self):
         if self.aux_loss is None:

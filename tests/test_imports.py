@@ -4,7 +4,7 @@ downward, no module is part of an import circle, and a parallelism never imports
 The layers, bottom first (../shared/DESIGN.md, "Layout"). A module may import its own layer and
 the layers below it:
 
-    foundation   launch (+ the rank entry points), env, numerics, progress, mesh
+    foundation   launch (+ the rank entry point), env, numerics, progress, mesh
     labels       trace.labels: the profiler range names (the MoE layer labels its phases)
     model        the GPT, the MoE layer, activation checkpointing, the data
     measure      memory, trace, comm: what a run holds, where its time went, collectives rebuilt
@@ -14,7 +14,7 @@ the layers below it:
                  the data-parallel base, never on each other)
     compose      the transforms in their order, optimizer resharding, composed twins
     train        the one loop
-    tools        verify, plan, plots, the TensorBoard plugin, bench, the CLI
+    tools        verify, plan, plots, the TensorBoard plugin, bench, the CLI, the rank zygote
 
 An import inside a function is allowed only where the module says why (ALLOWED_LAZY).
 """
@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "refimpl"
 
 LAYERS = [
-    ("foundation", ("launch", "_rank", "_zygote", "_zygote_client", "env", "numerics", "progress",
-                    "mesh", "__init__")),
+    ("foundation", ("launch", "_rank", "_zygote_client", "env", "numerics", "progress", "mesh",
+                    "__init__")),
     ("labels", ("trace.labels",)),
     ("model", ("model",)),
     ("measure", ("memory", "trace", "comm")),
@@ -37,7 +37,8 @@ LAYERS = [
     ("parallel", ("parallel",)),
     ("compose", ("compose",)),
     ("train", ("train",)),
-    ("tools", ("verify", "plan", "plots", "tb_plugin", "bench", "__main__")),
+    # _zygote: the fork server, a process of its own that preloads the loop for the ranks it forks
+    ("tools", ("verify", "plan", "plots", "tb_plugin", "bench", "__main__", "_zygote")),
 ]
 # Inside parallel/: a folder may import the folders listed for it (and its own), nothing else.
 PARALLEL_MAY_IMPORT = {

@@ -165,3 +165,29 @@ def test_under_torchrun_each_process_runs_fn_for_its_own_rank(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = sorted((tmp_path / f"result{r}").read_text() for r in range(2))
     assert lines == ["RESULT 0 1 0 3.0", "RESULT 1 1 1 3.0"]
+
+
+def test_an_edited_source_restarts_the_zygote(monkeypatch):
+    """The zygote has refimpl imported; a changed refimpl file must restart it, so a rank never
+    runs code older than the files on disk (notebook users edit refimpl between launches). A
+    stand-in Zygote records each start: no process is needed to check the rule."""
+    from refimpl import _zygote_client as zc
+
+    class Started:
+        def __init__(self, env):
+            self.env, self.sources = env, zc.source_stamp()
+
+        def alive(self):
+            return True
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(zc, "Zygote", Started)
+    monkeypatch.setattr(zc, "_CURRENT", None)
+    stamps = iter([("a",), ("a",), ("b",), ("b",), ("b",)])
+    monkeypatch.setattr(zc, "source_stamp", lambda: next(stamps))
+    first = zc.for_backend("gloo")                     # starts one (stamp a)
+    assert zc.for_backend("gloo") is first             # unchanged sources: kept
+    second = zc.for_backend("gloo")                    # a file changed (stamp b): restarted
+    assert second is not first and zc.for_backend("gloo") is second

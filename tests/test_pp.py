@@ -93,7 +93,7 @@ def test_one_stage_with_two_chunks_passes_tensors_locally(schedule):
     micro = synthetic_batch(config(4), BATCH, SEQ, SEED, 0).micro_batches(2)
     loss = run_schedule(chunks, schedule_table(1, 2, schedule, v)[0], micro, None)
     ref_loss, ref_grads = reference(2, 4)
-    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert float(loss) == pytest.approx(ref_loss, rel=1e-6)
     for c in chunks:
         for n, p in c.named_parameters():
             assert rel_err(p.grad, ref_grads[n]) <= 1e-5

@@ -23,6 +23,7 @@ import functools
 import torch.nn as nn
 
 from refimpl.mesh import LayoutError
+from refimpl.model import lm_loss
 from refimpl.model.activation_checkpointing import checkpoint_blocks
 from refimpl.model.moe import validate_moe
 from refimpl.parallel.cp.parallelize import apply_context_parallel, shard_batch
@@ -67,8 +68,7 @@ def model_parallel(model: nn.Module, ctx) -> RankModel:
     """This rank's share of the reference model, on its device, before data parallelism."""
     model = model.to(ctx.device)
     mesh, cfg = ctx.mesh, ctx.cfg
-    loss_fn = None
-    seq_split = 1
+    loss_fn, seq_split = lm_loss, 1
     if mesh.size("tp") > 1:
         parallelize_tp(model, mesh.group("tp"), sequence_parallel=cfg.sequence_parallel,
                        comm=ctx.comm)
@@ -89,7 +89,4 @@ def model_parallel(model: nn.Module, ctx) -> RankModel:
     if mesh.size("pp") > 1:
         model = split_for_pipeline(model, ctx, seq_split)
         pipeline = functools.partial(pipeline_forward_backward, model)
-    placed = RankModel(model, shard_batch=batch_chunks, pipeline=pipeline)
-    if loss_fn is not None:
-        placed.loss_fn = loss_fn
-    return placed
+    return RankModel(model, loss_fn=loss_fn, shard_batch=batch_chunks, pipeline=pipeline)

@@ -106,10 +106,11 @@ class _Links:
 
 
 def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch], group, *,
-                 divisor: int = 1, autocast=nullcontext, loss_fn=lm_loss) -> float | None:
+                 divisor: int = 1, autocast=nullcontext, loss_fn=lm_loss) -> torch.Tensor | None:
     """Run this rank's `actions` (one row of a schedule table) on `micro`, accumulating gradients
     into the chunks' parameters. Returns the mean loss over the micro-batches (each scaled by 1/m,
-    then summed) on the rank that holds the last piece, None elsewhere. Gradients are those of
+    then summed; a float64 0-d tensor on the device) on the rank that holds the last piece, None
+    elsewhere. Gradients are those of
     loss / `divisor` (refimpl.step's convention: W for data-parallel replicas that sum).
     `loss_fn(logits, targets)`: the last piece's loss (tensor parallelism's reads split logits)."""
     m = len(micro)
@@ -137,7 +138,9 @@ def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch
                 if chunk.is_last:
                     with autocast():
                         loss = loss_fn(out, micro[a.micro_batch].targets) / m
-                    total = (total or 0.0) + loss.item()
+                    # On the device, read once per step by the loop (no host sync here).
+                    part = loss.detach().double()
+                    total = part if total is None else total + part
                     out = loss / divisor if divisor != 1 else loss
             if not chunk.is_last:   # after the compute range closes: a trace then shows the wait
                 links.send(out.detach(), ACTIVATION, a.micro_batch, k + 1)
@@ -178,4 +181,5 @@ def pipeline_forward_backward(stage, micro: list[Batch], *, divisor: int = 1,
     0-d tensor on the last stage, zero elsewhere (global_mean_loss broadcasts it over pp)."""
     loss = run_schedule(stage.chunks, stage.actions, micro, stage.group, divisor=divisor,
                         autocast=autocast, loss_fn=loss_fn)
-    return torch.tensor(0.0 if loss is None else loss, dtype=torch.float64)
+    device = micro[0].inputs.device
+    return torch.zeros((), dtype=torch.float64, device=device) if loss is None else loss

@@ -59,15 +59,19 @@ class TorchPipeline:
             cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
             self.schedule = cls(self.stages[0], micro_batches, loss_fn=lm_loss)
 
-    def step(self, batch: Batch) -> float | None:
-        """Forward and backward of the whole batch; the mean loss on the last stage, None elsewhere."""
+    def step(self, batch: Batch) -> torch.Tensor | None:
+        """Forward and backward of the whole batch; the mean loss on the last stage (a float64 0-d
+        tensor on the device: no host read per micro-batch), None elsewhere."""
         args = (batch.inputs,) if self.has_first else ()
         losses: list = []
         kwargs = {"target": batch.targets, "losses": losses} if self.has_last else {}
         self.schedule.step(*args, **kwargs)
         if not self.has_last:
             return None
-        return float(sum(loss.item() for loss in losses) / len(losses))
+        total = torch.zeros((), dtype=torch.float64, device=losses[0].device)
+        for loss in losses:           # the same float64 sum, in the same order, as ours
+            total += loss.detach().double()
+        return total / len(losses)
 
     def forward_backward(self, micro: list[Batch], *, divisor: int = 1, autocast=None,
                          loss_fn=None) -> torch.Tensor:
@@ -76,4 +80,4 @@ class TorchPipeline:
         whole = Batch(torch.cat([mb.inputs for mb in micro]), torch.cat([mb.targets for mb in micro]))
         with phase("forward-backward"):
             loss = self.step(whole)
-        return torch.tensor(0.0 if loss is None else loss, dtype=torch.float64)
+        return torch.zeros((), dtype=torch.float64, device=whole.inputs.device) if loss is None else loss
