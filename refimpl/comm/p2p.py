@@ -16,6 +16,7 @@ pipeline code can use `comm.send` and have its traffic counted like every collec
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,16 @@ from refimpl.trace.labels import comm_span
 # Collectives send with their own tag so that a pipeline stage's user-level send/recv (tag 0)
 # between the same two ranks can never be matched with a message that belongs to a ring.
 COLLECTIVE_TAG = 0x636F  # "co"
+
+
+def wire_tag(tag: int) -> int:
+    """The tag a message really carries. NCCL ignores tags: between two ranks it pairs messages in
+    the order they were posted. gloo pairs them by tag, which can hide a posting order that NCCL
+    would pair wrongly (the wrong tensor, silently, when shapes agree) or not at all (a hang).
+    REFIMPL_P2P_TAGS=one sends every message with tag 0, so gloo pairs them as NCCL does: the test
+    mode in which every schedule, ring and rebuilt collective must still equal single
+    (tests/test_one_tag.py)."""
+    return 0 if os.environ.get("REFIMPL_P2P_TAGS") == "one" else tag
 
 
 @dataclass(frozen=True)
@@ -91,13 +102,13 @@ def post(g: GroupView, sends=(), recvs=()) -> Posted:
         if not tensor.is_contiguous():
             buf = torch.empty_like(tensor, memory_format=torch.contiguous_format)
             copy_back.append((tensor, buf))
-        works.append(dist.irecv(buf, group=g.group, group_src=peer, tag=COLLECTIVE_TAG))
+        works.append(dist.irecv(buf, group=g.group, group_src=peer, tag=wire_tag(COLLECTIVE_TAG)))
         record_recv(buf.numel() * buf.element_size())
     for tensor, peer in sends:
         if tensor.numel() == 0:
             continue
         buf = tensor.contiguous()
-        works.append(dist.isend(buf, group=g.group, group_dst=peer, tag=COLLECTIVE_TAG))
+        works.append(dist.isend(buf, group=g.group, group_dst=peer, tag=wire_tag(COLLECTIVE_TAG)))
         record_send(buf.numel() * buf.element_size())
     return Posted(works, copy_back)
 
@@ -117,25 +128,25 @@ def send(tensor, dst=None, group=None, tag=0, group_dst=None):
     """torch.distributed.send, counted and labelled."""
     with op_scope("p2p"), comm_span("send", nbytes(tensor)):
         record_send(nbytes(tensor))
-        return dist.send(tensor, dst, group, tag, group_dst=group_dst)
+        return dist.send(tensor, dst, group, wire_tag(tag), group_dst=group_dst)
 
 
 def recv(tensor, src=None, group=None, tag=0, group_src=None):
     """torch.distributed.recv, counted and labelled."""
     with op_scope("p2p"), comm_span("recv", nbytes(tensor)):
         record_recv(nbytes(tensor))
-        return dist.recv(tensor, src, group, tag, group_src=group_src)
+        return dist.recv(tensor, src, group, wire_tag(tag), group_src=group_src)
 
 
 def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
     """torch.distributed.isend, counted; the returned handle's wait() is the caller's."""
     with op_scope("p2p"), comm_span("isend", nbytes(tensor)):
         record_send(nbytes(tensor))
-        return dist.isend(tensor, dst, group, tag, group_dst=group_dst)
+        return dist.isend(tensor, dst, group, wire_tag(tag), group_dst=group_dst)
 
 
 def irecv(tensor, src=None, group=None, tag=0, group_src=None):
     """torch.distributed.irecv, counted; the returned handle's wait() is the caller's."""
     with op_scope("p2p"), comm_span("irecv", nbytes(tensor)):
         record_recv(nbytes(tensor))
-        return dist.irecv(tensor, src, group, tag, group_src=group_src)
+        return dist.irecv(tensor, src, group, wire_tag(tag), group_src=group_src)
