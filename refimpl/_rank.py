@@ -44,7 +44,15 @@ def main() -> None:
 
         init_process_group(rank, world_size, os.environ["REFIMPL_BACKEND"],
                            float(os.environ["REFIMPL_TIMEOUT"]))
-        result = job["fn"](rank, world_size, *job["args"], **job["kwargs"])
+        audit = os.environ.get("REFIMPL_DEVICE_AUDIT")   # a test mode: refimpl/device_audit.py
+        if audit:
+            from refimpl.device_audit import FactoryAudit
+
+            with FactoryAudit() as factories:
+                result = job["fn"](rank, world_size, *job["args"], **job["kwargs"])
+            factories.write(audit, rank)
+        else:
+            result = job["fn"](rank, world_size, *job["args"], **job["kwargs"])
         (outdir / f"result{rank}.pkl").write_bytes(cloudpickle.dumps(result))
         import gc
 

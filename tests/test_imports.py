@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "refimpl"
 
 LAYERS = [
-    ("foundation", ("launch", "_rank", "_zygote_client", "env", "numerics", "progress", "mesh",
+    ("foundation", ("launch", "_rank", "_zygote_client", "device_audit", "env", "numerics", "progress", "mesh",
                     "__init__")),
     ("labels", ("trace.labels",)),
     ("model", ("model",)),

@@ -50,7 +50,7 @@ class SlicedEmbedding(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         full_len = idx.shape[1] * self.cp
-        where = positions(self.rank, self.cp, full_len, balanced=self.balanced).to(idx.device)
+        where = positions(self.rank, self.cp, full_len, balanced=self.balanced, device=idx.device)
         return self.tok(idx) + self.pos(where)
 
 

@@ -68,9 +68,11 @@ def unshard_sequence(parts, *, balanced: bool = True, dim: int = 1) -> torch.Ten
     return torch.cat(chunks, dim=dim)
 
 
-def positions(rank: int, cp: int, seq_len: int, *, balanced: bool = True) -> torch.Tensor:
-    """Global token positions of this rank's slice (for position embeddings)."""
-    return shard_sequence(torch.arange(seq_len).unsqueeze(0), rank, cp, balanced=balanced)[0]
+def positions(rank: int, cp: int, seq_len: int, *, balanced: bool = True,
+              device=None) -> torch.Tensor:
+    """Global token positions of this rank's slice (for position embeddings), on `device`."""
+    return shard_sequence(torch.arange(seq_len, device=device).unsqueeze(0), rank, cp,
+                          balanced=balanced)[0]
 
 
 def blocks_to_compute(mine: tuple[int, int], theirs: tuple[int, int]):

@@ -110,9 +110,9 @@ def expert_major(recv: torch.Tensor) -> torch.Tensor:
     """Row order that regroups received rows (laid out source-major, expert-minor) expert-major,
     source-minor -- i.e. for each local expert, its rows in global batch order."""
     start = torch.cumsum(recv.reshape(-1), 0).view_as(recv) - recv
-    pieces = [torch.arange(int(start[s, j]), int(start[s, j] + recv[s, j]))
+    pieces = [torch.arange(int(start[s, j]), int(start[s, j] + recv[s, j]), device=recv.device)
               for j in range(recv.shape[1]) for s in range(recv.shape[0])]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=recv.device)
 
 
 # --- the transform and its inverse ------------------------------------------------------------------

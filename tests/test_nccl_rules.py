@@ -1,0 +1,111 @@
+"""NCCL's rules that gloo forgives, checked on gloo, on the same runs:
+
+* **One tag.** NCCL ignores tags and pairs the messages between two ranks in the order they were
+  posted; gloo pairs them by tag, so a posting order that NCCL would pair wrongly can pass here
+  unseen. Under REFIMPL_P2P_TAGS=one (refimpl.comm.p2p.wire_tag) every message carries tag 0 and
+  gloo pairs them by posting order, as NCCL does. Every pipeline schedule (interleaved, whose
+  chunks talk to the same neighbour in both directions, included), ring attention and the rebuilt
+  collectives must then still equal `single` at float64's gate: a wrong pairing gives another
+  tensor (an error far above 1e-9) or a hang (the launcher's timeout).
+* **The rank's device.** On a GPU server torch's default device stays the CPU while a rank computes
+  on cuda:k, so a factory call without `device=` makes a CPU tensor NCCL refuses. Under
+  REFIMPL_DEVICE_AUDIT every rank records such calls made from refimpl's code
+  (refimpl.device_audit); apart from the few made on the host on purpose (HOST_BY_DESIGN), there
+  must be none, in any strategy's set-up or step.
+"""
+import functools
+import json
+import os
+
+import pytest
+
+from refimpl.config import TrainConfig
+from refimpl.model import GPTConfig
+from refimpl.train import train_several_on_ranks
+from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single
+from tests.models import SMALL
+
+pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
+
+
+def cfg(strategy, world, m=2, *, layers=4, experts=0, **kw):
+    model = GPTConfig(**{**SMALL.to_dict(), "n_layers": layers, "n_experts": experts})
+    return TrainConfig(strategy=strategy, nproc=world, steps=2, global_batch=8, micro_batches=m,
+                       return_state=True, dtype="float64", model=model, **kw)
+
+
+RUNS = {
+    2: {"pp-1f1b m4": cfg("pp-1f1b", 2, 4, pp=2),
+        "pp-interleaved v2 m4": cfg("pp-interleaved", 2, 4, pp=2, virtual_stages=2),
+        "pp-zb m4": cfg("pp-zb", 2, 4, pp=2),
+        "ring attention cp2": cfg("dp-naive", 2, 1, cp=2),
+        "zero2, rebuilt collectives": cfg("zero2", 2, collectives="refimpl"),
+        "dp": cfg("dp", 2), "zero3": cfg("zero3", 2), "fsdp": cfg("fsdp", 2),
+        "tp + sp": cfg("tp", 2, tp=2, sequence_parallel=True),
+        "ep, 4 experts": cfg("ep", 2, 1, experts=4)},   # m = 1: capacity is per micro-batch
+    4: {"zero1 dp2 x pp2, rebuilt collectives": cfg("zero1", 4, 2, pp=2, collectives="refimpl"),
+        "pp2 x cp2": cfg("dp-naive", 4, 2, pp=2, cp=2)},
+}
+# Factory calls made on the host on purpose, each for a reason (refimpl path, function):
+HOST_BY_DESIGN = {
+    # the reference is built on the host from the seed (the same weights on every rank and
+    # device), then placed on the rank's device by compose.transforms.model_parallel
+    ("refimpl/model/", "__init__"),
+    # the batch is made by a CPU generator (the same tokens on any device), then moved to the
+    # rank's device by Strategy.local_micro_batches
+    ("refimpl/model/data.py", "synthetic_batch"),
+    # the rank grid arange(world).view(dp, pp, cp, tp): arithmetic on rank numbers, never sent
+    ("refimpl/mesh.py", "grid"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def results(world, audit_dir):
+    names = list(RUNS[world])
+    rules = {"REFIMPL_P2P_TAGS": "one", "REFIMPL_DEVICE_AUDIT": str(audit_dir)}
+    saved = {k: os.environ.get(k) for k in rules}
+    os.environ.update(rules)                    # the ranks inherit them (the zygote restarts)
+    try:
+        runs = train_several_on_ranks([RUNS[world][n] for n in names], timeout=300)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    found = {}
+    for rank in range(world):
+        found.update(json.loads((audit_dir / f"rank{rank}.json").read_text()))
+    return dict(zip(names, runs)), found
+
+
+@pytest.fixture(scope="module")
+def audit_dirs(tmp_path_factory):
+    return {w: tmp_path_factory.mktemp(f"audit{w}") for w in RUNS}
+
+
+@pytest.mark.parametrize("world,name", [(w, n) for w, runs in RUNS.items() for n in runs])
+def test_posting_order_alone_pairs_every_message(world, name, audit_dirs):
+    runs, _ = results(world, audit_dirs[world])
+    eq = compare_with_single(RUNS[world][name], runs[name])
+    assert eq.tolerance == FP64_TOLERANCE and eq.ok, (eq.loss_rel_err, eq.weight_rel_err)
+
+
+def by_design(site: str) -> bool:
+    """`site` is "path:line function factory" (refimpl.device_audit)."""
+    where, function, _ = site.split(" ")
+    return any(where.startswith(path) and function == fn for path, fn in HOST_BY_DESIGN)
+
+
+@pytest.mark.parametrize("world", list(RUNS))
+def test_every_tensor_a_rank_makes_names_its_device(world, audit_dirs):
+    _, found = results(world, audit_dirs[world])
+    assert found, "the audit saw nothing: it is not running"   # the reference build is always seen
+    assert [site for site in sorted(found) if not by_design(site)] == []
+
+
+def test_the_audit_names_a_factory_call_without_a_device():
+    """On a made-up site list, the filter keeps exactly the call that breaks the rule."""
+    sites = ["refimpl/model/layers.py:19 __init__ empty", "refimpl/parallel/cp/ring.py:73 positions arange",
+             "refimpl/model/data.py:51 synthetic_batch randperm"]
+    assert [s for s in sites if not by_design(s)] == ["refimpl/parallel/cp/ring.py:73 positions arange"]
