@@ -20,6 +20,7 @@ The zygote never runs a torch operation and never touches CUDA, so forking it is
 when the launcher closes its stdin or dies (its end of the pipe closes; the ranks then die
 with the zygote, by PR_SET_PDEATHSIG).
 """
+import gc
 import json
 import os
 import select
@@ -63,6 +64,10 @@ def serve() -> None:
     import torch.profiler  # noqa: F401
 
     import refimpl.train  # noqa: F401  (the launcher restarts us when refimpl's sources change)
+    # Everything imported so far lives as long as the ranks do: out of the collector's sight, a
+    # rank's gc.collect() (before it leaves its process group) scans only what the rank made,
+    # ~0.17 s less per rank (and no copy-on-write of the frozen pages when the collector runs).
+    gc.freeze()
 
     reply = sys.stdout
     reply.write("ready\n")
