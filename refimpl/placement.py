@@ -125,7 +125,7 @@ def gather_owned(name: str, tensor: torch.Tensor, owned: Owned, mesh, comm) -> d
     if size == 1:
         return {name: tensor.cpu().clone()}
     copies = [torch.empty_like(tensor) for _ in range(size)]
-    with comm_span("all_gather", tensor.nbytes * (size - 1)):
+    with comm_span("all_gather", tensor.nbytes * size):
         comm.all_gather(copies, tensor.contiguous(), group=mesh.group(owned.axis))
     per, slot = owned.count // size, owned.slot(size)
     return {owned.renamed(name, owner * per + slot): t.cpu().clone()

@@ -77,12 +77,12 @@ def _name(cfg: GPTConfig) -> str:
 
 def _all_cases_rank(rank: int, world: int, use_refimpl_comm: bool = False) -> dict:
     import refimpl.comm as rcomm
-    from refimpl.comm import CommCounter
+    from refimpl.comm import CommLog
 
     group = dist.new_group(list(range(world)))
     results = {name: train_moe(case_config(name), rank, world, group) for name in CASES}
-    # The same no-drop case on refimpl.comm's collectives, its sends counted by CommCounter.
-    with CommCounter() as counted:
+    # The same no-drop case on refimpl.comm's collectives, its sends counted by CommLog.
+    with CommLog() as counted:
         results["refimpl-comm"] = train_moe(case_config("top2-no-drops"), rank, world, group,
                                             comm=rcomm)
     results["refimpl-comm"]["counted"] = {"sent": dict(counted.sent)}

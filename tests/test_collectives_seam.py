@@ -39,10 +39,10 @@ def test_refimpl_collectives_train_like_single(seam_runs):
 
 
 def _train_counting(rank, world_size, cfg):
-    from refimpl.comm import CommCounter
+    from refimpl.comm import CommLog
     from refimpl.train import train_rank
 
-    with CommCounter() as counted:
+    with CommLog() as counted:
         result = train_rank(rank, world_size, cfg)
     return dict(counted.sent), result["n_params"]
 

@@ -10,9 +10,9 @@ import torch.nn as nn
 from refimpl.memory import activation_bytes_per_layer, block_activation_bytes, tp_block_activation_bytes
 from refimpl.model import GPTConfig
 from refimpl.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
-from refimpl.parallel.tp.mappings import TPCommLog
 from refimpl.parallel.tp.parallelize import tp_layout_problem
 from refimpl.placement import Shard
+from refimpl.trace.labels import CommLog
 from tests.tp_runs import BLOCK_CFG, B, S, checks_on
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
@@ -163,7 +163,7 @@ def test_tied_embeddings_share_one_vocabulary_shard(world):
 
 def test_one_rank_layers_are_the_linear_itself():
     lin, x = nn.Linear(8, 12), torch.randn(2, 8)
-    with TPCommLog() as log:
+    with CommLog() as log:
         col = ColumnParallelLinear.from_linear(lin)(x)
         row = RowParallelLinear.from_linear(lin)(x)
     assert torch.equal(col, lin(x)) and torch.equal(row, lin(x)) and log.count() == 0

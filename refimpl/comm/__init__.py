@@ -14,13 +14,13 @@ swapped for the other in any strategy. Only `torch.distributed.isend/irecv` move
     all_to_all(_single)       pairwise exchange                 pairwise.py
     send, recv, isend, irecv  torch's own, counted              p2p.py
 
-`CommCounter` (counter.py) counts the bytes each rank sends per collective; `async_op=True`
+`CommLog` (refimpl.trace.labels) records the calls, and the bytes each rank sends per collective
+(counted in counter.py); `async_op=True`
 returns a `Work` whose `.wait()` blocks until the result is in place (work.py). Every collective
 is labelled `comm:<name>` for torch.profiler.
 """
 from torch.distributed import ReduceOp
 
-from refimpl.comm.counter import CommCounter
 from refimpl.comm.linear import gather, scatter
 from refimpl.comm.p2p import irecv, isend, recv, send
 from refimpl.comm.pairwise import all_to_all, all_to_all_single
@@ -33,9 +33,10 @@ from refimpl.comm.ring import (
 )
 from refimpl.comm.tree import broadcast, reduce
 from refimpl.comm.work import Work
+from refimpl.trace.labels import CommLog
 
 __all__ = [
-    "ReduceOp", "CommCounter", "Work",
+    "ReduceOp", "CommLog", "Work",
     "broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather", "all_gather_into_tensor",
     "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
     "send", "recv", "isend", "irecv",

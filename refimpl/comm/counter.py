@@ -1,58 +1,37 @@
-"""Count the bytes each rank puts on the wire, per collective.
+"""Count the bytes each rank puts on the wire, per collective, into the open CommLogs.
 
-    with CommCounter() as counted:
+    with CommLog() as counted:                     # refimpl.trace.labels.CommLog
         comm.all_reduce(x)
     counted.sent["all_reduce"]      # bytes this rank sent: 2(n-1)/n * x.nbytes for the ring
 
-Why a counter and not a formula: the cost tables in the seed (section 2.2) and in Patarasuk & Yuan
+Why a count and not a formula: the cost tables in the seed (section 2.2) and in Patarasuk & Yuan
 2009 are statements about bytes per rank; counting them on a live run turns the statement into
 something a notebook can assert. Every send in `refimpl.comm` goes through `record_send`, so the
 count is exact, including the uneven chunks of a tensor whose size does not divide by the world
-size.
-
-The active counters live in a `contextvars.ContextVar`, not in a module global: each thread and
-each asynchronous collective (which copies the caller's context when it is issued) sees the
-counters that were open where it was called, and nothing leaks between unrelated code.
+size. `op_scope` names the collective the sends belong to (a ContextVar, like the open logs).
 """
 from __future__ import annotations
 
 import contextvars
-from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
-# Counters open in this context (innermost last), and the collective that is running.
-_COUNTERS: contextvars.ContextVar[tuple] = contextvars.ContextVar("refimpl_comm_counters", default=())
+from refimpl.trace.labels import open_logs
+
+# The collective that is running: its sends are counted under its name.
 _OP: contextvars.ContextVar[str] = contextvars.ContextVar("refimpl_comm_op", default="send")
-
-
-@dataclass
-class CommCounter:
-    """Bytes and messages this rank sent and received, keyed by collective name."""
-
-    sent: dict = field(default_factory=lambda: defaultdict(int))
-    received: dict = field(default_factory=lambda: defaultdict(int))
-    messages: dict = field(default_factory=lambda: defaultdict(int))
-
-    def __enter__(self) -> "CommCounter":
-        self._token = _COUNTERS.set(_COUNTERS.get() + (self,))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _COUNTERS.reset(self._token)
 
 
 def record_send(nbytes: int) -> None:
     op = _OP.get()
-    for counter in _COUNTERS.get():
-        counter.sent[op] += nbytes
-        counter.messages[op] += 1
+    for log in open_logs():
+        log.sent[op] += nbytes
+        log.messages[op] += 1
 
 
 def record_recv(nbytes: int) -> None:
     op = _OP.get()
-    for counter in _COUNTERS.get():
-        counter.received[op] += nbytes
+    for log in open_logs():
+        log.received[op] += nbytes
 
 
 @contextmanager

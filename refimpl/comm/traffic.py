@@ -77,7 +77,7 @@ def expected_sent(op: str, rank: int, n: int, numel: int, itemsize: int = 4, roo
 
 
 def measure_sent(rank: int, world_size: int, numel: int) -> dict:
-    """Run each collective on a `numel`-element fp32 tensor (the M of the table) under a CommCounter.
+    """Run each collective on a `numel`-element fp32 tensor (the M of the table) under a CommLog.
 
     For reduce_scatter M is the input, for all_gather the output, for scatter/gather the root's
     whole list, so every row of the table is about the same M.
@@ -86,7 +86,7 @@ def measure_sent(rank: int, world_size: int, numel: int) -> dict:
 
     n = world_size
     piece = numel // n
-    with torch.device(device_for(dist.get_backend())), comm.CommCounter() as counted:
+    with torch.device(device_for(dist.get_backend())), comm.CommLog() as counted:
         x = torch.ones(numel)
         comm.all_reduce(x.clone())
         comm.reduce_scatter_tensor(torch.empty(piece), x[: piece * n].clone())
@@ -107,7 +107,7 @@ def all_reduce_sent(numel: int, algorithm: str) -> tuple[int, int]:
 
     A counter of its own: both algorithms are the collective "all_reduce" to the counter.
     """
-    with comm.CommCounter() as counted:
+    with comm.CommLog() as counted:
         comm.all_reduce(torch.ones(numel), algorithm=algorithm)
     return counted.sent.get("all_reduce", 0), counted.messages.get("all_reduce", 0)
 

@@ -53,7 +53,7 @@ class _Lane:
         self._last: Future | None = None
 
     def submit(self, task) -> Work:
-        ctx = contextvars.copy_context()  # the caller's open CommCounters follow the task
+        ctx = contextvars.copy_context()  # the caller's open CommLogs follow the task
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm-lane")

@@ -28,7 +28,7 @@ def bytes_per_rank_factor(op: str, n: float) -> float:
     if op in _ALL_TO_ONE:
         return 1.0
     share = 1.0 if n == math.inf else (n - 1) / n
-    if op == "all_reduce":
+    if op in ("all_reduce", "all_reduce_max"):
         return 2 * share
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return share
@@ -37,6 +37,12 @@ def bytes_per_rank_factor(op: str, n: float) -> float:
 
 def sent_per_rank(op: str, n: int, message_bytes: float) -> float:
     return bytes_per_rank_factor(op, n) * message_bytes
+
+
+def wire_bytes(calls: list[dict]) -> float:
+    """Bytes one rank sends for a CommLog's calls (refimpl.trace.labels): each message times its
+    factor on the call's own group size."""
+    return sum(sent_per_rank(c["op"], c["world"], c["bytes"]) for c in calls)
 
 
 def paper_factor(op: str) -> float:

@@ -108,7 +108,7 @@ def all_gather_counts(counts: torch.Tensor, group, comm) -> tuple[torch.Tensor, 
     """[ranks, E] per-expert counts of every rank of `group` (in batch order), and my row."""
     n = dist.get_world_size(group)
     rows = [torch.empty_like(counts) for _ in range(n)]
-    with comm_span("all_gather", counts.nbytes * (n - 1)):
+    with comm_span("all_gather", counts.nbytes * n):
         comm.all_gather(rows, counts, group=group)
     return torch.stack(rows), dist.get_rank(group)
 

@@ -5,10 +5,21 @@ around every collective (a `comm:<op> <n>B` range, the bytes in the name so the 
 bandwidth table). Both are plain `record_function` ranges: free when no profiler is running. This
 module is the bottom of the package's layers (the model's MoE layer labels its phases too); it
 imports torch's profiler only when a label is made.
+
+One convention for the bytes, everywhere: the whole message the collective is about -- the tensor
+all-reduced or broadcast, the gathered output of an all-gather, the full input of a
+reduce-scatter, one rank's buffer of an all-to-all (refimpl.cost.collective_bytes turns that into
+what a rank sends).
+
+`CommLog` is the one record of communication a test or a notebook opens: every labelled call
+(`comm_span`) and every byte refimpl.comm's own collectives sent and received while it was open.
 """
 from __future__ import annotations
 
+import contextvars
 import re
+from collections import defaultdict
+from dataclasses import dataclass, field
 
 PHASES = ("forward", "backward", "optimizer")
 COMM_LABEL = re.compile(r"^comm:(?P<op>[\w\-]+)(?: (?P<bytes>\d+)B)?$")
@@ -21,10 +32,61 @@ def phase(name: str):
     return record_function(name)
 
 
-def comm_span(op: str, nbytes: int | None = None):
-    """Label one communication call; bytes in the name let the loader build a bandwidth table."""
+# The logs open in this context, innermost last. A ContextVar, not a module global: each thread and
+# each asynchronous collective (which copies its caller's context) sees the logs open where it was
+# called, and nothing leaks between unrelated code.
+_OPEN_LOGS: contextvars.ContextVar[tuple] = contextvars.ContextVar("refimpl_comm_logs", default=())
+
+
+@dataclass
+class CommLog:
+    """What this rank communicated while the log was open, two views of it:
+
+    calls                        every labelled call: {op, pass, bytes (the message), world}
+    sent, received, messages     bytes refimpl.comm's collectives put on and took off the wire, and
+                                 the messages sent, per collective (refimpl.comm.counter counts each
+                                 send: exact, uneven chunks included)
+    """
+    calls: list = field(default_factory=list)
+    sent: dict = field(default_factory=lambda: defaultdict(int))
+    received: dict = field(default_factory=lambda: defaultdict(int))
+    messages: dict = field(default_factory=lambda: defaultdict(int))
+
+    def __enter__(self) -> "CommLog":
+        self._token = _OPEN_LOGS.set(_OPEN_LOGS.get() + (self,))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _OPEN_LOGS.reset(self._token)
+
+    def select(self, op: str | None = None, pass_: str | None = None) -> list[dict]:
+        return [c for c in self.calls
+                if (op is None or c["op"] == op) and (pass_ is None or c["pass"] == pass_)]
+
+    def count(self, op: str | None = None, pass_: str | None = None) -> int:
+        return len(self.select(op, pass_))
+
+    def message_bytes(self, op: str | None = None, pass_: str | None = None) -> int:
+        return sum(c["bytes"] for c in self.select(op, pass_))
+
+
+def open_logs() -> tuple:
+    """The logs open here. Code whose backward may run on another thread (autograd's device
+    threads on GPU) keeps the tuple its forward saw and hands it to `comm_span(logs=...)`."""
+    return _OPEN_LOGS.get()
+
+
+def comm_span(op: str, nbytes: int | None = None, *, world: int | None = None,
+              pass_: str | None = None, logs: tuple | None = None):
+    """Label one communication call of `nbytes` (the message: see the module docstring) over
+    `world` ranks, and record it in the open logs (or in `logs`); `pass_` says forward/backward
+    where the caller knows it. Bytes in the label let the loader build a bandwidth table."""
     from torch.profiler import record_function
 
+    if nbytes is not None:
+        call = {"op": op, "pass": pass_, "bytes": int(nbytes), "world": world}
+        for log in open_logs() if logs is None else logs:
+            log.calls.append(call)
     return record_function(f"comm:{op}" + (f" {int(nbytes)}B" if nbytes is not None else ""))
 
 

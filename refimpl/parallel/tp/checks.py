@@ -4,7 +4,7 @@ notebook 06 assert on. `all_checks` runs on every rank of a launch (`launch.run(
 Each check builds the reference layer (the same on every rank: same seed), its tensor-parallel
 version from it, runs both on the same input, and returns plain numbers: relative errors against
 the reference (gathered over tp where the TP result is sharded), the communication log
-(refimpl.parallel.tp.mappings.TPCommLog) and the activation bytes autograd saved.
+(refimpl.trace.labels.CommLog) and the activation bytes autograd saved.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from refimpl.config import TrainConfig
+from refimpl.cost.collective_bytes import wire_bytes
 from refimpl.launch import device_for
 from refimpl.memory import measure_block_activations
 from refimpl.model import Block, GPTConfig, build_model, lm_loss, synthetic_batch
@@ -24,10 +25,11 @@ from refimpl.parallel.tp.layers import (
     ParallelSelfAttention,
     RowParallelLinear,
 )
-from refimpl.parallel.tp.mappings import TPCommLog, group_rank, is_sequence_partial
+from refimpl.parallel.tp.mappings import group_rank, is_sequence_partial
 from refimpl.parallel.tp.parallelize import gather_tp_state_dict, parallelize_tp, tp_lm_loss
 from refimpl.placement import GroupMesh, placement_of, unshard
 from refimpl.strategy import make_optimizer
+from refimpl.trace.labels import CommLog
 
 BLOCK_CFG = GPTConfig(d_model=64, n_heads=8, n_layers=1, seq_len=16)
 B, S = 2, 16
@@ -42,7 +44,7 @@ def _mine(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     return t.chunk(dist.get_world_size(group), dim=dim)[group_rank(group)]
 
 
-def _log(log: TPCommLog) -> list:
+def _log(log: CommLog) -> list:
     return [(c["op"], c["pass"], c["bytes"]) for c in log.calls]
 
 
@@ -74,7 +76,7 @@ def linear_checks(group, device="cpu") -> dict:
     ]:
         layer = build()
         xin = (x if feed_full else _mine(x, -1, group)).clone().requires_grad_()
-        with TPCommLog() as log:
+        with CommLog() as log:
             y = layer(xin)
             y.backward(dy if out_full else _mine(dy, -1, group))
         want_y = lin(x) if out_full else _mine(lin(x), -1, group)
@@ -100,7 +102,7 @@ def block_checks(group, t: int, device="cpu") -> dict:
             xr = x.clone().requires_grad_()
             ref_part(xr).backward(dy)
             xin = (_mine(x, 1, group) if sp else x).clone().requires_grad_()
-            with TPCommLog() as log:
+            with CommLog() as log:
                 y = tp_part(xin)
                 y.backward(_mine(dy, 1, group) if sp else dy)
             want_y = ref_part(x)
@@ -108,7 +110,7 @@ def block_checks(group, t: int, device="cpu") -> dict:
                 "y": rel(y, _mine(want_y, 1, group) if sp else want_y),
                 "dx": rel(xin.grad, _mine(xr.grad, 1, group) if sp else xr.grad),
                 "dw": (_sp_grad_error if sp else _grad_errors)(ref_part, tp_part, group),
-                "log": _log(log), "wire": log.wire_bytes(), "messages": log.message_bytes(),
+                "log": _log(log), "wire": wire_bytes(log.calls), "messages": log.message_bytes(),
                 "activations": measure_block_activations(tp_part, xin.detach()),
                 "reference_activations": measure_block_activations(ref_part, x),
             }
@@ -160,7 +162,7 @@ def model_checks(group, t: int, vocab: int, dtype=torch.float32, steps: int = 3,
         losses, grad_err, local_numel = [], None, sum(p.numel() for p in model.parameters())
         for step in range(steps):
             batch = synthetic_batch(cfg, 8, 32, 0, step).to(device)
-            with TPCommLog() as log:
+            with CommLog() as log:
                 loss = tp_lm_loss(model, model(batch.inputs), batch.targets)
                 loss.backward()
             if grad_err is None:

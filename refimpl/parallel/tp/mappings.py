@@ -22,58 +22,17 @@ dim 1; a collective needs contiguous chunks, so we move it to the front for the 
 Each helper returns its input untouched when the group has one rank (group None means "no TP").
 `comm` is the collectives module (torch.distributed, or refimpl.comm under --collectives refimpl:
 the same signatures), passed down from the layer that owns the group.
-Every call is labelled `comm:<op> <bytes>B` for the profiler and, when a `TPCommLog` is open,
-recorded there with its pass (forward or backward). The log an op writes to in backward is the one
-open when its forward ran: backward may run on another thread (autograd's device threads on GPU).
+Every call is labelled `comm:<op> <bytes>B` for the profiler and recorded, with its pass (forward
+or backward), in the open `CommLog`s (refimpl.trace.labels). The logs an op writes to in backward
+are the ones open when its forward ran: backward may run on another thread (autograd's device
+threads on GPU).
 """
 from __future__ import annotations
-
-import contextvars
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from refimpl.cost.volume import PAPER_FACTOR
-from refimpl.trace.labels import comm_span
-
-_OPEN_LOGS: contextvars.ContextVar[tuple] = contextvars.ContextVar("refimpl_tp_logs", default=())
-
-
-@dataclass
-class TPCommLog:
-    """Every TP collective this rank issued while the log was open: (op, pass, message bytes).
-
-    Message bytes are the whole tensor the collective is about: the tensor all-reduced, the
-    gathered output of an all-gather, the full input of a reduce-scatter (refimpl.cost.volume's
-    convention). `wire_bytes` turns them into what one rank sends on a ring: all-reduce 2(t-1)/t,
-    all-gather and reduce-scatter (t-1)/t of the message.
-    """
-    calls: list = field(default_factory=list)
-
-    def __enter__(self) -> "TPCommLog":
-        self._token = _OPEN_LOGS.set(_OPEN_LOGS.get() + (self,))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _OPEN_LOGS.reset(self._token)
-
-    def record(self, op: str, pass_: str, nbytes: int, world: int) -> None:
-        self.calls.append({"op": op, "pass": pass_, "bytes": int(nbytes), "world": world})
-
-    def count(self, op: str | None = None, pass_: str | None = None) -> int:
-        return len(self._select(op, pass_))
-
-    def message_bytes(self, op: str | None = None, pass_: str | None = None) -> int:
-        return sum(c["bytes"] for c in self._select(op, pass_))
-
-    def wire_bytes(self, op: str | None = None, pass_: str | None = None) -> float:
-        return sum(PAPER_FACTOR[c["op"]] * c["bytes"] * (c["world"] - 1) / c["world"]
-                   for c in self._select(op, pass_))
-
-    def _select(self, op, pass_):
-        return [c for c in self.calls
-                if (op is None or c["op"] == op) and (pass_ is None or c["pass"] == pass_)]
+from refimpl.trace.labels import comm_span, open_logs
 
 
 def group_size(group) -> int:
@@ -90,9 +49,8 @@ def group_rank(group) -> int:
 def _all_reduce(x: torch.Tensor, group, comm, logs, pass_: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
     x = x.contiguous().clone()        # never reduce into a tensor autograd still holds
     name = "all_reduce" if op == dist.ReduceOp.SUM else "all_reduce_max"
-    with comm_span(name, x.nbytes):
+    with comm_span(name, x.nbytes, world=group_size(group), pass_=pass_, logs=logs):
         comm.all_reduce(x, op=op, group=group)
-    _log(logs, "all_reduce", pass_, x.nbytes, group)
     return x
 
 
@@ -100,9 +58,8 @@ def _all_gather(x: torch.Tensor, dim: int, group, comm, logs, pass_: str) -> tor
     t = group_size(group)
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((t * front.shape[0],) + front.shape[1:], dtype=x.dtype, device=x.device)
-    with comm_span("all_gather", out.nbytes):
+    with comm_span("all_gather", out.nbytes, world=t, pass_=pass_, logs=logs):
         comm.all_gather_into_tensor(out, front, group=group)
-    _log(logs, "all_gather", pass_, out.nbytes, group)
     # Contiguous in the caller's layout: a matmul on a strided input copies it, and Q, K and V
     # would each save their own copy of the gathered tokens.
     return out.movedim(0, dim).contiguous()
@@ -114,9 +71,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group, comm, logs, pass_: str) ->
     if front.shape[0] % t:
         raise ValueError(f"reduce-scatter: dim {dim} of size {front.shape[0]} does not divide by {t}")
     out = torch.empty((front.shape[0] // t,) + front.shape[1:], dtype=x.dtype, device=x.device)
-    with comm_span("reduce_scatter", front.nbytes):
+    with comm_span("reduce_scatter", front.nbytes, world=t, pass_=pass_, logs=logs):
         comm.reduce_scatter_tensor(out, front, op=dist.ReduceOp.SUM, group=group)
-    _log(logs, "reduce_scatter", pass_, front.nbytes, group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -127,17 +83,12 @@ def _my_slice(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return x.chunk(t, dim=dim)[r].contiguous()
 
 
-def _log(logs, op, pass_, nbytes, group) -> None:
-    for log in logs:
-        log.record(op, pass_, nbytes, group_size(group))
-
-
 # --- the conjugate pairs ---------------------------------------------------------------------------
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, comm):
-        ctx.group, ctx.comm, ctx.logs = group, comm, _OPEN_LOGS.get()
+        ctx.group, ctx.comm, ctx.logs = group, comm, open_logs()
         return x.view_as(x)
 
     @staticmethod
@@ -148,7 +99,7 @@ class _CopyToRegion(torch.autograd.Function):
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, comm):
-        return _all_reduce(x, group, comm, _OPEN_LOGS.get(), "forward")
+        return _all_reduce(x, group, comm, open_logs(), "forward")
 
     @staticmethod
     def backward(ctx, grad):
@@ -158,7 +109,7 @@ class _ReduceFromRegion(torch.autograd.Function):
 class _SplitLastDim(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, comm):
-        ctx.group, ctx.comm, ctx.logs = group, comm, _OPEN_LOGS.get()
+        ctx.group, ctx.comm, ctx.logs = group, comm, open_logs()
         return _my_slice(x, -1, group)
 
     @staticmethod
@@ -170,7 +121,7 @@ class _GatherLastDim(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, comm):
         ctx.group = group
-        return _all_gather(x, -1, group, comm, _OPEN_LOGS.get(), "forward")
+        return _all_gather(x, -1, group, comm, open_logs(), "forward")
 
     @staticmethod
     def backward(ctx, grad):
@@ -180,7 +131,7 @@ class _GatherLastDim(torch.autograd.Function):
 class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, comm):
-        ctx.group, ctx.comm, ctx.logs = group, comm, _OPEN_LOGS.get()
+        ctx.group, ctx.comm, ctx.logs = group, comm, open_logs()
         return _all_gather(x, 1, group, comm, ctx.logs, "forward")
 
     @staticmethod
@@ -191,7 +142,7 @@ class _GatherFromSequence(torch.autograd.Function):
 class _ScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, comm):
-        ctx.group, ctx.comm, ctx.logs = group, comm, _OPEN_LOGS.get()
+        ctx.group, ctx.comm, ctx.logs = group, comm, open_logs()
         return _reduce_scatter(x, 1, group, comm, ctx.logs, "forward")
 
     @staticmethod
@@ -202,7 +153,7 @@ class _ScatterToSequence(torch.autograd.Function):
 class _SplitSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, comm):
-        ctx.group, ctx.comm, ctx.logs = group, comm, _OPEN_LOGS.get()
+        ctx.group, ctx.comm, ctx.logs = group, comm, open_logs()
         return _my_slice(x, 1, group)
 
     @staticmethod
@@ -244,11 +195,11 @@ def all_reduce_logged(x: torch.Tensor, group, op=dist.ReduceOp.SUM, comm=dist) -
     the vocabulary-parallel cross-entropy's max and sum-exp reductions use it."""
     if group_size(group) == 1:
         return x
-    return _all_reduce(x, group, comm, _OPEN_LOGS.get(), "forward", op=op)
+    return _all_reduce(x, group, comm, open_logs(), "forward", op=op)
 
 
 def all_reduce_grad_logged(grad: torch.Tensor, group, comm=dist) -> torch.Tensor:
     """Sum a gradient over the group inside backward (sequence-parallel LayerNorm weights)."""
     if group_size(group) == 1:
         return grad
-    return _all_reduce(grad, group, comm, _OPEN_LOGS.get(), "backward")
+    return _all_reduce(grad, group, comm, open_logs(), "backward")

@@ -3,8 +3,9 @@
 The whole world on tp, over the mesh's tp group (`DeviceMesh.from_group`). The cross-entropy runs
 inside `loss_parallel()`, which computes it from logits sharded on the vocabulary without gathering
 them -- and `backward()` must run inside the same context, since the gradient of the sharded
-logits is produced there too. The loss is then a replicated DTensor: the step reads its local
-value. This twin does not compose with our data-parallel strategies (dp must be 1).
+logits is produced there too: `micro_step` opens it around each micro-batch of the step runner's
+loop. The loss is then a replicated DTensor: the loss function hands the loop its local value.
+This twin does not compose with our data-parallel strategies (dp must be 1).
 """
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import torch
 from refimpl.config import TrainConfig
 from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
 from refimpl.mesh import LayoutError
-from refimpl.model import GPT, Batch, lm_loss
+from refimpl.model import GPT, lm_loss
 from refimpl.model.activation_checkpointing import checkpoint_blocks
 from refimpl.parallel.tp.torch_plan import full_state_dict, torch_parallelize_tp
+from refimpl.rank_model import RankModel
 from refimpl.strategy import Strategy, make_optimizer
-from refimpl.trace.labels import phase
 
 
 def _local(t):
@@ -48,22 +49,14 @@ class TorchTensorParallel(Strategy):
         if ctx.cfg.activation_checkpointing:
             checkpoint_blocks(self.model)
         self.optimizer = make_optimizer(self.model.parameters(), ctx.cfg)
+        # The step runner's loop (refimpl.step), with the replicated loss read as a plain tensor.
+        self.rank_model = RankModel(self.model, loss_fn=lambda logits, targets:
+                                    lm_loss(logits, targets).to_local())
 
-    def train_step(self, batch: Batch) -> torch.Tensor:
+    def micro_step(self, is_last: bool):
         from torch.distributed.tensor.parallel import loss_parallel
 
-        micro = self.local_micro_batches(batch)
-        total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        for mb in micro:
-            with loss_parallel():
-                with phase("forward"), self.ctx.autocast():
-                    loss = lm_loss(self.model(mb.inputs), mb.targets) / len(micro)
-                with phase("backward"):
-                    loss.backward()
-            total += _local(loss.detach()).double()
-        with phase("optimizer"):
-            self.optimizer_step()
-        return total
+        return loss_parallel()     # around forward and backward: both see the sharded logits
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.model)
