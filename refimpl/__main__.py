@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--timeout", type=float, default=900.0)
     t.add_argument("--json", action="store_true", help="print the result as one JSON object")
     _add_env_parser(sub)
+    sub.add_parser("bisect", add_help=False, help="the train flags: where the layout first "
+                   "parts from single (step, phase, module; noise or bug)")
     return p
 
 
@@ -107,6 +109,7 @@ def config_from_args(args):
     options = dict(args.options)
     # MoE knobs are the model's, not a strategy's: --set balance=aux|bias|none, aux_alpha, bias_gamma
     moe = {key: options.pop(key) for key in MODEL_OPTIONS if key in options}
+    fault = options.pop("fault", None)     # --set fault=<name>: a bug on purpose (refimpl.faults)
     try:
         model = replace(GPTConfig(), n_layers=args.layers, d_model=args.d_model,
                         n_heads=args.heads, n_experts=args.experts, top_k=args.top_k,
@@ -124,7 +127,7 @@ def config_from_args(args):
                        trace_dir=args.trace_dir, model=model, options=options,
                        tp=args.tp, pp=pp, cp=args.cp, ep=args.ep,
                        sequence_parallel=args.sequence_parallel, collectives=args.collectives,
-                       schedule=args.schedule, virtual_stages=args.virtual_stages,
+                       schedule=args.schedule, virtual_stages=args.virtual_stages, fault=fault,
                        init_state=args.init_state, return_state=bool(args.save_state),
                        init_optimizer_state=args.init_optimizer_state,
                        return_optimizer_state=bool(args.save_optimizer_state),
@@ -132,6 +135,11 @@ def config_from_args(args):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bisect"]:          # the train flags, then refimpl.verify.bisect
+        from refimpl.verify.bisect import main as bisect_main
+        args = build_parser().parse_args(["train", *argv[1:]])
+        return bisect_main(lambda: config_from_args(args), as_json=args.json, timeout=args.timeout)
     args = build_parser().parse_args(argv)
     if args.command == "env":
         from refimpl import env
@@ -146,11 +154,13 @@ def main(argv=None) -> int:
         if not args.timeout > 0:
             raise LayoutError(f"--timeout must be > 0 seconds (got {args.timeout})")
         cfg = config_from_args(args)
-        for flag, path in (("--init-state", args.init_state),
-                           ("--init-optimizer-state", args.init_optimizer_state)):
-            if path and not os.path.isfile(path):
-                raise LayoutError(f"{flag} {path}: no such file")
         validate(cfg)
+        from refimpl.verify.files import check_files
+        check_files(cfg.model, init_state=args.init_state,
+                    init_optimizer_state=args.init_optimizer_state,
+                    writes={"--save-state": args.save_state,
+                            "--save-optimizer-state": args.save_optimizer_state},
+                    trace_dir=args.trace_dir if args.profile else None)
     except LayoutError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

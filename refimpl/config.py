@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import refimpl.comm as refimpl_comm
+from refimpl import faults
 from refimpl.mesh import LayoutError, Mesh, ParallelDims
 from refimpl.model import GPTConfig
 
@@ -61,6 +62,7 @@ class TrainConfig:
     collectives: str = "torch"        # "refimpl": every collective from refimpl.comm's send/recv
     schedule: str | None = None       # pipeline schedule (pp > 1): gpipe, 1f1b, interleaved, zb-h1
     virtual_stages: int = 1           # model chunks per pipeline rank (interleaved)
+    fault: str | None = None          # a bug on purpose, to learn the tools on (refimpl.faults)
 
     def with_(self, **changes) -> "TrainConfig":
         return replace(self, **changes)
@@ -90,6 +92,8 @@ class TrainConfig:
             raise LayoutError(f"weight decay must be finite and >= 0 (got {self.weight_decay!r})")
         if self.model.n_experts < 0:
             raise LayoutError(f"--experts must be >= 0 (got {self.model.n_experts})")
+        if self.fault is not None:
+            faults.check(self)
         if self.global_batch % self.micro_batches:
             raise LayoutError(f"global batch {self.global_batch} must be a positive multiple of "
                               f"--micro-batches {self.micro_batches}")

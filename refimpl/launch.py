@@ -19,6 +19,8 @@ The contract (DESIGN.md):
   * a rank that raises makes `run` raise `RankFailedError` naming the rank, with its traceback;
   * a hang ends at `timeout` with every rank killed; no rank outlives the call (each child also
     asks the kernel to kill it if its parent dies, so an interrupted notebook kernel leaks nothing);
+    the error names, per rank still running, the communication call it waits in and the call its
+    peer waits in (each rank's flight recorder: refimpl/flight_recorder.py);
   * under torchrun (RANK / WORLD_SIZE in the environment) `run` calls `fn` for this rank only.
 """
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any, Callable
 
 import cloudpickle
 
-from refimpl import _zygote_client
+from refimpl import _zygote_client, flight_recorder
 
 # Set on every child we start, so a nested `run` inside a rank is not mistaken for torchrun.
 _CHILD_MARK = "REFIMPL_RANK_CHILD"
@@ -79,11 +81,13 @@ def under_torchrun() -> bool:
 
 
 def run(fn: Callable[..., Any], world_size: int = 2, *args, backend: str = "auto",
-        timeout: float = 600.0, quiet: bool = False, **kwargs) -> list:
+        timeout: float = 600.0, quiet: bool = False, flight_recorder_on: bool | None = None,
+        **kwargs) -> list:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return results in rank order.
 
     `quiet=True` drops what the ranks printed; otherwise it is echoed after they finish, each
-    line prefixed with its rank.
+    line prefixed with its rank. `flight_recorder_on`: record each rank's communication calls for
+    the hang report (default: on, unless REFIMPL_FLIGHT_RECORDER=0 in this environment).
     """
     if under_torchrun():
         return [_run_this_torchrun_rank(fn, args, kwargs, backend)]
@@ -101,10 +105,15 @@ def run(fn: Callable[..., Any], world_size: int = 2, *args, backend: str = "auto
         payload = tmp / "payload.pkl"
         payload.write_bytes(cloudpickle.dumps({"fn": fn, "args": args, "kwargs": kwargs}))
         payload.with_suffix(".path.json").write_text(json.dumps(sys.path))
-        ranks = [_start_rank(r, world_size, backend, store.port, payload, tmp, timeout)
+        if flight_recorder_on is None:
+            flight_recorder_on = os.environ.get(flight_recorder.ENV) != "0"
+        recorder = tmp / "flight" if flight_recorder_on else None
+        if recorder is not None:
+            recorder.mkdir()
+        ranks = [_start_rank(r, world_size, backend, store.port, payload, tmp, timeout, recorder)
                  for r in range(world_size)]
         try:
-            _wait_all(ranks, tmp, timeout)
+            _wait_all(ranks, tmp, timeout, recorder)
         finally:
             _kill_all(ranks)  # no-op for ranks that already exited
             if not quiet:
@@ -121,7 +130,7 @@ def _timedelta(seconds: float):
 
 
 def _start_rank(rank: int, world_size: int, backend: str, port: int, payload: Path, tmp: Path,
-                timeout: float) -> _Rank:
+                timeout: float, recorder: Path | None = None) -> _Rank:
     env = dict(os.environ)
     env.update({
         _CHILD_MARK: "1",
@@ -130,6 +139,7 @@ def _start_rank(rank: int, world_size: int, backend: str, port: int, payload: Pa
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "REFIMPL_BACKEND": backend, "REFIMPL_TIMEOUT": str(timeout),
         "REFIMPL_PAYLOAD": str(payload), "REFIMPL_OUTDIR": str(tmp),
+        flight_recorder.ENV: str(recorder) if recorder is not None else "0",
     })
     if backend == "nccl":
         # cuBLAS's deterministic mode needs a fixed workspace, set before cuBLAS starts
@@ -153,7 +163,7 @@ def _start_rank(rank: int, world_size: int, backend: str, port: int, payload: Pa
     return _Rank(rank, proc, out, err)
 
 
-def _wait_all(ranks: list[_Rank], tmp: Path, timeout: float) -> None:
+def _wait_all(ranks: list[_Rank], tmp: Path, timeout: float, recorder: Path | None = None) -> None:
     deadline = time.monotonic() + timeout
     pending = {r.rank: r for r in ranks}
     while pending:
@@ -166,9 +176,11 @@ def _wait_all(ranks: list[_Rank], tmp: Path, timeout: float) -> None:
                 first = _first_failure(ranks, tmp, default=r)
                 raise RankFailedError(first.rank, _failure_text(first, tmp, first.proc.poll()))
         if time.monotonic() > deadline:
+            where = ("\n" + flight_recorder.hang_report(recorder, sorted(pending))
+                     if recorder is not None else "")
             raise LaunchTimeoutError(
                 f"ranks {sorted(pending)} still running after {timeout:.0f} s; killed all "
-                f"{len(ranks)} ranks")
+                f"{len(ranks)} ranks{where}")
         time.sleep(0.02)
 
 
@@ -176,9 +188,14 @@ def _first_failure(ranks: list[_Rank], tmp: Path, default: _Rank, grace: float =
     """The rank that failed first, not merely the first one polled.
 
     When one rank dies, its peers soon fail too ("connection closed by peer"); the root cause is
-    the earliest traceback. Give the others a moment to write theirs, then pick by timestamp.
+    the earliest traceback. Give the others a moment to write theirs, then pick by timestamp --
+    unless a rank was killed by a signal (the OOM killer, a lost device, kill -9): it wrote no
+    traceback, and the peers' tracebacks are its consequence.
     """
     time.sleep(grace)
+    killed = [r for r in ranks if (r.proc.poll() or 0) < 0]
+    if killed:
+        return killed[0]
     written = [(os.stat(tmp / f"error{r.rank}.txt").st_mtime_ns, r.rank) for r in ranks
                if (tmp / f"error{r.rank}.txt").exists()]
     if not written:

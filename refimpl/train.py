@@ -10,6 +10,8 @@ strategy (refimpl.strategy.Strategy) owns placement, the step and gathering the 
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import statistics
 import time
 
@@ -19,6 +21,7 @@ from refimpl import launch
 from refimpl.compose.optim_reshard import full_optimizer_state, load_optimizer_state, validate_optimizer_state
 from refimpl.compose.transforms import model_parallel, validate_model_parallel
 from refimpl.config import RunContext, TrainConfig
+from refimpl.faults import injected
 from refimpl.memory import ActivationTracker
 from refimpl.mesh import Mesh
 from refimpl.model import build_model, count_params, synthetic_batch
@@ -98,6 +101,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             peak.step_begins(step)
             _sync(ctx)
             start = time.perf_counter()
+            if injected(cfg, "rank-dies") and step == 1 and rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)    # the fault: a lost rank, mid-run
             with tracker:
                 loss = strategy.train_step(batch)
             _sync(ctx)
@@ -144,7 +149,7 @@ def train_on_ranks(cfg: TrainConfig, timeout: float = 900.0, quiet: bool = True)
         # so that every process can print the same merged JSON.
         (per_rank,) = launch.run(_train_rank_and_share, cfg.nproc, cfg)
     elif cfg.nproc == 1 and cfg.strategy == "single":
-        per_rank = [_in_this_process(train_rank, 0, 1, cfg)]   # the reference needs no group
+        per_rank = [in_this_process(train_rank, 0, 1, cfg)]   # the reference needs no group
     else:
         per_rank = launch.run(train_rank, cfg.nproc, cfg, timeout=timeout, quiet=quiet,
                               backend=launch_backend(cfg))
@@ -187,7 +192,7 @@ def _train_several(rank: int, world_size: int, cfgs: list[TrainConfig]) -> list[
     return results
 
 
-def _in_this_process(fn, *args):
+def in_this_process(fn, *args):
     """Run the reference here on one thread, as every rank runs: it does not fight the ranks of a
     comparison for the cores, and its matmuls sum in the same order as a rank's would."""
     threads = torch.get_num_threads()

@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "refimpl"
 
 LAYERS = [
-    ("foundation", ("launch", "_rank", "_zygote_client", "device_audit", "env", "numerics", "progress", "mesh",
-                    "__init__")),
+    ("foundation", ("launch", "_rank", "_zygote_client", "device_audit", "flight_recorder", "faults",
+                    "env", "numerics", "progress", "mesh", "__init__")),
     ("labels", ("trace.labels",)),
     ("model", ("model",)),
     ("measure", ("memory", "trace", "comm")),

@@ -118,6 +118,13 @@ def exchange(g: GroupView, sends=(), recvs=()) -> None:
     post(g, sends, recvs).wait()
 
 
+def _global(rank: int | None, group, group_rank: int | None) -> int | None:
+    """The peer's global rank, whichever way the caller named it (for the flight recorder)."""
+    if rank is not None or group_rank is None or group is None:
+        return rank if rank is not None else group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
 def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -126,27 +133,31 @@ def nbytes(tensor: torch.Tensor) -> int:
 # labelled comm:send / comm:recv (comm:isend / comm:irecv: posting only) in a trace.
 def send(tensor, dst=None, group=None, tag=0, group_dst=None):
     """torch.distributed.send, counted and labelled."""
-    with op_scope("p2p"), comm_span("send", nbytes(tensor)):
+    with op_scope("p2p"), comm_span("send", nbytes(tensor), group=group,
+                                         peer=_global(dst, group, group_dst), tag=tag):
         record_send(nbytes(tensor))
         return dist.send(tensor, dst, group, wire_tag(tag), group_dst=group_dst)
 
 
 def recv(tensor, src=None, group=None, tag=0, group_src=None):
     """torch.distributed.recv, counted and labelled."""
-    with op_scope("p2p"), comm_span("recv", nbytes(tensor)):
+    with op_scope("p2p"), comm_span("recv", nbytes(tensor), group=group,
+                                         peer=_global(src, group, group_src), tag=tag):
         record_recv(nbytes(tensor))
         return dist.recv(tensor, src, group, wire_tag(tag), group_src=group_src)
 
 
 def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
     """torch.distributed.isend, counted; the returned handle's wait() is the caller's."""
-    with op_scope("p2p"), comm_span("isend", nbytes(tensor)):
+    with op_scope("p2p"), comm_span("isend", nbytes(tensor), group=group,
+                                         peer=_global(dst, group, group_dst), tag=tag):
         record_send(nbytes(tensor))
         return dist.isend(tensor, dst, group, wire_tag(tag), group_dst=group_dst)
 
 
 def irecv(tensor, src=None, group=None, tag=0, group_src=None):
     """torch.distributed.irecv, counted; the returned handle's wait() is the caller's."""
-    with op_scope("p2p"), comm_span("irecv", nbytes(tensor)):
+    with op_scope("p2p"), comm_span("irecv", nbytes(tensor), group=group,
+                                         peer=_global(src, group, group_src), tag=tag):
         record_recv(nbytes(tensor))
         return dist.irecv(tensor, src, group, wire_tag(tag), group_src=group_src)

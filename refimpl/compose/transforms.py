@@ -22,6 +22,7 @@ import functools
 
 import torch.nn as nn
 
+from refimpl.faults import injected
 from refimpl.mesh import LayoutError
 from refimpl.model import lm_loss
 from refimpl.model.activation_checkpointing import checkpoint_blocks
@@ -72,7 +73,9 @@ def model_parallel(model: nn.Module, ctx) -> RankModel:
     if mesh.size("tp") > 1:
         parallelize_tp(model, mesh.group("tp"), sequence_parallel=cfg.sequence_parallel,
                        comm=ctx.comm)
-        loss_fn = functools.partial(tp_lm_loss, model)   # reads the vocabulary-split logits
+        # reads the vocabulary-split logits
+        loss_fn = functools.partial(tp_lm_loss, model,
+                                    mask_padding=not injected(cfg, "vocab-unmasked"))
         seq_split = mesh.size("tp") if cfg.sequence_parallel else 1
     batch_chunks = None
     if mesh.size("cp") > 1:   # ring attention in every block, global positions
@@ -88,5 +91,5 @@ def model_parallel(model: nn.Module, ctx) -> RankModel:
     pipeline = None
     if mesh.size("pp") > 1:
         model = split_for_pipeline(model, ctx, seq_split)
-        pipeline = functools.partial(pipeline_forward_backward, model)
+        pipeline = functools.partial(pipeline_forward_backward, model, fault=cfg.fault)
     return RankModel(model, loss_fn=loss_fn, shard_batch=batch_chunks, pipeline=pipeline)

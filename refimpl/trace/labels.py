@@ -13,23 +13,44 @@ what a rank sends).
 
 `CommLog` is the one record of communication a test or a notebook opens: every labelled call
 (`comm_span`) and every byte refimpl.comm's own collectives sent and received while it was open.
+Where the rank's flight recorder is on (refimpl/flight_recorder.py), each labelled call is also
+entered there with its group, peer, tag and the innermost phase, so a hang can be located.
 """
 from __future__ import annotations
 
 import contextvars
 import re
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+from refimpl import flight_recorder
 
 PHASES = ("forward", "backward", "optimizer")
 COMM_LABEL = re.compile(r"^comm:(?P<op>[\w\-]+)(?: (?P<bytes>\d+)B)?$")
+
+
+# The innermost phase label, for the flight recorder (set only while it is on).
+_PHASE: contextvars.ContextVar[str | None] = contextvars.ContextVar("refimpl_phase", default=None)
 
 
 def phase(name: str):
     """Label a phase of a step (forward, backward, optimizer, or any compute you name)."""
     from torch.profiler import record_function
 
-    return record_function(name)
+    if not flight_recorder.active():
+        return record_function(name)
+    return _with_phase(record_function(name), name)
+
+
+@contextmanager
+def _with_phase(span, name: str):
+    token = _PHASE.set(name)
+    try:
+        with span:
+            yield
+    finally:
+        _PHASE.reset(token)
 
 
 # The logs open in this context, innermost last. A ContextVar, not a module global: each thread and
@@ -77,17 +98,24 @@ def open_logs() -> tuple:
 
 
 def comm_span(op: str, nbytes: int | None = None, *, world: int | None = None,
-              pass_: str | None = None, logs: tuple | None = None):
+              pass_: str | None = None, logs: tuple | None = None, group=None,
+              peer: int | None = None, tag: int | None = None, phase: str | None = None):
     """Label one communication call of `nbytes` (the message: see the module docstring) over
     `world` ranks, and record it in the open logs (or in `logs`); `pass_` says forward/backward
-    where the caller knows it. Bytes in the label let the loader build a bandwidth table."""
+    where the caller knows it. Bytes in the label let the loader build a bandwidth table.
+    `group` (a ProcessGroup; None: the world), `peer` (a global rank) and `tag` are for the
+    flight recorder: what a hang report names, with `phase` (default: the innermost phase label)."""
     from torch.profiler import record_function
 
     if nbytes is not None:
         call = {"op": op, "pass": pass_, "bytes": int(nbytes), "world": world}
         for log in open_logs() if logs is None else logs:
             log.calls.append(call)
-    return record_function(f"comm:{op}" + (f" {int(nbytes)}B" if nbytes is not None else ""))
+    span = record_function(f"comm:{op}" + (f" {int(nbytes)}B" if nbytes is not None else ""))
+    if not flight_recorder.active():
+        return span
+    return flight_recorder.entered(op, None if nbytes is None else int(nbytes), group, peer, tag,
+                                   phase or _PHASE.get(), inner=span)
 
 
 def categorize(name: str) -> str:

@@ -134,13 +134,18 @@ def ranks_device(nproc: int) -> str:
     return "cuda" if pick_backend(nproc) == "nccl" else "cpu"
 
 
+def reference_config(cfg: TrainConfig) -> TrainConfig:
+    """`single` on the same model, data, steps and micro-batching as `cfg`, on the device its
+    ranks use, without any fault (refimpl.faults)."""
+    return cfg.with_(strategy="single", nproc=1, return_state=True, profile=False,
+                     trace_dir=None, options={}, tp=1, pp=1, cp=1, ep=1, replicas=1,
+                     sequence_parallel=False, schedule=None, virtual_stages=1, fault=None,
+                     device=ranks_device(cfg.nproc))
+
+
 def reference_run(cfg: TrainConfig) -> dict:
-    """`single` on the same model, data, steps and micro-batching, on the device `cfg`'s ranks
-    use; cached per configuration."""
-    ref_cfg = cfg.with_(strategy="single", nproc=1, return_state=True, profile=False,
-                        trace_dir=None, options={}, tp=1, pp=1, cp=1, ep=1, replicas=1,
-                        sequence_parallel=False, schedule=None, virtual_stages=1,
-                        device=ranks_device(cfg.nproc))
+    """`single` for `cfg` (reference_config), cached per configuration."""
+    ref_cfg = reference_config(cfg)
     key = repr(ref_cfg)
     if key not in _reference_cache:
         _reference_cache[key] = train_on_ranks(ref_cfg)

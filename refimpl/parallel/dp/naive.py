@@ -15,6 +15,7 @@ here). `dp` (refimpl.parallel.dp.bucketed) fixes both with buckets launched from
 """
 from __future__ import annotations
 
+from refimpl.faults import injected
 from refimpl.strategy import Strategy
 from refimpl.trace.labels import comm_span
 
@@ -27,6 +28,9 @@ class NaiveDataParallel(Strategy):
         group = self.mesh.group("dp_cp")
         if group is None:
             return
-        for p in self.model.parameters():
+        last = f"blocks.{self.ctx.cfg.model.n_layers - 1}."
+        for name, p in self.model.named_parameters():
+            if injected(self.ctx.cfg, "skip-grad-sync") and name.startswith(last):
+                continue      # the fault: this block's replicas keep their own gradients
             with comm_span("all_reduce", p.grad.nbytes):
                 self.comm.all_reduce(p.grad, group=group)

@@ -58,6 +58,9 @@ class _Links:
         self.posted: dict[int, tuple] = {}   # tag -> (work or None, buffer)
         self.local: dict[int, torch.Tensor] = {}   # messages to a piece on this same rank
 
+    def global_rank(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
     def piece(self, a: Action) -> int:
         return a.chunk * self.p + self.rank
 
@@ -87,7 +90,9 @@ class _Links:
             return self.local.pop(tag)
         self.post_recv(a, shape)
         work, buf = self.posted.pop(tag)
-        with comm_span("recv-wait", buf.numel() * buf.element_size()):
+        with comm_span("recv-wait", buf.numel() * buf.element_size(), group=self.group,
+                       peer=self.global_rank(src), tag=tag,
+                       phase=f"pp:{a.text(self.pieces > self.p)}"):
             work.wait()   # the only place a rank waits for another: the pipeline's bubble
         return buf
 
@@ -106,13 +111,15 @@ class _Links:
 
 
 def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch], group, *,
-                 divisor: int = 1, autocast=nullcontext, loss_fn=lm_loss) -> torch.Tensor | None:
+                 divisor: int = 1, autocast=nullcontext, loss_fn=lm_loss,
+                 fault: str | None = None) -> torch.Tensor | None:
     """Run this rank's `actions` (one row of a schedule table) on `micro`, accumulating gradients
     into the chunks' parameters. Returns the mean loss over the micro-batches (each scaled by 1/m,
     then summed; a float64 0-d tensor on the device) on the rank that holds the last piece, None
     elsewhere. Gradients are those of
     loss / `divisor` (refimpl.step's convention: W for data-parallel replicas that sum).
-    `loss_fn(logits, targets)`: the last piece's loss (tensor parallelism's reads split logits)."""
+    `loss_fn(logits, targets)`: the last piece's loss (tensor parallelism's reads split logits).
+    `fault`: pp-loss-scaled-twice or p2p-misordered inject their bug (refimpl.faults)."""
     m = len(micro)
     parsed = [Action.parse(a) for a in actions]
     split = any(a.kind == "W" for a in parsed)
@@ -142,11 +149,17 @@ def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch
                     part = loss.detach().double()
                     total = part if total is None else total + part
                     out = loss / divisor if divisor != 1 else loss
+                    if fault == "pp-loss-scaled-twice":
+                        out = out / m       # the fault: the 1/m applied a second time
             if not chunk.is_last:   # after the compute range closes: a trace then shows the wait
                 links.send(out.detach(), ACTIVATION, a.micro_batch, k + 1)
             saved[key], records[key] = (x, embeds, out), record
         elif a.kind == "B":
             x, embeds, out = saved.pop(key)
+            if fault == "p2p-misordered" and links.rank == 0 and a.micro_batch == 0:
+                # The fault: the first backward waits for the last micro-batch's gradient, which
+                # stage 1 cannot send before the forwards this rank has not run yet: a hang.
+                a = Action.parse(f"B{m - 1}")
             grad = None if chunk.is_last else links.take(a, shape(a.micro_batch))
             with phase("backward"), phase(f"pp:{label}"):
                 dx = _backward(out, grad, x if k > 0 else None, embeds, split)
@@ -175,11 +188,12 @@ def _backward(out, grad, x, embeds, split: bool):
 
 
 def pipeline_forward_backward(stage, micro: list[Batch], *, divisor: int = 1,
-                              autocast=nullcontext, loss_fn=lm_loss) -> torch.Tensor:
+                              autocast=nullcontext, loss_fn=lm_loss,
+                              fault: str | None = None) -> torch.Tensor:
     """The step runner's pipeline branch (refimpl.step.forward_backward's contract): run this
     rank's row of the table on `micro`; returns the mean loss over the micro-batches as a float64
     0-d tensor on the last stage, zero elsewhere (global_mean_loss broadcasts it over pp)."""
     loss = run_schedule(stage.chunks, stage.actions, micro, stage.group, divisor=divisor,
-                        autocast=autocast, loss_fn=loss_fn)
+                        autocast=autocast, loss_fn=loss_fn, fault=fault)
     device = micro[0].inputs.device
     return torch.zeros((), dtype=torch.float64, device=device) if loss is None else loss

@@ -92,12 +92,15 @@ def _mark_norm(module: nn.Module, sequence_parallel: bool) -> None:
             mark_sequence_partial(p)
 
 
-def tp_lm_loss(model: nn.Module, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def tp_lm_loss(model: nn.Module, logits: torch.Tensor, targets: torch.Tensor, *,
+               mask_padding: bool = True) -> torch.Tensor:
     """Mean next-token cross-entropy from this rank's vocabulary slice of the logits (equal to
-    refimpl.model.lm_loss on the gathered logits, which are never built)."""
+    refimpl.model.lm_loss on the gathered logits, which are never built). `mask_padding=False`
+    is the fault `vocab-unmasked` (refimpl.faults): the padded columns' logits join the softmax."""
     head = model.lm_head
+    vocab = head.out_full if mask_padding else logits.shape[-1] * group_size(head.group)
     return vocab_parallel_cross_entropy(logits, targets, head.group, head.out_start,
-                                        head.out_full, head.comm).mean()
+                                        vocab, head.comm).mean()
 
 
 def gather_tp_state_dict(model: nn.Module, group, grads: bool = False) -> dict:

@@ -44,6 +44,7 @@ from functools import partial
 import torch
 
 from refimpl.config import Option
+from refimpl.faults import injected
 from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
 from refimpl.model import GPT
 from refimpl.parallel.dp.flat_param import FlatParams
@@ -85,7 +86,8 @@ class ZeroDataParallel(Strategy):
         """Bucketed reduces during backward, gated by micro_step. A pipeline's schedule runs its
         backwards without micro_step (and interleaves micro-batches), so under pp the gradients
         are reduce-scattered once, after the schedule (the `overlap=false` path)."""
-        return bool(self.option("overlap")) and self.mesh.size("pp") == 1
+        return (bool(self.option("overlap")) and self.mesh.size("pp") == 1
+                and not injected(self.ctx.cfg, "zero1-unsynced"))   # the fault's path: no buckets
 
     def bucket_cuts(self) -> list[int]:
         # A bucket never straddles two ranks' shards, so each has exactly one owner to reduce to.
@@ -158,6 +160,8 @@ class Zero1(ZeroDataParallel):
             # The buckets were reduced to their owners: this rank's shard of flat_grad holds the
             # sum. The rest is this rank's own gradient, which nothing reads.
             self.buckets.wait()
+        elif injected(self.ctx.cfg, "zero1-unsynced"):
+            pass    # the fault: grad_shard, a view of flat_grad, keeps this rank's own gradient
         else:
             # reduce_scatter_tensor's output may not alias its input: reduce, then copy in place.
             summed = torch.empty_like(self.grad_shard)

@@ -1,0 +1,66 @@
+"""Bugs on purpose: six faults that real implementations shipped, to learn the tools on.
+
+`--set fault=<name>` (TrainConfig.fault) injects one. Each is a line at the place the real bug
+lived, guarded by `injected(cfg, name)`; notebook 10 runs each, shows the symptom a user would
+see, and asserts that the bisector (refimpl.verify.bisect), the hang report
+(refimpl.flight_recorder) or the launcher's rank-and-traceback finds it.
+
+They run only where REFIMPL_FAULTS=1 (the tests and notebook 10 set it): a fault in a training
+run is a mistake, so the layout check refuses it elsewhere, before any rank starts.
+"""
+from __future__ import annotations
+
+import os
+
+from refimpl.mesh import LayoutError
+
+ENV = "REFIMPL_FAULTS"
+
+# name -> (what it does, the real bug of its kind, the layout it needs)
+FAULTS = {
+    "skip-grad-sync": ("dp-naive leaves the last block's gradients out of the dp all-reduce",
+                       "a gradient sync missed on one axis (picotron's DP x 1F1B, its PR #5)"),
+    "vocab-unmasked": ("tp's cross-entropy does not mask the padded vocabulary rows",
+                       "a vocabulary that does not divide by tp (Megatron-LM #1754)"),
+    "pp-loss-scaled-twice": ("the pipeline backpropagates loss / m / m; the loss it reports is right",
+                             "gradients scaled twice, invisible in the loss (torchtitan PR #800)"),
+    "p2p-misordered": ("stage 0's first backward waits for the last micro-batch's gradient",
+                       "a send/recv pair posted in mismatched order: a hang (PyTorch #118369)"),
+    "rank-dies": ("rank 1 is killed (SIGKILL) in the middle of step 1",
+                  "a lost GPU or node: its peers fail on a closed connection"),
+    "zero1-unsynced": ("zero1 steps each rank's shard with that rank's own, unreduced gradients",
+                       "an optimizer shard stepped before its gradients were reduced"),
+}
+
+
+def check(cfg) -> None:
+    """Raise LayoutError (one line) unless `cfg.fault` may run here, on this layout."""
+    name = cfg.fault
+    if name not in FAULTS:
+        raise LayoutError(f"unknown fault {name!r}; choose one of: {', '.join(FAULTS)}")
+    if os.environ.get(ENV) != "1":
+        raise LayoutError(f"--set fault={name} injects a bug on purpose; it runs only where "
+                          f"{ENV}=1 (the tests and notebook 10 set it)")
+    needs = {
+        "skip-grad-sync": (cfg.strategy == "dp-naive" and cfg.pp == 1 and cfg.nproc > cfg.tp * cfg.cp,
+                           "--strategy dp-naive with dp > 1 and no --pp"),
+        "vocab-unmasked": (cfg.tp > 1 and cfg.model.vocab_size % cfg.tp != 0,
+                           "--tp > 1 and a vocabulary that does not divide by it"),
+        "pp-loss-scaled-twice": (cfg.pp > 1 and cfg.micro_batches > 1, "--pp > 1 and --micro-batches > 1"),
+        "p2p-misordered": (cfg.pp > 1 and cfg.micro_batches > cfg.pp and _one_f_one_b(cfg),
+                           "--strategy pp-1f1b (or --schedule 1f1b) and --micro-batches > --pp"),
+        "rank-dies": (cfg.nproc > 1 and cfg.steps > 1, "--nproc > 1 and --steps > 1"),
+        "zero1-unsynced": (cfg.strategy == "zero1" and cfg.nproc > cfg.tp * cfg.cp * cfg.pp,
+                           "--strategy zero1 with dp > 1"),
+    }
+    ok, layout = needs[name]
+    if not ok:
+        raise LayoutError(f"fault {name!r} needs {layout}")
+
+
+def _one_f_one_b(cfg) -> bool:
+    return cfg.schedule == "1f1b" or (cfg.schedule is None and cfg.strategy == "pp-1f1b")
+
+
+def injected(cfg, name: str) -> bool:
+    return cfg.fault == name

@@ -1,0 +1,170 @@
+"""The debugging tools: the flight recorder's hang report, the divergence bisector, the faults
+they are tried on, and bad files refused in one line. Notebook 10 runs every fault end to end;
+here: each tool's logic on made-up records (no ranks), and one real run of each kind."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from refimpl import faults, flight_recorder
+from refimpl.__main__ import main as cli
+from refimpl.config import TrainConfig
+from refimpl.launch import LaunchTimeoutError, RankFailedError
+from refimpl.mesh import LayoutError
+from refimpl.model import GPT, GPTConfig
+from refimpl.train import train_on_ranks
+from refimpl.verify import bisect as bisector
+from tests.models import SMALL
+
+# --- the flight recorder, on rings written by hand --------------------------------------------
+
+def _ring(folder, rank, calls, monkeypatch):
+    monkeypatch.setenv(flight_recorder.ENV, str(folder))
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setattr(flight_recorder, "_ring", None)
+    assert flight_recorder.active()
+    for op, peer, tag, leave in calls:
+        call = flight_recorder.entered(op, 64, None, peer, tag, "forward")
+        call.__enter__()
+        if leave:
+            call.__exit__(None, None, None)
+    monkeypatch.setattr(flight_recorder, "_ring", None)
+
+
+def test_hang_report_names_each_stuck_call_and_its_peer(tmp_path, monkeypatch):
+    _ring(tmp_path, 0, [("all_reduce", None, None, True), ("recv", 1, 5, False)], monkeypatch)
+    _ring(tmp_path, 1, [("recv", 0, 9, False)], monkeypatch)
+    _ring(tmp_path, 2, [("all_reduce", None, None, True)], monkeypatch)
+    report = flight_recorder.hang_report(tmp_path, [0, 1, 2]).splitlines()
+    assert report[0] == ("rank 0 waits in recv from rank 1 tag 5 (64 B, in forward); its peer "
+                         "rank 1 waits in recv from rank 0 tag 9 (64 B, in forward)")
+    assert report[1].startswith("rank 1 waits in recv from rank 0 tag 9")
+    assert report[2] == ("rank 2 is in no recorded communication call; its last call was "
+                         "all_reduce on the world (64 B, in forward)")
+
+
+def test_ring_keeps_the_last_calls_when_it_wraps(tmp_path, monkeypatch):
+    n = flight_recorder.SLOTS + 10
+    _ring(tmp_path, 0, [("send", 1, i, True) for i in range(n)], monkeypatch)
+    tags = [r["tag"] for r in flight_recorder.read(tmp_path, 0)]
+    assert tags == list(range(n - flight_recorder.SLOTS, n))
+
+
+# --- the bisector's comparison, on records written by hand -------------------------------------
+
+def _records(scale_block1=1.0, sp=False):
+    fp = {m: torch.ones(2, 4) for m in ("embed", "blocks.0", "blocks.1", "final_norm")}
+    weights = {"embed.tok.weight": torch.ones(3), "blocks.0.w": torch.ones(3),
+               "blocks.1.w": torch.ones(3) * scale_block1, "final_norm.weight": torch.ones(3)}
+    step = {"loss": 2.0, "forward": fp, "backward": fp, "weights": weights}
+    return {"rank": 0, "coords": {"tp": 0, "replica": 0}, "steps": [step]}
+
+
+def test_bisector_adds_data_ranks_and_names_the_first_bad_module():
+    ref = _records()
+    halves = [_records(), _records()]
+    for r, half in enumerate(halves):     # two data-parallel ranks, each half of the tokens
+        half["rank"] = r
+        for part in ("forward", "backward"):
+            half["steps"][0][part] = {k: v / 2 for k, v in half["steps"][0][part].items()}
+    assert bisector.compare(halves, ref, False, 1e-9)[0] is None
+    halves[0]["steps"][0]["weights"]["blocks.1.w"] = torch.ones(3) * 1.01
+    div = bisector.compare(halves, ref, False, 1e-9)[0]
+    assert (div.step, div.phase, div.module) == (0, "optimizer", "blocks.1")
+    halves[1]["steps"][0]["backward"]["blocks.0"] = torch.zeros(2, 4)
+    div = bisector.compare(halves, ref, False, 1e-9)[0]
+    assert (div.phase, div.module) == ("backward", "blocks.0")   # backward runs before the step
+
+
+def test_bisector_counts_one_tp_rank_unless_sequence_parallel():
+    ref, a, b = _records(), _records(), _records()
+    b["rank"], b["coords"] = 1, {"tp": 1, "replica": 0}
+    assert bisector.compare([a, b], ref, False, 1e-9)[0] is None   # tp ranks hold the same tokens
+    div = bisector.compare([a, b], ref, True, 1e-9)[0]             # under SP they are added
+    assert (div.phase, div.module) == ("forward", "embed")
+
+
+# --- faults are refused outside the debugging notebook and tests --------------------------------
+
+def test_faults_run_only_where_asked_and_on_their_layout(monkeypatch):
+    cfg = TrainConfig(strategy="dp-naive", nproc=2, fault="skip-grad-sync")
+    monkeypatch.delenv(faults.ENV, raising=False)
+    with pytest.raises(LayoutError, match="injects a bug on purpose"):
+        cfg.validate()
+    monkeypatch.setenv(faults.ENV, "1")
+    cfg.validate()
+    with pytest.raises(LayoutError, match="needs --strategy dp-naive"):
+        cfg.with_(strategy="zero1").validate()
+    with pytest.raises(LayoutError, match="unknown fault"):
+        cfg.with_(fault="typo").validate()
+
+
+# --- bad files: one line, exit 2, before any rank starts ---------------------------------------
+
+def test_bad_files_exit_2_with_one_line(tmp_path, capsys):
+    good = tmp_path / "good.pt"
+    torch.save(GPT(GPTConfig()).state_dict(), good)
+    data = good.read_bytes()
+    (tmp_path / "truncated.pt").write_bytes(data[:len(data) // 2])
+    (tmp_path / "garbage.pt").write_text("not a checkpoint")
+    torch.save(GPT(GPTConfig(d_model=32, n_heads=4)).state_dict(), tmp_path / "other.pt")
+    (tmp_path / "a_file").write_text("")
+    cases = {
+        ("--init-state", str(tmp_path / "truncated.pt")): "torch.load can read",
+        ("--init-state", str(tmp_path / "garbage.pt")): "torch.load can read",
+        ("--init-state", str(tmp_path / "other.pt")): "in this model",
+        ("--save-state", str(tmp_path / "missing" / "x.pt")): "does not exist",
+        ("--profile", "--trace-dir", str(tmp_path / "a_file" / "t")): "is a file, not a folder",
+    }
+    for flags, says in cases.items():
+        assert cli(["train", *flags]) == 2, flags
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and says in err, (flags, err)
+
+
+# --- one real run of each tool ------------------------------------------------------------------
+
+@pytest.mark.ranks
+def test_bisector_finds_a_missing_gradient_sync(monkeypatch):
+    monkeypatch.setenv(faults.ENV, "1")
+    cfg = TrainConfig(strategy="dp-naive", nproc=2, steps=2, model=SMALL, dtype="float64",
+                      fault="skip-grad-sync")      # clean layouts: notebook 10 bisects them
+    report = bisector.bisect(cfg)
+    last = f"blocks.{SMALL.n_layers - 1}"
+    assert report.verdict == "bug"
+    assert (report.first.step, report.first.phase, report.first.module) == (0, "optimizer", last)
+
+
+@pytest.mark.ranks
+def test_bisector_finds_a_vocabulary_left_unmasked(monkeypatch):
+    monkeypatch.setenv(faults.ENV, "1")
+    odd = dataclasses.replace(SMALL, vocab_size=SMALL.vocab_size - 1)
+    cfg = TrainConfig(strategy="tp", nproc=2, tp=2, steps=1, model=odd, dtype="float64",
+                      fault="vocab-unmasked")
+    report = json.loads(json.dumps(bisector.bisect(cfg).to_dict()))
+    assert report["verdict"] == "bug" and report["first"]["phase"] == "loss"
+
+
+@pytest.mark.ranks
+def test_a_hang_is_reported_with_both_stuck_calls(monkeypatch):
+    monkeypatch.setenv(faults.ENV, "1")
+    cfg = TrainConfig(strategy="pp-1f1b", nproc=2, pp=2, micro_batches=4, steps=1, model=SMALL,
+                      fault="p2p-misordered")
+    with pytest.raises(LaunchTimeoutError) as hang:
+        train_on_ranks(cfg, timeout=6)
+    lines = str(hang.value).splitlines()[1:]
+    assert lines[0].startswith("rank 0 waits in recv-wait from rank 1 tag ") and "in pp:B3" in lines[0]   # B3: the fault
+    assert lines[1].startswith("rank 1 waits in recv-wait from rank 0 tag ") and "in pp:F2" in lines[1]
+    assert "its peer rank 1 waits in recv-wait from rank 0" in lines[0]
+
+
+@pytest.mark.ranks
+def test_a_killed_rank_is_named_not_its_peers(monkeypatch):
+    monkeypatch.setenv(faults.ENV, "1")
+    cfg = TrainConfig(strategy="dp-naive", nproc=2, steps=3, model=SMALL, fault="rank-dies")
+    with pytest.raises(RankFailedError) as failed:
+        train_on_ranks(cfg, timeout=60)
+    assert failed.value.rank == 1 and "killed by signal 9" in str(failed.value)
