@@ -56,7 +56,7 @@ def test_ring_keeps_the_last_calls_when_it_wraps(tmp_path, monkeypatch):
 # --- the bisector's comparison, on records written by hand -------------------------------------
 
 def _records(scale_block1=1.0, sp=False):
-    fp = {m: torch.ones(2, 4) for m in ("embed", "blocks.0", "blocks.1", "final_norm")}
+    fp = {m: torch.ones(1, 2, 4) for m in ("embed", "blocks.0", "blocks.1", "final_norm")}
     weights = {"embed.tok.weight": torch.ones(3), "blocks.0.w": torch.ones(3),
                "blocks.1.w": torch.ones(3) * scale_block1, "final_norm.weight": torch.ones(3)}
     step = {"loss": 2.0, "forward": fp, "backward": fp, "weights": weights}
@@ -74,7 +74,7 @@ def test_bisector_adds_data_ranks_and_names_the_first_bad_module():
     halves[0]["steps"][0]["weights"]["blocks.1.w"] = torch.ones(3) * 1.01
     div = bisector.compare(halves, ref, False, 1e-9)[0]
     assert (div.step, div.phase, div.module) == (0, "optimizer", "blocks.1")
-    halves[1]["steps"][0]["backward"]["blocks.0"] = torch.zeros(2, 4)
+    halves[1]["steps"][0]["backward"]["blocks.0"] = torch.zeros(1, 2, 4)
     div = bisector.compare(halves, ref, False, 1e-9)[0]
     assert (div.phase, div.module) == ("backward", "blocks.0")   # backward runs before the step
 

@@ -22,8 +22,10 @@ The first record, in that order, whose relative error passes the tolerance is th
 Noise or bug: in float32 a reordered sum differs by ~1e-7 per operation and tensor or context
 parallelism reorder many (their weights drift ~1e-5 from single's). So a float32 divergence is
 rerun in float64: reduction-order noise vanishes there (< 1e-9), a bug does not, and the report
-says which it found. Micro-batches are summed within a step: the rows of micro-batch k on a
-data-parallel rank are not those of the reference's micro-batch k.
+says which it found. Fingerprints are kept per micro-batch (every schedule runs a module's
+micro-batches in order) and compared per micro-batch where no rank splits the batch's rows
+(dp = 1: tp, pp, cp); with dp > 1 a rank's micro-batch k holds other rows than the reference's
+micro-batch k, so they are summed over the step.
 """
 from __future__ import annotations
 
@@ -54,10 +56,12 @@ class Divergence:
     module: str         # the reference's module name ("blocks.1"), or "loss"
     error: float        # relative error of the fingerprint, the loss, or the module's weights
     ranks: list[int]    # the ranks that hold the module
+    micro_batch: int | None = None   # where dp = 1 (see the module docstring); else summed
 
     def line(self) -> str:
-        return (f"step {self.step}, {self.phase}, {self.module}: relative error {self.error:.2e} "
-                f"(ranks {self.ranks})")
+        where = "" if self.micro_batch is None else f", micro-batch {self.micro_batch}"
+        return (f"step {self.step}{where}, {self.phase}, {self.module}: relative error "
+                f"{self.error:.2e} (ranks {self.ranks})")
 
 
 @dataclass
@@ -125,7 +129,9 @@ def _first_divergence(cfg, tolerance, timeout):
     ref_cfg = reference_config(cfg)
     ref = in_this_process(record_rank, 0, 1, ref_cfg)
     losses = ([s["loss"] for s in per_rank[0]["steps"]], [s["loss"] for s in ref["steps"]])
-    return compare(per_rank, ref, cfg.sequence_parallel, tolerance), losses
+    # Micro-batch k holds the reference's rows of micro-batch k only where no rank splits rows.
+    per_micro_batch = cfg.dims.dp == 1 and cfg.replicas == 1
+    return compare(per_rank, ref, cfg.sequence_parallel, tolerance, per_micro_batch), losses
 
 
 def record_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
@@ -142,9 +148,9 @@ def record_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         batch = synthetic_batch(cfg.model, cfg.global_batch, cfg.seq_len, cfg.seed, step)
         loss = strategy.train_step(batch)
         weights = strategy.full_state_dict()          # collective: every rank calls it
-        steps.append({"loss": float(loss),
-                      "forward": {k: v.cpu() for k, v in forward.items()},
-                      "backward": {k: v.cpu() for k, v in backward.items()},
+        steps.append({"loss": float(loss),       # fingerprints: [calls (micro-batches), 2, d]
+                      "forward": {k: torch.stack(v).cpu() for k, v in forward.items()},
+                      "backward": {k: torch.stack(v).cpu() for k, v in backward.items()},
                       "weights": weights if rank == 0 else None})
     for h in handles:
         h.remove()
@@ -162,13 +168,14 @@ def _hook(name: str, forward: dict, backward: dict):
 
 
 def _add(into: dict, name: str, t: torch.Tensor) -> None:
-    """Sum and sum of squares over every token, per feature (float64, on the rank's device)."""
+    """Sum and sum of squares over every token, per feature (float64, on the rank's device), one
+    entry per call: every schedule runs a module's micro-batches in order, forward and backward."""
     x = t.detach().to(torch.float64).reshape(-1, t.shape[-1])
-    print_ = torch.stack([x.sum(0), (x * x).sum(0)])
-    into[name] = into[name] + print_ if name in into else print_
+    into.setdefault(name, []).append(torch.stack([x.sum(0), (x * x).sum(0)]))
 
 
-def compare(per_rank: list[dict], ref: dict, sequence_parallel: bool, tolerance: float):
+def compare(per_rank: list[dict], ref: dict, sequence_parallel: bool, tolerance: float,
+            per_micro_batch: bool = False):
     """(first Divergence or None, the largest error seen, the modules found on one side only)."""
     counted = [r for r in per_rank
                if r["coords"].get("replica", 0) == 0 and (sequence_parallel or r["coords"]["tp"] == 0)]
@@ -176,18 +183,19 @@ def compare(per_rank: list[dict], ref: dict, sequence_parallel: bool, tolerance:
     for step, ref_step in enumerate(ref["steps"]):
         holders = _holders(per_rank, step)
         for phase in PHASES:
-            for module, error in _errors(phase, step, counted, per_rank, ref_step, missing):
+            for module, mb, error in _errors(phase, step, counted, per_rank, ref_step, missing,
+                                             per_micro_batch):
                 largest = max(largest, error)
                 if not error <= tolerance:            # NaN counts as a divergence
-                    return (Divergence(step, phase, module, error, holders.get(module, [])),
+                    return (Divergence(step, phase, module, error, holders.get(module, []), mb),
                             largest, sorted(missing))
     return None, largest, sorted(missing)
 
 
-def _errors(phase, step, counted, per_rank, ref_step, missing):
-    """(module, relative error) in the order the step runs them."""
+def _errors(phase, step, counted, per_rank, ref_step, missing, per_micro_batch):
+    """(module, micro-batch or None, relative error) in the order the step runs them."""
     if phase == "loss":
-        yield "loss", _rel(torch.tensor(per_rank[0]["steps"][step]["loss"]),
+        yield "loss", None, _rel(torch.tensor(per_rank[0]["steps"][step]["loss"]),
                            torch.tensor(ref_step["loss"]))
         return
     if phase == "optimizer":
@@ -196,7 +204,7 @@ def _errors(phase, step, counted, per_rank, ref_step, missing):
             names = [n for n in theirs if n.startswith(module + ".")]
             missing.update(n for n in names if n not in ours)
             names = [n for n in names if n in ours]
-            yield module, _rel(torch.cat([ours[n].double().flatten() for n in names]),
+            yield module, None, _rel(torch.cat([ours[n].double().flatten() for n in names]),
                                torch.cat([theirs[n].double().flatten() for n in names]))
         return
     summed: dict[str, torch.Tensor] = {}
@@ -206,7 +214,12 @@ def _errors(phase, step, counted, per_rank, ref_step, missing):
     missing.update(set(ref_step[phase]) ^ set(summed))
     order = _model_order(set(ref_step[phase]) & set(summed))
     for module in (order if phase == "forward" else reversed(order)):
-        yield module, _rel(summed[module], ref_step[phase][module])
+        ours, theirs = summed[module], ref_step[phase][module]
+        if not per_micro_batch or ours.shape != theirs.shape:
+            yield module, None, _rel(ours.sum(0), theirs.sum(0))
+            continue
+        for mb in range(theirs.shape[0]):
+            yield module, mb, _rel(ours[mb], theirs[mb])
 
 
 def _holders(per_rank: list[dict], step: int) -> dict[str, list[int]]:
