@@ -6,6 +6,7 @@ elementwise kernel 500-600. So the GPU computes 300 µs, communicates 300 µs, 1
 once, and idles 500 µs -- while the CPU ranges alone would say the comm took 50 µs, never hidden.
 """
 import json
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +104,37 @@ def test_holistic_trace_analysis_agrees_where_installed(run):
     theirs = hta.TraceAnalysis(trace_dir=str(run)).get_comm_comp_overlap(visualize=False)
     ours = profiling.summarize(profiling.load_trace(run)).iloc[0].comm_hidden_frac
     assert theirs.comp_comm_overlap_pctg.iloc[0] == pytest.approx(100 * ours, abs=0.01)
+
+
+REAL = Path(__file__).parent / "data" / "hta_nccl"   # a real 2-GPU DDP trace (its README.md)
+
+
+def test_a_real_cuda_trace_gives_one_row_per_label():
+    raw = profiling.read_trace(REAL / "rank0.pt.trace.json.gz")["traceEvents"]
+    on_cpu = [e for e in raw if e.get("cat") == "user_annotation" and e["name"] == "nccl:all_reduce"]
+    on_gpu = [e for e in raw if e.get("cat") == "gpu_user_annotation" and e["name"] == "nccl:all_reduce"]
+    assert len(on_cpu) == len(on_gpu) > 0          # Kineto writes each range on both timelines
+    df = profiling.load_trace(REAL)
+    comm = df[df.category == "comm"]
+    assert (comm.name == "nccl:all_reduce").sum() == len(on_cpu)      # read once: the CPU range
+    assert (df.category == "step").sum() == sum(e["name"].startswith("ProfilerStep#") for e in raw)
+    nccl = [e for e in raw if e.get("cat") == "kernel" and e["name"].startswith("ncclKernel")]
+    assert (df.category == "gpu_comm").sum() == len(nccl)
+    row = profiling.summarize(df).iloc[0]
+    assert row.source == "gpu kernels"
+    # The communication time is the NCCL kernels' union inside the profiled steps (hidden or
+    # not), counted here from the raw events: no CPU range is read as GPU time.
+    steps = [(e["ts"], e["ts"] + e["dur"]) for e in raw
+             if e.get("ph") == "X" and e["name"].startswith("ProfilerStep#")]
+    inside = [(max(e["ts"], a), min(e["ts"] + e["dur"], b)) for e in nccl for a, b in steps
+              if min(e["ts"] + e["dur"], b) > max(e["ts"], a)]
+    assert abs(row.comm_us + row.overlap_us - _union(inside)) < 0.1
+    assert abs(row.compute_us + row.comm_us + row.overlap_us + row.idle_us - row.step_us) < 0.1
+
+
+def _union(intervals) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        total += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return total

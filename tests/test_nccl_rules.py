@@ -109,3 +109,17 @@ def test_the_audit_names_a_factory_call_without_a_device():
     sites = ["refimpl/model/layers.py:19 __init__ empty", "refimpl/parallel/cp/ring.py:73 positions arange",
              "refimpl/model/data.py:51 synthetic_batch randperm"]
     assert [s for s in sites if not by_design(s)] == ["refimpl/parallel/cp/ring.py:73 positions arange"]
+
+
+def test_notebook_07s_pipeline_helper_names_its_device(tmp_path, monkeypatch):
+    """07 §5-6 profile the pipeline through pp.measure.profile_pipeline, outside the train loop."""
+    from refimpl.launch import run
+    from refimpl.parallel.pp.measure import profile_pipeline
+
+    monkeypatch.setenv("REFIMPL_DEVICE_AUDIT", str(tmp_path))
+    run(profile_pipeline, 2, SMALL, "1f1b", 4, steps=1, global_batch=8, quiet=True, timeout=120)
+    found = {}
+    for rank in range(2):
+        found.update(json.loads((tmp_path / f"rank{rank}.json").read_text()))
+    assert found, "the audit saw nothing: it is not running"
+    assert [site for site in sorted(found) if not by_design(site)] == []

@@ -67,6 +67,10 @@ def load_trace(run: str | Path, include_ops: bool = False):
             if ev.get("ph") != "X" or "dur" not in ev:
                 continue
             name = ev.get("name", "")
+            if ev.get("cat") == "gpu_user_annotation":
+                # Kineto's copy of a record_function range on the GPU timeline (CUDA runs): the
+                # label is its CPU range, once; the kernels inside carry their own GPU time.
+                continue
             if kernels.is_gpu_event(ev):     # a kernel / copy on a GPU stream (CUDA runs only)
                 kernel_rows.append({
                     "rank": rank, "name": name, "category": kernels.kernel_category(name),

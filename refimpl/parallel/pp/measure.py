@@ -25,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from refimpl.launch import device_for
 from refimpl.memory import ActivationTracker
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
 from refimpl.parallel.pp.runner import run_schedule
@@ -42,13 +43,15 @@ def profile_pipeline(rank: int, world: int, cfg: GPTConfig, schedule: str, micro
     bytes of a step and the bytes one micro-batch's forward saves on this stage."""
     group = dist.new_group(list(range(world)))
     seq = seq_len or cfg.seq_len
-    chunks = build_chunks(build_model(cfg, seed), world, rank, virtual_stages)
+    device = device_for(dist.get_backend())     # the rank's GPU under NCCL: it refuses CPU tensors
+    chunks = build_chunks(build_model(cfg, seed).to(device), world, rank, virtual_stages)
     params = [p for c in chunks for p in c.parameters()]
     row = schedule_table(world, micro_batches, schedule, virtual_stages)[rank]
     times, peaks, loss = [], [], None
-    with StepProfiler(trace_dir, rank, steps) as prof:
+    with StepProfiler(trace_dir, rank, steps, device=device) as prof:
         for step in range(steps):
-            micro = synthetic_batch(cfg, global_batch, seq, seed, step).micro_batches(micro_batches)
+            batch = synthetic_batch(cfg, global_batch, seq, seed, step).to(device)
+            micro = batch.micro_batches(micro_batches)
             dist.barrier(group)     # start every rank's step together: the bubble is then the schedule's
             start = time.perf_counter()
             with ActivationTracker(exclude=params) as tracker:
@@ -70,7 +73,8 @@ def _one_forward_bytes(chunks, world, rank, mb, group) -> list[int]:
     out = []
     for chunk in chunks:
         params = list(chunk.parameters())
-        x = mb.inputs if chunk.is_first else torch.zeros(*mb.inputs.shape, chunk.d_model, requires_grad=True)
+        x = mb.inputs if chunk.is_first else torch.zeros(
+            *mb.inputs.shape, chunk.d_model, device=mb.inputs.device, requires_grad=True)
         with ActivationTracker(exclude=params) as tracker:
             y = chunk(x)
             if chunk.is_last:
