@@ -28,8 +28,8 @@ import torch.distributed as dist
 from refimpl.memory import ActivationTracker
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
 from refimpl.parallel.pp.runner import run_schedule
-from refimpl.parallel.pp.schedules import Action, schedule_table
-from refimpl.parallel.pp.simulate import TimedAction, idle_fraction, simulate
+from refimpl.parallel.pp.schedules import Action, chunks_per_rank, flat, placement, schedule_table
+from refimpl.parallel.pp.simulate import TimedAction, idle_fraction, inbox, simulate
 from refimpl.parallel.pp.stage import build_chunks
 from refimpl.trace.capture import StepProfiler
 
@@ -42,9 +42,11 @@ def profile_pipeline(rank: int, world: int, cfg: GPTConfig, schedule: str, micro
     bytes of a step and the bytes one micro-batch's forward saves on this stage."""
     group = dist.new_group(list(range(world)))
     seq = seq_len or cfg.seq_len
-    chunks = build_chunks(build_model(cfg, seed), world, rank, virtual_stages)
+    v, where = chunks_per_rank(schedule, virtual_stages), placement(schedule)
+    chunks = build_chunks(build_model(cfg, seed), world, rank, v, where=where)
     params = [p for c in chunks for p in c.parameters()]
-    row = schedule_table(world, micro_batches, schedule, virtual_stages)[rank]
+    table = schedule_table(world, micro_batches, schedule, v)
+    row, order = table[rank], inbox(table, rank, where)
     times, peaks, loss = [], [], None
     with StepProfiler(trace_dir, rank, steps) as prof:
         for step in range(steps):
@@ -52,7 +54,7 @@ def profile_pipeline(rank: int, world: int, cfg: GPTConfig, schedule: str, micro
             dist.barrier(group)     # start every rank's step together: the bubble is then the schedule's
             start = time.perf_counter()
             with ActivationTracker(exclude=params) as tracker:
-                loss = run_schedule(chunks, row, micro, group)
+                loss = run_schedule(chunks, row, micro, group, where=where, inbox=order)
             dist.barrier(group)
             times.append(time.perf_counter() - start)
             peaks.append(tracker.peak)
@@ -85,7 +87,7 @@ def predicted_activation_peak(row: list[str], per_micro_batch: list[int]) -> int
     per rank this is in-flight x bytes; for interleaved the chunks' in-flight counts are replayed
     together and the largest sum taken."""
     held, peak = [0] * len(per_micro_batch), 0
-    for a in map(Action.parse, row):
+    for a in map(Action.parse, flat(row)):
         held[a.chunk] += {"F": 1, "B": -1, "W": 0}[a.kind]
         peak = max(peak, sum(h * b for h, b in zip(held, per_micro_batch)))
     return peak
@@ -119,7 +121,8 @@ def mean_durations(slots) -> list[dict]:
 def simulated_bubble_from(slots, stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1) -> float:
     """The table replayed with each rank's measured mean F, B, W times (no communication time)."""
     table = schedule_table(stages, micro_batches, schedule, virtual_stages)
-    return idle_fraction(simulate(table, F=0, B=0, W=0, per_rank=mean_durations(slots)))
+    return idle_fraction(simulate(table, F=0, B=0, W=0, per_rank=mean_durations(slots),
+                                  where=placement(schedule)))
 
 
 def run_each(rank: int, world: int, fn, calls: list[tuple]) -> list:
