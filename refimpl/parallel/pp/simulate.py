@@ -71,7 +71,7 @@ def simulate(table, F: float = 1.0, B: float = 1.0, W: float = 0.0, comm: float 
     dependency that crosses ranks; `per_rank[r]` ({"F": .., "B": .., "W": ..}) overrides the
     durations on rank r (stages that are not equal: the first embeds, the last has the head);
     `where`: the placement ("v" for zbv, dualpipev: schedules.placement); `action_cost`: time every
-    table entry pays outside its compute (dispatch, posting and waiting on its messages).
+    action pays outside its compute (dispatch, posting its receives, the wait's own cost).
     Raises ScheduleError if the ranks would wait on each other forever."""
     ranks = _parse(table)
     p, n_virtual = len(ranks), len(ranks) * _virtual_stages(ranks)
@@ -87,8 +87,9 @@ def simulate(table, F: float = 1.0, B: float = 1.0, W: float = 0.0, comm: float 
                 deps = [d for a in entry for d in _dependencies(a, r, p, n_virtual, where)]
                 if any(d not in end for d in deps):
                     break
-                t = action_cost + max([free[r]] + [end[d] + (comm if owner[d] != r else 0.0) for d in deps])
+                t = max([free[r]] + [end[d] + (comm if owner[d] != r else 0.0) for d in deps])
                 for a, text in zip(entry, table[r][nxt[r]].split(PAIR)):   # a pair: F, then B
+                    t += action_cost
                     key = (a.kind, a.micro_batch, piece_of(r, a.chunk, p, where))
                     end[key], owner[key] = t + durations[r][a.kind], r
                     slots.append(TimedAction(r, text, t, end[key]))
