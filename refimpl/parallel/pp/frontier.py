@@ -1,7 +1,7 @@
 """The frontier schedules: the B/W split on interleaved chunks, and the two V schedules.
 
     schedule_table(2, 4, "zbv")[0]        -> ["F0.0", "F1.0", "F2.0", "F0.1", "B0.1", "W0.1", ...]
-    schedule_table(2, 4, "dualpipev")[0]  -> [..., "F2.0&B0.1", "W0.1", "F1.1&B0.0", ...]
+    schedule_table(2, 4, "dualpipev")[0]  -> [..., "F3.0&B1.1", "W1.1", "F2.1&B0.0", ...]
 
   interleaved-zb  Interleaved 1F1B's F/B order (schedules._interleaved) with every backward split
                   into B and W as in ZB-H1 (Qi et al. 2023, sec. 2): a W runs whenever the next

@@ -9,7 +9,9 @@ neighbour is outside every such range. Per profiled step the measured idle share
 1 - (sum of action times) / (ranks x (last end - first start)), the same definition that
 `simulate.idle_fraction` applies to a replayed table: the closed form assumes every stage costs
 the same; `simulated_bubble_from` replays the table with each rank's *measured* mean F, B, W times,
-so stage imbalance (embedding on the first, head and loss on the last) is in the prediction too.
+so stage imbalance (embedding on the first, head and loss on the last) is in the prediction too;
+`measured_costs` adds what every action and message costs outside the compute on the same run (an
+empty action's gap, a message's alpha), which the closed form and the plain replay lack.
 
 Activations. Saved-for-backward bytes are counted per rank with memory.ActivationTracker. A stage
 holds the activations of every micro-batch in flight (F done, backward not yet), so the prediction
