@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     grid.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
     grid.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides dp x cp)")
     grid.add_argument("--schedule", default=None,
-                      help="pipeline schedule with --pp: gpipe, 1f1b (default), interleaved, zb-h1")
+                      help="pipeline schedule with --pp: gpipe, 1f1b (default), interleaved, zb-h1, "
+                           "interleaved-zb, zbv, dualpipev")
     grid.add_argument("--virtual-stages", type=int, default=1,
                       help="model chunks per pipeline rank (interleaved schedule)")
     t.add_argument("--collectives", default="torch",

@@ -60,7 +60,7 @@ class TrainConfig:
     replicas: int = 1                 # independent copies of the layout (tests: group isolation)
     sequence_parallel: bool = False   # with tp > 1: LayerNorm regions split along the sequence
     collectives: str = "torch"        # "refimpl": every collective from refimpl.comm's send/recv
-    schedule: str | None = None       # pipeline schedule (pp > 1): gpipe, 1f1b, interleaved, zb-h1
+    schedule: str | None = None       # pipeline schedule (pp > 1): gpipe, 1f1b, interleaved, zb-h1, interleaved-zb, zbv, dualpipev
     virtual_stages: int = 1           # model chunks per pipeline rank (interleaved)
     fault: str | None = None          # a bug on purpose, to learn the tools on (refimpl.faults)
 

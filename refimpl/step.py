@@ -36,12 +36,14 @@ def forward_backward(model: Callable, micro_batches: list[Batch], *, loss_fn: Ca
     return total
 
 
-def global_mean_loss(local: torch.Tensor, mesh, comm) -> torch.Tensor:
+def global_mean_loss(local: torch.Tensor, mesh, comm, loss_stage: int | None = None) -> torch.Tensor:
     """The mean over the global batch, on every rank.
 
     Data-parallel (and context-parallel) ranks hold equal numbers of tokens, so the mean of their
     means is the global mean: one all-reduce over dp x cp. Under a pipeline only the last stage
-    computed a loss; it is broadcast over pp so every rank returns it (the loop's contract)."""
+    computed a loss; it is broadcast over pp so every rank returns it (the loop's contract). That
+    stage is the last one (pp - 1), or `loss_stage` (0 for the V schedules: the V's last piece is on
+    rank 0)."""
     t = local.detach().clone()
     if mesh.size("dp_cp") > 1:
         with comm_span("all_reduce", t.nbytes):
@@ -49,6 +51,7 @@ def global_mean_loss(local: torch.Tensor, mesh, comm) -> torch.Tensor:
         t /= mesh.size("dp_cp")
     if mesh.size("pp") > 1:
         with comm_span("broadcast", t.nbytes):
-            comm.broadcast(t, src=mesh.global_rank("pp", mesh.size("pp") - 1),
+            stage = mesh.size("pp") - 1 if loss_stage is None else loss_stage
+            comm.broadcast(t, src=mesh.global_rank("pp", stage),
                            group=mesh.group("pp"))
     return t

@@ -1,6 +1,7 @@
 """Benchmark: our pipeline runner against PyTorch's `torch.distributed.pipelining`, in one launch.
 
-    .venv/bin/python scripts/bench_pp.py                          # 2 stages, gpipe / 1f1b / interleaved
+    .venv/bin/python scripts/bench_pp.py                          # 2 stages, every schedule both have
+    .venv/bin/python scripts/bench_pp.py --schedules zbv,dualpipev --micro-batches 8
     .venv/bin/python scripts/bench_pp.py --nproc 4 --micro-batches 8 --layers 8
 
 Both sides run the same stages (refimpl.parallel.pp.stage), the same batches, on the same ranks.
@@ -20,9 +21,15 @@ import torch.distributed as dist
 from refimpl.launch import run
 from refimpl.model import GPTConfig, build_model, synthetic_batch
 from refimpl.parallel.pp.runner import run_schedule
-from refimpl.parallel.pp.schedules import bubble_fraction, schedule_table
+from refimpl.parallel.pp.schedules import bubble_fraction, chunks_per_rank, placement, schedule_table
+from refimpl.parallel.pp.simulate import inbox
 from refimpl.parallel.pp.stage import build_chunks
-from refimpl.parallel.pp.torch_pp import TorchPipeline, check_torch_layout
+from refimpl.parallel.pp.torch_pp import TWIN_SCHEDULES, TorchPipeline, check_torch_layout
+
+
+def chunks_of(schedule, args) -> int:
+    """Chunks per rank: --virtual-stages for the interleaved ones, 2 on a V, else 1."""
+    return args.virtual_stages if schedule.startswith("interleaved") else chunks_per_rank(schedule)
 
 
 def parse(argv=None):
@@ -30,7 +37,7 @@ def parse(argv=None):
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--virtual-stages", type=int, default=2, help="for interleaved")
-    p.add_argument("--schedules", default="gpipe,1f1b,interleaved")
+    p.add_argument("--schedules", default=",".join(TWIN_SCHEDULES))
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=160)
     p.add_argument("--global-batch", type=int, default=16)
@@ -47,16 +54,16 @@ def bench_rank(rank, world, args, schedules):
     out = {}
     for _ in range(args.rounds):
         for schedule in schedules:
-            v = args.virtual_stages if schedule == "interleaved" else 1
+            v, where = chunks_of(schedule, args), placement(schedule)
             for side in ("ours", "torch"):
-                chunks = build_chunks(build_model(cfg, 0), world, rank, v)
+                chunks = build_chunks(build_model(cfg, 0), world, rank, v, where=where)
                 if side == "torch":
                     pipe = TorchPipeline(chunks, group, world, schedule, args.micro_batches)
                     step = pipe.step
                 else:
-                    row = schedule_table(world, args.micro_batches, schedule, v)[rank]
-                    step = lambda b, row=row, chunks=chunks: run_schedule(
-                        chunks, row, b.micro_batches(args.micro_batches), group)
+                    table = schedule_table(world, args.micro_batches, schedule, v)
+                    step = lambda b, row=table[rank], chunks=chunks, order=inbox(table, rank, where): run_schedule(
+                        chunks, row, b.micro_batches(args.micro_batches), group, where=where, inbox=order)
                 times, loss = [], None
                 for s in range(args.steps):
                     batch = synthetic_batch(cfg, args.global_batch, args.seq_len, 0, s)
@@ -76,20 +83,21 @@ def main(argv=None) -> int:
     args = parse(argv)
     schedules = args.schedules.split(",")
     for s in schedules:
-        check_torch_layout(args.nproc, args.micro_batches, s, args.virtual_stages if s == "interleaved" else 1)
+        check_torch_layout(args.nproc, args.micro_batches, s, chunks_of(s, args))
     ranks = run(bench_rank, args.nproc, args, schedules, timeout=1800)
     print(f"{args.nproc} stages, {args.micro_batches} micro-batches, {args.layers} blocks of d={args.d_model}, "
           f"batch {args.global_batch} x seq {args.seq_len}, {args.rounds} rounds x {args.steps - 1} timed steps")
-    print(f"{'schedule':<12} {'bubble':>7} {'loss ours':>10} {'loss torch':>10} {'ours ms':>9} "
+    print(f"{'schedule':<15} {'bubble':>7} {'loss ours':>10} {'loss torch':>10} {'ours ms':>9} "
           f"{'torch ms':>9} {'ours/torch':>10}")
     for s in schedules:
-        v = args.virtual_stages if s == "interleaved" else 1
+        v = chunks_of(s, args)
         med = {}
         for side in ("ours", "torch"):
             per_step = [max(ts) for ts in zip(*(r[(s, side)][0] for r in ranks))]  # slowest rank
             med[side] = statistics.median(per_step)
-        loss = {side: ranks[-1][(s, side)][1] for side in ("ours", "torch")}
-        print(f"{s:<12} {bubble_fraction(args.nproc, args.micro_batches, s, v):>7.3f} {loss['ours']:>10.6f} "
+        last = 0 if placement(s) == "v" else -1           # the rank with the loss
+        loss = {side: ranks[last][(s, side)][1] for side in ("ours", "torch")}
+        print(f"{s:<15} {bubble_fraction(args.nproc, args.micro_batches, s, v):>7.3f} {loss['ours']:>10.6f} "
               f"{loss['torch']:>10.6f} {med['ours'] * 1e3:>9.2f} {med['torch'] * 1e3:>9.2f} "
               f"{med['ours'] / med['torch']:>10.3f}")
     return 0

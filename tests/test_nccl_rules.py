@@ -38,13 +38,17 @@ RUNS = {
     2: {"pp-1f1b m4": cfg("pp-1f1b", 2, 4, pp=2),
         "pp-interleaved v2 m4": cfg("pp-interleaved", 2, 4, pp=2, virtual_stages=2),
         "pp-zb m4": cfg("pp-zb", 2, 4, pp=2),
+        # the V: both chunks talk to the one neighbour in both directions, received in its order
+        "pp-zbv m4": cfg("pp-zbv", 2, 4, pp=2), "pp-dualpipev m4": cfg("pp-dualpipev", 2, 4, pp=2),
+        "pp-interleaved-zb v2 m2": cfg("pp-interleaved-zb", 2, 2, pp=2, virtual_stages=2),
         "ring attention cp2": cfg("dp-naive", 2, 1, cp=2),
         "zero2, rebuilt collectives": cfg("zero2", 2, collectives="refimpl"),
         "dp": cfg("dp", 2), "zero3": cfg("zero3", 2), "fsdp": cfg("fsdp", 2),
         "tp + sp": cfg("tp", 2, tp=2, sequence_parallel=True),
         "ep, 4 experts": cfg("ep", 2, 1, experts=4)},   # m = 1: capacity is per micro-batch
     4: {"zero1 dp2 x pp2, rebuilt collectives": cfg("zero1", 4, 2, pp=2, collectives="refimpl"),
-        "pp2 x cp2": cfg("dp-naive", 4, 2, pp=2, cp=2)},
+        "pp2 x cp2": cfg("dp-naive", 4, 2, pp=2, cp=2),
+        "pp-zbv 4 stages m4": cfg("pp-zbv", 4, 4, pp=4, layers=8)},
 }
 # Factory calls made on the host on purpose, each for a reason (refimpl path, function):
 HOST_BY_DESIGN = {

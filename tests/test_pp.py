@@ -14,7 +14,14 @@ from refimpl.launch import run
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
 from refimpl.parallel.pp.runner import run_schedule
-from refimpl.parallel.pp.schedules import SCHEDULES, schedule_table
+from refimpl.parallel.pp.schedules import (
+    SCHEDULES,
+    SPLIT_SCHEDULES,
+    chunks_per_rank,
+    placement,
+    schedule_table,
+)
+from refimpl.parallel.pp.simulate import inbox
 from refimpl.parallel.pp.stage import build_chunks, partition
 from refimpl.parallel.pp.zero_bubble import WeightGradRecord, record_weight_grads
 
@@ -30,9 +37,11 @@ def config(n_layers: int) -> GPTConfig:
 # (schedule, m, v, n_layers) per world size; m < p for 1f1b and zb-h1 on 4 ranks; 3 ranks uneven.
 CASES = {
     2: [("gpipe", 1, 1, 4), ("gpipe", 4, 1, 4), ("1f1b", 1, 1, 4), ("1f1b", 4, 1, 4),
-        ("interleaved", 2, 2, 4), ("interleaved", 4, 2, 4), ("zb-h1", 2, 1, 4), ("zb-h1", 4, 1, 4)],
+        ("interleaved", 2, 2, 4), ("interleaved", 4, 2, 4), ("zb-h1", 2, 1, 4), ("zb-h1", 4, 1, 4),
+        ("interleaved-zb", 4, 2, 4), ("zbv", 2, 2, 4), ("zbv", 4, 2, 4), ("dualpipev", 4, 2, 4)],
     4: [("gpipe", 4, 1, 4), ("1f1b", 2, 1, 4), ("1f1b", 6, 1, 4), ("interleaved", 4, 2, 8),
-        ("zb-h1", 3, 1, 4), ("zb-h1", 6, 1, 4)],
+        ("zb-h1", 3, 1, 4), ("zb-h1", 6, 1, 4), ("interleaved-zb", 4, 2, 8), ("zbv", 6, 2, 8),
+        ("dualpipev", 12, 2, 8)],
     3: [("gpipe", 3, 1, 4), ("1f1b", 2, 1, 4), ("1f1b", 4, 1, 4), ("interleaved", 3, 2, 7),
         ("zb-h1", 4, 1, 4)],
 }
@@ -52,9 +61,11 @@ def pipeline_rank(rank, world, cases):
     group = dist.new_group(list(range(world)))
     out = {}
     for schedule, m, v, n_layers in cases:
-        chunks = build_chunks(build_model(config(n_layers), SEED), world, rank, v)
+        where = placement(schedule)
+        chunks = build_chunks(build_model(config(n_layers), SEED), world, rank, v, where=where)
         micro = synthetic_batch(config(n_layers), BATCH, SEQ, SEED, 0).micro_batches(m)
-        loss = run_schedule(chunks, schedule_table(world, m, schedule, v)[rank], micro, group)
+        table = schedule_table(world, m, schedule, v)
+        loss = run_schedule(chunks, table[rank], micro, group, where=where, inbox=inbox(table, rank, where))
         grads = {n: p.grad for c in chunks for n, p in c.named_parameters()}
         out[(schedule, m, v, n_layers)] = (loss, grads)
     return out
@@ -73,25 +84,26 @@ def rel_err(a, b):
 def test_pipeline_matches_one_process(world, case):
     ranks = runs_on(world)
     losses = [r[case][0] for r in ranks]
-    assert all(loss is None for loss in losses[:-1])      # the loss lives on the last stage
+    last = 0 if placement(case[0]) == "v" else world - 1     # the rank with the last piece: the V's is 0
+    assert [loss is None for loss in losses] == [r != last for r in range(world)]
     ref_loss, ref_grads = reference(case[1], case[3])
-    assert abs(losses[-1] - ref_loss) / ref_loss <= 1e-6
+    assert abs(losses[last] - ref_loss) / ref_loss <= 1e-6
     grads = [r[case][1] for r in ranks]
     names = [n for g in grads for n in g]
     assert sorted(names) == sorted(ref_grads)               # every parameter on exactly one stage
     merged = {n: t for g in grads for n, t in g.items()}
     worst = max(rel_err(merged[n], ref_grads[n]) for n in ref_grads)
     assert worst <= 1e-5, worst
-    if case[0] != "zb-h1":                                  # same ops in the same order
+    if case[0] not in SPLIT_SCHEDULES:                      # same ops in the same order
         assert all(torch.equal(merged[n], ref_grads[n]) for n in ref_grads)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_one_stage_with_two_chunks_passes_tensors_locally(schedule):
-    v = 2 if schedule == "interleaved" else 1
-    chunks = build_chunks(build_model(config(4), SEED), 1, 0, v)
+    v = 2 if schedule.startswith("interleaved") else chunks_per_rank(schedule)
+    chunks = build_chunks(build_model(config(4), SEED), 1, 0, v, where=placement(schedule))
     micro = synthetic_batch(config(4), BATCH, SEQ, SEED, 0).micro_batches(2)
-    loss = run_schedule(chunks, schedule_table(1, 2, schedule, v)[0], micro, None)
+    loss = run_schedule(chunks, schedule_table(1, 2, schedule, v)[0], micro, None, where=placement(schedule))
     ref_loss, ref_grads = reference(2, 4)
     assert float(loss) == pytest.approx(ref_loss, rel=1e-6)
     for c in chunks:

@@ -22,8 +22,9 @@ SIZES = [(2, 1), (2, 2), (2, 4), (3, 3), (3, 5), (4, 1), (4, 2), (4, 4), (4, 8),
 def layouts():
     for p, m in SIZES:
         for schedule in SCHEDULES:
-            for v in ((1, 2, 3) if schedule == "interleaved" else (1,)):
-                if schedule != "interleaved" or m % p == 0:
+            interleaved = schedule.startswith("interleaved")
+            for v in ((1, 2, 3) if interleaved else (1,)):
+                if (not interleaved or m % p == 0) and (schedule != "dualpipev" or m >= 2 * p):
                     yield p, m, schedule, v
 
 
@@ -35,8 +36,9 @@ def test_every_table_is_a_valid_schedule(p, m, schedule, v):
 @pytest.mark.parametrize("p,m,schedule,v", list(layouts()))
 def test_replayed_bubble_equals_the_closed_form(p, m, schedule, v):
     measured = simulated_bubble(p, m, schedule, v)
-    if schedule == "zb-h1" and m < p:
-        # ZB-H1's (p-1)/(3m+p-1) assumes a steady state; with m < p the step is longer.
+    if schedule == "zb-h1" and m < p or schedule == "zbv" and m < 2 * p - 1:
+        # ZB-H1's (p-1)/(3m+p-1) and ZB-V's assume a steady state; with fewer micro-batches the
+        # step is longer.
         assert measured > bubble_fraction(p, m, schedule, v)
     else:
         assert measured == pytest.approx(bubble_fraction(p, m, schedule, v), abs=1e-12)
@@ -110,7 +112,8 @@ def test_simulator_adds_communication_latency_to_cross_stage_waits():
     assert max(s.end for s in simulate(table, F=1, B=1, comm=0.5)) == 5.0  # F, c, F, B, c, B
 
 
-@pytest.mark.parametrize("args", [(4, 6, "interleaved", 2), (4, 4, "1f1b", 2), (4, 4, "pipedream")])
+@pytest.mark.parametrize("args", [(4, 6, "interleaved", 2), (4, 4, "1f1b", 2), (4, 4, "pipedream"),
+                                  (4, 6, "interleaved-zb", 2), (2, 3, "dualpipev"), (2, 4, "zbv", 3)])
 def test_layouts_that_cannot_work_raise_one_line(args):
     with pytest.raises(LayoutError) as err:
         schedule_table(*args)
@@ -124,3 +127,64 @@ def test_gantt_has_one_bar_per_action():
     fig = pipeline_gantt(pd.DataFrame([s.__dict__ for s in slots]))
     assert sum(len(trace.x) for trace in fig.data) == 3 * 4 * 3
     assert {trace.name for trace in fig.data} == {"forward", "backward", "weight grad"}
+
+
+# --- the frontier: interleaved-zb, zbv, dualpipev ----------------------------------------------------
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 6), (4, 8), (4, 12), (8, 16)])
+def test_frontier_bubbles_order_as_the_theory_says(p, m):
+    bubble = {s: simulated_bubble(p, m, s, 2 if s.startswith("interleaved") else 1) for s in SCHEDULES}
+    # the B/W split removes most of 1F1B's bubble; on two chunks it shrinks twice again
+    assert bubble["zbv"] < bubble["zb-h1"] < bubble["1f1b"]
+    assert bubble["interleaved-zb"] < bubble["interleaved"] < bubble["1f1b"]
+    # the V's bubble is interleaved-zb's at v = 2, with 1F1B's memory: 2p chunks of half a stage
+    assert bubble["zbv"] == pytest.approx(bubble["interleaved-zb"])
+    assert max(max(in_flight(r)) for r in schedule_table(p, m, "zbv")) == 2 * p
+    assert max(max(in_flight(r)) for r in schedule_table(p, m, "interleaved-zb", 2)) > 2 * p
+    # a pair waits for both its inputs: dualpipev idles one chunk unit per rank more than zbv
+    assert bubble["zbv"] < bubble["dualpipev"] <= bubble["zb-h1"]
+
+
+def test_the_v_places_first_and_last_piece_on_rank_0():
+    from refimpl.parallel.pp.schedules import piece_of, rank_of
+
+    assert [[piece_of(r, c, 4, "v") for c in (0, 1)] for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [rank_of(k, 4, "v") for k in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    zbv = schedule_table(4, 8, "zbv")
+    assert zbv[3][:2] == ["F0.0", "F0.1"]     # the V's bottom: chunk 0's output stays on the rank
+
+
+def test_dualpipev_pairs_a_forward_with_the_other_chunks_backward():
+    table = schedule_table(4, 8, "dualpipev")
+    pairs = [e for row in table for e in row if "&" in e]
+    assert pairs and all(e[0] == "F" and "&B" in e for e in pairs)
+    for e in pairs:
+        f, b = e.split("&")
+        assert f[-1] != b[-1]                        # F of one chunk, B of the other
+    # per rank 2(m - 2p + r + 1) in the steady state (the V's bottom runs its first two apart), and
+    # p - r - 1 more while chunk 1 still has forwards: m = 8, p = 4
+    assert [sum("&" in e for e in row) for row in table] == [2 * (r + 1) + 3 - r - (r == 3) for r in range(4)]
+
+
+def test_every_frontier_table_runs_under_one_tag_because_receives_follow_the_sender():
+    from refimpl.parallel.pp.simulate import inbox, messages, posting_order_mismatch
+
+    for s in ("gpipe", "1f1b", "interleaved", "zb-h1", "interleaved-zb"):
+        assert posting_order_mismatch(schedule_table(4, 8, s, 2 if s.startswith("inter") else 1)) is None
+    # On a V each link carries activations one way and gradients the other for both chunks, and the
+    # receiver's own row wants them in another order than the sender sends them: posting the
+    # receives in the row's order would pair the wrong tensors under NCCL. The runner follows inbox.
+    for s in ("zbv", "dualpipev"):
+        table = schedule_table(4, 8, s)
+        assert "NCCL pairs them by posting order" in posting_order_mismatch(table, "v")
+        sent, received = messages(table, "v")
+        for r in range(4):
+            for src, order in inbox(table, r, "v").items():
+                assert order == sent[(src, r)] and sorted(order) == sorted(received[(src, r)])
+
+
+def test_an_overlapped_pair_is_one_f_and_one_b():
+    table = schedule_table(2, 4, "dualpipev")
+    broken = [[e.replace("F2.1&B0.0", "B0.0&F2.1") for e in row] for row in table]
+    with pytest.raises(ScheduleError, match="one F and one B"):
+        check_table(broken, 2, 4, "dualpipev")

@@ -28,13 +28,24 @@ RUNS = {
         "pp-1f1b m4": cfg("pp-1f1b", 2, 4), "pp-interleaved v2 m2": cfg("pp-interleaved", 2, 2, v=2),
         "pp-zb m4": cfg("pp-zb", 2, 4), "dp-naive --pp 2 zb": cfg("dp-naive", 2, 2, schedule="zb-h1"),
         "torch-pp-gpipe m2": cfg("torch-pp-gpipe", 2, 2), "torch-pp-1f1b m2": cfg("torch-pp-1f1b", 2, 2),
-        "torch-pp-interleaved v2 m2": cfg("torch-pp-interleaved", 2, 2, v=2)},
+        "torch-pp-interleaved v2 m2": cfg("torch-pp-interleaved", 2, 2, v=2),
+        # the frontier, ours and PyTorch's
+        "pp-interleaved-zb v2 m2": cfg("pp-interleaved-zb", 2, 2, v=2), "pp-zbv m4": cfg("pp-zbv", 2, 4),
+        "pp-dualpipev m4": cfg("pp-dualpipev", 2, 4),
+        "torch-pp-interleaved-zb v2 m2": cfg("torch-pp-interleaved-zb", 2, 2, v=2),
+        "torch-pp-zbv m4": cfg("torch-pp-zbv", 2, 4), "torch-pp-dualpipev m4": cfg("torch-pp-dualpipev", 2, 4)},
     3: {"pp-gpipe m3": cfg("pp-gpipe", 3, 3, batch=12), "pp-1f1b m2": cfg("pp-1f1b", 3, 2, batch=12),
         "pp-zb m4": cfg("pp-zb", 3, 4, batch=12), "torch-pp-1f1b m3": cfg("torch-pp-1f1b", 3, 3, batch=12)},
     4: {"pp-1f1b m2": cfg("pp-1f1b", 4, 2), "pp-interleaved v2 m4": cfg("pp-interleaved", 4, 4, v=2, layers=8),
         "pp-zb m4": cfg("pp-zb", 4, 4), "dp2 x pp2 1f1b": cfg("pp-1f1b", 4, 2, pp=2),
         "2 replicas of pp2": cfg("pp-gpipe", 4, 2, pp=2, replicas=2),
-        "torch-pp-gpipe m4": cfg("torch-pp-gpipe", 4, 4)},
+        "torch-pp-gpipe m4": cfg("torch-pp-gpipe", 4, 4),
+        "pp-interleaved-zb v2 m4": cfg("pp-interleaved-zb", 4, 4, v=2, layers=8),
+        "pp-zbv m4": cfg("pp-zbv", 4, 4, layers=8), "pp-dualpipev m8": cfg("pp-dualpipev", 4, 8, layers=8),
+        "dp-naive dp2 x pp2 --schedule zbv": cfg("dp-naive", 4, 2, pp=2, schedule="zbv"),
+        "zero1 dp2 x pp2 --schedule dualpipev": cfg("zero1", 4, 4, pp=2, schedule="dualpipev"),
+        "zero2 dp2 x pp2 --schedule interleaved-zb": cfg("zero2", 4, 2, pp=2, v=2,
+                                                          schedule="interleaved-zb")},
 }
 
 
@@ -72,6 +83,12 @@ def test_each_stage_holds_only_its_parameters():
     (dict(strategy="dp", nproc=2, pp=2), "pp-* strategies or dp-naive"),  # zero1/2/3, fsdp compose
     (dict(strategy="pp-gpipe", nproc=2, pp=2, schedule="1f1b"), "drop --schedule"),
     (dict(strategy="pp-zb", nproc=2, pp=2, activation_checkpointing=True), "checkpointing"),
+    (dict(strategy="pp-dualpipev", nproc=2, pp=2, micro_batches=2), ">= 2 x stages"),
+    (dict(strategy="pp-zbv", nproc=2, pp=2, virtual_stages=3, micro_batches=2, model=GPTConfig(n_layers=6)),
+     "exactly two chunks"),
+    (dict(strategy="pp-zbv", nproc=2, pp=2, micro_batches=2, model=GPTConfig(n_layers=3)), "at least as many"),
+    (dict(strategy="zero3", nproc=4, pp=2, micro_batches=2, schedule="zbv"), "deferred weight gradients"),
+    (dict(strategy="torch-pp-interleaved-zb", nproc=2, pp=2, micro_batches=2), "--virtual-stages >= 2"),
 ])
 def test_bad_pipeline_layouts_fail_before_launch_with_one_line(changes, words):
     with pytest.raises(LayoutError) as err:

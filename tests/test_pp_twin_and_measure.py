@@ -9,7 +9,13 @@ import torch.distributed as dist
 from refimpl.launch import run
 from refimpl.mesh import LayoutError
 from refimpl.model import build_model, synthetic_batch
-from refimpl.parallel.pp.measure import action_slots, predicted_activation_peak, profile_pipeline
+from refimpl.parallel.pp.measure import (
+    action_slots,
+    measured_costs,
+    predicted_activation_peak,
+    profile_pipeline,
+    simulated_bubble_from,
+)
 from refimpl.parallel.pp.schedules import schedule_table
 from refimpl.parallel.pp.stage import build_chunks
 from refimpl.parallel.pp.torch_pp import TorchPipeline, check_torch_layout
@@ -75,6 +81,14 @@ def test_trace_shows_the_table_in_order_and_the_waits(schedule, m):
         for mb in range(m):   # stage 1 starts F only after stage 0's F ended; stage 0's B after stage 1's
             assert at[(1, f"F{mb}")].start >= at[(0, f"F{mb}")].end
             assert at[(0, f"B{mb}")].start >= at[(1, f"B{mb}")].end
+
+
+def test_measured_costs_come_from_the_run_and_enter_the_replay():
+    _, slots = profiled("1f1b", 4)
+    costs = measured_costs(slots, 2, 4, "1f1b")
+    assert costs["action_cost"] > 0 and costs["comm"] >= 0      # a gap between actions: never zero
+    plain = simulated_bubble_from(slots, 2, 4, "1f1b")
+    assert simulated_bubble_from(slots, 2, 4, "1f1b", costs=costs) > plain   # the gaps are idle time
 
 
 @pytest.mark.parametrize("schedule,m", MEASURED)

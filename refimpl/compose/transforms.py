@@ -92,4 +92,5 @@ def model_parallel(model: nn.Module, ctx) -> RankModel:
     if mesh.size("pp") > 1:
         model = split_for_pipeline(model, ctx, seq_split)
         pipeline = functools.partial(pipeline_forward_backward, model, fault=cfg.fault)
+        pipeline.loss_stage = model.loss_stage     # where the loss is: the last stage, or a V's first
     return RankModel(model, loss_fn=loss_fn, shard_batch=batch_chunks, pipeline=pipeline)

@@ -29,9 +29,15 @@ STRATEGIES: dict[str, str] = {
     "pp-1f1b": "refimpl.parallel.pp.strategy:PipelineParallel",
     "pp-interleaved": "refimpl.parallel.pp.strategy:PipelineParallel",
     "pp-zb": "refimpl.parallel.pp.strategy:PipelineParallel",
+    "pp-interleaved-zb": "refimpl.parallel.pp.strategy:PipelineParallel",
+    "pp-zbv": "refimpl.parallel.pp.strategy:PipelineParallel",
+    "pp-dualpipev": "refimpl.parallel.pp.strategy:PipelineParallel",
     "torch-pp-gpipe": "refimpl.parallel.pp.strategy:TorchPipelineParallel",
     "torch-pp-1f1b": "refimpl.parallel.pp.strategy:TorchPipelineParallel",
     "torch-pp-interleaved": "refimpl.parallel.pp.strategy:TorchPipelineParallel",
+    "torch-pp-interleaved-zb": "refimpl.parallel.pp.strategy:TorchPipelineParallel",
+    "torch-pp-zbv": "refimpl.parallel.pp.strategy:TorchPipelineParallel",
+    "torch-pp-dualpipev": "refimpl.parallel.pp.strategy:TorchPipelineParallel",
     "ep": "refimpl.parallel.ep.strategy:ExpertParallel",
 }
 

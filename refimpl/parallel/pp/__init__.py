@@ -1,6 +1,8 @@
 """Pipeline parallelism: each rank holds consecutive blocks; micro-batches flow through a schedule.
 
+    actions.py       a table's words: F/B/W actions, overlapped F&B pairs, the chunks' placement
     schedules.py     the schedules as tables (GPipe, 1F1B, interleaved, ZB-H1) and their bubbles
+    frontier.py      interleaved-zb, ZB-V and DualPipeV (the V placement)
     simulate.py      replay a table with per-action costs
     stage.py         the transform: this rank's stage (chunks) of the reference model
     runner.py        one runner for any table: send/recv between stages, F, B, W

@@ -9,7 +9,9 @@ neighbour is outside every such range. Per profiled step the measured idle share
 1 - (sum of action times) / (ranks x (last end - first start)), the same definition that
 `simulate.idle_fraction` applies to a replayed table: the closed form assumes every stage costs
 the same; `simulated_bubble_from` replays the table with each rank's *measured* mean F, B, W times,
-so stage imbalance (embedding on the first, head and loss on the last) is in the prediction too.
+so stage imbalance (embedding on the first, head and loss on the last) is in the prediction too;
+`measured_costs` adds what every action and message costs outside the compute on the same run (an
+empty action's gap, a message's alpha), which the closed form and the plain replay lack.
 
 Activations. Saved-for-backward bytes are counted per rank with memory.ActivationTracker. A stage
 holds the activations of every micro-batch in flight (F done, backward not yet), so the prediction
@@ -29,8 +31,15 @@ from refimpl.launch import device_for
 from refimpl.memory import ActivationTracker
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
 from refimpl.parallel.pp.runner import run_schedule
-from refimpl.parallel.pp.schedules import Action, schedule_table
-from refimpl.parallel.pp.simulate import TimedAction, idle_fraction, simulate
+from refimpl.parallel.pp.schedules import (
+    Action,
+    chunks_per_rank,
+    flat,
+    placement,
+    rank_of,
+    schedule_table,
+)
+from refimpl.parallel.pp.simulate import TimedAction, _dependencies, idle_fraction, inbox, simulate
 from refimpl.parallel.pp.stage import build_chunks
 from refimpl.trace.capture import StepProfiler
 
@@ -43,10 +52,12 @@ def profile_pipeline(rank: int, world: int, cfg: GPTConfig, schedule: str, micro
     bytes of a step and the bytes one micro-batch's forward saves on this stage."""
     group = dist.new_group(list(range(world)))
     seq = seq_len or cfg.seq_len
+    v, where = chunks_per_rank(schedule, virtual_stages), placement(schedule)
     device = device_for(dist.get_backend())     # the rank's GPU under NCCL: it refuses CPU tensors
-    chunks = build_chunks(build_model(cfg, seed).to(device), world, rank, virtual_stages)
+    chunks = build_chunks(build_model(cfg, seed).to(device), world, rank, v, where=where)
     params = [p for c in chunks for p in c.parameters()]
-    row = schedule_table(world, micro_batches, schedule, virtual_stages)[rank]
+    table = schedule_table(world, micro_batches, schedule, v)
+    row, order = table[rank], inbox(table, rank, where)
     times, peaks, loss = [], [], None
     with StepProfiler(trace_dir, rank, steps, device=device) as prof:
         for step in range(steps):
@@ -55,7 +66,7 @@ def profile_pipeline(rank: int, world: int, cfg: GPTConfig, schedule: str, micro
             dist.barrier(group)     # start every rank's step together: the bubble is then the schedule's
             start = time.perf_counter()
             with ActivationTracker(exclude=params) as tracker:
-                loss = run_schedule(chunks, row, micro, group)
+                loss = run_schedule(chunks, row, micro, group, where=where, inbox=order)
             dist.barrier(group)
             times.append(time.perf_counter() - start)
             peaks.append(tracker.peak)
@@ -89,7 +100,7 @@ def predicted_activation_peak(row: list[str], per_micro_batch: list[int]) -> int
     per rank this is in-flight x bytes; for interleaved the chunks' in-flight counts are replayed
     together and the largest sum taken."""
     held, peak = [0] * len(per_micro_batch), 0
-    for a in map(Action.parse, row):
+    for a in map(Action.parse, flat(row)):
         held[a.chunk] += {"F": 1, "B": -1, "W": 0}[a.kind]
         peak = max(peak, sum(h * b for h, b in zip(held, per_micro_batch)))
     return peak
@@ -120,10 +131,50 @@ def mean_durations(slots) -> list[dict]:
     return [{k: float(means[r][k]) for k in means[r].index} for r in sorted(slots["rank"].unique())]
 
 
-def simulated_bubble_from(slots, stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1) -> float:
-    """The table replayed with each rank's measured mean F, B, W times (no communication time)."""
+def simulated_bubble_from(slots, stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1,
+                          costs: dict | None = None) -> float:
+    """The table replayed with each rank's measured mean F, B, W times; with `costs`
+    (measured_costs: per action, per message) also what each action and message costs outside the
+    compute, which neither the closed form nor the plain replay has."""
     table = schedule_table(stages, micro_batches, schedule, virtual_stages)
-    return idle_fraction(simulate(table, F=0, B=0, W=0, per_rank=mean_durations(slots)))
+    return idle_fraction(simulate(table, F=0, B=0, W=0, per_rank=mean_durations(slots),
+                                  where=placement(schedule), **(costs or {})))
+
+
+def measured_costs(slots, stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1) -> dict:
+    """From the same run: `action_cost`, the median gap between two actions of a rank when the
+    second needs nothing from another rank (an empty action: Python dispatch, posting receives,
+    bookkeeping), and `comm`, the median time from a sender's action end to the receiver's start
+    when the receiver was already waiting for it, less one action_cost (a message's alpha: the
+    isend, gloo's transfer, the wait's wake-up). In ms, as the slots."""
+    where = placement(schedule)
+    table = schedule_table(stages, micro_batches, schedule, virtual_stages)
+    n_virtual = stages * (1 + max(a.chunk for row in table for a in map(Action.parse, flat(row))))
+    empty, message = [], []
+    for _, g in slots.groupby("step"):
+        end = {(r.rank, r.action): r.end for r in g.itertuples()}
+        for rank, rows in g.sort_values("start").groupby("rank"):
+            prev = None
+            for r in rows.itertuples():
+                a = Action.parse(r.action)
+                deps = [d for d in _dependencies(a, rank, stages, n_virtual, where)
+                        if rank_of(d[2], stages, where) != rank]
+                if prev is not None and not deps:
+                    empty.append(r.start - prev)
+                for kind, mb, piece in deps:
+                    other = rank_of(piece, stages, where)
+                    sent = end.get((other, _text(kind, mb, piece, stages, where, "." in table[0][0])))
+                    if sent is not None and prev is not None and sent > prev:
+                        message.append(r.start - sent)
+                prev = r.end
+    cost = statistics.median(empty) if empty else 0.0
+    return {"action_cost": cost, "comm": max(0.0, statistics.median(message) - cost) if message else 0.0}
+
+
+def _text(kind, mb, piece, p, where, chunked):
+    """The slot name of action (kind, mb) of `piece`, on the rank that holds it."""
+    chunk = (0 if piece < p else 1) if where == "v" else piece // p
+    return Action(kind, mb, chunk).text(chunked)
 
 
 def run_each(rank: int, world: int, fn, calls: list[tuple]) -> list:

@@ -14,14 +14,35 @@ know GPipe from 1F1B: the table is the schedule, and the runner follows it actio
             input's gradient back. zb-h1 splits it: B computes only the input gradient, and
   W(mb, c)  computes the weight gradients later (refimpl.parallel.pp.zero_bubble).
 
+  F&B       an overlapped pair (dualpipev): F, then B, with B's receive already posted.
+
 Why it cannot deadlock. Every send is an `isend`: posting it never waits for the receiver, so a
 rank only ever waits in a receive, for data that an earlier action of another rank produces. Those
 waits are exactly the dependencies that `simulate.simulate` replays; a table it can finish (every
 table `schedule_table` makes: see `check_table`) finishes here too. With blocking sends, 1F1B's
 steady state would hang: stage s sending an activation forward while stage s+1 sends a gradient back,
 each waiting for the other to receive. Receives are posted one action ahead (`irecv`), so the next
-micro-batch's data arrives while this one computes. Each message has its own tag (kind, micro-batch,
-piece), so the order in which two ranks post them never matters.
+micro-batch's data arrives while this one computes.
+
+Why the messages pair right. NCCL ignores tags: between two ranks it pairs the k-th send with the
+k-th receive posted. Interleaved and the V schedules (rank r's two chunks talk to the same
+neighbour, r-1 and r+1, in both directions: activations down chunk 0 and gradients up chunk 1 to
+r+1, the reverse to r-1) make each link carry both kinds, and in a V table the receiver may want
+them in another order than the sender sends them (simulate.posting_order_mismatch: zbv's rank 1
+wants chunk 1's first gradient before the activation rank 0 sends first). So, given its `inbox`
+(simulate.inbox: per sender, the messages in the sender's order, from the whole table), a rank
+posts its receives from each sender in *that* order: to receive message k it first posts every
+earlier one from the same sender. Posting early never blocks, and the waits stay those above. The
+tags (kind, micro-batch, piece) remain, but the pairing no longer depends on them
+(REFIMPL_P2P_TAGS=one runs every schedule with tag 0: tests/test_nccl_rules.py).
+
+What overlaps on gloo. gloo moves a posted message on its own thread, so a rank's compute overlaps
+the transfers of messages already posted: in an F&B pair, the B's incoming gradient arrives while
+the F computes, and the F's outgoing activation leaves while the B computes. The two computes do
+not overlap each other: one process, one CPU stream (OMP_NUM_THREADS=1), F then B. On a GPU
+DualPipe runs the pair's two computes on two streams to hide an expert all-to-all under the other
+half; nothing here can show that, and sequential actions with receives posted ahead get the same
+message overlap as a pair does.
 """
 from __future__ import annotations
 
@@ -34,7 +55,14 @@ from refimpl.comm import p2p
 from refimpl.model import Batch, lm_loss
 
 # schedule_table and bubble_fraction: DESIGN's contract names them here (refimpl.parallel.pp.runner).
-from refimpl.parallel.pp.schedules import Action, bubble_fraction, schedule_table  # noqa: F401
+from refimpl.parallel.pp.schedules import (  # noqa: F401
+    Action,
+    bubble_fraction,
+    parse_entry,
+    piece_of,
+    rank_of,
+    schedule_table,
+)
 from refimpl.parallel.pp.stage import StageChunk
 from refimpl.parallel.pp.zero_bubble import WeightGradRecord, record_weight_grads
 from refimpl.trace.labels import comm_span, phase
@@ -43,9 +71,11 @@ ACTIVATION, GRADIENT = 0, 1
 
 
 class _Links:
-    """Who sends what to whom: piece k lives on group rank k % p; each message has its own tag."""
+    """Who sends what to whom: piece k lives on group rank rank_of(k) (k % p, or on a V); receives
+    are posted in each sender's order when the inbox is known (the module docstring)."""
 
-    def __init__(self, group, n_chunks: int, micro_batches: int, like: torch.Tensor | None = None):
+    def __init__(self, group, n_chunks: int, micro_batches: int, like: torch.Tensor | None = None,
+                 where: str = "loop", inbox: dict | None = None, shape=None):
         self.group = group
         # Received activations and gradients take the residual stream's dtype and device: those
         # of the parameters (fp32; the compute dtype when ZeRO-3/FSDP gathers them in bf16; the
@@ -57,12 +87,16 @@ class _Links:
         self.sends: list = []                # (work, tensor): kept alive until the step ends
         self.posted: dict[int, tuple] = {}   # tag -> (work or None, buffer)
         self.local: dict[int, torch.Tensor] = {}   # messages to a piece on this same rank
+        self.where, self.shape, self.taken = where, shape, set()
+        kinds = {"F": ACTIVATION, "B": GRADIENT}
+        self.inbox = None if inbox is None else {   # sender -> tags still to post, in its order
+            src: [self.tag(kinds[kind], mb, piece) for kind, mb, piece in order] for src, order in inbox.items()}
 
     def global_rank(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
     def piece(self, a: Action) -> int:
-        return a.chunk * self.p + self.rank
+        return piece_of(self.rank, a.chunk, self.p, self.where)
 
     def tag(self, kind: int, mb: int, piece: int) -> int:
         return 1 + (kind * self.pieces + piece) * self.m + mb
@@ -71,25 +105,29 @@ class _Links:
         """(tag, source rank) of the message action `a` needs, or None (first F, last B, any W)."""
         k = self.piece(a)
         if a.kind == "F" and k > 0:
-            return self.tag(ACTIVATION, a.micro_batch, k), (k - 1) % self.p
+            return self.tag(ACTIVATION, a.micro_batch, k), rank_of(k - 1, self.p, self.where)
         if a.kind == "B" and k < self.pieces - 1:
-            return self.tag(GRADIENT, a.micro_batch, k), (k + 1) % self.p
+            return self.tag(GRADIENT, a.micro_batch, k), rank_of(k + 1, self.p, self.where)
         return None
 
-    def post_recv(self, a: Action, shape) -> None:
+    def post_recv(self, a: Action) -> None:
         need = self.incoming(a)
-        if need is None or need[0] in self.posted or need[1] == self.rank:
+        if need is None or need[0] in self.posted or need[0] in self.taken or need[1] == self.rank:
             return
-        buf = torch.empty(shape, **self.like)
-        work = p2p.irecv(buf, group=self.group, tag=need[0], group_src=need[1])
-        self.posted[need[0]] = (work, buf)
+        tag, src = need
+        queue = self.inbox.get(src, []) if self.inbox is not None else [tag]
+        while tag not in self.posted:       # the sender's earlier messages first: its order
+            first = queue.pop(0)
+            buf = torch.empty(self.shape((first - 1) % self.m), **self.like)
+            self.posted[first] = (p2p.irecv(buf, group=self.group, tag=first, group_src=src), buf)
 
-    def take(self, a: Action, shape) -> torch.Tensor:
+    def take(self, a: Action) -> torch.Tensor:
         tag, src = self.incoming(a)
         if src == self.rank:
             return self.local.pop(tag)
-        self.post_recv(a, shape)
+        self.post_recv(a)
         work, buf = self.posted.pop(tag)
+        self.taken.add(tag)
         with comm_span("recv-wait", buf.numel() * buf.element_size(), group=self.group,
                        peer=self.global_rank(src), tag=tag,
                        phase=f"pp:{a.text(self.pieces > self.p)}"):
@@ -97,7 +135,7 @@ class _Links:
         return buf
 
     def send(self, tensor: torch.Tensor, kind: int, mb: int, to_piece: int) -> None:
-        tag, dst = self.tag(kind, mb, to_piece), to_piece % self.p
+        tag, dst = self.tag(kind, mb, to_piece), rank_of(to_piece, self.p, self.where)
         if dst == self.rank:
             self.local[tag] = tensor
             return
@@ -111,32 +149,36 @@ class _Links:
 
 
 def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch], group, *,
-                 divisor: int = 1, autocast=nullcontext, loss_fn=lm_loss,
-                 fault: str | None = None) -> torch.Tensor | None:
+                 divisor: int = 1, autocast=nullcontext, loss_fn=lm_loss, where: str = "loop",
+                 inbox: dict | None = None, fault: str | None = None) -> torch.Tensor | None:
     """Run this rank's `actions` (one row of a schedule table) on `micro`, accumulating gradients
     into the chunks' parameters. Returns the mean loss over the micro-batches (each scaled by 1/m,
     then summed; a float64 0-d tensor on the device) on the rank that holds the last piece, None
     elsewhere. Gradients are those of
     loss / `divisor` (refimpl.step's convention: W for data-parallel replicas that sum).
     `loss_fn(logits, targets)`: the last piece's loss (tensor parallelism's reads split logits).
+    `where`: the placement of the chunks (schedules.placement); `inbox`: simulate.inbox of the whole
+    table for this rank, the order in which to post receives (without it: this row's order).
     `fault`: pp-loss-scaled-twice or p2p-misordered inject their bug (refimpl.faults)."""
     m = len(micro)
-    parsed = [Action.parse(a) for a in actions]
-    split = any(a.kind == "W" for a in parsed)
-    links = _Links(group, len(chunks), m, like=next(chunks[0].parameters(), None))
-    saved, records, total = {}, {}, None
+    entries = [parse_entry(e) for e in actions]
+    split = any(a.kind == "W" for e in entries for a in e)
 
     def shape(mb: int):
         rows, seq = micro[mb].inputs.shape   # sequence parallelism: s/t tokens between stages
         return (rows, seq // chunks[0].seq_split, chunks[0].d_model)
 
-    for i, a in enumerate(parsed):
-        for ahead in parsed[i:i + 2]:     # post this action's receive and the next one's
-            links.post_recv(ahead, shape(ahead.micro_batch))
+    links = _Links(group, len(chunks), m, like=next(chunks[0].parameters(), None), where=where,
+                   inbox=inbox, shape=shape)
+    saved, records, total = {}, {}, None
+    parsed = [(i, a) for i, e in enumerate(entries) for a in e]
+    for i, a in parsed:
+        for ahead in (b for e in entries[i:i + 2] for b in e):  # this entry's receives, the next's
+            links.post_recv(ahead)
         key, k, chunk = (a.micro_batch, a.chunk), links.piece(a), chunks[a.chunk]
         label = a.text(len(chunks) > 1)
         if a.kind == "F":
-            x = micro[a.micro_batch].inputs if k == 0 else links.take(a, shape(a.micro_batch)).requires_grad_()
+            x = micro[a.micro_batch].inputs if k == 0 else links.take(a).requires_grad_()
             record = WeightGradRecord() if split else None
             with phase("forward"), phase(f"pp:{label}"):
                 with (record_weight_grads(chunk, record) if split else nullcontext([])) as embeds:
@@ -160,7 +202,7 @@ def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch
                 # The fault: the first backward waits for the last micro-batch's gradient, which
                 # stage 1 cannot send before the forwards this rank has not run yet: a hang.
                 a = Action.parse(f"B{m - 1}")
-            grad = None if chunk.is_last else links.take(a, shape(a.micro_batch))
+            grad = None if chunk.is_last else links.take(a)
             with phase("backward"), phase(f"pp:{label}"):
                 dx = _backward(out, grad, x if k > 0 else None, embeds, split)
             if k > 0:
@@ -194,6 +236,7 @@ def pipeline_forward_backward(stage, micro: list[Batch], *, divisor: int = 1,
     rank's row of the table on `micro`; returns the mean loss over the micro-batches as a float64
     0-d tensor on the last stage, zero elsewhere (global_mean_loss broadcasts it over pp)."""
     loss = run_schedule(stage.chunks, stage.actions, micro, stage.group, divisor=divisor,
-                        autocast=autocast, loss_fn=loss_fn, fault=fault)
+                        autocast=autocast, loss_fn=loss_fn, where=stage.where, inbox=stage.inbox,
+                        fault=fault)
     device = micro[0].inputs.device
     return torch.zeros((), dtype=torch.float64, device=device) if loss is None else loss

@@ -4,9 +4,13 @@ in what order. Pure Python: no torch, no process group.
     schedule_table(4, 8, "1f1b")[3]  ->  ["F0", "B0", "F1", "B1", ...]     # the last stage
     schedule_table(2, 4, "interleaved", virtual_stages=2)[0] -> ["F0.0", "F1.0", "F0.1", ...]
 
-An action is F/B/W, the micro-batch, and (interleaved only) ".c", the model chunk on this rank.
-Chunk c of rank r is *virtual stage* k = c*p + r (Narayanan et al. 2021, sec. 2.2): the model is cut
-into p*v pieces dealt round-robin, so a micro-batch visits every rank v times.
+An action is F/B/W, the micro-batch, and (several chunks per rank only) ".c", the model chunk on
+this rank. Chunk c of rank r is *virtual stage* (piece) k = c*p + r (Narayanan et al. 2021, sec. 2.2):
+the model is cut into p*v pieces dealt round-robin, so a micro-batch visits every rank v times. The
+V schedules (zbv, dualpipev) place the two chunks of rank r as pieces r and 2p-1-r instead
+(`piece_of`): the micro-batch goes down the ranks and comes back up, so rank 0 holds the first and
+the last piece. A table entry "F5.0&B1.1" is two actions that run together, an overlapped F&B pair
+(DualPipe): the runner posts both receives, then computes one while the other's messages travel.
 
 The schedules (seed 000, sec. 3.4; p stages, m micro-batches):
   gpipe        Huang et al. 2019: every forward, then every backward. Holds all m micro-batches'
@@ -22,6 +26,7 @@ The schedules (seed 000, sec. 3.4; p stages, m micro-batches):
                (gradient of the weights: nobody waits for it). B keeps 1F1B's order; each W is
                deferred into what would be idle time, but never beyond p micro-batches in flight
                (F done, W not yet) -- 1F1B's peak memory, that of its first stage.
+  interleaved-zb, zbv, dualpipev   the frontier: refimpl.parallel.pp.frontier (their docstrings).
 
 The order is built by replaying the step with unit times (`_list_schedule`): the same replay that
 `refimpl.parallel.pp.simulate.simulate` uses to *check* the tables, so a table that deadlocks or
@@ -29,47 +34,54 @@ breaks a dependency cannot be produced silently.
 """
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-
 from refimpl.mesh import LayoutError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-_ACTION = re.compile(r"^(?P<kind>[FBW])(?P<mb>\d+)(?:\.(?P<chunk>\d+))?$")
+# The vocabulary of a table (actions, pairs, placement) lives in actions.py, shared with frontier.py.
+from refimpl.parallel.pp.actions import (  # noqa: F401
+    PAIR,
+    SPLIT_SCHEDULES,
+    V_SCHEDULES,
+    Action,
+    _backwards,
+    _forwards,
+    _interleaved,
+    _one_f_one_b,
+    chunks_per_rank,
+    flat,
+    parse_entry,
+    piece_of,
+    placement,
+    rank_of,
+)
+from refimpl.parallel.pp.frontier import frontier_table
 
-
-@dataclass(frozen=True)
-class Action:
-    kind: str          # "F" forward, "B" backward (input gradient for zb-h1), "W" weight gradient
-    micro_batch: int
-    chunk: int = 0     # model chunk on this rank (interleaved); virtual stage = chunk * p + rank
-
-    @classmethod
-    def parse(cls, text: str) -> "Action":
-        match = _ACTION.match(text)
-        if not match:
-            raise ValueError(f"not a pipeline action: {text!r} (want e.g. F3, B3, W3, F3.1)")
-        return cls(match["kind"], int(match["mb"]), int(match["chunk"] or 0))
-
-    def text(self, chunked: bool) -> str:
-        return f"{self.kind}{self.micro_batch}" + (f".{self.chunk}" if chunked else "")
-
-
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "interleaved-zb", "zbv", "dualpipev")
 def check_layout(stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1) -> None:
     """Raise LayoutError (one line) if this schedule cannot run with these sizes."""
     if schedule not in SCHEDULES:
         raise LayoutError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if stages < 1 or micro_batches < 1 or virtual_stages < 1:
         raise LayoutError("pipeline stages, micro-batches and virtual stages must all be >= 1")
-    if schedule != "interleaved" and virtual_stages != 1:
-        raise LayoutError(f"--virtual-stages {virtual_stages} needs the interleaved schedule")
-    if schedule == "interleaved" and micro_batches % stages:
-        raise LayoutError(f"interleaved 1F1B needs micro-batches ({micro_batches}) to be a multiple "
+    if schedule in V_SCHEDULES:
+        if virtual_stages not in (1, 2):
+            raise LayoutError(f"{schedule} places exactly two chunks per rank (a V): --virtual-stages "
+                              f"must be 1 or 2, not {virtual_stages}")
+        if schedule == "dualpipev" and micro_batches < 2 * stages:
+            raise LayoutError(f"dualpipev needs micro-batches ({micro_batches}) >= 2 x stages "
+                              f"({2 * stages}): its steady state pairs a forward with a backward")
+        return
+    if not schedule.startswith("interleaved") and virtual_stages != 1:
+        raise LayoutError(f"--virtual-stages {virtual_stages} needs an interleaved schedule")
+    if schedule.startswith("interleaved") and micro_batches % stages:
+        raise LayoutError(f"{schedule} needs micro-batches ({micro_batches}) to be a multiple "
                           f"of pipeline stages ({stages})")
 
 
 SCHEDULE_OF = {"pp-gpipe": "gpipe", "pp-1f1b": "1f1b", "pp-interleaved": "interleaved", "pp-zb": "zb-h1",
-               "torch-pp-gpipe": "gpipe", "torch-pp-1f1b": "1f1b", "torch-pp-interleaved": "interleaved"}
+               "pp-interleaved-zb": "interleaved-zb", "pp-zbv": "zbv", "pp-dualpipev": "dualpipev",
+               "torch-pp-gpipe": "gpipe", "torch-pp-1f1b": "1f1b", "torch-pp-interleaved": "interleaved",
+               "torch-pp-interleaved-zb": "interleaved-zb", "torch-pp-zbv": "zbv",
+               "torch-pp-dualpipev": "dualpipev"}
 
 
 def pipeline_schedule(cfg) -> str:
@@ -96,36 +108,11 @@ def schedule_table(stages: int, micro_batches: int, schedule: str, virtual_stage
         warmup = [(p - s - 1) * 2 + (v - 1) * p if v > 1 else p - s - 1 for s in range(p)]
         orders = [_one_f_one_b(_interleaved(p, m, v, "F"), _interleaved(p, m, v, "B"),
                                min(warmup[s], v * m)) for s in range(p)]
-    else:
+    elif schedule == "zb-h1":
         orders = _zero_bubble_h1(p, m)
+    else:
+        return frontier_table(p, m, schedule, v)
     return [[a.text(schedule == "interleaved") for a in order] for order in orders]
-
-
-def _forwards(m):
-    return [Action("F", i) for i in range(m)]
-
-
-def _backwards(m):
-    return [Action("B", i) for i in range(m)]
-
-
-def _one_f_one_b(forwards, backwards, warmup):
-    """Megatron's three loops: `warmup` forwards, then one forward + one backward, then cool-down."""
-    order = forwards[:warmup]
-    for i, fwd in enumerate(forwards[warmup:]):
-        order += [fwd, backwards[i]]
-    return order + backwards[len(forwards) - warmup:]
-
-
-def _interleaved(p, m, v, kind):
-    """The k-th forward takes chunk (k // p) % v of micro-batch (k // pv) * p + k % p; backwards
-    walk the chunks in reverse. Micro-batches go p at a time, so each group fills the pipeline once."""
-    actions = []
-    for k in range(v * m):
-        group, within = divmod(k, p * v)
-        chunk = within // p if kind == "F" else v - 1 - within // p
-        actions.append(Action(kind, group * p + within % p, chunk))
-    return actions
 
 
 def _zero_bubble_h1(p, m):
@@ -180,10 +167,23 @@ def bubble_fraction(stages: int, micro_batches: int, schedule: str, virtual_stag
                                        (Qi et al. 2023, sec. 2.2: bubble (p-1)(F+B-W)).
                                        Needs m >= p: with fewer, the first W cannot start before
                                        the first B returns and the step is longer than this says.
+    interleaved-zb (p-1) / (3vm+p-1)   both at once: chunks of 1/v, and F = B = W within each
+    zbv           (p-1) / (6m+p-1)     two chunks, F = B = W: as interleaved-zb with v = 2, with 1F1B's
+                                       memory (interleaved-zb holds 2p + p - 1 chunks). Needs
+                                       m >= 2p - 1, the V's full warm-up; with fewer it is longer.
+    dualpipev     p / (6m+p)           one chunk unit per rank more than zbv (p > 1): an overlapped
+                                       pair starts when both its inputs are there, so the later one
+                                       sets it. DeepSeek's count, (p-1)(F&B + B - 3W), is in units
+                                       whose F&B pair is cheaper than F + B: on a GPU the pair hides
+                                       its communication, and that is what the overlap buys.
+    Each is checked, not restated: tests replay the tables (simulate.simulated_bubble).
     """
     check_layout(stages, micro_batches, schedule, virtual_stages)
     p, m, v = stages, micro_batches, virtual_stages
-    work = {"gpipe": m, "1f1b": m, "interleaved": v * m, "zb-h1": 3 * m}[schedule]
+    if schedule == "dualpipev":
+        return p / (6 * m + p) if p > 1 else 0.0
+    work = {"gpipe": m, "1f1b": m, "interleaved": v * m, "zb-h1": 3 * m, "interleaved-zb": 3 * v * m,
+            "zbv": 6 * m}[schedule]
     return (p - 1) / (work + p - 1)
 
 

@@ -3,7 +3,8 @@
 The model is a chain: embedding -> blocks[0..L-1] -> final_norm -> lm_head -> loss. With p ranks and
 v virtual stages per rank it is cut into K = p*v consecutive pieces of whole blocks; the embedding
 goes on the first piece, final_norm, lm_head and the loss on the last. Piece k lives on rank k % p
-as its chunk k // p (Narayanan et al. 2021's round-robin assignment; v = 1 is the plain pipeline).
+as its chunk k // p (Narayanan et al. 2021's round-robin assignment; v = 1 is the plain pipeline),
+or, for the V schedules (zbv, dualpipev), rank r holds pieces r and 2p-1-r (schedules.piece_of).
 
 Each piece keeps the reference model's parameter names ("blocks.5.mlp.up.weight"), so the full
 state dict is just the union of every stage's, and a checkpoint moves between layouts unchanged.
@@ -15,7 +16,14 @@ import torch.nn as nn
 
 from refimpl.mesh import LayoutError
 from refimpl.model import GPT
-from refimpl.parallel.pp.schedules import pipeline_schedule, schedule_table
+from refimpl.parallel.pp.schedules import (
+    chunks_per_rank,
+    piece_of,
+    pipeline_schedule,
+    placement,
+    schedule_table,
+)
+from refimpl.parallel.pp.simulate import inbox
 
 
 def partition(n_blocks: int, pieces: int) -> list[range]:
@@ -63,12 +71,14 @@ class StageChunk(nn.Module):
 
 
 def build_chunks(model: GPT, stages: int, stage: int, virtual_stages: int = 1,
-                 seq_split: int = 1) -> list[StageChunk]:
-    """This rank's chunks, chunk c being piece c*stages + stage. The rest of `model` is dropped."""
+                 seq_split: int = 1, where: str = "loop") -> list[StageChunk]:
+    """This rank's chunks, chunk c being piece piece_of(stage, c) (c*stages + stage, or on a V).
+    The rest of `model` is dropped."""
     pieces = stages * virtual_stages
     ranges = partition(len(model.blocks), pieces)
+    mine = [piece_of(stage, c, stages, where) for c in range(virtual_stages)]
     return [StageChunk(model, ranges[k], first=k == 0, last=k == pieces - 1, seq_split=seq_split)
-            for k in range(stage, pieces, stages)]
+            for k in mine]
 
 
 class PipelineStageModel(nn.Module):
@@ -79,7 +89,8 @@ class PipelineStageModel(nn.Module):
     `refimpl.parallel.pp.runner.pipeline_forward_backward` instead (the transforms hand it to the
     step as `RankModel.pipeline`)."""
 
-    def __init__(self, chunks: list[StageChunk], actions: list[str], group, schedule: str):
+    def __init__(self, chunks: list[StageChunk], actions: list[str], group, schedule: str,
+                 inbox: dict | None = None):
         super().__init__()
         self.embed = next((c.embed for c in chunks if c.embed is not None), None)
         self.blocks = nn.ModuleDict({k: b for c in chunks for k, b in c.blocks.items()})
@@ -88,6 +99,8 @@ class PipelineStageModel(nn.Module):
         self.lm_head = last.lm_head if last else None
         self.chunks = list(chunks)       # a plain list: the modules are registered once, above
         self.actions, self.group, self.schedule = actions, group, schedule
+        self.where, self.inbox = placement(schedule), inbox   # the runner's placement, receive order
+        self.loss_stage = 0 if self.where == "v" else None    # None: the last stage (step.global_mean_loss)
 
     def forward(self, *_):
         raise RuntimeError("a pipeline stage runs through pipeline_forward_backward, not forward()")
@@ -98,8 +111,10 @@ def split_for_pipeline(model: GPT, ctx, seq_split: int = 1) -> PipelineStageMode
     mesh's pp axis, with its row of the schedule table (validated before launch by
     refimpl.parallel.pp.strategy.validate_pipeline)."""
     cfg, mesh = ctx.cfg, ctx.mesh
-    p, stage, v = mesh.size("pp"), mesh.index("pp"), cfg.virtual_stages
+    p, stage = mesh.size("pp"), mesh.index("pp")
     schedule = pipeline_schedule(cfg)
-    chunks = build_chunks(model, p, stage, v, seq_split)
-    actions = schedule_table(p, cfg.micro_batches, schedule, v)[stage]
-    return PipelineStageModel(chunks, actions, mesh.group("pp"), schedule)
+    v = chunks_per_rank(schedule, cfg.virtual_stages)
+    chunks = build_chunks(model, p, stage, v, seq_split, placement(schedule))
+    table = schedule_table(p, cfg.micro_batches, schedule, v)
+    return PipelineStageModel(chunks, table[stage], mesh.group("pp"), schedule,
+                              inbox(table, stage, placement(schedule)))

@@ -1,27 +1,37 @@
-"""`pp-gpipe`, `pp-1f1b`, `pp-interleaved`, `pp-zb`: pipeline parallelism as strategies of the loop,
-and PyTorch's twins `torch-pp-gpipe`, `torch-pp-1f1b`, `torch-pp-interleaved`.
+"""`pp-gpipe`, `pp-1f1b`, `pp-interleaved`, `pp-zb`, `pp-interleaved-zb`, `pp-zbv`, `pp-dualpipev`:
+pipeline parallelism as strategies of the loop, and PyTorch's twins `torch-pp-gpipe`, `torch-pp-1f1b`,
+`torch-pp-interleaved`, `torch-pp-interleaved-zb`, `torch-pp-zbv`, `torch-pp-dualpipev`.
 
     python -m refimpl train --strategy pp-1f1b --nproc 4 --micro-batches 8         # pp = 4
     python -m refimpl train --strategy pp-interleaved --nproc 2 --virtual-stages 2 --micro-batches 4
     python -m refimpl train --strategy pp-zb --nproc 4 --pp 2 --micro-batches 4     # dp 2 x pp 2
+    python -m refimpl train --strategy pp-dualpipev --nproc 2 --micro-batches 4     # the V: 2 chunks each
 
 Placement: `compose.transforms.model_parallel` cuts the reference model into this rank's stage
 (`stage.split_for_pipeline`) and hands the step its runner (`RankModel.pipeline`, i.e.
 `runner.pipeline_forward_backward`), which runs this rank's row of the schedule table instead of
 the plain micro-batch loop;
-the loss lives on the last stage and `global_mean_loss` broadcasts it over pp. With dp > 1 the
+the loss lives on the stage with the last piece (the last stage; stage 0 on a V) and `global_mean_loss` broadcasts it over pp. With dp > 1 the
 stages' gradients are all-reduced over dp after the schedule, as dp-naive does (nothing overlaps).
 Gathering: every rank holds only its stage's parameters; the default `full_state_dict` merges them
 over the pp group.
 """
 from __future__ import annotations
 
+import functools
+
 import torch.nn as nn
 
 from refimpl.config import TrainConfig
 from refimpl.mesh import LayoutError
 from refimpl.parallel.dp.naive import NaiveDataParallel
-from refimpl.parallel.pp.schedules import SCHEDULE_OF, check_layout, pipeline_schedule
+from refimpl.parallel.pp.schedules import (
+    SCHEDULE_OF,
+    SPLIT_SCHEDULES,
+    check_layout,
+    chunks_per_rank,
+    pipeline_schedule,
+)
 from refimpl.parallel.pp.stage import partition
 from refimpl.parallel.pp.torch_pp import TorchPipeline, check_torch_layout
 
@@ -43,14 +53,14 @@ def validate_pipeline(cfg: TrainConfig) -> None:
                           f"{', '.join(DP_ON_A_PIPELINE)}, not {cfg.strategy!r}")
     schedule = pipeline_schedule(cfg)
     check_layout(cfg.pp, cfg.micro_batches, schedule, v)
-    partition(cfg.model.n_layers, cfg.pp * v)
+    partition(cfg.model.n_layers, cfg.pp * chunks_per_rank(schedule, v))
     if cfg.model.tie_embeddings:
         raise LayoutError("--pp needs untied embeddings: the head and the embedding sit on different stages")
-    if schedule == "zb-h1" and cfg.strategy in ("zero3", "fsdp"):
-        raise LayoutError(f"--schedule zb-h1 with {cfg.strategy}: the deferred weight gradients "
+    if schedule in SPLIT_SCHEDULES and cfg.strategy in ("zero3", "fsdp"):
+        raise LayoutError(f"--schedule {schedule} with {cfg.strategy}: the deferred weight gradients "
                           "bypass its per-unit reduce-scatter (use zero1/zero2 or another schedule)")
-    if schedule == "zb-h1" and cfg.activation_checkpointing:
-        raise LayoutError("pp-zb records each layer's input for the deferred W: not with --checkpointing")
+    if schedule in SPLIT_SCHEDULES and cfg.activation_checkpointing:
+        raise LayoutError(f"{schedule} records each layer's input for the deferred W: not with --checkpointing")
 
 
 class PipelineParallel(NaiveDataParallel):
@@ -86,4 +96,5 @@ class TorchPipelineParallel(PipelineParallel):
         cfg = self.ctx.cfg
         twin = TorchPipeline(model.chunks, model.group, cfg.pp, pipeline_schedule(cfg),
                              cfg.micro_batches, self.ctx.device)
-        self.rank_model.pipeline = twin.forward_backward   # PyTorch's schedule instead of ours
+        self.rank_model.pipeline = functools.partial(twin.forward_backward)   # PyTorch's schedule, not ours
+        self.rank_model.pipeline.loss_stage = model.loss_stage

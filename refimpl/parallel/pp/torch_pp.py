@@ -6,6 +6,12 @@ same cut as ours) in `PipelineStage`s and hands them to PyTorch's schedule:
   gpipe        ScheduleGPipe
   1f1b         Schedule1F1B              (PyTorch requires micro-batches >= stages)
   interleaved  ScheduleInterleaved1F1B   (one PipelineStage per chunk; virtual stage c*p + r)
+  interleaved-zb  ScheduleInterleavedZeroBubble   (the same stages; B/W split by PyTorch's own
+                                                   stage_backward_input / stage_backward_weight)
+  zbv          ScheduleZBVZeroBubble     (two PipelineStages per rank on the V: stage indices r and
+                                          2p-1-r, which PyTorch maps back to ranks with style "v")
+  dualpipev    ScheduleDualPipeV         (the same V; its OVERLAP_F_B actions run F then B: PyTorch
+                                          leaves the overlap itself to a custom function)
 
 PyTorch splits the batch into micro-batches along dim 0 itself, computes `loss_fn` per micro-batch
 and (scale_grads=True) divides the accumulated gradients by m afterwards: the gradient of the mean
@@ -17,10 +23,11 @@ import torch
 
 from refimpl.mesh import LayoutError
 from refimpl.model import Batch, lm_loss
+from refimpl.parallel.pp.schedules import piece_of, placement
 from refimpl.parallel.pp.stage import StageChunk
 from refimpl.trace.labels import phase
 
-TWIN_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+TWIN_SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
 
 
 def check_torch_layout(stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1) -> None:
@@ -29,9 +36,12 @@ def check_torch_layout(stages: int, micro_batches: int, schedule: str, virtual_s
         raise LayoutError(f"PyTorch's pipelining twin runs {', '.join(TWIN_SCHEDULES)}, not {schedule!r}")
     if schedule == "1f1b" and micro_batches < stages:
         raise LayoutError(f"torch Schedule1F1B needs micro-batches ({micro_batches}) >= stages ({stages})")
-    if schedule == "interleaved" and (virtual_stages < 2 and stages > 1 or micro_batches % stages):
-        raise LayoutError(f"torch ScheduleInterleaved1F1B needs --virtual-stages >= 2 and micro-batches "
+    if schedule.startswith("interleaved") and (virtual_stages < 2 and stages > 1 or micro_batches % stages):
+        raise LayoutError(f"torch's {schedule} needs --virtual-stages >= 2 and micro-batches "
                           f"({micro_batches}) a multiple of stages ({stages})")
+    if schedule == "dualpipev" and micro_batches < 2 * stages:
+        raise LayoutError(f"torch ScheduleDualPipeV needs micro-batches ({micro_batches}) >= 2 x stages "
+                          f"({2 * stages})")
 
 
 class TorchPipeline:
@@ -42,19 +52,25 @@ class TorchPipeline:
         from torch.distributed.pipelining import (
             PipelineStage,
             Schedule1F1B,
+            ScheduleDualPipeV,
             ScheduleGPipe,
             ScheduleInterleaved1F1B,
+            ScheduleInterleavedZeroBubble,
+            ScheduleZBVZeroBubble,
         )
 
         rank = torch.distributed.get_rank(group)
         pieces = stages * len(chunks)
-        self.stages = [PipelineStage(chunk, stage_index=c * stages + rank, num_stages=pieces,
+        where = placement(schedule)
+        self.stages = [PipelineStage(chunk, stage_index=piece_of(rank, c, stages, where), num_stages=pieces,
                                      device=torch.device(device), group=group)
                        for c, chunk in enumerate(chunks)]
         self.has_first = any(s.is_first for s in self.stages)
         self.has_last = any(s.is_last for s in self.stages)
-        if schedule == "interleaved":
-            self.schedule = ScheduleInterleaved1F1B(self.stages, micro_batches, loss_fn=lm_loss)
+        multi = {"interleaved": ScheduleInterleaved1F1B, "interleaved-zb": ScheduleInterleavedZeroBubble,
+                 "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+        if schedule in multi:
+            self.schedule = multi[schedule](self.stages, micro_batches, loss_fn=lm_loss)
         else:
             cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
             self.schedule = cls(self.stages[0], micro_batches, loss_fn=lm_loss)

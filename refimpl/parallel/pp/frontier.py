@@ -1,0 +1,184 @@
+"""The frontier schedules: the B/W split on interleaved chunks, and the two V schedules.
+
+    schedule_table(2, 4, "zbv")[0]        -> ["F0.0", "F1.0", "F2.0", "F0.1", "B0.1", "W0.1", ...]
+    schedule_table(2, 4, "dualpipev")[0]  -> [..., "F3.0&B1.1", "W1.1", "F2.1&B0.0", ...]
+
+  interleaved-zb  Interleaved 1F1B's F/B order (schedules._interleaved) with every backward split
+                  into B and W as in ZB-H1 (Qi et al. 2023, sec. 2): a W runs whenever the next
+                  F/B cannot start yet, or when the rank holds as many micro-batch chunks (F done,
+                  W not yet) as interleaved 1F1B's first rank ever does (its memory, no more).
+  zbv             Qi et al. 2023, sec. 6 (ZB-V): two chunks per rank placed as a V, pieces r and
+                  2p-1-r, so the first and the last piece share rank 0 and every rank's chunks
+                  each see the same amount of work ahead and behind. The order is the paper's
+                  figure: rank r warms up with 2(p-r)-1 forwards of chunk 0, then alternates chunk 1
+                  and chunk 0 forwards while chunk 1's first backwards come back; in the steady
+                  state each chunk runs F, B, W in turn; the W's left at the end fill the drain.
+                  Its peak is 2p chunk micro-batches, p whole-stage micro-batches: 1F1B's.
+  dualpipev       DeepSeek-V3 (2024), sec. 3.2.1 and the DualPipe repository's "V" variant: the same
+                  V placement; in the steady state a forward of one chunk runs *together* with a
+                  backward of the other ("F5.0&B1.1", one entry), so that on a GPU each one's
+                  communication hides under the other's compute. Backwards are whole (B then its W
+                  at once) except in the drain, where half of them defer W as zero bubble does.
+                  Needs m >= 2p.
+
+The V tables are built for n = max(m, 2p-1) micro-batches and the ones >= m dropped (zbv): with
+fewer micro-batches than the warm-up wants, the missing ones simply do not exist.
+"""
+from __future__ import annotations
+
+from refimpl.parallel.pp.actions import (
+    PAIR,
+    Action,
+    _interleaved,
+    _one_f_one_b,
+    piece_of,
+)
+
+
+def frontier_table(p: int, m: int, schedule: str, v: int) -> list[list[str]]:
+    """schedules.schedule_table's rows for interleaved-zb, zbv and dualpipev."""
+    if schedule == "interleaved-zb":
+        rows = _interleaved_zero_bubble(p, m, v)
+    elif schedule == "zbv":
+        rows = [_zbv_rank(p, m, r) for r in range(p)]
+    else:
+        rows = [_dualpipev_rank(p, m, r) for r in range(p)]
+    return [[PAIR.join(a.text(True) for a in entry) for entry in row] for row in rows]
+
+
+# --- interleaved-zb: list scheduling of the W's, as schedules._zero_bubble_h1 does for one chunk ----
+
+def _interleaved_zero_bubble(p, m, v):
+    warmup = [(p - s - 1) * 2 + (v - 1) * p if v > 1 else p - s - 1 for s in range(p)]
+    fb = [_one_f_one_b(_interleaved(p, m, v, "F"), _interleaved(p, m, v, "B"), min(warmup[s], v * m))
+          for s in range(p)]
+    limit = min(warmup[0], v * m) + 1          # interleaved 1F1B's first rank: its peak in flight
+    n_pieces = p * v
+    done, rows, pending = {}, [[] for _ in range(p)], [[] for _ in range(p)]
+    t = 0
+    while any(fb) or any(pending):
+        started = []
+        for s in range(p):
+            nxt = fb[s][0] if fb[s] else None
+            held = sum(a.kind == "F" for a in rows[s]) - sum(a.kind == "W" for a in rows[s])
+            must_w = nxt is not None and nxt.kind == "F" and held >= limit
+            ready = nxt is not None and _ready(nxt, s, p, n_pieces, done, t)
+            if ready and not must_w:
+                fb[s].pop(0)
+                started.append((s, nxt))
+            elif pending[s]:
+                started.append((s, pending[s].pop(0)))
+        for s, a in started:
+            rows[s].append(a)
+            done[(a.kind, a.micro_batch, piece_of(s, a.chunk, p))] = t + 1
+            if a.kind == "B":
+                pending[s].append(Action("W", a.micro_batch, a.chunk))
+        t += 1
+        if t > 4 * p * v * m + 4 * p:     # unit actions: a longer construction means a bug here
+            raise RuntimeError("interleaved-zb construction did not finish")
+    return [[[a] for a in row] for row in rows]
+
+
+def _ready(a, s, p, n_pieces, done, t):
+    k, mb = piece_of(s, a.chunk, p), a.micro_batch
+    if a.kind == "F":
+        return k == 0 or done.get(("F", mb, k - 1), t + 1) <= t
+    upstream = ("F", mb, k) if k == n_pieces - 1 else ("B", mb, k + 1)
+    return done.get(upstream, t + 1) <= t
+
+
+# --- the V schedules: their orders written out phase by phase ----------------------------------------
+
+class _Row:
+    """One rank's row under construction: counters of the next F, B, W of each chunk."""
+
+    def __init__(self, m):
+        self.m, self.entries = m, []
+        self.next = {(k, c): 0 for k in "FBW" for c in (0, 1)}
+        self.deferred: list[Action] = []         # B done, W not yet: oldest first
+
+    def take(self, kind, chunk) -> Action:
+        mb = self.next[(kind, chunk)]
+        self.next[(kind, chunk)] += 1
+        return Action(kind, mb, chunk)
+
+    def add(self, *actions):
+        """One entry (two actions: an overlapped pair); the dropped micro-batches (>= m) vanish."""
+        kept = [a for a in actions if a.micro_batch < self.m]
+        if kept:
+            self.entries.append(kept)
+
+    def backward(self, chunk, whole=True, pair_with=None):
+        """B of `chunk`, with its W at once (whole) or deferred; `pair_with`: the F it overlaps."""
+        b = self.take("B", chunk)
+        self.add(*([pair_with] if pair_with else []), b)
+        w = self.take("W", chunk)
+        if whole:
+            self.add(w)
+        else:
+            self.deferred.append(w)
+
+    def deferred_w(self):
+        if self.deferred:
+            self.add(self.deferred.pop(0))
+
+
+def _zbv_rank(p, m, r):
+    n = max(m, 2 * p - 1)
+    row = _Row(m)
+    for _ in range(2 * (p - r) - 1):
+        row.add(row.take("F", 0))
+    for _ in range(r):
+        row.add(row.take("F", 1))
+        row.add(row.take("F", 0))
+    for _ in range(p - r):
+        row.add(row.take("F", 1))
+        row.backward(1)
+    while row.next[("F", 1)] < n:            # steady state: each chunk F, B, W in turn
+        if row.next[("F", 0)] < n:
+            row.add(row.take("F", 0))
+        row.backward(0)
+        row.add(row.take("F", 1))
+        row.backward(1)
+    for _ in range(r):                        # drain: B's first (others wait on them), W's after
+        row.backward(0, whole=False)
+        row.backward(1, whole=False)
+    for _ in range(p - r):
+        row.backward(0, whole=False)
+        row.deferred_w()
+    while row.deferred:
+        row.deferred_w()
+    return row.entries
+
+
+def _dualpipev_rank(p, m, r):
+    row = _Row(m)
+    for _ in range(2 * (p - r - 1)):          # warm-up: chunk 0 forwards, then both chunks'
+        row.add(row.take("F", 0))
+    for _ in range(r + 1):
+        row.add(row.take("F", 0))
+        row.add(row.take("F", 1))
+    for _ in range(p - r - 1):                # chunk 1's first backwards, W's deferred
+        row.backward(1, whole=False)
+        row.deferred_w()
+        row.add(row.take("F", 1))
+    for i in range(m - 2 * p + r + 1):        # steady state: F&B pairs, across the two chunks
+        if i == 0 and r == p - 1:             # the V's bottom: its backward waits on that forward
+            row.add(row.take("F", 0))
+            row.backward(1)
+        else:
+            row.backward(1, pair_with=row.take("F", 0))
+        row.backward(0, pair_with=row.take("F", 1))
+    for _ in range(p - r - 1):                # chunk 0's forwards are done: chunk 1's still pair
+        row.backward(1)
+        row.backward(0, pair_with=row.take("F", 1))
+    half = (r + 1) // 2                       # drain: the later half defers W into the tail
+    for i in range(r + 1):
+        row.backward(1, whole=i < half)
+        row.backward(0, whole=i < half)
+    for _ in range(p - r - 1):
+        row.deferred_w()
+        row.backward(0, whole=False)
+    while row.deferred:
+        row.deferred_w()
+    return row.entries
