@@ -144,3 +144,13 @@ def test_ring_rank_counts_blocks_and_saves_one_slice():
     # q, k, v, out for 8 tokens x 8 values, fp32, plus a log-sum-exp per query and head
     assert {r["saved_bytes"] for r in rows} == {4 * 8 * 8 * 4 + 2 * 8 * 4}
     assert measure.full_attention_saved_bytes(seq=16, heads=2, head_dim=4) > 2 * rows[0]["saved_bytes"]
+
+
+def test_operators_do_not_grow_with_the_micro_batch():
+    from refimpl.cost.micro_batch import operator_calls
+    from refimpl.model import build_model, synthetic_batch
+
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=1)
+    model = build_model(cfg, 0)
+    one, four = (operator_calls(model, synthetic_batch(cfg, b, cfg.seq_len, 0, 0)) for b in (1, 4))
+    assert 0 < one and abs(four - one) <= 0.05 * one

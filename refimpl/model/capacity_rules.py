@@ -12,7 +12,8 @@ GShard (Lepikhin et al. 2020, §2.2 and Algorithm 1) and Switch Transformer (Fed
 capacity C_g = ceil(k·T_g/E·cf) *in each group*, with no communication before the dispatch. Within
 a group every token's first choice is placed before any token's second choice (GShard's
 Algorithm 1 fills the top-1 slots, then the top-2 with what is left), so a token loses its
-second expert before any token loses its first. The same tokens can then drop differently on a
+second expert before any token loses its first (GShard also drops a second choice at random
+in proportion to its small gate, "random routing"; not modelled here). The same tokens can then drop differently on a
 different number of devices: the reason `ep` here does not use it.
 """
 from __future__ import annotations

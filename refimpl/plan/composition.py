@@ -104,14 +104,15 @@ def order_costs(sizes: dict[str, int], shape: ModelShape, gpus_per_node: int = 8
     so what crosses InfiniBand under each order can be read off.
 
     tp: 8·b·s·h·(t-1)/t per layer per micro-batch (tp_comm.bytes_per_layer), L/pp layers, m micro-batches;
-    pp: b·s·h forward + backward per micro-batch per boundary, /tp (each tp rank sends its slice,
-        Narayanan et al. 2021 §4.1's scatter/gather), both neighbours: 2 sends a step in the middle;
+    pp: a middle stage sends one activation forward and one gradient back per micro-batch, b·s·h
+        values each, /tp (each tp rank sends its slice: Narayanan et al. 2021 §4.1's scatter/gather);
+        with pp = 2 each stage sends only one of the two;
     dp: the ring all-reduce of this rank's gradients, 2(d-1)/d · 2Ψ/(tp·pp) bytes, once a step."""
     tp, pp, dp, cp = (sizes.get(a, 1) for a in ("tp", "pp", "dp", "cp"))
     m = global_batch // (dp * micro_batch_size)
     b, s, h = micro_batch_size, shape.seq_len // cp, shape.d_model
     sent = {"tp": shape.n_layers / pp * m * bytes_per_layer(b, s, h, tp, bytes_per_value),
-            "pp": 2 * m * pp_boundary_bytes(b, s, h, bytes_per_value) / tp if pp > 1 else 0.0,
+            "pp": m * pp_boundary_bytes(b, s, h, bytes_per_value) / tp * (1.0 if pp > 2 else 0.5 * (pp > 1)),
             "dp": 2 * (dp - 1) / dp * bytes_per_value * shape.n_params / (tp * pp),
             "cp": 0.0}
     rows = []

@@ -4,8 +4,8 @@ Per micro-batch every stage boundary carries the activation forward and its grad
 values each way (Narayanan et al. 2021, §3.2; refimpl.cost.tp_comm.pp_boundary_bytes), against
 tensor parallelism's 8·b·s·h·(t−1)/t per *layer*. With p ranks and v chunks per rank (interleaved
 1F1B) a micro-batch crosses v·p − 1 boundaries instead of p − 1, so a step sends
-2·m·(v·p − 1) messages: about v times 1F1B's (Narayanan et al. 2021, §2.2.2: "the amount of
-communication also increases by v").
+2·m·(v·p − 1) messages: about v times 1F1B's (Narayanan et al. 2021, §2.2.2, the price of the
+interleaved schedule's smaller bubble).
 
 The runner labels every send `comm:isend <bytes>B` (refimpl.parallel.pp.runner), so a trace
 gives the measured count and bytes to set beside it.
