@@ -8,7 +8,10 @@ draws in under 2 s (--max-open-s), and no request leaves 127.0.0.1. Every reques
 is routed through this script: one to another host is recorded and aborted (so the check cannot
 pass by the network being down), and a Content-Security-Policy refusal in the console counts as an
 attempt too (TensorBoard's CSP blocks scripts from other hosts before any request exists).
-Run by `make e2e`; `tests/test_e2e_browser.py` calls `check()`.
+Run by `make e2e`; `tests/test_e2e_browser.py` calls `check()` and `check_report()`. The report's
+pages (scripts/make_report.py) are checked the same way: a page exported from a notebook that has
+a progress widget's state and a formula is opened from file:// and must make no request off the
+machine (nbconvert's widget loader would fetch embed-amd.js from unpkg.com).
 
 The runs: `python -m refimpl train --strategy dp --nproc 2 --profile` with small buckets (so
 all-reduces overlap the backward pass), or, if no `dp` strategy is registered, the tests' 2-rank
@@ -170,6 +173,54 @@ def check(logdir: Path, screenshot: Path, chromium: str = CHROMIUM) -> dict:
             "screenshot": str(screenshot)}
 
 
+def report_page(folder: Path) -> Path:
+    """A page as `make report` exports it, from a notebook with widget state, a widget output and
+    a formula (the report's other outside fetches: the widget loader, MathJax)."""
+    import nbformat
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import make_report
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells.append(nbformat.v4.new_markdown_cell("A ring sends $2(t-1)/t$ of the message."))
+    view = {"model_id": "bar", "version_major": 2, "version_minor": 0}
+    nb.cells.append(nbformat.v4.new_code_cell("progress()", outputs=[nbformat.v4.new_output(
+        "display_data", data={make_report.WIDGET_VIEW: view, "text/plain": "steps 3/3"})]))
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {
+        "state": {"bar": {"model_name": "IntProgressModel", "model_module": "@jupyter-widgets/controls",
+                          "model_module_version": "2.0.0", "state": {"value": 3, "max": 3}}},
+        "version_major": 2, "version_minor": 0}}
+    page = folder / "page.html"
+    make_report.export(nb, page, make_report.local_mathjax(folder))
+    return page
+
+
+def check_report(page: Path, chromium: str = CHROMIUM) -> dict:
+    """Open an exported report page from file://; every request that is not a local file is
+    recorded and aborted."""
+    from playwright.sync_api import sync_playwright
+
+    offsite = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS, headless=True)
+        page_ = browser.new_page()
+
+        def gate(route):
+            url = route.request.url
+            if url.split(":", 1)[0] in ("file", "data", "blob"):
+                route.continue_()
+            else:
+                offsite.append(url)
+                route.abort()
+
+        page_.route("**/*", gate)
+        page_.goto(page.resolve().as_uri(), wait_until="load")
+        page_.wait_for_timeout(1500)     # the loaders run on DOMContentLoaded and after
+        text = page_.inner_text("body")
+        browser.close()
+    return {"ok": not offsite, "offsite_requests": offsite, "widget_text_kept": "steps 3/3" in text}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--logdir", type=Path, default=None, help="default: a fresh temporary folder")
@@ -185,6 +236,8 @@ def main() -> int:
     logdir = args.logdir or Path(tempfile.mkdtemp(prefix="e2e-logdir-"))
     make_runs(logdir)
     result = check(logdir, args.screenshot)
+    result["report"] = check_report(report_page(Path(tempfile.mkdtemp(prefix="e2e-report-"))))
+    result["ok"] = result["ok"] and result["report"]["ok"]
     big = result["pages"].get("4 ranks x 10 steps", {})
     if big.get("seconds", float("inf")) >= args.max_open_s:
         result["ok"] = False

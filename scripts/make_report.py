@@ -12,7 +12,13 @@ and plotly would still fetch from CDNs is replaced or dropped here:
   * MathJax (the formulas in the prose): a local copy, from the jupyter-server-mathjax package,
     copied into report/mathjax/ (when that package is missing, nbconvert's CDN link stays);
   * require.js (nbconvert's template) and plotly's per-figure MathJax 3 tag: dropped, nothing here
-    needs them.
+    needs them;
+  * the widget state (the progress bars of refimpl.progress): dropped before the export, with each
+    widget output's view, leaving its text. nbconvert's template otherwise adds a loader that
+    fetches @jupyter-widgets/html-manager's embed-amd.js from unpkg.com, and no installed package
+    ships that bundle. A finished progress bar has nothing left to show that its text does not.
+`scripts/e2e_browser.py --report` opens an exported page in headless Chromium and fails on any
+request that leaves the machine.
 """
 from __future__ import annotations
 
@@ -68,8 +74,24 @@ def local_mathjax(out: Path) -> str | None:
     return "mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe"
 
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def drop_widgets(nb) -> None:
+    """Remove the notebook's widget state and every output's widget view (keeping its text)."""
+    nb.metadata.pop("widgets", None)
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        for out in cell.outputs:
+            out.get("data", {}).pop(WIDGET_VIEW, None)
+        cell.outputs = [o for o in cell.outputs if "data" not in o or o["data"]]
+
+
 def export(nb, target: Path, mathjax_url: str | None) -> None:
     from nbconvert import HTMLExporter
+
+    drop_widgets(nb)
 
     exporter = HTMLExporter(template_name="lab")
     if mathjax_url:

@@ -33,3 +33,8 @@ def test_timeline_renders_and_nothing_leaves_localhost(tmp_path, tmp_path_factor
         assert page["bars"] > 0 and page["lanes"] == 2 * 3, (name, page)   # 2 ranks x 3 rows
         assert page["comm_rows"] == 2 and page["memory_bars"] == 2 * 4, (name, page)
     assert (tmp_path / "plugin.png").stat().st_size > 10_000
+
+
+def test_report_page_makes_no_request_off_the_machine(tmp_path):
+    result = e2e_browser.check_report(e2e_browser.report_page(tmp_path))
+    assert result["offsite_requests"] == [] and result["widget_text_kept"], result

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from refimpl.model import GPTConfig
+from refimpl.model import GPTConfig, build_model, count_params
 
 
 @dataclass(frozen=True)
@@ -127,3 +127,21 @@ def published_table():
                      "total_over_active": c.total_over_active,
                      "forward_gflops_per_token": c.forward_flops_per_token / 1e9})
     return pd.DataFrame(rows)
+
+
+def dense_comparison(cfg: GPTConfig, context: int, batch: int = 2, seed: int = 0):
+    """The MoE `cfg` and its dense twin side by side: parameters counted on the built model and by
+    `gpt_counts`, FLOPs per token counted by FlopCounterMode on a forward and by the formula."""
+    import pandas as pd
+    import torch
+
+    idx = torch.zeros(batch, context, dtype=torch.long)
+    rows = []
+    for name, c in ((f"MoE E={cfg.n_experts}, k={cfg.top_k}", cfg),
+                    (f"dense twin (MLP {cfg.top_k}x wider)", dense_twin(cfg))):
+        model, formula = build_model(c, seed), gpt_counts(c, context=context)
+        rows.append({"model": name, "params": count_params(model), "formula params": formula.total_params,
+                     "active params": formula.active_params,
+                     "FLOPs/token (counted)": measured_forward_flops(model, idx) / idx.numel(),
+                     "FLOPs/token (formula)": formula.forward_flops_per_token})
+    return pd.DataFrame(rows).set_index("model")

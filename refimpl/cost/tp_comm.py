@@ -2,8 +2,10 @@
 
 Bytes. Per transformer layer and micro-batch, 2 all-reduces of the b·s·h activation in forward and
 2 in backward (Megatron-LM's f and g); a ring all-reduce of M bytes sends 2(t-1)/t·M per rank, so
-each rank sends 8·b·s·h·(t-1)/t values per layer per micro-batch (Narayanan et al. 2021, §3.3,
+each rank sends 8·b·s·h·(t-1)/t values per layer per micro-batch (Narayanan et al. 2021, §3.2,
 "Tensor and Pipeline Model Parallelism": counted in values, per device; times bytes per value here).
+The same section counts a pipeline boundary: b·s·h values per micro-batch, point to point, once
+forward and once backward (`pp_boundary_bytes`).
 Sequence parallelism replaces each all-reduce by an all-gather + a reduce-scatter, (t-1)/t·M each:
 the same bytes in twice the calls (Korthikanti et al. 2022, §4.2.2).
 
@@ -17,16 +19,28 @@ Compute, to compare with. One layer's forward is 24·b·s·h² + 4·b·s²·h FL
 2021, §5.1: the four h×h-sized matmuls and the 4h MLP, plus scores and S·V); backward twice that:
 72·b·s·h²·(1 + s/(6h)) per layer, split t ways under TP.
 
-Links and peak rates come from the planner's GPU presets (refimpl.cost.hardware: the datasheet
+Links and rates come from the planner's GPU presets (refimpl.cost.hardware: the datasheet
 numbers and their sources, written once): NVLink inside a node, one InfiniBand port per GPU across
-nodes, the dense BF16 peak.
+nodes; `comm_to_compute` uses what a preset says is *achievable* (Hardware.link: latency and the
+link fraction; Hardware.matmul_rate: the GEMM fraction of the peak), the one ratio notebooks 06 and
+09 (refimpl.plan.composition.placement_rule) both print.
+
+Overlap. Nothing in refimpl runs a TP collective under compute: each sits on the critical path of
+its layer, so a layer takes compute·(1 + r) for a ratio r. Megatron-LM overlaps the backward's
+input-gradient all-reduce with the weight-gradient GEMM (Korthikanti et al. 2022, §4.2.2's
+all-gather / reduce-scatter with the column layer's dW), and PyTorch's async-TP splits the
+all-gather + matmul into chunks so each chunk's transfer runs under the previous chunk's GEMM
+(torch.distributed._symmetric_memory, "micro-pipelining"). `layer_time_over_compute` is what a
+share of overlap would buy: at best the layer takes max(compute, comm).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pandas as pd
+
 from refimpl.cost.alpha_beta import ring_seconds
-from refimpl.cost.hardware import get_hardware
+from refimpl.cost.hardware import Hardware, get_hardware
 
 
 def bytes_per_layer(b: int, s: int, h: int, t: int, dtype_bytes: int = 2) -> float:
@@ -62,12 +76,57 @@ def flops_per_layer(shape: LayerShape) -> float:
     return 72 * b * s * h * h * (1 + s / (6 * h))
 
 
-def comm_to_compute(shape: LayerShape, t: int, gpu: str = "h100-sxm",
+def comm_and_compute_seconds(shape: LayerShape, t: int, gpu: str | Hardware = "h100-sxm",
+                             within_node: bool = True) -> tuple[float, float]:
+    """(TP communication seconds, compute seconds) of one layer's forward + backward on one rank of
+    a ring of t GPUs, with a preset's achievable link (alpha, fraction of the rate) and GEMM rate."""
+    hw = gpu if isinstance(gpu, Hardware) else get_hardware(gpu)
+    alpha, link = hw.link(within_node)
+    return comm_seconds_per_layer(shape, t, alpha, link), flops_per_layer(shape) / t / hw.matmul_rate
+
+
+def comm_to_compute(shape: LayerShape, t: int, gpu: str | Hardware = "h100-sxm",
                     within_node: bool = True) -> float:
-    """TP communication time / compute time per layer on `gpu` (a refimpl.cost.hardware preset),
-    its ring inside a node (NVLink) or across nodes (InfiniBand). The best case for the link:
-    datasheet rates, no latency, nothing overlapped. > 1: the GPUs wait longer than they compute."""
-    hw = get_hardware(gpu)
-    link = hw.intra_bandwidth if within_node else hw.inter_bandwidth
-    compute = flops_per_layer(shape) / t / hw.peak_flops
-    return comm_seconds_per_layer(shape, t, 0.0, link) / compute
+    """TP communication time / compute time per layer: > 1, the GPUs wait longer than they compute;
+    below 1 the communication still adds r·compute to the layer unless something overlaps it."""
+    comm, compute = comm_and_compute_seconds(shape, t, gpu, within_node)
+    return comm / compute
+
+
+def layer_time_over_compute(ratio: float, overlapped: float = 0.0) -> float:
+    """A layer's time over its compute time when `overlapped` (0..1) of its communication runs
+    under compute: 1 + r without overlap, max(1, r) at best (only as much as the compute can hide)."""
+    if not 0.0 <= overlapped <= 1.0:
+        raise ValueError(f"overlapped must be in [0, 1] (got {overlapped})")
+    return 1.0 + (ratio - min(overlapped * ratio, 1.0))
+
+
+def pp_boundary_bytes(b: int, s: int, h: int, dtype_bytes: int = 2) -> float:
+    """Bytes one pipeline boundary carries per micro-batch, forward + backward: the activation
+    b·s·h once each way (Narayanan et al. 2021, §3.2), point to point between two GPUs."""
+    return 2 * b * s * h * dtype_bytes
+
+
+def prediction_table(n_layers: int, batch: int, hidden: int, alpha_hop: float, link: float,
+                     dtype_bytes: int, tps=(2, 4, 8), seq_lens=(64, 128, 256, 512, 1024, 2048)):
+    """Per step, one rank's TP bytes and predicted seconds at each (tp, seq_len): the α-β ring
+    model with a fitted hop latency and link rate (notebook 06 §7)."""
+    return pd.DataFrame([{"tp": t, "seq_len": s,
+                          "bytes/rank/step": n_layers * bytes_per_layer(batch, s, hidden, t, dtype_bytes),
+                          "predicted comm s/step": n_layers * comm_seconds_per_layer(
+                              LayerShape(batch, s, hidden, dtype_bytes), t, alpha_hop, link)}
+                         for t in tps for s in seq_lens])
+
+
+def kv_heads_per_rank(n_kv_heads: int, t: int) -> tuple[int, int]:
+    """Grouped-query attention under TP: (key/value heads each rank holds, ranks holding each one).
+    With at least t KV heads they split like the query heads; with fewer, every rank still needs
+    the KV head its query heads use, so each KV head is replicated over t / n_kv ranks (as vLLM's
+    QKVParallelLinear does): its weights and its K/V activations stop shrinking with t."""
+    if n_kv_heads >= t:
+        if n_kv_heads % t:
+            raise ValueError(f"{n_kv_heads} KV heads do not split over tp = {t}")
+        return n_kv_heads // t, 1
+    if t % n_kv_heads:
+        raise ValueError(f"tp = {t} is not a multiple of the {n_kv_heads} KV heads")
+    return 1, t // n_kv_heads

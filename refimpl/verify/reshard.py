@@ -44,3 +44,15 @@ def placed_state(cfg: TrainConfig) -> dict[str, torch.Tensor]:
     with `cfg.init_optimizer_state`, {"weights": ..., "optimizer": full_optimizer_state} instead."""
     validate(cfg)
     return launch.run(placed_state_rank, cfg.nproc, cfg)[0]
+
+
+def unequal_tensors(placed: dict, weights: dict[str, torch.Tensor], optimizer: dict | None = None) -> list:
+    """What `placed_state` gave back and the checkpoint do not agree on, tensor for tensor: a list of
+    ("weights", name) and ("exp_avg" | "exp_avg_sq", name) keys, empty when every one is equal."""
+    got_w = placed["weights"] if optimizer is not None else placed
+    bad = [("weights", k) for k in weights if k not in got_w or not torch.equal(got_w[k], weights[k])]
+    if optimizer is None:
+        return bad
+    got = placed["optimizer"]
+    return bad + [(m, k) for m in ("exp_avg", "exp_avg_sq") for k in optimizer[m]
+                  if k not in got[m] or not torch.equal(got[m][k], optimizer[m][k])]

@@ -1,0 +1,50 @@
+"""Ring attention measured on real cp ranks (notebook 09 §3): the score blocks each rank computed,
+counted by the ring itself, and the bytes autograd saved for backward on each rank, beside full
+causal attention on one process (refimpl.model.attention) with the whole sequence.
+
+What a rank saves: its own slice of q, k, v and of the output (s/cp tokens each) plus the
+log-sum-exp per query; it never holds the s x s scores (a block's scores live only while the block
+is computed, FlashAttention-style), nor more than two K/V blocks at a time (its own, and the one
+arriving). Full attention saves the softmax probabilities, b·a·s² values.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from refimpl.launch import device_for
+from refimpl.memory import ActivationTracker
+from refimpl.model import attention
+from refimpl.parallel.cp.ring import ring_attention, shard_sequence
+
+
+def _inputs(batch: int, seq: int, width: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, seq, width, generator=g) for _ in range(3)]
+
+
+def ring_rank(rank: int, world: int, *, batch: int = 1, seq: int = 64, heads: int = 4, head_dim: int = 16,
+              seed: int = 0) -> list[dict]:
+    """On one rank of a cp ring of the whole world, both layouts in turn: score blocks this rank
+    computed and the peak bytes autograd saved across forward + backward."""
+    group = dist.new_group(list(range(world)))
+    device = device_for(dist.get_backend())
+    out = []
+    for balanced in (True, False):
+        q, k, v = (shard_sequence(t, rank, world, balanced=balanced).to(device).requires_grad_()
+                   for t in _inputs(batch, seq, heads * head_dim, seed))
+        stats: dict = {}
+        with ActivationTracker() as saved:
+            ring_attention(q, k, v, heads, group, balanced=balanced, stats=stats).sum().backward()
+        out.append({"rank": rank, "layout": "head-tail" if balanced else "contiguous",
+                    "score_blocks": stats["score_blocks"], "saved_bytes": saved.peak})
+    return out
+
+
+def full_attention_saved_bytes(*, batch: int = 1, seq: int = 64, heads: int = 4, head_dim: int = 16,
+                               seed: int = 0) -> int:
+    """Peak bytes autograd saves for full causal attention over the whole sequence, one process."""
+    q, k, v = (t.requires_grad_() for t in _inputs(batch, seq, heads * head_dim, seed))
+    with ActivationTracker() as saved:
+        attention(q, k, v, heads).sum().backward()
+    return saved.peak
