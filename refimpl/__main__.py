@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write AdamW's m, v and step in reference names (loads under any layout)")
     t.add_argument("--init-optimizer-state", default=None, metavar="PATH",
                    help="start AdamW from a state written by --save-optimizer-state")
+    t.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="every K steps, save the whole run (weights, AdamW, data position, RNG) "
+                   "atomically into --checkpoint-dir")
+    t.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="resume from the newest checkpoint there, under any layout (and save there)")
     t.add_argument("--timeout", type=float, default=900.0)
     t.add_argument("--json", action="store_true", help="print the result as one JSON object")
     _add_env_parser(sub)
@@ -128,6 +133,7 @@ def config_from_args(args):
                        init_state=args.init_state, return_state=bool(args.save_state),
                        init_optimizer_state=args.init_optimizer_state,
                        return_optimizer_state=bool(args.save_optimizer_state),
+                       checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir,
                        record_memory=not args.profile)   # memory[r].peak (not under --profile)
 
 

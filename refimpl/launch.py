@@ -23,6 +23,7 @@ The contract (DESIGN.md):
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -227,6 +228,11 @@ def _run_this_torchrun_rank(fn, args, kwargs, backend: str):
         return fn(rank, world_size, *args, **kwargs)
     finally:
         if created:
+            # As refimpl._rank does: free the strategies' reference cycles (hooks, pending work,
+            # the process groups they hold) now, while the interpreter is whole. Left to its
+            # finalization, a gloo thread releasing the last reference to a tensor needs the GIL
+            # there, and a thread refused the GIL at exit ends the process with SIGABRT.
+            gc.collect()
             dist.destroy_process_group()
 
 
