@@ -180,6 +180,13 @@ def _first_failure(ranks: list[_Rank], tmp: Path, default: _Rank, grace: float =
     the earliest traceback. Give the others a moment to write theirs, then pick by timestamp.
     """
     time.sleep(grace)
+    # A rank killed by a signal (kill -9, the OOM killer, a segfault) leaves no traceback, and its
+    # peers' "connection closed" tracebacks come after its death: it is the cause. (Nothing of
+    # ours has signalled any rank yet: _kill_all runs after this.)
+    signalled = [r for r in ranks if (r.proc.poll() or 0) < 0
+                 and not (tmp / f"error{r.rank}.txt").exists()]
+    if signalled:
+        return signalled[0]
     written = [(os.stat(tmp / f"error{r.rank}.txt").st_mtime_ns, r.rank) for r in ranks
                if (tmp / f"error{r.rank}.txt").exists()]
     if not written:
@@ -249,7 +256,18 @@ def init_process_group(rank: int, world_size: int, backend: str, timeout: float 
                               world_size + 1, is_master=False, timeout=_timedelta(timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=_timedelta(timeout))
-    else:  # torchrun: env:// rendezvous from MASTER_ADDR / MASTER_PORT
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun, whose agent hosts the store: the c10d rendezvous keeps ONE store for every
+        # restart of the job, and env:// puts the ranks' keys (gloo's listening addresses, NCCL's
+        # unique id) under the same names each attempt. A restarted rank could then read a dead
+        # peer's address and wait on it until the timeout (seen: 3 restarts in 5 hung). The
+        # attempt's number in front of every key keeps each attempt to its own.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              world_size, is_master=False, timeout=_timedelta(timeout))
+        dist.init_process_group(backend, store=dist.PrefixStore(f"refimpl/attempt{attempt}", store),
+                                rank=rank, world_size=world_size, timeout=_timedelta(timeout))
+    else:  # torchrun without an agent store: env:// (rank 0 hosts a fresh store each attempt)
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=_timedelta(timeout))
 
