@@ -31,11 +31,12 @@ def max_rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.slow   # three in-process runs: seconds, too many for make test-fast
 def test_single_resumed_from_step_k_is_the_uninterrupted_run(tmp_path):
-    whole = train_on_ranks(run_cfg())
+    whole = train_on_ranks(run_cfg(steps=3))
     first = train_on_ranks(run_cfg(steps=2, checkpoint_every=1, checkpoint_dir=str(tmp_path)))
     assert sorted(os.listdir(tmp_path)) == ["step-00000001.pt", "step-00000002.pt"]
-    resumed = train_on_ranks(run_cfg(checkpoint_dir=str(tmp_path)))
+    resumed = train_on_ranks(run_cfg(steps=3, checkpoint_dir=str(tmp_path)))
     assert first["resumed_from"] == 0 and resumed["resumed_from"] == 2
     # the same process, the same order of sums: bit for bit, losses and weights
     assert resumed["losses"] == whole["losses"]
@@ -102,7 +103,9 @@ def test_what_cannot_resume_fails_before_launch(tmp_path):
         validate(run_cfg(checkpoint_every=2))
     with pytest.raises(LayoutError, match="not for 'torch-ddp'"):
         validate(run_cfg("torch-ddp", 2, checkpoint_dir=str(tmp_path)))
-    train_on_ranks(run_cfg(steps=1, checkpoint_every=1, checkpoint_dir=str(tmp_path)))
+    train_on_ranks(run_cfg(steps=2, checkpoint_every=2, checkpoint_dir=str(tmp_path)))
     with pytest.raises(LayoutError, match="lr=0.003, this run has lr=0.1"):
         validate(run_cfg(checkpoint_dir=str(tmp_path), lr=0.1))
+    with pytest.raises(LayoutError, match="at step 2, beyond --steps 1"):
+        validate(run_cfg(steps=1, checkpoint_dir=str(tmp_path)))
     validate(run_cfg("zero3", 2, checkpoint_dir=str(tmp_path)))     # another layout: fine

@@ -73,6 +73,9 @@ def check_resumable(cfg) -> None:
     if saved.get("format") != FORMAT:
         raise LayoutError(f"--checkpoint-dir: {path} has format {saved.get('format')}, "
                           f"this refimpl reads {FORMAT}")
+    if saved["step"] > cfg.steps:
+        raise LayoutError(f"--checkpoint-dir: {path.name} is at step {saved['step']}, beyond "
+                          f"--steps {cfg.steps}")
     mine = run_identity(cfg)
     for key, value in saved["run"].items():
         if mine.get(key) != value:

@@ -140,7 +140,9 @@ def reference_run(cfg: TrainConfig) -> dict:
     ref_cfg = cfg.with_(strategy="single", nproc=1, return_state=True, profile=False,
                         trace_dir=None, options={}, tp=1, pp=1, cp=1, ep=1, replicas=1,
                         sequence_parallel=False, schedule=None, virtual_stages=1,
-                        device=ranks_device(cfg.nproc))
+                        device=ranks_device(cfg.nproc),
+                        # a resumed run equals the uninterrupted one: single from step 0
+                        checkpoint_every=0, checkpoint_dir=None)
     key = repr(ref_cfg)
     if key not in _reference_cache:
         _reference_cache[key] = train_on_ranks(ref_cfg)
