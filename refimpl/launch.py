@@ -260,7 +260,7 @@ def init_process_group(rank: int, world_size: int, backend: str, timeout: float 
         # torchrun, whose agent hosts the store: the c10d rendezvous keeps ONE store for every
         # restart of the job, and env:// puts the ranks' keys (gloo's listening addresses, NCCL's
         # unique id) under the same names each attempt. A restarted rank could then read a dead
-        # peer's address and wait on it until the timeout (seen: 3 restarts in 5 hung). The
+        # peer's address and wait on it until the timeout (seen: 2 restarts in 5 hung). The
         # attempt's number in front of every key keeps each attempt to its own.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),

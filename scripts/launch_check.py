@@ -2,7 +2,7 @@
 
     python scripts/launch_check.py                  # make launch-check: all three, ~15 min on 2 cores
     python scripts/launch_check.py exits --runs 3   # a part, fewer runs
-    python scripts/launch_check.py restart
+    python scripts/launch_check.py restart          # (or exits-plain, exits-profile)
 
 exits     2 torchrun agents x 2 ranks with the c10d rendezvous on localhost (two nodes, as a Slurm
           job runs them): the CLI --runs times in a row, with and without --profile; every run must
@@ -197,7 +197,8 @@ def restart(work: Path, steps: int = 20, every: int = 2) -> list[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("part", nargs="?", default="all", choices=["all", "exits", "restart"])
+    p.add_argument("part", nargs="?", default="all",
+                   choices=["all", "exits", "exits-plain", "exits-profile", "restart"])
     p.add_argument("--runs", type=int, default=20, help="runs per exits variant (default 20)")
     p.add_argument("--keep", default=None, metavar="DIR", help="keep every run's output in DIR")
     args = p.parse_args(argv)
@@ -205,8 +206,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="launch-check-") as tmp:
         work = Path(args.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        if args.part in ("all", "exits"):
-            for profile in (False, True):
+        variants = {"all": (False, True), "exits": (False, True), "exits-plain": (False,),
+                    "exits-profile": (True,)}.get(args.part, ())
+        if variants:
+            for profile in variants:
                 print(f"exits: c10d rendezvous, 2 agents x 2 ranks{', --profile' if profile else ''}",
                       flush=True)
                 failures += exits(args.runs, profile, work)
