@@ -65,7 +65,7 @@ test-fast: install
 	REFIMPL_FORBID_RANKS=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/ -q -n $(TEST_WORKERS) \
 		-m "not ranks and not slow" -p no:cacheprovider
 
-# The CLI under torchrun as a scheduler runs it (scripts/launch_check.py), ~15 min on 2 cores:
+# The CLI under torchrun as a scheduler runs it (scripts/launch_check.py), 15-25 min on 2 cores:
 # 2 agents x 2 ranks with the c10d rendezvous on localhost, LAUNCH_RUNS times in a row with and
 # without --profile, every exit 0 and the losses of single; then torchrun --max-restarts 1 with a
 # rank killed (kill -9) after a checkpoint: the job resumes and ends with single's weights.
