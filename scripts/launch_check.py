@@ -1,6 +1,6 @@
 """The CLI under torchrun as a scheduler runs it: clean exits, and a job that survives a lost rank.
 
-    python scripts/launch_check.py                  # make launch-check: all three, ~15 min on 2 cores
+    python scripts/launch_check.py                  # make launch-check: all three, 15-25 min on 2 cores
     python scripts/launch_check.py exits --runs 3   # a part, fewer runs
     python scripts/launch_check.py restart          # (or exits-plain, exits-profile)
 
