@@ -17,7 +17,7 @@ PIP_FROM := $(if $(WHEELS),--no-index --find-links $(WHEELS),)
 # jupyter refuses to start as root without --allow-root (containers and GPU images run as root)
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: install lab lint test test-fast tensorboard bench report e2e gpu-check gpu-wheels env clean
+.PHONY: install lab lint test test-fast launch-check slurm-check tensorboard bench report e2e gpu-check gpu-wheels env clean
 
 install: $(STAMP)
 
@@ -64,6 +64,20 @@ test: install lint
 test-fast: install
 	REFIMPL_FORBID_RANKS=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/ -q -n $(TEST_WORKERS) \
 		-m "not ranks and not slow" -p no:cacheprovider
+
+# The CLI under torchrun as a scheduler runs it (scripts/launch_check.py), 15-25 min on 2 cores:
+# 2 agents x 2 ranks with the c10d rendezvous on localhost, LAUNCH_RUNS times in a row with and
+# without --profile, every exit 0 and the losses of single; then torchrun --max-restarts 1 with a
+# rank killed (kill -9) after a checkpoint: the job resumes and ends with single's weights.
+LAUNCH_RUNS ?= 20
+launch-check: install
+	OMP_NUM_THREADS=1 $(BIN)/python scripts/launch_check.py --runs $(LAUNCH_RUNS)
+
+# The CPU sbatch recipe (scripts/slurm/cpu.sbatch) on a one-node Slurm cluster started here from
+# scripts/slurm/slurm.conf.in; installs Debian's slurm-wlm and munge when missing (root). Under 3
+# minutes after the install; stops the daemons it started. See scripts/slurm_check.sh.
+slurm-check: install
+	PYTHON=$(BIN)/python bash scripts/slurm_check.sh
 
 # ruff (pinned in the dev extra, configured in pyproject.toml): pyflakes and import order. A
 # TORCH=system venv may lack it (the GPU wheels leave it out): then it says so and skips.

@@ -45,6 +45,10 @@ class TrainConfig:
     init_state: str | None = None     # torch.save'd full state dict to start from (any strategy's)
     init_optimizer_state: str | None = None   # AdamW's m, v, step in reference names (optim_reshard)
     return_optimizer_state: bool = False      # include them, gathered, in rank 0's result
+    # Recovery (refimpl.compose.run_checkpoint): the whole state every K steps into the directory,
+    # and a run that finds a checkpoint there resumes from its step (it wins over init_state).
+    checkpoint_every: int = 0
+    checkpoint_dir: str | None = None
     record_memory: bool = False       # measure each rank's peak inside a step (memory[r].peak)
     model: GPTConfig = field(default_factory=GPTConfig)
     # Where an in-process run (nproc 1) computes: "auto" = a GPU if there is one. A reference for
@@ -113,6 +117,12 @@ class TrainConfig:
         if self.collectives not in COLLECTIVES:
             raise LayoutError(f"--collectives must be one of {', '.join(COLLECTIVES)} "
                               f"(got {self.collectives!r})")
+        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
+                or self.checkpoint_every < 0:
+            raise LayoutError(f"--checkpoint-every must be an integer >= 0 (got "
+                              f"{self.checkpoint_every!r})")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise LayoutError("--checkpoint-every needs --checkpoint-dir (where the checkpoints go)")
         per_replica = self.replicas * self.pp * self.cp * self.tp
         if self.nproc % per_replica:
             raise LayoutError(f"--nproc {self.nproc} must be a multiple of pp x cp x tp = "

@@ -25,6 +25,7 @@ The contract (DESIGN.md):
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -193,9 +194,13 @@ def _first_failure(ranks: list[_Rank], tmp: Path, default: _Rank, grace: float =
     traceback, and the peers' tracebacks are its consequence.
     """
     time.sleep(grace)
-    killed = [r for r in ranks if (r.proc.poll() or 0) < 0]
-    if killed:
-        return killed[0]
+    # A rank killed by a signal (kill -9, the OOM killer, a segfault) leaves no traceback, and its
+    # peers' "connection closed" tracebacks come after its death: it is the cause. (Nothing of
+    # ours has signalled any rank yet: _kill_all runs after this.)
+    signalled = [r for r in ranks if (r.proc.poll() or 0) < 0
+                 and not (tmp / f"error{r.rank}.txt").exists()]
+    if signalled:
+        return signalled[0]
     written = [(os.stat(tmp / f"error{r.rank}.txt").st_mtime_ns, r.rank) for r in ranks
                if (tmp / f"error{r.rank}.txt").exists()]
     if not written:
@@ -244,6 +249,11 @@ def _run_this_torchrun_rank(fn, args, kwargs, backend: str):
         return fn(rank, world_size, *args, **kwargs)
     finally:
         if created:
+            # As refimpl._rank does: free the strategies' reference cycles (hooks, pending work,
+            # the process groups they hold) now, while the interpreter is whole. Left to its
+            # finalization, a gloo thread releasing the last reference to a tensor needs the GIL
+            # there, and a thread refused the GIL at exit ends the process with SIGABRT.
+            gc.collect()
             dist.destroy_process_group()
 
 
@@ -260,7 +270,18 @@ def init_process_group(rank: int, world_size: int, backend: str, timeout: float 
                               world_size + 1, is_master=False, timeout=_timedelta(timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=_timedelta(timeout))
-    else:  # torchrun: env:// rendezvous from MASTER_ADDR / MASTER_PORT
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun, whose agent hosts the store: the c10d rendezvous keeps ONE store for every
+        # restart of the job, and env:// puts the ranks' keys (gloo's listening addresses, NCCL's
+        # unique id) under the same names each attempt. A restarted rank could then read a dead
+        # peer's address and wait on it until the timeout (seen: 2 restarts in 5 hung). The
+        # attempt's number in front of every key keeps each attempt to its own.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              world_size, is_master=False, timeout=_timedelta(timeout))
+        dist.init_process_group(backend, store=dist.PrefixStore(f"refimpl/attempt{attempt}", store),
+                                rank=rank, world_size=world_size, timeout=_timedelta(timeout))
+    else:  # torchrun without an agent store: env:// (rank 0 hosts a fresh store each attempt)
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=_timedelta(timeout))
 

@@ -18,6 +18,7 @@ import time
 import torch
 
 from refimpl import launch
+from refimpl.compose import run_checkpoint
 from refimpl.compose.optim_reshard import full_optimizer_state, load_optimizer_state, validate_optimizer_state
 from refimpl.compose.transforms import model_parallel, validate_model_parallel
 from refimpl.config import RunContext, TrainConfig
@@ -53,15 +54,20 @@ def validate(cfg: TrainConfig) -> None:
     get_strategy(cfg.strategy).validate(cfg)
     if cfg.init_optimizer_state or cfg.return_optimizer_state:
         validate_optimizer_state(cfg)
+    if cfg.checkpoint_dir:
+        validate_optimizer_state(cfg, "--checkpoint-dir")
+        run_checkpoint.check_resumable(cfg)
 
 
 def default_trace_dir(cfg: TrainConfig) -> str:
     return str(profiles_root() / "cli" / f"{cfg.strategy}-n{cfg.nproc}")
 
 
-def setup_rank(rank: int, world_size: int, cfg: TrainConfig) -> tuple[RunContext, Strategy, int]:
+def setup_rank(rank: int, world_size: int, cfg: TrainConfig,
+               resume: dict | None = None) -> tuple[RunContext, Strategy, int]:
     """This rank's context, its strategy placed from the reference model (and a checkpoint, if
-    any), and the reference's parameter count: everything before the first step."""
+    any), and the reference's parameter count: everything before the first step. `resume`: a
+    run checkpoint (refimpl.compose.run_checkpoint) to continue, instead of init_state."""
     cfg = resolve_layout(cfg)
     backend, device = _backend_and_device(cfg)
     exact_fp32_on_cuda(device)
@@ -71,7 +77,9 @@ def setup_rank(rank: int, world_size: int, cfg: TrainConfig) -> tuple[RunContext
     torch.manual_seed(cfg.seed)
     # --dtype float64: every copy and buffer below follows the reference's dtype.
     reference = build_model(cfg.model, cfg.seed).to(ctx.param_dtype)
-    if cfg.init_state is not None:
+    if resume is not None:
+        reference.load_state_dict(resume["weights"])
+    elif cfg.init_state is not None:
         # A checkpoint is the reference's full state dict, whatever strategy and world size wrote
         # it: every strategy places it from the reference model, so it reshards on load.
         reference.load_state_dict(torch.load(cfg.init_state, map_location="cpu"))
@@ -81,21 +89,27 @@ def setup_rank(rank: int, world_size: int, cfg: TrainConfig) -> tuple[RunContext
     # strategy's data-parallel placement. PyTorch's DTensor twins parallelize the plain reference.
     strategy.place(model_parallel(reference, ctx) if strategy.takes_our_transforms
                    else RankModel(reference.to(device)))
-    if cfg.init_optimizer_state is not None:   # AdamW's m and v too, placed for this layout
+    if resume is not None:                     # AdamW's state and the generator, as they were
+        run_checkpoint.restore(strategy, resume)
+    elif cfg.init_optimizer_state is not None:   # AdamW's m and v too, placed for this layout
         load_optimizer_state(strategy, torch.load(cfg.init_optimizer_state, map_location="cpu"))
     return ctx, strategy, n_params
 
 
 def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     """Train on this rank; run by `launch.run` on every rank (or once, for `single`)."""
-    ctx, strategy, n_params = setup_rank(rank, world_size, cfg)
+    resume = run_checkpoint.load_latest(cfg.checkpoint_dir)
+    ctx, strategy, n_params = setup_rank(rank, world_size, cfg, resume)
     cfg, device = ctx.cfg, ctx.device
+    # Resumed: the data continues at the checkpoint's step, the losses before it are its own.
+    first = resume["step"] if resume is not None else 0
+    losses = list(resume["losses"]) if resume is not None else []
 
-    losses, step_times, activation_peak, moe_records = [], [], 0, []
+    step_times, activation_peak, moe_records = [], 0, []
     trace_dir = (cfg.trace_dir or default_trace_dir(cfg)) if cfg.profile else None
     peak = StepPeak(ctx.device, enabled=cfg.record_memory and not cfg.profile)
-    with StepProfiler(trace_dir, rank, cfg.steps, device=device) as profiler, peak:
-        for step in range(cfg.steps):
+    with StepProfiler(trace_dir, rank, max(cfg.steps - first, 1), device=device) as profiler, peak:
+        for step in range(first, cfg.steps):
             batch = synthetic_batch(cfg.model, cfg.global_batch, cfg.seq_len, cfg.seed, step)
             tracker = ActivationTracker(exclude=strategy.activation_exclusions())
             peak.step_begins(step)
@@ -113,6 +127,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                 moe_records.append(moe)
             activation_peak = max(activation_peak, tracker.peak)
             profiler.step()
+            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                run_checkpoint.save(strategy, step + 1, losses, cfg.checkpoint_dir)
 
     state = strategy.model_state()
     result = {
@@ -125,6 +141,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                    "total": int(state.total + activation_peak),
                    **peak.result(kept_bytes=int(state.total))},
         "trace_dir": trace_dir,
+        "resumed_from": first,
     }
     if moe_records:   # MoE: per step, tokens per expert (routed, and received by this rank)
         result["moe"] = moe_records
@@ -221,12 +238,15 @@ def merge_results(cfg: TrainConfig, per_rank: list[dict]) -> dict:
         "strategy": cfg.strategy,
         "world_size": cfg.nproc,
         "losses": first["losses"],
-        "step_time_s": statistics.median(timed),
+        # None only when a resumed run found nothing left to do (its checkpoint is its last step)
+        "step_time_s": statistics.median(timed) if timed else None,
         "n_params": first["n_params"],
         "memory": [r["memory"] for r in per_rank],
         "trace_dir": first["trace_dir"],
         "per_rank": per_rank,
     }
+    if cfg.checkpoint_dir:   # the step the run started from (0: no checkpoint was there)
+        out["resumed_from"] = first["resumed_from"]
     if cfg.return_state:
         out["state_dict"] = first["state_dict"]
     if cfg.return_optimizer_state:

@@ -72,11 +72,3 @@ def test_the_exit_code_reaches_the_shell():
     assert proc.returncode == 2 and "unknown strategy" in proc.stderr
 
 
-def test_the_same_entry_runs_under_torchrun():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "1", "-m", "refimpl", "train", "--steps", "2",
-                           "--json"], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["world_size"] == 1 and len(out["losses"]) == 2

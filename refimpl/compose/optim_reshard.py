@@ -30,13 +30,13 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 UNSUPPORTED_PREFIXES = ("torch-", "ep")
 
 
-def validate_optimizer_state(cfg) -> None:
+def validate_optimizer_state(cfg, flag: str = "--init/--save-optimizer-state") -> None:
     """Before launch: optimizer-state resharding is built for our AdamW strategies only."""
     if cfg.strategy.startswith(UNSUPPORTED_PREFIXES):
-        raise LayoutError(f"--init/--save-optimizer-state: not for {cfg.strategy!r} (its optimizer "
+        raise LayoutError(f"{flag}: not for {cfg.strategy!r} (its optimizer "
                           "state is not resharded; --save-state / --init-state carry the weights)")
     if cfg.options.get("offload"):
-        raise LayoutError("--init/--save-optimizer-state: not with --set offload=true")
+        raise LayoutError(f"{flag}: not with --set offload=true")
 
 
 def _holders(strategy):

@@ -140,7 +140,9 @@ def reference_config(cfg: TrainConfig) -> TrainConfig:
     return cfg.with_(strategy="single", nproc=1, return_state=True, profile=False,
                      trace_dir=None, options={}, tp=1, pp=1, cp=1, ep=1, replicas=1,
                      sequence_parallel=False, schedule=None, virtual_stages=1, fault=None,
-                     device=ranks_device(cfg.nproc))
+                     device=ranks_device(cfg.nproc),
+                     # a resumed run equals the uninterrupted one: single from step 0
+                     checkpoint_every=0, checkpoint_dir=None)
 
 
 def reference_run(cfg: TrainConfig) -> dict:

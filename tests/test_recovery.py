@@ -1,0 +1,111 @@
+"""Recovery (refimpl.compose.run_checkpoint): a run resumed from step k is the uninterrupted run, under
+any layout, and a kill in the middle of writing a checkpoint leaves the previous one whole.
+
+The torchrun scenario (a rank killed with kill -9, torchrun --max-restarts 1 restarts the job, it
+resumes) is scripts/launch_check.py's, behind `make launch-check`: it starts torchrun several times.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from refimpl.compose import run_checkpoint
+from refimpl.config import TrainConfig
+from refimpl.mesh import LayoutError
+from refimpl.train import train_on_ranks, train_several_on_ranks, validate
+from refimpl.verify.equivalence import compare_states
+from tests.models import SMALL
+
+GATE = 1e-9   # float64 (refimpl.verify.equivalence)
+
+
+def run_cfg(strategy="single", nproc=1, steps=4, **kw) -> TrainConfig:
+    return TrainConfig(strategy=strategy, nproc=nproc, steps=steps, global_batch=4,
+                       model=SMALL, dtype="float64", return_state=True, **kw)
+
+
+def max_rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.slow   # three in-process runs: seconds, too many for make test-fast
+def test_single_resumed_from_step_k_is_the_uninterrupted_run(tmp_path):
+    whole = train_on_ranks(run_cfg(steps=3))
+    first = train_on_ranks(run_cfg(steps=2, checkpoint_every=1, checkpoint_dir=str(tmp_path)))
+    assert sorted(os.listdir(tmp_path)) == ["step-00000001.pt", "step-00000002.pt"]
+    resumed = train_on_ranks(run_cfg(steps=3, checkpoint_dir=str(tmp_path)))
+    assert first["resumed_from"] == 0 and resumed["resumed_from"] == 2
+    # the same process, the same order of sums: bit for bit, losses and weights
+    assert resumed["losses"] == whole["losses"]
+    assert all(torch.equal(resumed["state_dict"][k], whole["state_dict"][k]) for k in whole["state_dict"])
+    saved = torch.load(tmp_path / "step-00000002.pt", weights_only=False)
+    assert saved["optimizer"]["step"] == 2 and saved["losses"] == whole["losses"][:2]
+
+
+@pytest.mark.ranks
+def test_resumed_under_another_layout_equals_single_and_the_uninterrupted_run(tmp_path):
+    """Two steps under zero1 on 2 ranks (checkpoint at step 2), then steps 3-4 under tp 2: the
+    losses of all four steps and the final weights equal single's and an uninterrupted tp 2 run's."""
+    single = train_on_ranks(run_cfg())
+    train_on_ranks(run_cfg("zero1", 2, steps=2, checkpoint_every=2, checkpoint_dir=str(tmp_path)))
+    resumed, whole = train_several_on_ranks([run_cfg("tp", 2, checkpoint_dir=str(tmp_path)),
+                                             run_cfg("tp", 2)])
+    assert resumed["resumed_from"] == 2
+    for run in (resumed, whole):
+        assert max_rel(run["losses"], single["losses"]) < GATE
+        assert compare_states(run["state_dict"], single["state_dict"])[0] < GATE
+    assert max_rel(resumed["losses"], whole["losses"]) < GATE
+    assert compare_states(resumed["state_dict"], whole["state_dict"])[0] < GATE
+
+
+def _killed_while(tmp_path, stage: str) -> None:
+    """A child process starts writing checkpoint 2 and is SIGKILLed mid-way: inside torch.save
+    (half the bytes written) or after the bytes, just before the rename."""
+    pid = os.fork()
+    if pid == 0:     # the child: never returns to pytest
+        try:
+            if stage == "bytes":
+                real_save = torch.save
+
+                def half_then_die(obj, f):
+                    real_save(obj, f)
+                    f.truncate(f.tell() // 2)
+                    f.flush()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                torch.save = half_then_die
+            else:
+                os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
+            saved = torch.load(tmp_path / "step-00000001.pt", weights_only=False)
+            run_checkpoint.write_atomically({**saved, "step": 2}, tmp_path / "step-00000002.pt")
+        finally:
+            os._exit(3)   # not reached when the kill landed
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+@pytest.mark.parametrize("stage", ["bytes", "rename"])
+def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_usable(tmp_path, stage):
+    train_on_ranks(run_cfg(steps=1, checkpoint_every=1, checkpoint_dir=str(tmp_path)))
+    _killed_while(tmp_path, stage)
+    stray = [n for n in os.listdir(tmp_path) if n.startswith(".step-00000002.pt.tmp-")]
+    assert len(stray) == 1                                   # the half-written bytes are there...
+    assert run_checkpoint.latest_checkpoint(tmp_path).name == "step-00000001.pt"   # ...unseen
+    resumed = train_on_ranks(run_cfg(steps=2, checkpoint_dir=str(tmp_path)))
+    assert resumed["resumed_from"] == 1
+    assert resumed["losses"] == train_on_ranks(run_cfg(steps=2))["losses"]
+
+
+def test_what_cannot_resume_fails_before_launch(tmp_path):
+    with pytest.raises(LayoutError, match="needs --checkpoint-dir"):
+        validate(run_cfg(checkpoint_every=2))
+    with pytest.raises(LayoutError, match="not for 'torch-ddp'"):
+        validate(run_cfg("torch-ddp", 2, checkpoint_dir=str(tmp_path)))
+    train_on_ranks(run_cfg(steps=2, checkpoint_every=2, checkpoint_dir=str(tmp_path)))
+    with pytest.raises(LayoutError, match="lr=0.003, this run has lr=0.1"):
+        validate(run_cfg(checkpoint_dir=str(tmp_path), lr=0.1))
+    with pytest.raises(LayoutError, match="at step 2, beyond --steps 1"):
+        validate(run_cfg(steps=1, checkpoint_dir=str(tmp_path)))
+    validate(run_cfg("zero3", 2, checkpoint_dir=str(tmp_path)))     # another layout: fine
