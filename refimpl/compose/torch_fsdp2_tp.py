@@ -21,11 +21,10 @@ import torch
 
 from refimpl.config import TrainConfig
 from refimpl.mesh import LayoutError
-from refimpl.model import GPT, Batch
+from refimpl.model import GPT
 from refimpl.model.activation_checkpointing import checkpoint_blocks
 from refimpl.parallel.tp.torch_plan import torch_parallelize_tp
 from refimpl.parallel.tp.torch_tp import TorchTensorParallel
-from refimpl.step import global_mean_loss
 from refimpl.strategy import make_optimizer
 
 
@@ -72,7 +71,6 @@ class TorchFSDP2TP(TorchTensorParallel):
         fully_shard(self.model.embed, **kw)
         fully_shard(self.model, **kw)
         self.optimizer = make_optimizer(self.model.parameters(), ctx.cfg)
-
-    def train_step(self, batch: Batch) -> torch.Tensor:
-        local = super().train_step(batch)      # loss_parallel forward/backward, then AdamW
-        return global_mean_loss(local, self.mesh, self.comm)   # mean over the dp ranks' rows
+        # The step runner's loop under loss_parallel (TorchTensorParallel.micro_step); its mean
+        # over the dp ranks' rows is the loop's global_mean_loss.
+        self.run_with_replicated_loss()

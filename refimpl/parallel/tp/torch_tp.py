@@ -49,7 +49,11 @@ class TorchTensorParallel(Strategy):
         if ctx.cfg.activation_checkpointing:
             checkpoint_blocks(self.model)
         self.optimizer = make_optimizer(self.model.parameters(), ctx.cfg)
-        # The step runner's loop (refimpl.step), with the replicated loss read as a plain tensor.
+        self.run_with_replicated_loss()
+
+    def run_with_replicated_loss(self) -> None:
+        """The step runner's loop (refimpl.step) on the DTensor model, its replicated loss read as
+        a plain tensor."""
         self.rank_model = RankModel(self.model, loss_fn=lambda logits, targets:
                                     lm_loss(logits, targets).to_local())
 
