@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--timeout", type=float, default=900.0)
     t.add_argument("--json", action="store_true", help="print the result as one JSON object")
     _add_env_parser(sub)
+    from refimpl.verify.dryrun import add_arguments as add_dryrun_arguments
+    add_dryrun_arguments(sub.add_parser("dryrun", parents=[t], add_help=False, help="one step of "
+                                        "rank R of a full-size layout on fake tensors (memory, comm)"))
     return p
 
 
@@ -136,6 +139,9 @@ def main(argv=None) -> int:
     if args.command == "env":
         from refimpl import env
         return env.main(as_json=args.json)
+    if args.command == "dryrun":
+        from refimpl.verify.dryrun import main_from_args
+        return main_from_args(args, config_from_args)
     if args.command == "plan":
         from refimpl.plan.cli import plan_from_args
         return plan_from_args(args)

@@ -23,7 +23,7 @@ import functools
 import torch.nn as nn
 
 from refimpl.mesh import LayoutError
-from refimpl.model import lm_loss
+from refimpl.model import converted, lm_loss
 from refimpl.model.activation_checkpointing import checkpoint_blocks
 from refimpl.model.moe import validate_moe
 from refimpl.parallel.cp.parallelize import apply_context_parallel, shard_batch
@@ -66,7 +66,7 @@ def validate_model_parallel(cfg) -> None:
 
 def model_parallel(model: nn.Module, ctx) -> RankModel:
     """This rank's share of the reference model, on its device, before data parallelism."""
-    model = model.to(ctx.device)
+    model = converted(model, device=ctx.device)
     mesh, cfg = ctx.mesh, ctx.cfg
     loss_fn, seq_split = lm_loss, 1
     if mesh.size("tp") > 1:
