@@ -66,3 +66,14 @@ def test_the_seeds_70b_layout_runs():
     # stage 0 of 4 on 1 of 8 tp ranks: ~65e9 / 32 parameters, fp32
     assert 1.9e9 < r["memory"]["params"] / 4 < 2.2e9
     assert r["memory"]["peak"] > r["memory"]["total"] * 0.9
+
+
+@pytest.mark.slow
+def test_the_planner_agrees_with_the_dry_run_on_a_7b_pipeline():
+    """Model states within 1 %, the peak within 10 % (scripts/dryrun_vs_plan.py: the whole grid)."""
+    from refimpl.plan.against_dryrun import compare
+
+    row = compare("7b", TrainConfig(strategy="zero2", nproc=16, pp=4))
+    for category in ("params", "grads", "optimizer"):
+        assert abs(row[f"{category}_err"]) < 0.01, category
+    assert abs(row["peak_err"]) < 0.10

@@ -56,7 +56,8 @@ def preset_config(name: str, cfg: TrainConfig) -> TrainConfig:
     flight is what memory depends on, not the preset's thousand sequences (see `default_batch`)."""
     shape, _ = get_model(name)
     model = GPTConfig(vocab_size=shape.vocab_size, seq_len=shape.seq_len, d_model=shape.d_model,
-                      n_heads=shape.n_heads, n_layers=shape.n_layers)
+                      n_heads=shape.n_heads, n_layers=shape.n_layers,
+                      tie_embeddings=shape.tied_embeddings)
     return cfg.with_(model=model, seq_len=shape.seq_len)
 
 
@@ -85,7 +86,7 @@ def dry_run(cfg: TrainConfig, rank: int = 0) -> dict:
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cfg.nproc)
     try:
-        with FakeTensorMode():
+        with FakeTensorMode() as mode:
             ctx, strategy, n_params = setup_rank(rank, cfg.nproc, cfg)
             ids = torch.randint(cfg.model.vocab_size, (cfg.global_batch, cfg.seq_len + 1))
             batch = Batch(ids[:, :-1], ids[:, 1:])
@@ -93,7 +94,7 @@ def dry_run(cfg: TrainConfig, rank: int = 0) -> dict:
             # it, gradients and optimizer states do not exist yet.
             strategy.train_step(batch)
             tracker = ActivationTracker(exclude=strategy.activation_exclusions())
-            live = LiveBytes(held_tensors())
+            live = LiveBytes(held_tensors(mode))
             with recording_collectives(ctx.mesh) as comm, live, tracker:
                 strategy.train_step(batch)
             state = strategy.model_state()
@@ -110,14 +111,15 @@ def dry_run(cfg: TrainConfig, rank: int = 0) -> dict:
             "calls": {axis: dict(ops) for axis, ops in comm["calls"].items()}}
 
 
-def held_tensors() -> list:
-    """Every fake tensor alive in this process before the step: what the rank holds (its
+def held_tensors(mode) -> list:
+    """Every tensor of this dry run's fake mode alive before the step: what the rank holds (its
     parameters, gradients, buffers, optimizer states, flat buffers, the batch), whichever object
-    of whichever strategy keeps it. Only the dry run makes fake tensors."""
+    of whichever strategy keeps it. (Not another dry run's: a process running several, as
+    refimpl.plan.against_dryrun does, was seen to keep some of an earlier run's alive.)"""
     from torch._subclasses.fake_tensor import FakeTensor
 
     gc.collect()
-    return [t for t in gc.get_objects() if isinstance(t, FakeTensor)]
+    return [t for t in gc.get_objects() if isinstance(t, FakeTensor) and t.fake_mode is mode]
 
 
 @contextlib.contextmanager
