@@ -35,6 +35,16 @@ def test_a_3d_grid_talks_on_each_axis_and_zero1_shards_adam():
     assert comm["dp"]["reduce_scatter_tensor"] == mem["grads"]
 
 
+def test_a_pipeline_rank_holds_only_its_stage():
+    """Before the step a rank holds its states and the batch, nothing else: a tensor-parallel
+    loss bound to the whole model kept every other stage's blocks alive (fixed in tp_loss_for)."""
+    cfg = small(strategy="zero1", nproc=4, tp=2, pp=2, global_batch=2, micro_batches=2)
+    mem = dry_run(cfg, rank=0)["memory"]
+    batch_bytes = cfg.global_batch * (cfg.seq_len + 1) * 8     # int64 token ids
+    extra = mem["held"] - (mem["params"] + mem["grads"] + mem["optimizer"])
+    assert extra <= batch_bytes + 64        # + a few scalars (the step count, the loss)
+
+
 def test_a_preset_gets_its_shape():
     cfg = preset_config("70b", TrainConfig(strategy="zero1", nproc=64, tp=8, pp=4))
     assert (cfg.model.n_layers, cfg.model.d_model, cfg.seq_len) == (80, 8192, 4096)

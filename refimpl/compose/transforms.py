@@ -31,7 +31,7 @@ from refimpl.parallel.ep.dispatch import parallelize_experts, share_routing_coun
 from refimpl.parallel.pp.runner import pipeline_forward_backward
 from refimpl.parallel.pp.stage import split_for_pipeline
 from refimpl.parallel.pp.strategy import validate_pipeline
-from refimpl.parallel.tp.parallelize import parallelize_tp, tp_layout_problem, tp_lm_loss
+from refimpl.parallel.tp.parallelize import parallelize_tp, tp_layout_problem, tp_loss_for
 from refimpl.rank_model import RankModel
 
 
@@ -72,7 +72,7 @@ def model_parallel(model: nn.Module, ctx) -> RankModel:
     if mesh.size("tp") > 1:
         parallelize_tp(model, mesh.group("tp"), sequence_parallel=cfg.sequence_parallel,
                        comm=ctx.comm)
-        loss_fn = functools.partial(tp_lm_loss, model)   # reads the vocabulary-split logits
+        loss_fn = tp_loss_for(model.lm_head)   # reads the vocabulary-split logits
         seq_split = mesh.size("tp") if cfg.sequence_parallel else 1
     batch_chunks = None
     if mesh.size("cp") > 1:   # ring attention in every block, global positions

@@ -95,6 +95,7 @@ def dry_run(cfg: TrainConfig, rank: int = 0) -> dict:
             strategy.train_step(batch)
             tracker = ActivationTracker(exclude=strategy.activation_exclusions())
             live = LiveBytes(held_tensors(mode))
+            held = live.current
             with recording_collectives(ctx.mesh) as comm, live, tracker:
                 strategy.train_step(batch)
             state = strategy.model_state()
@@ -106,7 +107,8 @@ def dry_run(cfg: TrainConfig, rank: int = 0) -> dict:
                        "global_batch": cfg.global_batch, "seq_len": cfg.seq_len},
             "memory": {"params": int(state.params), "grads": int(state.grads),
                        "optimizer": int(state.optimizer), "activations_peak": int(tracker.peak),
-                       "total": int(state.total + tracker.peak), "peak": int(live.peak)},
+                       "total": int(state.total + tracker.peak), "peak": int(live.peak),
+                       "held": int(held)},   # alive as the step began: states, the batch
             "comm": {axis: dict(ops) for axis, ops in comm["bytes"].items()},
             "calls": {axis: dict(ops) for axis, ops in comm["calls"].items()}}
 
