@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_env_parser(sub)
     sub.add_parser("bisect", add_help=False, help="the train flags: where the layout first "
                    "parts from single (step, phase, module; noise or bug)")
+    from refimpl.verify.dryrun import add_arguments as add_dryrun_arguments
+    add_dryrun_arguments(sub.add_parser("dryrun", parents=[t], add_help=False, help="one step of "
+                                        "rank R of a full-size layout on fake tensors (memory, comm)"))
     return p
 
 
@@ -151,6 +154,9 @@ def main(argv=None) -> int:
     if args.command == "env":
         from refimpl import env
         return env.main(as_json=args.json)
+    if args.command == "dryrun":
+        from refimpl.verify.dryrun import main_from_args
+        return main_from_args(args, config_from_args)
     if args.command == "plan":
         from refimpl.plan.cli import plan_from_args
         return plan_from_args(args)

@@ -69,28 +69,42 @@ class ParallelDims:
         """Global rank at each coordinate: shape (replica, dp, pp, cp, tp)."""
         return torch.arange(self.world_size).view(self.replica, self.dp, self.pp, self.cp, self.tp)
 
+    # The groups and coordinates below are the grid's, computed on integers rather than on
+    # `grid()`: they are host bookkeeping, and a tensor here would be a fake one under the dry
+    # run's FakeTensorMode (refimpl.verify.dryrun), where `.nonzero()` and `.tolist()` cannot run.
+    def _stride(self, axis: str) -> int:
+        """How far apart neighbours along `axis` are in rank (tp innermost: 1)."""
+        order = ("replica",) + AXES
+        stride = 1
+        for name in reversed(order[order.index(axis) + 1:]):
+            stride *= getattr(self, name)
+        return stride
+
     def groups(self, axis: str) -> list[list[int]]:
         """The global ranks of every group along `axis`, each in group order."""
-        grid = self.grid()
         if axis in AXES or axis == "replica":
-            dim = ("replica",) + AXES
-            moved = grid.movedim(dim.index(axis), -1)
-            return moved.reshape(-1, getattr(self, axis)).tolist()
+            stride, n = self._stride(axis), getattr(self, axis)
+            # every group starts at a rank whose coordinate on `axis` is 0, in rank order
+            return [[r + k * stride for k in range(n)] for r in range(self.world_size)
+                    if (r // stride) % n == 0]
         if axis in ("dp_cp", "ep", "edp"):
             # dp and cp flattened (dp outer): the ranks that hold the same model shard.
-            dp_cp = grid.permute(0, 2, 4, 1, 3).reshape(-1, self.dp * self.cp)
+            sdp, scp = self._stride("dp"), self._stride("cp")
+            dp_cp = [[r + d * sdp + c * scp for d in range(self.dp) for c in range(self.cp)]
+                     for r in range(self.world_size)
+                     if (r // sdp) % self.dp == 0 and (r // scp) % self.cp == 0]
             if axis == "dp_cp":
-                return dp_cp.tolist()
-            chunks = dp_cp.reshape(-1, (self.dp * self.cp) // self.ep, self.ep)
-            if axis == "ep":
-                return chunks.reshape(-1, self.ep).tolist()
-            return chunks.transpose(1, 2).reshape(-1, (self.dp * self.cp) // self.ep).tolist()
+                return dp_cp
+            ep = self.ep
+            if axis == "ep":   # consecutive chunks of ep ranks inside each dp_cp group
+                return [row[i:i + ep] for row in dp_cp for i in range(0, len(row), ep)]
+            return [row[j::ep] for row in dp_cp for j in range(ep)]   # one rank of each chunk
         raise ValueError(f"unknown axis {axis!r}; axes: {', '.join(GROUP_AXES)}")
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's index on every axis."""
-        index = (self.grid() == rank).nonzero()[0].tolist()
-        coords = dict(zip(("replica",) + AXES, index))
+        coords = {axis: (rank // self._stride(axis)) % getattr(self, axis)
+                  for axis in ("replica",) + AXES}
         for axis in ("dp_cp", "ep", "edp"):
             coords[axis] = next(g.index(rank) for g in self.groups(axis) if rank in g)
         return coords

@@ -25,7 +25,7 @@ from refimpl.config import RunContext, TrainConfig
 from refimpl.faults import injected
 from refimpl.memory import ActivationTracker
 from refimpl.mesh import Mesh
-from refimpl.model import build_model, count_params, synthetic_batch
+from refimpl.model import build_model, converted, count_params, synthetic_batch
 from refimpl.model.moe import moe_step_record
 from refimpl.numerics import exact_fp32_on_cuda
 from refimpl.parallel import get_strategy
@@ -76,7 +76,7 @@ def setup_rank(rank: int, world_size: int, cfg: TrainConfig,
     ctx = RunContext(rank, world_size, backend, device, cfg, mesh)
     torch.manual_seed(cfg.seed)
     # --dtype float64: every copy and buffer below follows the reference's dtype.
-    reference = build_model(cfg.model, cfg.seed).to(ctx.param_dtype)
+    reference = converted(build_model(cfg.model, cfg.seed), dtype=ctx.param_dtype)
     if resume is not None:
         reference.load_state_dict(resume["weights"])
     elif cfg.init_state is not None:

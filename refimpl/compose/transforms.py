@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from refimpl.faults import injected
 from refimpl.mesh import LayoutError
-from refimpl.model import lm_loss
+from refimpl.model import converted, lm_loss
 from refimpl.model.activation_checkpointing import checkpoint_blocks
 from refimpl.model.moe import validate_moe
 from refimpl.parallel.cp.parallelize import apply_context_parallel, shard_batch
@@ -32,7 +32,7 @@ from refimpl.parallel.ep.dispatch import parallelize_experts, share_routing_coun
 from refimpl.parallel.pp.runner import pipeline_forward_backward
 from refimpl.parallel.pp.stage import split_for_pipeline
 from refimpl.parallel.pp.strategy import validate_pipeline
-from refimpl.parallel.tp.parallelize import parallelize_tp, tp_layout_problem, tp_lm_loss
+from refimpl.parallel.tp.parallelize import parallelize_tp, tp_layout_problem, tp_loss_for
 from refimpl.rank_model import RankModel
 
 
@@ -67,15 +67,14 @@ def validate_model_parallel(cfg) -> None:
 
 def model_parallel(model: nn.Module, ctx) -> RankModel:
     """This rank's share of the reference model, on its device, before data parallelism."""
-    model = model.to(ctx.device)
+    model = converted(model, device=ctx.device)
     mesh, cfg = ctx.mesh, ctx.cfg
     loss_fn, seq_split = lm_loss, 1
     if mesh.size("tp") > 1:
         parallelize_tp(model, mesh.group("tp"), sequence_parallel=cfg.sequence_parallel,
                        comm=ctx.comm)
-        # reads the vocabulary-split logits
-        loss_fn = functools.partial(tp_lm_loss, model,
-                                    mask_padding=not injected(cfg, "vocab-unmasked"))
+        # reads the vocabulary-split logits; the fault vocab-unmasked leaves the padding in
+        loss_fn = tp_loss_for(model.lm_head, mask_padding=not injected(cfg, "vocab-unmasked"))
         seq_split = mesh.size("tp") if cfg.sequence_parallel else 1
     batch_chunks = None
     if mesh.size("cp") > 1:   # ring attention in every block, global positions

@@ -19,7 +19,7 @@ def tensor_bytes(tensors) -> int:
     for t in tensors:
         if t is None:
             continue
-        key = t.untyped_storage().data_ptr()
+        key = _storage_id(t)   # the storage object, not its address (fake tensors have none)
         if key in seen or t.numel() == 0:
             continue
         seen.add(key)
@@ -63,7 +63,7 @@ class ActivationTracker:
         # (its storage resized to 0) after use and reallocate it, at a new address, before
         # backward; the storage object itself lives for the whole run.
         self._excluded = {_storage_id(p) for p in exclude}
-        self._live: dict[int, list] = {}   # storage ptr -> [refcount, nbytes]
+        self._live: dict[int, list] = {}   # storage id -> [refcount, nbytes]
         self.current = 0
         self.peak = 0
         self._hooks = None
@@ -82,8 +82,8 @@ class ActivationTracker:
 
     def _pack(self, saved: torch.Tensor):
         t = _local(saved)
-        key = t.untyped_storage().data_ptr()
-        if (_storage_id(t) in self._excluded or isinstance(saved, torch.nn.Parameter)
+        key = _storage_id(t)   # identity, not address: fake tensors (the dry run) have none
+        if (key in self._excluded or isinstance(saved, torch.nn.Parameter)
                 or t.numel() == 0):
             return saved
         entry = self._live.get(key)

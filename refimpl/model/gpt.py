@@ -104,6 +104,20 @@ def build_model(cfg: GPTConfig, seed: int) -> GPT:
         return GPT(cfg)
 
 
+def converted(module: nn.Module, *, device=None, dtype=None) -> nn.Module:
+    """`module.to(device, dtype)` where a tensor of it differs, else `module` untouched.
+
+    A no-op `.to()` still swaps every parameter for a copy of itself when the parameters are fake
+    tensors (the dry run, refimpl.verify.dryrun), and PyTorch cannot swap a fake parameter (it
+    fails on the weak reference FakeTensorMode keeps to it): skipping the no-op keeps the
+    reference's own parameters, as `.to()` would on real tensors."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    if all((device is None or t.device == torch.device(device))
+           and (dtype is None or not t.is_floating_point() or t.dtype == dtype) for t in tensors):
+        return module
+    return module.to(device=device, dtype=dtype)
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over every token of the batch given."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

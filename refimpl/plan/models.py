@@ -16,11 +16,15 @@ class ModelShape:
     n_heads: int
     vocab_size: int
     seq_len: int
+    # Megatron's GPTs share the word embedding with the output layer; Llama's do not (nor does
+    # refimpl's GPT by default): one more V x h matrix.
+    tied_embeddings: bool = True
 
     @property
     def n_params(self) -> float:
         l, h, v, s = self.n_layers, self.d_model, self.vocab_size, self.seq_len
-        return 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h))
+        head = 0 if self.tied_embeddings else v * h
+        return 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h)) + head
 
     @property
     def layer_params(self) -> float:
@@ -37,7 +41,10 @@ MODELS = {
     # 4k context, 4M-token batches = 1024 sequences; Touvron et al. 2023, Table 1). In this shape's
     # 4h-MLP, multi-head form it has ~65B parameters (Llama's SwiGLU MLP and grouped-query
     # attention bring it to 70B): the arithmetic is the same to within that difference.
-    "70b": (ModelShape(80, 8192, 64, 32000, 4096), 1024),
+    "70b": (ModelShape(80, 8192, 64, 32000, 4096, tied_embeddings=False), 1024),
+    # Llama 2 7B in the same form (Touvron et al. 2023: 32 layers, d_model 4096, 32 heads, 4k
+    # context, the same 4M-token batches).
+    "7b": (ModelShape(32, 4096, 32, 32000, 4096, tied_embeddings=False), 1024),
     # GPT-3 175B (Brown et al. 2020, Table 2.1): 96 layers, d_model 12288, 96 heads, 2048 context,
     # 3.2M-token batches = 1536 sequences; Megatron's 51200-entry vocabulary.
     "gpt3-175b": (ModelShape(96, 12288, 96, 51200, 2048), 1536),

@@ -69,14 +69,14 @@ def rank_layouts(rows: list[dict]) -> pd.DataFrame:
 
 def plan(*, n_layers: int, d_model: int, n_heads: int, vocab_size: int, seq_len: int,
          global_batch: int, gpus: int, gpu="a100-80gb", gpus_per_node: int = 8,
-         precision: str = "bf16", **space) -> pd.DataFrame:
+         precision: str = "bf16", tied_embeddings: bool = True, **space) -> pd.DataFrame:
     """One row per layout, fastest predicted first (DESIGN.md's contract).
 
     `gpu`: a preset name ("a100-80gb", "h100-sxm", "h200") or a Hardware (e.g. cpu_preset(...)).
     `space`: narrows the search, as enumerate_layouts' keywords (e.g. zero_stages=(0,),
     recompute=("full",) for the techniques of 2021).
     """
-    shape = ModelShape(n_layers, d_model, n_heads, vocab_size, seq_len)
+    shape = ModelShape(n_layers, d_model, n_heads, vocab_size, seq_len, tied_embeddings)
     hw = get_hardware(gpu)
     rows = [predict(shape, lay, global_batch, hw, gpus_per_node, precision)
             for lay in enumerate_layouts(shape, global_batch, gpus, **space)]

@@ -1,0 +1,198 @@
+"""Will it fit? One step of refimpl's own code for one rank of a full-size layout, on one CPU.
+
+    result = dry_run(TrainConfig(strategy="zero1", nproc=64, tp=8, pp=4, model=...), rank=0)
+    python -m refimpl dryrun --model 70b --nproc 64 --tp 8 --pp 4 --strategy zero1 --rank 0 --json
+
+Nobody here has 64 GPUs, but PyTorch can run the code of rank r of a 64-rank run anyway:
+`FakeTensorMode` gives every tensor its shape, dtype and device and no storage, so a 65B-parameter
+model costs nothing to build, and the `fake` process-group backend
+(torch.testing._internal.distributed.fake_pg) lets this one process be rank r of a world of any
+size: its collectives return at once, leaving their outputs as they were (fake, so nothing is lost).
+torchtitan's COMM_MODE=fake_backend is the same idea on one real GPU.
+
+What runs is exactly the real run's rank (refimpl.train.setup_rank: the model-parallel transforms,
+then the strategy's placement) and two real steps of it, the second measured (`strategy.train_step`: every micro-batch's
+forward and backward in the schedule's order, the data-parallel sync, the optimizer). What comes
+back is what the train CLI reports for that rank, by category -- params, grads, optimizer,
+activations_peak (autograd's saved tensors, refimpl.memory.ActivationTracker), and `peak`, the most
+bytes alive at any moment of the step (refimpl.memory.live.LiveBytes: the model states, and every
+storage an op creates, until it is freed) -- and `comm`: every collective this rank called, bytes per
+op per axis of the grid (the labels' convention, refimpl.trace.labels: the whole message).
+
+The batch is the only thing not from the loop: `synthetic_batch` draws its noise with a
+data-dependent count, which fake tensors cannot have, and token values change no memory figure, so
+the dry run feeds random ids of the batch's shape.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from refimpl.config import TrainConfig
+from refimpl.memory import ActivationTracker
+from refimpl.memory.live import LiveBytes
+from refimpl.mesh import LayoutError
+from refimpl.model import Batch, GPTConfig
+from refimpl.plan.models import get_model
+from refimpl.train import setup_rank, validate
+
+# The collectives refimpl's code calls through torch.distributed (as `dist.X` or `ctx.comm.X`,
+# looked up at call time), and which argument is "the message" (refimpl.trace.labels' convention).
+MESSAGE_ARG = {"all_reduce": 0, "broadcast": 0, "reduce": 0, "all_gather_into_tensor": 0,
+               "reduce_scatter_tensor": 1, "all_to_all_single": 1, "all_gather": 0,
+               "isend": 0, "irecv": 0, "send": 0, "recv": 0}
+# The axes a group can be, most specific first: a dp x cp group with cp = 1 is the dp group.
+AXIS_ORDER = ("tp", "cp", "pp", "dp", "dp_cp", "ep", "edp")
+
+
+def preset_config(name: str, cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with the planner preset `name`'s shape (refimpl.plan.models) as its model and its
+    full sequence length. The global batch stays `cfg`'s: one micro-batch per pipeline stage in
+    flight is what memory depends on, not the preset's thousand sequences (see `default_batch`)."""
+    shape, _ = get_model(name)
+    model = GPTConfig(vocab_size=shape.vocab_size, seq_len=shape.seq_len, d_model=shape.d_model,
+                      n_heads=shape.n_heads, n_layers=shape.n_layers,
+                      tie_embeddings=shape.tied_embeddings)
+    return cfg.with_(model=model, seq_len=shape.seq_len)
+
+
+def default_batch(cfg: TrainConfig) -> TrainConfig:
+    """Micro-batches of one sequence, as many as 1F1B keeps in flight on the first stage (pp of
+    them; Narayanan et al. 2021 §2.2): memory is then that of the preset's full batch (more
+    micro-batches change no figure: each is freed before the next past those pp starts) at a
+    fraction of the time, which is ~0.3 ms per op on fake tensors."""
+    return cfg.with_(global_batch=cfg.dims.dp * cfg.pp, micro_batches=cfg.pp)
+
+
+def dry_run(cfg: TrainConfig, rank: int = 0) -> dict:
+    """One training step of rank `rank` of `cfg`'s layout on fake tensors and a fake process group.
+
+    Returns {"rank", "world_size", "n_params", "memory": {params, grads, optimizer,
+    activations_peak, total, peak} (bytes, this rank), "comm": {axis: {op: bytes}}, "calls":
+    {axis: {op: count}}}. Raises LayoutError (one line) for a layout the real run would refuse."""
+    validate(cfg)
+    if not 0 <= rank < cfg.nproc:
+        raise LayoutError(f"--rank must be in [0, {cfg.nproc - 1}] (got {rank})")
+    if dist.is_initialized():
+        raise RuntimeError("dry_run starts its own (fake) process group: none may be running")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cfg.nproc)
+    try:
+        with FakeTensorMode() as mode:
+            ctx, strategy, n_params = setup_rank(rank, cfg.nproc, cfg)
+            ids = torch.randint(cfg.model.vocab_size, (cfg.global_batch, cfg.seq_len + 1))
+            batch = Batch(ids[:, :-1], ids[:, 1:])
+            # A warm-up step first, as the train CLI's peak is a step after the first: before
+            # it, gradients and optimizer states do not exist yet.
+            strategy.train_step(batch)
+            tracker = ActivationTracker(exclude=strategy.activation_exclusions())
+            live = LiveBytes(held_tensors(mode))
+            held = live.current
+            with recording_collectives(ctx.mesh) as comm, live, tracker:
+                strategy.train_step(batch)
+            state = strategy.model_state()
+    finally:
+        dist.destroy_process_group()
+    return {"rank": rank, "world_size": cfg.nproc, "n_params": n_params,
+            "layout": {"dp": cfg.dims.dp, "tp": cfg.tp, "pp": cfg.pp, "cp": cfg.cp,
+                       "strategy": cfg.strategy, "micro_batches": cfg.micro_batches,
+                       "global_batch": cfg.global_batch, "seq_len": cfg.seq_len},
+            "memory": {"params": int(state.params), "grads": int(state.grads),
+                       "optimizer": int(state.optimizer), "activations_peak": int(tracker.peak),
+                       "total": int(state.total + tracker.peak), "peak": int(live.peak),
+                       "held": int(held)},   # alive as the step began: states, the batch
+            "comm": {axis: dict(ops) for axis, ops in comm["bytes"].items()},
+            "calls": {axis: dict(ops) for axis, ops in comm["calls"].items()}}
+
+
+def held_tensors(mode) -> list:
+    """Every tensor of this dry run's fake mode alive before the step: what the rank holds (its
+    parameters, gradients, buffers, optimizer states, flat buffers, the batch), whichever object
+    of whichever strategy keeps it. (Not another dry run's: a process running several, as
+    refimpl.plan.against_dryrun does, was seen to keep some of an earlier run's alive.)"""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    gc.collect()
+    return [t for t in gc.get_objects() if isinstance(t, FakeTensor) and t.fake_mode is mode]
+
+
+@contextlib.contextmanager
+def recording_collectives(mesh):
+    """Count every torch.distributed collective called inside: bytes of its message and calls,
+    per op, per axis of `mesh` (the axis whose ranks the call's group holds)."""
+    axes = {}
+    for axis in reversed(AXIS_ORDER):   # the most specific name wins for a shared group
+        ranks = mesh.ranks(axis) if axis in mesh._ranks else []
+        if len(ranks) > 1:
+            axes[tuple(ranks)] = axis
+    out = {"bytes": defaultdict(lambda: defaultdict(int)),
+           "calls": defaultdict(lambda: defaultdict(int))}
+    originals = {name: getattr(dist, name) for name in MESSAGE_ARG}
+
+    def wrap(name, fn):
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):
+            group = kwargs.get("group")
+            if group is None:
+                group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else None
+            axis = axes.get(ranks, "world") if ranks else "world"
+            message = args[MESSAGE_ARG[name]] if len(args) > MESSAGE_ARG[name] else None
+            if isinstance(message, (list, tuple)):   # all_gather's list of outputs
+                nbytes = sum(t.numel() * t.element_size() for t in message)
+            else:
+                nbytes = message.numel() * message.element_size() if message is not None else 0
+            out["bytes"][axis][name] += int(nbytes)
+            out["calls"][axis][name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield out
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def add_arguments(parser) -> None:
+    """`dryrun` takes the train flags plus these (refimpl.__main__ builds it from train's)."""
+    parser.add_argument("--model", default=None,
+                        help="a planner preset (refimpl.plan.models: 70b, gpt3-175b, ...)")
+    parser.add_argument("--rank", type=int, default=0, help="the rank of the grid to run")
+
+
+def main_from_args(args, config_from_args) -> int:
+    """`python -m refimpl dryrun <train flags> [--model PRESET] --rank R [--json]`."""
+    import json
+    import sys
+
+    try:
+        cfg = config_from_args(args).with_(device="cpu", record_memory=False, profile=False)
+        if args.model is not None:
+            cfg = preset_config(args.model, cfg)
+            # the train defaults (batch 8, 1 micro-batch) left as they are: 1F1B's (default_batch)
+            if (args.global_batch, args.micro_batches) == (8, 1):
+                cfg = default_batch(cfg)
+        result = dry_run(cfg, rank=args.rank)
+    except (LayoutError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"rank {result['rank']} of {result['world_size']} ({result['layout']}):")
+    for key, value in result["memory"].items():
+        print(f"  {key:17s} {value / 2**30:10.2f} GiB")
+    for axis, ops in result["comm"].items():
+        print(f"  comm {axis:5s} " + ", ".join(f"{op} {b / 2**20:.1f} MiB" for op, b in ops.items()))
+    return 0

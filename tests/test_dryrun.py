@@ -1,0 +1,89 @@
+"""The dry run (refimpl.verify.dryrun): one step of a rank of a large grid, on fake tensors."""
+import json
+
+import pytest
+
+from refimpl.config import TrainConfig
+from refimpl.mesh import LayoutError
+from refimpl.model import GPTConfig
+from refimpl.verify.dryrun import default_batch, dry_run, preset_config
+
+SMALL = GPTConfig(n_layers=4, d_model=64, n_heads=4, vocab_size=128, seq_len=16)
+
+
+def small(**kw) -> TrainConfig:
+    return TrainConfig(model=SMALL, seq_len=16, device="cpu", **kw)
+
+
+def test_plain_dp_holds_every_state_and_all_reduces_every_gradient():
+    r = dry_run(small(strategy="dp", nproc=4, global_batch=8), rank=2)
+    n = r["n_params"]
+    mem = r["memory"]
+    assert (mem["params"], mem["grads"], mem["optimizer"]) == (4 * n, 4 * n, 8 * n)   # fp32 AdamW
+    assert mem["peak"] >= mem["params"] + mem["grads"] + mem["optimizer"]
+    # the gradients once, plus the loss's 8-byte mean over dp
+    assert r["comm"]["dp"]["all_reduce"] == 4 * n + 8
+
+
+def test_a_3d_grid_talks_on_each_axis_and_zero1_shards_adam():
+    r = dry_run(default_batch(small(strategy="zero1", nproc=8, tp=2, pp=2)), rank=5)
+    mem, comm = r["memory"], r["comm"]
+    assert set(comm) == {"tp", "pp", "dp"}
+    assert comm["pp"]["isend"] == comm["pp"]["irecv"] > 0
+    # ZeRO-1 over dp = 2: m and v of half the stage's (flat, padded) parameters
+    assert mem["optimizer"] == mem["params"]
+    assert comm["dp"]["reduce_scatter_tensor"] == mem["grads"]
+
+
+def test_a_pipeline_rank_holds_only_its_stage():
+    """Before the step a rank holds its states and the batch, nothing else: a tensor-parallel
+    loss bound to the whole model kept every other stage's blocks alive (fixed in tp_loss_for)."""
+    cfg = small(strategy="zero1", nproc=4, tp=2, pp=2, global_batch=2, micro_batches=2)
+    mem = dry_run(cfg, rank=0)["memory"]
+    batch_bytes = cfg.global_batch * (cfg.seq_len + 1) * 8     # int64 token ids
+    extra = mem["held"] - (mem["params"] + mem["grads"] + mem["optimizer"])
+    assert extra <= batch_bytes + 64        # + a few scalars (the step count, the loss)
+
+
+def test_a_preset_gets_its_shape():
+    cfg = preset_config("70b", TrainConfig(strategy="zero1", nproc=64, tp=8, pp=4))
+    assert (cfg.model.n_layers, cfg.model.d_model, cfg.seq_len) == (80, 8192, 4096)
+    assert default_batch(cfg).micro_batches == 4
+
+
+def test_bad_rank_fails_in_one_line():
+    with pytest.raises(LayoutError, match="--rank"):
+        dry_run(small(strategy="dp", nproc=4, global_batch=8), rank=4)
+
+
+def test_cli_prints_the_memory_as_json(capsys):
+    from refimpl.__main__ import main
+
+    assert main(["dryrun", "--strategy", "zero2", "--nproc", "4", "--tp", "2", "--rank", "1",
+                 "--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "8",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["rank"] == 1 and set(out["memory"]) >= {"params", "grads", "optimizer",
+                                                        "activations_peak", "total", "peak"}
+
+
+@pytest.mark.slow
+def test_the_seeds_70b_layout_runs():
+    """The issue's command: 70B (80 x 8192), 64 ranks, tp 8, pp 4, ZeRO-1 (~40 s on one core)."""
+    cfg = default_batch(preset_config("70b", TrainConfig(strategy="zero1", nproc=64, tp=8, pp=4,
+                                                         device="cpu")))
+    r = dry_run(cfg, rank=0)
+    # stage 0 of 4 on 1 of 8 tp ranks: ~65e9 / 32 parameters, fp32
+    assert 1.9e9 < r["memory"]["params"] / 4 < 2.2e9
+    assert r["memory"]["peak"] > r["memory"]["total"] * 0.9
+
+
+@pytest.mark.slow
+def test_the_planner_agrees_with_the_dry_run_on_a_7b_pipeline():
+    """Model states within 1 %, the peak within 10 % (scripts/dryrun_vs_plan.py: the whole grid)."""
+    from refimpl.plan.against_dryrun import compare
+
+    row = compare("7b", TrainConfig(strategy="zero2", nproc=16, pp=4))
+    for category in ("params", "grads", "optimizer"):
+        assert abs(row[f"{category}_err"]) < 0.01, category
+    assert abs(row["peak_err"]) < 0.10
