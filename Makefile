@@ -51,11 +51,11 @@ env: install
 # One thread per process: ranks and the in-process reference share the machine's cores. Two
 # xdist workers (TEST_WORKERS): a multi-rank test leaves cores idle while its ranks wait on each
 # other. --dist loadfile keeps each module on one worker (its launch-once caches run once) and
-# each notebook whole in one kernel.
+# each notebook whole in one kernel. Tests and notebooks in one session, so neither worker
+# idles while the other finishes the last module of one half before the second half starts.
 TEST_WORKERS ?= 2
 test: install lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/ -q -n $(TEST_WORKERS) --dist loadfile
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --nbval-lax notebooks/ -q -p no:cacheprovider \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/ notebooks/ --nbval-lax -q -p no:cacheprovider \
 		-n $(TEST_WORKERS) --dist loadfile
 
 # The tests that start no rank process and take seconds (arithmetic, schedules, the model, the

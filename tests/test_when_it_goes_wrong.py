@@ -1,10 +1,8 @@
 """The debugging tools: the flight recorder's hang report, the divergence bisector, the faults
 they are tried on, and bad files refused in one line. Notebook 10 runs every fault end to end;
-here: each tool's logic on made-up records (no ranks), and one real run of each kind."""
+here: each tool's logic on made-up records (no ranks), one real bisection and one real hang (the
+other faults' diagnoses are notebook 10's asserts, run by make test too)."""
 from __future__ import annotations
-
-import dataclasses
-import json
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ import torch
 from refimpl import faults, flight_recorder
 from refimpl.__main__ import main as cli
 from refimpl.config import TrainConfig
-from refimpl.launch import LaunchTimeoutError, RankFailedError
+from refimpl.launch import LaunchTimeoutError
 from refimpl.mesh import LayoutError
 from refimpl.model import GPT, GPTConfig
 from refimpl.train import train_on_ranks
@@ -139,16 +137,6 @@ def test_bisector_finds_a_missing_gradient_sync(monkeypatch):
 
 
 @pytest.mark.ranks
-def test_bisector_finds_a_vocabulary_left_unmasked(monkeypatch):
-    monkeypatch.setenv(faults.ENV, "1")
-    odd = dataclasses.replace(SMALL, vocab_size=SMALL.vocab_size - 1)
-    cfg = TrainConfig(strategy="tp", nproc=2, tp=2, steps=1, model=odd, dtype="float64",
-                      fault="vocab-unmasked")
-    report = json.loads(json.dumps(bisector.bisect(cfg).to_dict()))
-    assert report["verdict"] == "bug" and report["first"]["phase"] == "loss"
-
-
-@pytest.mark.ranks
 def test_a_hang_is_reported_with_both_stuck_calls(monkeypatch):
     monkeypatch.setenv(faults.ENV, "1")
     cfg = TrainConfig(strategy="pp-1f1b", nproc=2, pp=2, micro_batches=4, steps=1, model=SMALL,
@@ -159,12 +147,3 @@ def test_a_hang_is_reported_with_both_stuck_calls(monkeypatch):
     assert lines[0].startswith("rank 0 waits in recv-wait from rank 1 tag ") and "in pp:B3" in lines[0]   # B3: the fault
     assert lines[1].startswith("rank 1 waits in recv-wait from rank 0 tag ") and "in pp:F2" in lines[1]
     assert "its peer rank 1 waits in recv-wait from rank 0" in lines[0]
-
-
-@pytest.mark.ranks
-def test_a_killed_rank_is_named_not_its_peers(monkeypatch):
-    monkeypatch.setenv(faults.ENV, "1")
-    cfg = TrainConfig(strategy="dp-naive", nproc=2, steps=3, model=SMALL, fault="rank-dies")
-    with pytest.raises(RankFailedError) as failed:
-        train_on_ranks(cfg, timeout=60)
-    assert failed.value.rank == 1 and "killed by signal 9" in str(failed.value)
