@@ -75,6 +75,13 @@ def _backwards(m):
     return [Action("B", i) for i in range(m)]
 
 
+def interleaved_warmup(p: int, stage: int, v: int) -> int:
+    """Forwards a rank runs before its first backward: the ranks after it, twice (the forward there
+    and the gradient back), plus one round of p micro-batches per extra chunk (Megatron's
+    interleaved schedule); v = 1 is 1F1B's p - stage - 1."""
+    return (p - stage - 1) * 2 + (v - 1) * p if v > 1 else p - stage - 1
+
+
 def _one_f_one_b(forwards, backwards, warmup):
     """Megatron's three loops: `warmup` forwards, then one forward + one backward, then cool-down."""
     order = forwards[:warmup]

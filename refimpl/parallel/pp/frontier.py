@@ -31,6 +31,7 @@ from refimpl.parallel.pp.actions import (
     Action,
     _interleaved,
     _one_f_one_b,
+    interleaved_warmup,
     piece_of,
 )
 
@@ -38,7 +39,7 @@ from refimpl.parallel.pp.actions import (
 def frontier_table(p: int, m: int, schedule: str, v: int) -> list[list[str]]:
     """schedules.schedule_table's rows for interleaved-zb, zbv and dualpipev."""
     if schedule == "interleaved-zb":
-        rows = _interleaved_zero_bubble(p, m, v)
+        rows = zero_bubble_rows(p, m, v)
     elif schedule == "zbv":
         rows = [_zbv_rank(p, m, r) for r in range(p)]
     else:
@@ -46,10 +47,14 @@ def frontier_table(p: int, m: int, schedule: str, v: int) -> list[list[str]]:
     return [[PAIR.join(a.text(True) for a in entry) for entry in row] for row in rows]
 
 
-# --- interleaved-zb: list scheduling of the W's, as schedules._zero_bubble_h1 does for one chunk ----
+# --- zero bubble (zb-h1: v = 1; interleaved-zb): list scheduling of the W's -------------------------
 
-def _interleaved_zero_bubble(p, m, v):
-    warmup = [(p - s - 1) * 2 + (v - 1) * p if v > 1 else p - s - 1 for s in range(p)]
+def zero_bubble_rows(p, m, v):
+    """ZB-H1 (v = 1) and interleaved-zb by list scheduling with unit F = B = W: each rank keeps
+    (interleaved) 1F1B's F/B order; when its next F/B cannot start yet it runs the oldest pending W
+    instead, and it must run one first when the next action is a forward and it holds as many
+    micro-batch chunks as (interleaved) 1F1B's first rank ever does (the memory limit: p for v = 1)."""
+    warmup = [interleaved_warmup(p, s, v) for s in range(p)]
     fb = [_one_f_one_b(_interleaved(p, m, v, "F"), _interleaved(p, m, v, "B"), min(warmup[s], v * m))
           for s in range(p)]
     limit = min(warmup[0], v * m) + 1          # interleaved 1F1B's first rank: its peak in flight

@@ -39,7 +39,7 @@ from refimpl.parallel.pp.schedules import (
     rank_of,
     schedule_table,
 )
-from refimpl.parallel.pp.simulate import TimedAction, _dependencies, idle_fraction, inbox, simulate
+from refimpl.parallel.pp.simulate import TimedAction, dependencies, idle_fraction, inbox, simulate
 from refimpl.parallel.pp.stage import build_chunks
 from refimpl.trace.capture import StepProfiler
 
@@ -157,7 +157,7 @@ def measured_costs(slots, stages: int, micro_batches: int, schedule: str, virtua
             prev = None
             for r in rows.itertuples():
                 a = Action.parse(r.action)
-                deps = [d for d in _dependencies(a, rank, stages, n_virtual, where)
+                deps = [d for d in dependencies(a, rank, stages, n_virtual, where)
                         if rank_of(d[2], stages, where) != rank]
                 if prev is not None and not deps:
                     empty.append(r.start - prev)

@@ -48,12 +48,13 @@ from refimpl.parallel.pp.actions import (  # noqa: F401
     _one_f_one_b,
     chunks_per_rank,
     flat,
+    interleaved_warmup,
     parse_entry,
     piece_of,
     placement,
     rank_of,
 )
-from refimpl.parallel.pp.frontier import frontier_table
+from refimpl.parallel.pp.frontier import frontier_table, zero_bubble_rows
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "interleaved-zb", "zbv", "dualpipev")
 def check_layout(stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1) -> None:
@@ -103,57 +104,13 @@ def schedule_table(stages: int, micro_batches: int, schedule: str, virtual_stage
     elif schedule == "1f1b":
         orders = [_one_f_one_b(_forwards(m), _backwards(m), min(p - s - 1, m)) for s in range(p)]
     elif schedule == "interleaved":
-        # Warm-up: the ranks after this one, twice (forward there and the gradient back), plus one
-        # round of p micro-batches per extra chunk (Megatron's interleaved schedule); v = 1 is 1F1B.
-        warmup = [(p - s - 1) * 2 + (v - 1) * p if v > 1 else p - s - 1 for s in range(p)]
         orders = [_one_f_one_b(_interleaved(p, m, v, "F"), _interleaved(p, m, v, "B"),
-                               min(warmup[s], v * m)) for s in range(p)]
-    elif schedule == "zb-h1":
-        orders = _zero_bubble_h1(p, m)
+                               min(interleaved_warmup(p, s, v), v * m)) for s in range(p)]
+    elif schedule == "zb-h1":     # the interleaved zero-bubble construction on one chunk
+        orders = [[entry[0] for entry in row] for row in zero_bubble_rows(p, m, 1)]
     else:
         return frontier_table(p, m, schedule, v)
     return [[a.text(schedule == "interleaved") for a in order] for order in orders]
-
-
-def _zero_bubble_h1(p, m):
-    """ZB-H1 by list scheduling with unit F = B = W: each stage keeps 1F1B's F/B order; when its next
-    F/B cannot start yet it runs the oldest pending W instead; it must run one first when p
-    micro-batches are in flight and the next action is a forward (the memory limit)."""
-    fb = [_one_f_one_b(_forwards(m), _backwards(m), min(p - s - 1, m)) for s in range(p)]
-    done = {}                                  # (kind, mb, stage) -> time it finished
-    orders = [[] for _ in range(p)]
-    pending = [[] for _ in range(p)]           # B done, W not yet, oldest first
-    t = 0
-    while any(fb) or any(pending):
-        started = []
-        for s in range(p):
-            nxt = fb[s][0] if fb[s] else None
-            in_flight = sum(a.kind == "F" for a in orders[s]) - sum(a.kind == "W" for a in orders[s])
-            must_w = nxt is not None and nxt.kind == "F" and in_flight >= p
-            if nxt is not None and not must_w and _ready(nxt, s, p, done, t):
-                fb[s].pop(0)
-                started.append((s, nxt))
-            elif pending[s] and (must_w or nxt is None or not _ready(nxt, s, p, done, t)):
-                started.append((s, Action("W", pending[s].pop(0))))
-        for s, action in started:
-            orders[s].append(action)
-            done[(action.kind, action.micro_batch, s)] = t + 1
-            if action.kind == "B":
-                pending[s].append(action.micro_batch)
-        t += 1
-        if t > 4 * p * m + 4 * p:  # every action is one unit: a longer replay means a bug here
-            raise RuntimeError("zb-h1 construction did not finish")
-    return orders
-
-
-def _ready(action, stage, p, done, t):
-    """Can `action` start on `stage` at time t? (a neighbour's result must have finished by t)"""
-    mb = action.micro_batch
-    if action.kind == "F":
-        return stage == 0 or done.get(("F", mb, stage - 1), t + 1) <= t
-    if stage == p - 1:
-        return done.get(("F", mb, stage), t + 1) <= t
-    return done.get(("B", mb, stage + 1), t + 1) <= t
 
 
 # --- the bubble, in closed form -------------------------------------------------------------------

@@ -54,7 +54,7 @@ def _virtual_stages(entries_per_rank) -> int:
     return 1 + max((a.chunk for row in entries_per_rank for e in row for a in e), default=0)
 
 
-def _dependencies(a: Action, rank: int, p: int, n_virtual: int, where: str = "loop") -> list[tuple[str, int, int]]:
+def dependencies(a: Action, rank: int, p: int, n_virtual: int, where: str = "loop") -> list[tuple[str, int, int]]:
     """(kind, micro-batch, virtual stage) of the actions `a` waits for."""
     k = piece_of(rank, a.chunk, p, where)
     if a.kind == "F":
@@ -84,7 +84,7 @@ def simulate(table, F: float = 1.0, B: float = 1.0, W: float = 0.0, comm: float 
         for r in range(p):
             while nxt[r] < len(ranks[r]):
                 entry = ranks[r][nxt[r]]
-                deps = [d for a in entry for d in _dependencies(a, r, p, n_virtual, where)]
+                deps = [d for a in entry for d in dependencies(a, r, p, n_virtual, where)]
                 if any(d not in end for d in deps):
                     break
                 t = max([free[r]] + [end[d] + (comm if owner[d] != r else 0.0) for d in deps])
