@@ -17,7 +17,7 @@ PIP_FROM := $(if $(WHEELS),--no-index --find-links $(WHEELS),)
 # jupyter refuses to start as root without --allow-root (containers and GPU images run as root)
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: install lab lint test test-fast launch-check slurm-check tensorboard bench report e2e gpu-check gpu-wheels env clean
+.PHONY: install lab lint test test-fast test-full launch-check slurm-check tensorboard bench report e2e gpu-check gpu-wheels env clean
 
 install: $(STAMP)
 
@@ -56,7 +56,13 @@ env: install
 TEST_WORKERS ?= 2
 test: install lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/ notebooks/ --nbval-lax -q -p no:cacheprovider \
-		-n $(TEST_WORKERS) --dist loadfile
+		-n $(TEST_WORKERS) --dist loadfile -m "not full"
+
+# The larger equivalence runs that do not fit make test's 10 minutes on 2 cores (8-rank layouts
+# beyond the one make test keeps, every pairing on 4 ranks): marked `full`, run here.
+test-full: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/ -q -p no:cacheprovider \
+		-n $(TEST_WORKERS) --dist loadfile -m full
 
 # The tests that start no rank process and take seconds (arithmetic, schedules, the model, the
 # import layers, the planner): under a minute. A test that launches ranks must be marked `ranks`;

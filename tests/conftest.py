@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def pytest_configure(config):
     config.addinivalue_line("markers", "ranks: launches rank processes (refimpl.launch.run, the CLI)")
     config.addinivalue_line("markers", "slow: takes more than a few seconds in one process")
+    config.addinivalue_line("markers", "full: beyond make test's time budget; make test-full runs it")
     if os.environ.get("REFIMPL_FORBID_RANKS") == "1":
         # `make test-fast` deselects the `ranks` tests and sets this: a test (or a module's
         # fixture) that starts a rank anyway fails here, so the marker cannot go stale silently.
