@@ -6,6 +6,7 @@ import pandas as pd
 import pytest
 
 from refimpl.cost import allocator, compute, dp_scaling, links, zero_family
+from refimpl.cost.caching_allocator import CachingAllocator, replay
 
 
 def test_petaflop_day_and_chinchilla():
@@ -29,6 +30,46 @@ def test_allocator_rounding():
     assert allocator.segment_bytes(1000) == 2 << 20                 # small pool
     assert allocator.segment_bytes((1 << 20) + 1) == 20 << 20       # a large request < 10 MiB
     assert allocator.segment_bytes((10 << 20) + 1) == 12 << 20      # rounded up to 2 MiB
+
+
+MiB = 1 << 20
+
+
+def test_small_requests_share_one_small_segment():
+    alloc = CachingAllocator()
+    for key in range(3):
+        alloc.malloc(key, 1000)                       # 1024-byte blocks carved from one 2 MiB
+    assert (alloc.reserved, alloc.allocated, len(alloc.segments)) == (2 * MiB, 3 * 1024, 1)
+
+
+def test_a_hole_too_small_for_the_next_request_costs_a_new_segment():
+    alloc = CachingAllocator()
+    alloc.malloc("a", 6 * MiB)                        # a 20 MiB segment; 14 MiB stay cached
+    alloc.malloc("b", 6 * MiB)                        # best fit: the 14 MiB block, 8 MiB left
+    alloc.free("a")                                   # a 6 MiB hole at the segment's start
+    alloc.malloc("c", 7 * MiB)                        # the 8 MiB block; a 1 MiB rest is not split
+    assert alloc.live["c"][0].size == 8 * MiB and alloc.reserved == 20 * MiB
+    alloc.malloc("d", 7 * MiB)                        # fits no hole: a second 20 MiB segment
+    out = alloc.summary()
+    assert (out["peak_reserved"], out["peak_allocated"], out["peak_requested"]) == (
+        40 * MiB, 21 * MiB, 20 * MiB)
+    assert out["fragmentation"] == 19 * MiB and out["segments"] == 2
+
+
+def test_freed_neighbours_merge_into_one_block():
+    alloc = CachingAllocator()
+    alloc.malloc("a", 6 * MiB)
+    alloc.malloc("b", 6 * MiB)
+    alloc.free("b")
+    alloc.free("a")                                   # a, b and the 8 MiB tail: one 20 MiB hole
+    alloc.malloc("c", 18 * MiB)
+    assert alloc.reserved == 20 * MiB and len(alloc.segments) == 1
+
+
+def test_replay_skips_frees_of_tensors_made_before_the_recording():
+    out = replay([(0x10, -4096), (0x20, 3000), (0x20, -3000), (0x30, 3000)])
+    assert out["peak_requested"] == 3000 and out["peak_allocated"] == 3072
+    assert out["segments"] == 1                       # the second 3000 B reused the first's block
 
 
 def test_link_table_bandwidths_from_line_rates():
