@@ -188,3 +188,17 @@ def test_an_overlapped_pair_is_one_f_and_one_b():
     broken = [[e.replace("F2.1&B0.0", "B0.0&F2.1") for e in row] for row in table]
     with pytest.raises(ScheduleError, match="one F and one B"):
         check_table(broken, 2, 4, "dualpipev")
+
+
+def test_pipedream_without_a_flush_needs_the_forwards_weights():
+    from refimpl.parallel.pp import weight_stashing
+
+    rows = schedule_table(4, 8, "1f1b")
+    # 1F1B's steady state: stage s has p - s inputs in flight and updates p - s - 1 times between
+    # an input's F and its B
+    assert [weight_stashing.stash_versions(r) for r in rows] == [4, 3, 2, 1]
+    assert [weight_stashing.updates_between(r)[7] for r in rows] == [3, 2, 1, 0]
+    stale = weight_stashing.stale_gradient_error(3)
+    assert stale["stashed"] < 1e-12 < 1e-4 < stale["current weights"]
+    adjacent = weight_stashing.stale_gradient_error(0)
+    assert max(adjacent.values()) < 1e-12          # no update in between: both are exact

@@ -27,10 +27,16 @@ GPU, torch.cuda.memory_stats()'s "reserved_bytes.all.peak" is the allocator's ow
 """
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
 from refimpl.cost.allocator import MIN_BLOCK, SMALL_SIZE, block_bytes, segment_bytes
+from refimpl.model import build_model, lm_loss, synthetic_batch
 from refimpl.trace.profiling import read_trace
 
 
@@ -143,14 +149,6 @@ def one_step_stream(model_cfg, global_batch: int = 8, seq_len: int | None = None
     """The allocation stream of the last of `steps` single-process training steps (forward,
     backward, AdamW) of the reference GPT on the CPU, recorded by the profiler's allocator events.
     The first step creates Adam's moments, which stay: the last one is the steady state."""
-    import os
-    import tempfile
-
-    import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from refimpl.model import build_model, lm_loss, synthetic_batch
-
     model = build_model(model_cfg, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     seq_len = seq_len or model_cfg.seq_len

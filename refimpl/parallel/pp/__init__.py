@@ -10,6 +10,7 @@
     strategy.py      --strategy pp-*, the pipeline's layout checks
     torch_pp.py      torch.distributed.pipelining's schedules on the same stages, the twin
     measure.py       the measured bubble (notebook 07)
+    weight_stashing.py  PipeDream without a flush: why it stashes weight versions
 
 `refimpl.parallel.pp.schedule_table` / `bubble_fraction` are a DESIGN contract.
 """
