@@ -76,6 +76,37 @@ def label_kernels(kernels: list[dict], launches: dict, labelled: list[tuple]) ->
                 break
 
 
+def gpu_spans(kernels: list[dict], launches: dict, ranges: list[tuple]) -> dict[int, tuple[float, float]]:
+    """The GPU time of CPU ranges: index -> (first start, last end) of the kernels launched while
+    the range was open on its thread (nested ranges each count their kernels; a range that
+    launched none is absent).
+
+    ranges: (thread, start, end, comm) per CPU range. A communication range spans all its kernels;
+    any other range (a phase, a pipeline action `pp:F3`) only its compute kernels, because an NCCL
+    kernel launched inside an action spins until the peer's data arrives: that wait is the
+    pipeline's bubble, not the action's work. This is how notebook 07 reads a CUDA run's actions
+    off the GPU's own timeline: Kineto's `gpu_user_annotation` events give the same spans per
+    stream (tests/test_gpu_trace.py checks the two agree on a real trace), but only for ranges it
+    chose to annotate.
+    """
+    by_thread: dict = {}
+    for i, (tid, s, e, comm) in enumerate(ranges):
+        by_thread.setdefault(tid, []).append((s, e, comm, i))
+    spans: dict[int, tuple[float, float]] = {}
+    for k in kernels:
+        launch = launches.get(k.get("correlation"))
+        if launch is None:
+            continue
+        tid, ts = launch
+        start, end = k["start_us"], k["start_us"] + k["dur_us"]
+        is_comm = k["category"] == "gpu_comm"
+        for s, e, comm, i in by_thread.get(tid, []):
+            if s <= ts < e and (comm or not is_comm):
+                old = spans.get(i, (start, end))
+                spans[i] = (min(old[0], start), max(old[1], end))
+    return spans
+
+
 def split_busy_time(compute: list[tuple], comm: list[tuple], windows: list[tuple]) -> dict:
     """Time inside `windows` with only compute busy, only comm busy, both, and neither (µs).
 

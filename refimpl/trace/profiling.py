@@ -50,7 +50,9 @@ def rank_clock_shifts(base_ns: dict[int, int]) -> dict[int, float]:
 def load_trace(run: str | Path, include_ops: bool = False):
     """Every rank's labelled ranges as one DataFrame, times in µs from the run's first event.
 
-    Columns: rank, name, category, op (for comm: the collective), bytes, start_us, dur_us, step.
+    Columns: rank, name, category, op (for comm: the collective), bytes, start_us, dur_us, step;
+    on a CUDA run also gpu_start_us / gpu_dur_us, the GPU time of each label's kernels
+    (kernels.gpu_spans; NaN on CPU ranks and for ranges that launched no kernel).
     `include_ops=True` keeps every aten op too (large); by default only our labels, the step
     markers and the backends' own collective events are kept.
     """
@@ -60,7 +62,7 @@ def load_trace(run: str | Path, include_ops: bool = False):
     for rank, path in trace_files(run).items():
         trace = read_trace(path)
         base_ns = int(trace.get("baseTimeNanoseconds", 0))     # see rank_clock_shifts
-        kernel_rows, launches, labelled = [], {}, []
+        kernel_rows, launches, labelled, spanned = [], {}, [], []
         for ev in trace.get("traceEvents", []):
             if kernels.is_launch(ev):
                 launches[kernels.correlation(ev)] = (ev.get("tid"), float(ev["ts"]))
@@ -92,21 +94,33 @@ def load_trace(run: str | Path, include_ops: bool = False):
             if cat in PHASES or cat == "comm":
                 labelled.append((ev.get("tid"), float(ev["ts"]), float(ev["ts"]) + float(ev["dur"]),
                                  name))
+            if cat != "op" or name.startswith("pp:"):     # ranges whose GPU time is asked for
+                spanned.append((len(rows) - 1, (ev.get("tid"), float(ev["ts"]),
+                                                float(ev["ts"]) + float(ev["dur"]), cat == "comm")))
         kernels.label_kernels(kernel_rows, launches, labelled)
+        found = kernels.gpu_spans(kernel_rows, launches, [r for _, r in spanned])
+        for j, (row_index, _) in enumerate(spanned):
+            if j in found:
+                rows[row_index]["gpu_start_us"] = found[j][0]
+                rows[row_index]["gpu_dur_us"] = found[j][1] - found[j][0]
         for k in kernel_rows:
             k.pop("correlation")
         rows += kernel_rows
     df = pd.DataFrame(rows, columns=["rank", "name", "category", "op", "bytes", "start_us",
-                                     "base_ns", "dur_us", "thread", "label", "label_id", "launch_us"])
+                                     "base_ns", "dur_us", "thread", "label", "label_id", "launch_us",
+                                     "gpu_start_us", "gpu_dur_us"])
     base_ns = df.pop("base_ns")
     if df.empty:
         return df.assign(step=pd.Series(dtype="Int64"))
     shifts = df["rank"].map(rank_clock_shifts(dict(zip(df["rank"], base_ns))))
     df["start_us"] += shifts
     df["launch_us"] = df["launch_us"].astype(float) + shifts
+    df["gpu_start_us"] = df["gpu_start_us"].astype(float) + shifts
+    df["gpu_dur_us"] = df["gpu_dur_us"].astype(float)
     origin = df["start_us"].min()
     df["start_us"] -= origin
     df["launch_us"] -= origin
+    df["gpu_start_us"] -= origin
     df["step"] = _step_of(df)
     return df.sort_values(["rank", "start_us"]).reset_index(drop=True)
 

@@ -108,13 +108,24 @@ def predicted_activation_peak(row: list[str], per_micro_batch: list[int]) -> int
 
 def action_slots(df):
     """From `load_trace(run, include_ops=True)`: one row per pipeline action per profiled step,
-    columns step, rank, action, start, end (ms from the step's first action on any rank)."""
+    columns step, rank, action, start, end (ms from the step's first action on any rank).
+
+    Which clock: on CPU ranks an action's `pp:` range times its work. On a CUDA run the range only
+    times the kernel launches and NCCL's wait does not block the host, so the action is read off
+    the GPU's own timeline instead: the compute kernels it launched (refimpl.trace.kernels
+    .gpu_spans, through the correlation ids). `slots.attrs["clock"]` says which was read."""
     acts = df[df["name"].str.startswith("pp:") & df["step"].notna()].copy()
+    on_gpu = "gpu_start_us" in acts and acts["gpu_start_us"].notna().any()
+    if on_gpu:
+        acts = acts[acts["gpu_start_us"].notna()]
+        acts["start_us"], acts["dur_us"] = acts["gpu_start_us"], acts["gpu_dur_us"]
     acts["action"] = acts["name"].str[3:]
     first = acts.groupby("step")["start_us"].transform("min")
     acts["start"] = (acts["start_us"] - first) / 1e3
     acts["end"] = (acts["start_us"] + acts["dur_us"] - first) / 1e3
-    return acts[["step", "rank", "action", "start", "end"]].reset_index(drop=True)
+    slots = acts[["step", "rank", "action", "start", "end"]].reset_index(drop=True)
+    slots.attrs["clock"] = "gpu kernels" if on_gpu else "cpu ranges"
+    return slots
 
 
 def measured_bubble(slots) -> float:
