@@ -70,6 +70,8 @@ def pick_backend(world_size: int, backend: str = "auto") -> str:
     """NCCL only when every rank can have a GPU of its own; gloo (CPU) otherwise."""
     if backend != "auto":
         return backend
+    if os.environ.get("REFIMPL_SHARED_DEVICE"):     # several ranks on one device (shared_device)
+        return "staged"
     import torch
 
     if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
@@ -146,7 +148,7 @@ def _start_rank(rank: int, world_size: int, backend: str, port: int, payload: Pa
         # cuBLAS's deterministic mode needs a fixed workspace, set before cuBLAS starts
         # (refimpl.numerics).
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    if backend == "gloo":
+    if backend in ("gloo", "staged"):
         # One thread per CPU rank, set before the child imports torch (see module docstring).
         env["OMP_NUM_THREADS"] = "1"
         env["MKL_NUM_THREADS"] = "1"
@@ -264,6 +266,8 @@ def init_process_group(rank: int, world_size: int, backend: str, timeout: float 
 
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    if backend == "staged":     # registers the backend in this process (refimpl.shared_device)
+        from refimpl import shared_device  # noqa: F401
     if _CHILD_MARK in os.environ:
         # Our own child: join the store the caller hosts (it counts as one extra client).
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
@@ -287,9 +291,12 @@ def init_process_group(rank: int, world_size: int, backend: str, timeout: float 
 
 
 def device_for(backend: str):
-    """The device this rank computes on: its own GPU under NCCL, the CPU under gloo."""
+    """The device this rank computes on: its own GPU under NCCL, the CPU under gloo, the shared
+    device under the staged backend."""
     import torch
 
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
+    if backend == "staged":     # every rank on the one shared device (refimpl.shared_device)
+        return torch.device(os.environ.get("REFIMPL_SHARED_DEVICE", "cpu"))
     return torch.device("cpu")

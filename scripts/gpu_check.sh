@@ -14,10 +14,11 @@
 #
 # Runs: the machine (refimpl env), the figures (scripts/gpu_check.py: ceilings, CUDA memory vs
 # the arithmetic, fp32 and bf16 steps, a CUDA-profiled step with kernels in the rank timeline,
-# the 2-rank equivalence), the test suite (pytest -x -n 4 where pytest-xdist exists, under a time
+# the 2-rank equivalence), 2-4 ranks sharing the one GPU (refimpl.shared_device), the test suite (pytest -x -n 4 where pytest-xdist exists, under a time
 # budget), the notebooks that fit, then prints ONE markdown table. On a CPU machine the GPU parts
-# print "skipped: no GPU". On one GPU, NCCL (one GPU per rank) cannot run >= 2 ranks: multi-rank
-# runs stay on gloo (CPU) and the table says so. Exit status: 0 when nothing FAILED.
+# print "skipped: no GPU". On one GPU, NCCL (one GPU per rank) cannot run >= 2 ranks: the suite's
+# multi-rank runs stay on gloo (CPU) and the table says so; the shared-GPU stage runs the NCCL-rules
+# layouts on cuda:0 through the staged backend instead. Exit status: 0 when nothing FAILED.
 set -u
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -59,6 +60,20 @@ rc=$?
 line=$(grep -E "passed|failed|error" "$OUT/tests-gpu.log" | tail -1)
 [ $rc -eq 0 ] && say tests "GPU-facing tests (env, ceilings, cuda_memory, gpu_trace)" "ok: $line" \
   || say tests "GPU-facing tests (env, ceilings, cuda_memory, gpu_trace)" "FAILED (exit $rc): $line (see $OUT/tests-gpu.log)"
+
+# Several ranks on the one GPU (refimpl.shared_device): every strategy, schedule and twin of
+# tests/test_nccl_rules.py on cuda:0 tensors, 2 and 4 ranks, collectives staged through gloo; a
+# tensor off the device fails the call as NCCL would. Needs a GPU: skipped on a CPU machine.
+if "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  timeout 240 env OMP_NUM_THREADS=1 REFIMPL_SHARED_DEVICE=cuda:0 "$PYTHON" -m pytest -q \
+    -p no:cacheprovider tests/test_nccl_rules.py >"$OUT/tests-shared-gpu.log" 2>&1
+  rc=$?
+  line=$(grep -E "passed|failed|error" "$OUT/tests-shared-gpu.log" | tail -1)
+  [ $rc -eq 0 ] && say tests "ranks sharing cuda:0 (test_nccl_rules, staged)" "ok: $line" \
+    || say tests "ranks sharing cuda:0 (test_nccl_rules, staged)" "FAILED (exit $rc): $line (see $OUT/tests-shared-gpu.log)"
+else
+  say tests "ranks sharing cuda:0 (test_nccl_rules, staged)" "skipped: no GPU"
+fi
 
 # The test suite, under a budget: -x stops at the first failure, xdist spreads it over cores.
 XDIST=""

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "refimpl"
 
 LAYERS = [
-    ("foundation", ("launch", "_rank", "_zygote_client", "device_audit", "flight_recorder", "faults",
+    ("foundation", ("launch", "shared_device", "_rank", "_zygote_client", "device_audit", "flight_recorder", "faults",
                     "env", "numerics", "progress", "mesh", "__init__")),
     ("labels", ("trace.labels",)),
     ("model", ("model",)),
@@ -51,6 +51,7 @@ ALLOWED_LAZY = {
     "__main__": "the CLI imports a subcommand's modules only when that subcommand runs",
     "_rank": "a rank imports the launcher after its environment (threads, device) is set",
     "_zygote": "the zygote forks ranks; each imports its entry point after the fork",
+    "launch": "a rank registers the staged backend (shared_device) only when it is asked for",
     "tb_plugin.plugin": "TensorBoard loads the plugin at start; pandas/plotly wait for a request",
     "tb_plugin.runs": "as tb_plugin.plugin",
 }

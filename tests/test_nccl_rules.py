@@ -7,6 +7,11 @@
   chunks talk to the same neighbour in both directions, included), ring attention and the rebuilt
   collectives must then still equal `single` at float64's gate: a wrong pairing gives another
   tensor (an error far above 1e-9) or a hang (the launcher's timeout).
+* **Every call through a device-checking backend.** The runs use the staged backend
+  (refimpl.shared_device, REFIMPL_SHARED_DEVICE=cpu here): each collective and message checks that
+  its tensors are on the rank's device and goes through gloo on host copies. On a GPU machine
+  scripts/gpu_check.sh runs this file with REFIMPL_SHARED_DEVICE=cuda:0: several ranks on one GPU,
+  every tensor on it, which NCCL itself cannot do (one rank per GPU).
 * **The rank's device.** On a GPU server torch's default device stays the CPU while a rank computes
   on cuda:k, so a factory call without `device=` makes a CPU tensor NCCL refuses. Under
   REFIMPL_DEVICE_AUDIT every rank records such calls made from refimpl's code
@@ -45,7 +50,10 @@ RUNS = {
         "zero2, rebuilt collectives": cfg("zero2", 2, collectives="refimpl"),
         "dp": cfg("dp", 2), "zero3": cfg("zero3", 2), "fsdp": cfg("fsdp", 2),
         "tp + sp": cfg("tp", 2, tp=2, sequence_parallel=True),
-        "ep, 4 experts": cfg("ep", 2, 1, experts=4)},   # m = 1: capacity is per micro-batch
+        "ep, 4 experts": cfg("ep", 2, 1, experts=4),    # m = 1: capacity is per micro-batch
+        # PyTorch's twins through the same backend: their collectives are staged too
+        "torch-ddp": cfg("torch-ddp", 2), "torch-fsdp2": cfg("torch-fsdp2", 2),
+        "torch-tp": cfg("torch-tp", 2, tp=2), "torch-pp-1f1b m4": cfg("torch-pp-1f1b", 2, 4, pp=2)},
     4: {"zero1 dp2 x pp2, rebuilt collectives": cfg("zero1", 4, 2, pp=2, collectives="refimpl"),
         "pp2 x cp2": cfg("dp-naive", 4, 2, pp=2, cp=2),
         "pp-zbv 4 stages m4": cfg("pp-zbv", 4, 4, pp=4, layers=8)},
@@ -66,7 +74,8 @@ HOST_BY_DESIGN = {
 @functools.lru_cache(maxsize=None)
 def results(world, audit_dir):
     names = list(RUNS[world])
-    rules = {"REFIMPL_P2P_TAGS": "one", "REFIMPL_DEVICE_AUDIT": str(audit_dir)}
+    rules = {"REFIMPL_P2P_TAGS": "one", "REFIMPL_DEVICE_AUDIT": str(audit_dir),
+             "REFIMPL_SHARED_DEVICE": os.environ.get("REFIMPL_SHARED_DEVICE", "cpu")}
     saved = {k: os.environ.get(k) for k in rules}
     os.environ.update(rules)                    # the ranks inherit them (the zygote restarts)
     try:
@@ -127,3 +136,19 @@ def test_notebook_07s_pipeline_helper_names_its_device(tmp_path, monkeypatch):
         found.update(json.loads((tmp_path / f"rank{rank}.json").read_text()))
     assert found, "the audit saw nothing: it is not running"
     assert [site for site in sorted(found) if not by_design(site)] == []
+
+
+def test_the_staged_backend_refuses_a_tensor_off_the_rank_s_device():
+    from datetime import timedelta
+
+    import torch
+
+    from refimpl.shared_device import StagedGloo
+
+    on_meta = StagedGloo(torch.distributed.HashStore(), 0, 1, timedelta(seconds=30), torch.device("meta"))
+    with pytest.raises(RuntimeError, match="NCCL would refuse it"):
+        on_meta.allreduce([torch.ones(3)])              # a CPU tensor; the rank's device is meta
+    on_cpu = StagedGloo(torch.distributed.HashStore(), 0, 1, timedelta(seconds=30), torch.device("cpu"))
+    x = torch.ones(3)
+    on_cpu.allreduce([x]).wait()
+    assert x.tolist() == [1.0, 1.0, 1.0]                # one rank: the sum is itself
