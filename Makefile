@@ -56,7 +56,7 @@ env: install
 TEST_WORKERS ?= 2
 test: install lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/ notebooks/ --nbval-lax -q -p no:cacheprovider \
-		-n $(TEST_WORKERS) --dist loadfile -m "not full"
+		-n $(TEST_WORKERS) --dist loadfile -m "not full" --durations=30
 
 # The larger equivalence runs that do not fit make test's 10 minutes on 2 cores (8-rank layouts
 # beyond the one make test keeps, every pairing on 4 ranks): marked `full`, run here.
