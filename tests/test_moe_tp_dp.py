@@ -12,12 +12,19 @@ import functools
 from dataclasses import replace
 
 import pytest
+import torch
 
 from refimpl.config import TrainConfig
 from refimpl.model import GPTConfig
 from refimpl.parallel.ep.load import dropped_by_step
-from refimpl.train import train_several_on_ranks
-from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single, reference_run
+from refimpl.train import train_on_ranks, train_several_on_ranks
+from refimpl.verify.equivalence import (
+    FP64_TOLERANCE,
+    compare_states,
+    compare_with_single,
+    reference_run,
+)
+from refimpl.verify.reshard import save_checkpoint
 
 pytestmark = pytest.mark.ranks
 
@@ -39,10 +46,13 @@ FULL = {2: {"tp2": config("tp", 2),
             "tp2-sp": config("tp", 2, sequence_parallel=True)},
         4: {"tp2-ep2": config("dp-naive", 4, tp=2, ep=2),
             "tp2-dp2-zero1": config("zero1", 4, tp=2),
+            "zero3-dp4-ep1": config("zero3", 4),        # every expert in its block's one unit
             "dp-naive-ep2": config("dp-naive", 4, ep=2),
             "dp-ep2": config("dp", 4, ep=2, options={"bucket_mb": 0.01}),
             "zero1-ep2": config("zero1", 4, ep=2, options={"bucket_mb": 0.01}),
-            "zero2-ep2": config("zero2", 4, ep=2, options={"bucket_mb": 0.01}),
+            # its weights and moments are the checkpoint of the resharding test below
+            "zero2-ep2": config("zero2", 4, ep=2, options={"bucket_mb": 0.01},
+                                return_optimizer_state=True),
             "zero2-ep2-no-overlap": config("zero2", 4, ep=2, options={"overlap": False}),
             "fsdp-ep2": config("fsdp", 4, ep=2),
             "fsdp-tp2-ep2": config("fsdp", 4, tp=2, ep=2)}}
@@ -74,6 +84,25 @@ def test_experts_with_tp_and_sharded_dp_match_single(name):
 @pytest.mark.parametrize("world,name", [(w, n) for w in FULL for n in FULL[w]])
 def test_every_pairing_matches_single(world, name):
     check(FULL[world][name], runs(world)[name])
+
+
+@pytest.mark.full
+def test_expert_moments_saved_under_zero2_ep_resume_under_fsdp_tp_ep(tmp_path):
+    """AdamW's m and v of experts sharded over edp gather to single's; placed by another layout
+    (fsdp, tp2 x ep2) training goes on as single's does from the same state, and not as a
+    continuation whose moments restart from zero (so the moments arrived)."""
+    written = runs(4)["zero2-ep2"]
+    single = train_on_ranks(config("single", 1, return_optimizer_state=True))["optimizer_state"]
+    for m in ("exp_avg", "exp_avg_sq"):
+        assert compare_states(written["optimizer_state"][m], single[m])[0] < FP64_TOLERANCE
+    save_checkpoint(written["state_dict"], tmp_path / "weights.pt")
+    torch.save(written["optimizer_state"], tmp_path / "adamw.pt")
+    resumed = config("fsdp", 4, tp=2, ep=2, init_state=str(tmp_path / "weights.pt"),
+                     init_optimizer_state=str(tmp_path / "adamw.pt"))
+    runs_ = [resumed, resumed.with_(init_optimizer_state=None)]
+    eq, restarted = (compare_with_single(c, r) for c, r in zip(runs_, train_several_on_ranks(runs_)))
+    assert eq.ok and restarted.ok, (eq, restarted)
+    assert abs(restarted.losses[1] - eq.losses[1]) > 1e-6
 
 
 @pytest.mark.parametrize("strategy,words", [("torch-ddp", "would sum different experts"),
