@@ -6,7 +6,8 @@ dp-naive, dp, zero1, zero2, zero3 and fsdp on a MoE model with --ep 2 over dp = 
 dense parameters are synced (or sharded) over dp x cp and the experts over edp. Float64 and the
 1e-9 gate on losses and final weights (refimpl.verify.equivalence), with a capacity tight enough
 to drop tokens (so the global capacity and the aux loss's f_i must count each token once) and the
-aux loss on. One launch per world size runs every case of that size.
+aux loss on. One launch per world size runs every case of that size. And AdamW's moments of
+experts sharded over edp gather to single's and, saved, resume under another layout.
 """
 import functools
 from dataclasses import replace
@@ -38,22 +39,24 @@ def config(strategy: str, nproc: int, **layout) -> TrainConfig:
                        model=MODEL, return_state=True, dtype="float64", **layout)
 
 
-# make test runs the first launch (4 ranks: one tp x ep layout, one sharded flavour over edp);
-# the rest are `full`.
-QUICK = {"tp2-ep2-sp": config("dp-naive", 4, tp=2, ep=2, sequence_parallel=True),
-         "zero3-ep2": config("zero3", 4, ep=2)}
+# make test runs the first launch (4 ranks): experts split over tp and spread over ep under
+# sequence parallelism and fsdp, and both other gradient paths over edp (zero2's streamed
+# partitions, dp's bucket sets); the rest are `full`.
+QUICK = {"fsdp-tp2-ep2-sp": config("fsdp", 4, tp=2, ep=2, sequence_parallel=True),
+         # its weights and moments are the checkpoint of the resharding test below
+         "zero2-ep2": config("zero2", 4, ep=2, options={"bucket_mb": 0.01},
+                             return_optimizer_state=True),
+         "dp-ep2": config("dp", 4, ep=2, options={"bucket_mb": 0.01})}
 FULL = {2: {"tp2": config("tp", 2),
             "tp2-sp": config("tp", 2, sequence_parallel=True)},
         4: {"tp2-ep2": config("dp-naive", 4, tp=2, ep=2),
+            "tp2-ep2-sp": config("dp-naive", 4, tp=2, ep=2, sequence_parallel=True),
             "tp2-dp2-zero1": config("zero1", 4, tp=2),
             "zero3-dp4-ep1": config("zero3", 4),        # every expert in its block's one unit
             "dp-naive-ep2": config("dp-naive", 4, ep=2),
-            "dp-ep2": config("dp", 4, ep=2, options={"bucket_mb": 0.01}),
             "zero1-ep2": config("zero1", 4, ep=2, options={"bucket_mb": 0.01}),
-            # its weights and moments are the checkpoint of the resharding test below
-            "zero2-ep2": config("zero2", 4, ep=2, options={"bucket_mb": 0.01},
-                                return_optimizer_state=True),
             "zero2-ep2-no-overlap": config("zero2", 4, ep=2, options={"overlap": False}),
+            "zero3-ep2": config("zero3", 4, ep=2),
             "fsdp-ep2": config("fsdp", 4, ep=2),
             "fsdp-tp2-ep2": config("fsdp", 4, tp=2, ep=2)}}
 
@@ -72,7 +75,7 @@ def check(cfg: TrainConfig, result: dict) -> None:
 
 
 def test_reference_drops_tokens():
-    assert min(dropped_by_step(reference_run(QUICK["zero3-ep2"]))) > 0
+    assert min(dropped_by_step(reference_run(QUICK["dp-ep2"]))) > 0
 
 
 @pytest.mark.parametrize("name", list(QUICK))
@@ -91,7 +94,7 @@ def test_expert_moments_saved_under_zero2_ep_resume_under_fsdp_tp_ep(tmp_path):
     """AdamW's m and v of experts sharded over edp gather to single's; placed by another layout
     (fsdp, tp2 x ep2) training goes on as single's does from the same state, and not as a
     continuation whose moments restart from zero (so the moments arrived)."""
-    written = runs(4)["zero2-ep2"]
+    written = runs("quick")["zero2-ep2"]
     single = train_on_ranks(config("single", 1, return_optimizer_state=True))["optimizer_state"]
     for m in ("exp_avg", "exp_avg_sq"):
         assert compare_states(written["optimizer_state"][m], single[m])[0] < FP64_TOLERANCE
@@ -105,11 +108,13 @@ def test_expert_moments_saved_under_zero2_ep_resume_under_fsdp_tp_ep(tmp_path):
     assert abs(restarted.losses[1] - eq.losses[1]) > 1e-6
 
 
-@pytest.mark.parametrize("strategy,words", [("torch-ddp", "would sum different experts"),
-                                            ("torch-fsdp2", "would sum different experts")])
-def test_twins_that_sum_over_dp_refuse_ep_before_launch(strategy, words):
+@pytest.mark.parametrize("strategy,layout,words", [
+    ("torch-ddp", dict(ep=2), "would sum different experts"),
+    ("torch-fsdp2", dict(ep=2), "would sum different experts"),
+    ("torch-tp", dict(tp=4), "names no MoE layer")])
+def test_twins_refuse_expert_layouts_before_launch(strategy, layout, words):
     from refimpl.mesh import LayoutError
     from refimpl.train import validate
 
     with pytest.raises(LayoutError, match=words):
-        validate(replace(config(strategy, 4, ep=2), return_state=False))
+        validate(replace(config(strategy, 4, **layout), return_state=False))

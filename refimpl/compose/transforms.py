@@ -53,6 +53,9 @@ def validate_model_parallel(cfg) -> None:
         # pp: the schedules' loss has no MoE auxiliary loss yet; cp: a rank's tokens are not a
         # contiguous run of the batch, so the capacity's batch order would differ from single's.
         raise LayoutError("--experts with --pp or --cp is not supported yet (MoE runs on dp/ep)")
+    if cfg.tp > 1 and cfg.model.n_experts and not get_strategy(cfg.strategy).takes_our_transforms:
+        raise LayoutError(f"--tp with --experts: {cfg.strategy!r} applies DTensor's tp plan to the "
+                          "plain reference, which names no MoE layer (ours split each expert)")
     if cfg.sequence_parallel and cfg.tp == 1:
         raise LayoutError("--sequence-parallel needs --tp > 1 (it splits what tensor parallelism "
                           "leaves replicated)")
