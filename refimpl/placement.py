@@ -8,8 +8,9 @@ A transform that slices or moves a parameter says so once, with `set_placement`:
                            `full` is the reference size of that dim (a padded vocabulary is
                            longer on the ranks than in the reference, and is cut back)
     Owned(axis, segment,   the whole tensor of one of `count` equal modules (an expert), held by
-          index, count)    one rank of `axis`'s group: the others hold other indices under the
-                           same names but for `<segment>.<index>` (expert parallelism)
+          index, count,    one rank of `axis`'s group: the others hold other indices under the
+          within)          same names but for `<segment>.<index>` (expert parallelism); `within`:
+                           a Shard the owner's copy is itself cut by (an expert split over tp)
     stage-local            under a pipeline a rank holds only its stage's parameters: the full
                            state dict is the union over the pp group
 
@@ -44,6 +45,7 @@ class Owned:
     segment: str       # the name segment before the index: "experts" in "...mlp.experts.5.up.weight"
     index: int         # this module's index in the reference
     count: int         # how many the reference has (E); each rank of the axis owns count / size
+    within: Shard | None = None   # the owned module's own tensor split too (tp inside an expert)
 
     def slot(self, axis_size: int) -> int:
         """Its place among its owner's modules (the owner is the rank index // per-rank count)."""
@@ -63,6 +65,17 @@ def set_placement(tensor: torch.Tensor, placement: Placement | None) -> None:
 
 def placement_of(tensor: torch.Tensor) -> Placement | None:
     return getattr(tensor, ATTRIBUTE, None)
+
+
+def data_parallel_axis(tensor: torch.Tensor) -> str:
+    """The group over which a parameter's gradient is summed (and a ZeRO/FSDP shard cut): the
+    ranks holding the same copy of it. Every replicated or tp/pp-split parameter: "dp_cp". A
+    module owned over ep (an expert): "edp", the ranks of the other ep chunks holding the same
+    experts -- summing over dp_cp would add expert 0's gradient into expert 2's weights
+    (Megatron-core keeps expert parameters in their own buffers over the expert-data-parallel
+    group for that reason; its distributed optimizer shards them there)."""
+    where = placement_of(tensor)
+    return "edp" if isinstance(where, Owned) and where.axis == "ep" else "dp_cp"
 
 
 def placements(model: nn.Module) -> dict[str, Placement]:
@@ -102,6 +115,8 @@ def gather_full_state_dict(local: dict[str, torch.Tensor], model: nn.Module, mes
         tensor = local[name].detach()
         where = sharded.get(name)
         if isinstance(where, Owned):
+            if where.within is not None:     # first the owner's whole module (e.g. over tp)
+                tensor = unshard(tensor, where.within, mesh, comm)
             full.update(gather_owned(name, tensor, where, mesh, comm))
             continue
         if where is not None:

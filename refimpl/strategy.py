@@ -65,6 +65,10 @@ class Strategy:
     # False for PyTorch's twins that parallelize the plain reference themselves (DTensor): they
     # are handed the reference untouched instead of our transforms' result.
     takes_our_transforms: bool = True
+    # True: sums each parameter's gradient over its placement's data-parallel group
+    # (refimpl.placement.data_parallel_axis: an expert's over "edp", the ranks holding the same
+    # expert), so it runs a MoE model with --ep > 1; False: it would sum different experts.
+    experts_over_edp: bool = False
 
     def __init__(self, ctx: RunContext):
         self.ctx = ctx

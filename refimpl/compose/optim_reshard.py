@@ -10,8 +10,10 @@ Where each layout keeps m and v, and how it is made whole (`full_optimizer_state
   plain AdamW (dp-naive, dp, tp, pp-*, single)   per parameter, shaped like this rank's slice
   zero1 / zero2 (ShardedAdamW)                   a flat shard over dp x cp of the flat parameters
   zero3 / fsdp (FullySharded)                    one flat shard per unit over dp x cp
-The flat shards are all-gathered over dp x cp and cut back into parameters (FlatParams); then the
-same unsharding as the weights (placement.gather_full_state_dict: tp slices, pipeline stages).
+(a MoE model under --ep: the experts' flat shards over edp, beside the dense ones)
+The flat shards are all-gathered over their group and cut back into parameters (FlatParams); then
+the same unsharding as the weights (placement.gather_full_state_dict: tp slices, experts over ep,
+pipeline stages).
 `load_optimizer_state` is the inverse: each parameter's m and v cut to this rank's tp slice (the
 padded vocabulary padded with zeros, as its weights are), kept if this stage holds it, flattened
 and sharded the way this layout's optimizer holds them.
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 
 from refimpl.mesh import LayoutError
 from refimpl.parallel.zero.sharded_adamw import ShardedAdamW
-from refimpl.placement import gather_full_state_dict, placements
+from refimpl.placement import Owned, gather_full_state_dict, placements
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # PyTorch's twins keep DTensor moments, `ep` keeps experts' moments on their owners: weights only.
@@ -45,9 +47,9 @@ def _holders(strategy):
     if hasattr(strategy, "units"):                      # zero3 / fsdp
         return [(strategy.optimizer, u.master, u.flat, u.group, u.rank, None)
                 for u in strategy.units]
-    if isinstance(strategy.optimizer, ShardedAdamW):    # zero1 / zero2
-        opt = strategy.optimizer
-        return [(opt.optimizer, opt.master, strategy.layout, strategy.group, strategy.index, None)]
+    if isinstance(strategy.optimizer, ShardedAdamW):    # zero1 / zero2: one per partition
+        return [(part.optimizer.optimizer, part.optimizer.master, part.layout, part.group,
+                 part.index, None) for part in strategy.parts]
     if isinstance(strategy.optimizer, torch.optim.AdamW):
         owned = {id(p) for g in strategy.optimizer.param_groups for p in g["params"]}
         named = [(n, p) for n, p in strategy.model.named_parameters() if id(p) in owned]
@@ -87,7 +89,10 @@ def full_optimizer_state(strategy) -> dict:
 
 
 def _this_ranks_slice(full: torch.Tensor, shape, shard, mesh) -> torch.Tensor:
-    """The part of a reference-shaped tensor this rank holds (inverse of placement.unshard)."""
+    """The part of a reference-shaped tensor this rank holds (inverse of placement.unshard). An
+    owned expert is under its own name on its owner: only a tp split inside it remains to cut."""
+    if isinstance(shard, Owned):
+        shard = shard.within
     if shard is None:
         return full
     size, n = shape[shard.dim], mesh.size(shard.axis)

@@ -1,8 +1,10 @@
 """A rank's model is the reference model transformed, in one fixed order:
 
-    tensor / sequence parallel -> context parallel (ring attention) -> expert parallel
+    tensor / sequence parallel (experts split over tp too) -> context parallel (ring attention)
+    -> expert parallel (E/ep experts per rank, the tp split kept inside each)
     -> activation checkpointing -> pipeline split
-    -> data-parallel wrapping (the strategy's own: replicate, or shard over dp x cp)
+    -> data-parallel wrapping (the strategy's own: replicate, or shard over dp x cp; a MoE
+       model's experts under --ep over edp, the ranks holding the same experts)
 
 torchtitan cuts the pipeline first and then parallelizes each stage; here every transform works
 on the whole reference model in place (parameter names stay the reference's) and the pipeline
@@ -27,6 +29,7 @@ from refimpl.mesh import LayoutError
 from refimpl.model import converted, lm_loss
 from refimpl.model.activation_checkpointing import checkpoint_blocks
 from refimpl.model.moe import validate_moe
+from refimpl.parallel import get_strategy
 from refimpl.parallel.cp.parallelize import apply_context_parallel, shard_batch
 from refimpl.parallel.ep.dispatch import parallelize_experts, share_routing_counts
 from refimpl.parallel.pp.runner import pipeline_forward_backward
@@ -42,16 +45,17 @@ def validate_model_parallel(cfg) -> None:
         raise LayoutError(f"--seq-len {cfg.seq_len} must be divisible by 2 x cp = {2 * cfg.cp}: "
                           "ring attention cuts each sequence into 2·cp equal chunks")
     validate_moe(cfg.model, cfg.dims.ep)
-    if cfg.dims.ep > 1 and cfg.strategy != "ep":
-        # Every other data-parallel flavour would average different experts' gradients over dp.
-        raise LayoutError(f"--ep {cfg.dims.ep} runs with --strategy ep (its data-parallel sync "
-                          "keeps expert gradients on the ranks holding the same experts)")
+    if cfg.dims.ep > 1 and not get_strategy(cfg.strategy).experts_over_edp:
+        # PyTorch's twins sum every gradient over dp x cp: expert 0's into expert 2's weights.
+        raise LayoutError(f"--ep {cfg.dims.ep}: strategy {cfg.strategy!r} would sum different "
+                          "experts' gradients over dp x cp (use ep, dp-naive, dp, zero1/2/3 or fsdp)")
     if cfg.model.n_experts and (cfg.pp > 1 or cfg.cp > 1):
         # pp: the schedules' loss has no MoE auxiliary loss yet; cp: a rank's tokens are not a
         # contiguous run of the batch, so the capacity's batch order would differ from single's.
         raise LayoutError("--experts with --pp or --cp is not supported yet (MoE runs on dp/ep)")
-    if cfg.tp > 1 and cfg.model.n_experts:
-        raise LayoutError("--tp with --experts: the expert MLPs are not split over tp yet")
+    if cfg.tp > 1 and cfg.model.n_experts and not get_strategy(cfg.strategy).takes_our_transforms:
+        raise LayoutError(f"--tp with --experts: {cfg.strategy!r} applies DTensor's tp plan to the "
+                          "plain reference, which names no MoE layer (ours split each expert)")
     if cfg.sequence_parallel and cfg.tp == 1:
         raise LayoutError("--sequence-parallel needs --tp > 1 (it splits what tensor parallelism "
                           "leaves replicated)")

@@ -10,13 +10,16 @@ on every rank), different schedule (Li et al. 2020, "PyTorch Distributed", §3.2
     out in reverse parameter order, the same order on every rank;
   * every handle is waited on before the optimizer step;
   * with --micro-batches k, the rank's rows are split into k micro-batches whose gradients
-    accumulate locally; only the last backward communicates (DDP's `no_sync`).
+    accumulate locally; only the last backward communicates (DDP's `no_sync`);
+  * a MoE model under --ep keeps its experts' gradients in a second buffer whose buckets are
+    all-reduced over "edp", the ranks holding the same experts (refimpl.placement).
 
 Options: bucket_mb (MiB). The default tiny model (5.6 MB of fp32 gradients) fits one 25 MiB bucket,
 so nothing overlaps; try --set bucket_mb=0.25 to see several buckets leave during backward.
 """
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 from refimpl.config import Option
@@ -24,6 +27,7 @@ from refimpl.memory import ModelStateBytes, measured_model_state
 from refimpl.model import GPT
 from refimpl.parallel.dp.flat_param import FlatParams
 from refimpl.parallel.dp.grad_buckets import GradBuckets, all_reduce_sum
+from refimpl.placement import data_parallel_axis
 from refimpl.strategy import Strategy, make_optimizer
 
 MiB = 2 ** 20
@@ -33,25 +37,42 @@ class BucketedDataParallel(Strategy):
     name = "dp"
     options = {"bucket_mb": Option(25.0, float, positive=True)}
 
+    experts_over_edp = True
+
     def setup(self, model: GPT) -> None:
         self.model = model
-        # world_size=1: the gradients are not sharded, so the flat buffer needs no padding.
-        layout = FlatParams(list(self.model.named_parameters()), world_size=1)
-        self.flat_grad = layout.empty(device=self.ctx.device)
-        reduce = partial(all_reduce_sum, group=self.mesh.group("dp_cp"), comm=self.comm)
-        self.buckets = GradBuckets(layout, float(self.option("bucket_mb")) * MiB, reduce=reduce)
-        self.buckets.attach(self.flat_grad)
+        # One flat gradient buffer and its buckets per group the gradients are summed over:
+        # dp x cp, and (a MoE model under --ep) edp for the experts, which their own buckets keep
+        # out of the dense all-reduce. world_size=1: not sharded, so no padding.
+        by_axis: dict[str, list] = {}
+        for name, p in self.model.named_parameters():
+            by_axis.setdefault(data_parallel_axis(p), []).append((name, p))
+        self.flat_grads, self.bucket_sets = [], []
+        for axis, named in by_axis.items():
+            layout = FlatParams(named, world_size=1)
+            flat_grad = layout.empty(device=self.ctx.device)
+            reduce = partial(all_reduce_sum, group=self.mesh.group(axis), comm=self.comm)
+            buckets = GradBuckets(layout, float(self.option("bucket_mb")) * MiB, reduce=reduce)
+            buckets.attach(flat_grad)
+            self.flat_grads.append(flat_grad)
+            self.bucket_sets.append(buckets)
         self.optimizer = make_optimizer(self.model.parameters(), self.ctx.cfg)
 
+    @contextlib.contextmanager
     def micro_step(self, is_last: bool):
-        return self.buckets.micro_step(is_last)     # only the last backward communicates
+        with contextlib.ExitStack() as stack:   # only the last backward communicates
+            for buckets in self.bucket_sets:
+                stack.enter_context(buckets.micro_step(is_last))
+            yield
 
     def sync_gradients(self) -> None:
-        self.buckets.wait()
+        for buckets in self.bucket_sets:
+            buckets.wait()
 
     def optimizer_step(self) -> None:
         self.optimizer.step()
-        self.flat_grad.zero_()           # in place: the .grad views must stay bound
+        for flat_grad in self.flat_grads:
+            flat_grad.zero_()            # in place: the .grad views must stay bound
 
     def model_state(self) -> ModelStateBytes:
         return measured_model_state(self.model.parameters(), self.optimizer)

@@ -5,7 +5,8 @@
   3. parallel processing (병렬 처리): forward and backward on its rows alone;
   4. gradient synchronisation (그래디언트 동기화): after backward, one all-reduce per parameter
      tensor over the dp axis, summed (the 1/W of the average was applied to each rank's loss:
-     refimpl.strategy's docstring says why);
+     refimpl.strategy's docstring says why); on a MoE model with --ep, an expert's gradient only
+     over the ranks holding that expert (refimpl.placement.data_parallel_axis);
   5. parameter update (파라미터 업데이트): every rank runs the same AdamW step on the same averaged
      gradient, so the replicas stay identical without ever exchanging weights.
 
@@ -16,6 +17,7 @@ here). `dp` (refimpl.parallel.dp.bucketed) fixes both with buckets launched from
 from __future__ import annotations
 
 from refimpl.faults import injected
+from refimpl.placement import data_parallel_axis
 from refimpl.strategy import Strategy
 from refimpl.trace.labels import comm_span
 
@@ -24,12 +26,15 @@ class NaiveDataParallel(Strategy):
     name = "dp-naive"
 
 
+    experts_over_edp = True
+
     def sync_gradients(self) -> None:
-        group = self.mesh.group("dp_cp")
-        if group is None:
-            return
         last = f"blocks.{self.ctx.cfg.model.n_layers - 1}."
         for name, p in self.model.named_parameters():
+            # over dp x cp; an expert's over edp, the ranks holding the same expert (--ep)
+            group = self.mesh.group(data_parallel_axis(p))
+            if group is None:
+                continue
             if injected(self.ctx.cfg, "skip-grad-sync") and name.startswith(last):
                 continue      # the fault: this block's replicas keep their own gradients
             with comm_span("all_reduce", p.grad.nbytes):

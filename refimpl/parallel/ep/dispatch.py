@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from refimpl.model.moe import LocalExperts, Traffic, all_gather_counts, moe_layers
-from refimpl.placement import Owned, placement_of, set_placement
+from refimpl.placement import Owned, Shard, placement_of, set_placement
 from refimpl.trace.labels import comm_span, phase
 
 
@@ -122,8 +122,9 @@ def parallelize_experts(model: nn.Module, ep_group, token_group=None, comm=dist)
 
     Names stay the reference's (`blocks.0.mlp.experts.2.up.weight`); each kept parameter records
     the placement `Owned("ep", "experts", index, E)` (refimpl.placement: the one record every
-    sharded parameter carries, which gathers the full state dict). Non-expert parameters are
-    untouched (replicated).
+    sharded parameter carries, which gathers the full state dict), carrying the tp Shard of an
+    expert that tensor parallelism split before. Non-expert parameters are untouched
+    (replicated).
     """
     token_group = ep_group if token_group is None else token_group
     ep, me = dist.get_world_size(ep_group), dist.get_rank(ep_group)
@@ -136,7 +137,9 @@ def parallelize_experts(model: nn.Module, ep_group, token_group=None, comm=dist)
                 del layer.experts[key]
         for key, expert in layer.experts.items():
             for p in expert.parameters():
-                set_placement(p, Owned("ep", "experts", int(key), layer.n_experts))
+                # an expert already split over tp (refimpl.parallel.tp.experts) keeps that Shard
+                inner = placement_of(p) if isinstance(placement_of(p), Shard) else None
+                set_placement(p, Owned("ep", "experts", int(key), layer.n_experts, inner))
         layer.dispatch = ExpertParallelDispatch(ep_group, token_group, layer.n_experts, comm)
     return model
 

@@ -16,7 +16,12 @@ each chunk of `ep` consecutive ranks, the experts are spread E/ep per rank
                                                                   same experts
 
 Averaging an expert's gradient over dp x cp would mix expert 0's gradient into expert 2's weights:
-that is the one rule expert parallelism adds to data parallelism.
+that is the one rule expert parallelism adds to data parallelism. Every data-parallel flavour of
+ours keeps it (refimpl.placement.data_parallel_axis): `--ep E` with dp-naive or dp replicates
+and sums the experts over edp, with zero1/2/3 or fsdp shards them over edp (and the dense
+parameters over dp x cp), as Megatron-core's distributed optimizer does; `ep` is dp-naive's
+sync spelled out, the name of the layout. With `--tp` each expert is split over tp as well
+(refimpl.parallel.tp.experts). PyTorch's twins sum over dp x cp, so they refuse `--ep`.
 
 Equal to `single` with the same experts (tests/test_ep_strategy.py), dropped tokens included,
 because capacity and the aux loss's f_i are computed over the whole global batch. With
@@ -29,13 +34,14 @@ from __future__ import annotations
 
 from refimpl.config import TrainConfig
 from refimpl.mesh import LayoutError
-from refimpl.parallel.ep.dispatch import is_expert_param
+from refimpl.placement import data_parallel_axis
 from refimpl.strategy import Strategy
 from refimpl.trace.labels import comm_span
 
 
 class ExpertParallel(Strategy):
     name = "ep"
+    experts_over_edp = True
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
@@ -43,10 +49,9 @@ class ExpertParallel(Strategy):
         if cfg.model.n_experts == 0:
             raise LayoutError("strategy 'ep' needs --experts E > 0")
 
-
     def sync_gradients(self) -> None:
         for p in self.model.parameters():
-            group = self.mesh.group("edp" if is_expert_param(p) else "dp_cp")
+            group = self.mesh.group(data_parallel_axis(p))   # experts: "edp"; the rest "dp_cp"
             if group is not None:
                 with comm_span("all_reduce", p.grad.nbytes):
                     self.comm.all_reduce(p.grad, group=group)

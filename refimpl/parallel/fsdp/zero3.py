@@ -20,7 +20,9 @@ hooks them into its forward and backward, under a `ShardingPolicy`:
   step      AdamW on this rank's fp32 shards only (every state sharded)
 
 The shards are cut over the mesh's dp x cp ranks (refimpl.mesh): on a composed grid each
-tensor-parallel or pipeline slice is sharded among the ranks that hold the same slice.
+tensor-parallel or pipeline slice is sharded among the ranks that hold the same slice, and a MoE
+block's experts under --ep among the ranks that hold the same experts ("edp": a second flat shard
+of the block, gathered, freed and reduce-scattered together with the first).
 
     python -m refimpl train --strategy zero3 --nproc 2 --set offload=true
 """
@@ -37,7 +39,7 @@ from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_byte
 from refimpl.mesh import LayoutError
 from refimpl.model import GPT
 from refimpl.parallel.fsdp.sharded_unit import ShardedUnit
-from refimpl.placement import gather_full_state_dict
+from refimpl.placement import data_parallel_axis, gather_full_state_dict
 from refimpl.strategy import Strategy, make_optimizer
 
 
@@ -70,6 +72,7 @@ class FullySharded(Strategy):
     """Base of `zero3` and `fsdp`; subclasses set `policy(cfg)`."""
 
     options = {"offload": Option(False, bool)}
+    experts_over_edp = True
 
     @classmethod
     def policy(cls, cfg: TrainConfig) -> ShardingPolicy:
@@ -81,9 +84,6 @@ class FullySharded(Strategy):
         if cfg.model.tie_embeddings:
             raise LayoutError(f"strategy {cls.name!r} does not support tied embeddings (the tied "
                               "weight would belong to two units)")
-        if cfg.model.n_experts:
-            raise LayoutError(f"strategy {cls.name!r} needs a dense model: an expert that gets no "
-                              "token would leave its unit's backward unfinished")
 
     def setup(self, model: GPT) -> None:
         ctx, cfg, mesh = self.ctx, self.ctx.cfg, self.mesh
@@ -91,60 +91,75 @@ class FullySharded(Strategy):
         self.model = model
         self.offload = bool(self.option("offload"))
         master_device = torch.device("cpu") if self.offload else ctx.device
-        self.units: list[ShardedUnit] = []
+        # Each unit of the policy is sharded over the ranks holding the same copy of it: dp x cp,
+        # except a MoE block's experts under --ep, which get a ShardedUnit of their own over
+        # "edp" (refimpl.placement.data_parallel_axis), gathered and reduced with their block.
+        self.units: list[ShardedUnit] = []         # every flat shard, in schedule order
+        self.at: list[list[ShardedUnit]] = []      # the shards of each unit of the schedule
         for name, modules in gpt_units(self.model):
-            named = [(f"{prefix}.{n}", p) for prefix, m in modules for n, p in m.named_parameters()]
-            unit = ShardedUnit(name, named, mesh.group("dp_cp"), mesh.index("dp_cp"),
-                               mesh.size("dp_cp"), ctx.device, ctx.compute_dtype, master_device,
-                               comm=self.comm)
-            self._install_hooks(len(self.units), unit, modules[0][1], modules[-1][1])
-            self.units.append(unit)
+            by_axis: dict[str, list] = {}
+            for prefix, m in modules:
+                for n, p in m.named_parameters():
+                    by_axis.setdefault(data_parallel_axis(p), []).append((f"{prefix}.{n}", p))
+            parts = [ShardedUnit(name if axis == "dp_cp" else f"{name}.experts", named,
+                                 mesh.group(axis), mesh.index(axis), mesh.size(axis), ctx.device,
+                                 ctx.compute_dtype, master_device, comm=self.comm)
+                     for axis, named in by_axis.items()]
+            self._install_hooks(len(self.at), parts, modules[0][1], modules[-1][1])
+            self.at.append(parts)
+            self.units += parts
         self.optimizer = make_optimizer([u.master for u in self.units], cfg)
         self._pending_reduce: list = []
 
     # --- the schedule -----------------------------------------------------------------------------
 
-    def _install_hooks(self, i: int, unit: ShardedUnit, first, last) -> None:
+    def _install_hooks(self, i: int, parts: list[ShardedUnit], first, last) -> None:
         first.register_forward_pre_hook(lambda module, args: self._before_forward(i))
         last.register_forward_hook(lambda module, args, out: self._after_forward(i, out))
-        for p in unit.flat.params:
-            p.register_hook(lambda grad: unit.prepare_grads())     # before it is accumulated
-            p.register_post_accumulate_grad_hook(lambda param: self._grad_ready(i))
+        for unit in parts:
+            for p in unit.flat.params:   # prepare_grads: before the gradient is accumulated
+                p.register_hook(lambda grad, unit=unit: unit.prepare_grads())
+                p.register_post_accumulate_grad_hook(
+                    lambda param, unit=unit: self._grad_ready(i, unit))
 
     def _before_forward(self, i: int) -> None:
-        unit = self.units[i]
-        unit.wait_gather()
-        if self.pol.prefetch and i + 1 < len(self.units):
-            self.units[i + 1].gather(async_op=True)   # overlaps with unit i's compute
+        for unit in self.at[i]:
+            unit.wait_gather()
+        if self.pol.prefetch and i + 1 < len(self.at):
+            for unit in self.at[i + 1]:
+                unit.gather(async_op=True)    # overlaps with unit i's compute
 
     def _after_forward(self, i: int, out: torch.Tensor) -> None:
         backward_follows = torch.is_grad_enabled() and out.requires_grad
-        keep = self.pol.keep_last_unit and i == len(self.units) - 1
+        keep = self.pol.keep_last_unit and i == len(self.at) - 1
         if not backward_follows or (self.pol.reshard_after_forward and not keep):
-            self.units[i].reshard()
+            for unit in self.at[i]:
+                unit.reshard()
         if backward_follows:
             out.register_hook(lambda grad: self._before_backward(i))
 
     def _before_backward(self, i: int) -> None:
-        unit = self.units[i]
-        unit.wait_gather()
-        unit.expect_grads()
+        for unit in self.at[i]:
+            unit.wait_gather()
+            unit.expect_grads()
         if self.pol.prefetch and i > 0:
-            self.units[i - 1].gather(async_op=True)   # overlaps with unit i's backward
+            for unit in self.at[i - 1]:
+                unit.gather(async_op=True)    # overlaps with unit i's backward
 
-    def _grad_ready(self, i: int) -> None:
-        unit = self.units[i]
+    def _grad_ready(self, i: int, unit: ShardedUnit) -> None:
         unit.grads_left -= 1
-        if unit.grads_left:
+        if any(part.grads_left for part in self.at[i]):
             return
         # The unit's last gradient is in: its backward is over (every op that needed its
         # weights also produced a weight gradient), so free its parameters first, then reduce.
         # At most one reduce-scatter stays in flight: the previous unit's has had this unit's
         # whole backward to finish, and waiting for it here frees its full-size gradient buffer
         # before another is sent.
-        unit.reshard()
+        for part in self.at[i]:
+            part.reshard()
         self._finish_reduces()
-        self._pending_reduce.append(unit.reduce_scatter(async_op=self.pol.async_reduce))
+        for part in self.at[i]:    # dense over dp x cp, then experts over edp: every rank alike
+            self._pending_reduce.append(part.reduce_scatter(async_op=self.pol.async_reduce))
 
     def _finish_reduces(self) -> None:
         for finish in self._pending_reduce:
@@ -176,6 +191,8 @@ class FullySharded(Strategy):
         state: dict[str, torch.Tensor] = {}
         for unit in self.units:            # whole over dp x cp; then any model-parallel axes
             state.update(unit.full_state_dict())
+        # and the buffers, replicated (a MoE layer's expert_bias): the state dict minus the units'
+        state.update({n: t for n, t in self.model.state_dict().items() if n not in state})
         return gather_full_state_dict(state, self.model, self.mesh, self.comm)
 
     def model_state(self) -> ModelStateBytes:

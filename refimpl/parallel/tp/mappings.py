@@ -15,6 +15,8 @@ autograd Function whose backward is its partner's forward:
     gather_from_sequence       fwd all-gather along s  bwd reduce-scatter    before a column-parallel layer
     scatter_to_sequence        fwd reduce-scatter      bwd all-gather        after a row-parallel layer
     split_sequence             fwd keep my s-slice     bwd all-gather        (enter the SP region)
+    gather_sequence            fwd all-gather along s  bwd keep my s-slice   (a replicated region
+                                                                              inside SP: the MoE router)
 
 Our activations are [batch, seq, hidden] (Megatron's are [seq, batch, hidden]), so the sequence is
 dim 1; a collective needs contiguous chunks, so we move it to the front for the call and back.
@@ -161,6 +163,17 @@ class _SplitSequence(torch.autograd.Function):
         return _all_gather(grad, 1, ctx.group, ctx.comm, ctx.logs, "backward"), None, None
 
 
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, comm):
+        ctx.group = group
+        return _all_gather(x, 1, group, comm, open_logs(), "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _my_slice(grad, 1, ctx.group), None, None
+
+
 def _one_rank_or(fn):
     def apply(x: torch.Tensor, group, comm=dist) -> torch.Tensor:
         return x if group_size(group) == 1 else fn.apply(x, group, comm)
@@ -175,6 +188,7 @@ gather_last_dim = _one_rank_or(_GatherLastDim)
 gather_from_sequence = _one_rank_or(_GatherFromSequence)
 scatter_to_sequence = _one_rank_or(_ScatterToSequence)
 split_sequence = _one_rank_or(_SplitSequence)
+gather_sequence = _one_rank_or(_GatherSequence)
 
 
 # A replicated parameter applied to sequence-split tokens (LayerNorm, row-parallel bias, positions)

@@ -8,7 +8,8 @@
 What changes (refimpl.parallel.tp.layers, tp.vocab):
     embed                 VocabParallelEmbedding (token table split by id; positions replicated)
     blocks[i].attn        ParallelSelfAttention  (q, k, v column-parallel by heads, o row-parallel)
-    blocks[i].mlp         ParallelMLP            (up column-parallel, down row-parallel)
+    blocks[i].mlp         ParallelMLP            (up column-parallel, down row-parallel); an MoE
+                          layer keeps its router whole and splits each expert so (tp/experts.py)
     lm_head               ColumnParallelLinear over the (padded) vocabulary; logits stay split
     ln1, ln2, final_norm  unchanged and replicated
 The Block and GPT forwards are the reference's, untouched: under sequence parallelism the residual
@@ -32,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from refimpl.model.moe import MoEMLP
+from refimpl.parallel.tp.experts import parallelize_moe
 from refimpl.parallel.tp.layers import ColumnParallelLinear, ParallelMLP, ParallelSelfAttention
 from refimpl.parallel.tp.mappings import (
     all_reduce_grad_logged,
@@ -50,8 +53,6 @@ def tp_layout_problem(cfg, tp: int, seq_len: int | None = None,
         return f"--tp {tp} must divide the number of attention heads ({cfg.n_heads})"
     if (cfg.mlp_ratio * cfg.d_model) % tp:   # implied by the heads for a 4h MLP; kept for others
         return f"--tp {tp} must divide the MLP width ({cfg.mlp_ratio * cfg.d_model})"
-    if getattr(cfg, "n_experts", 0):
-        return "tensor parallelism of MoE MLPs is not implemented (use --ep)"
     if sequence_parallel and seq_len is not None and seq_len % tp:
         return f"--sequence-parallel needs --seq-len ({seq_len}) divisible by --tp {tp}"
     return None
@@ -71,9 +72,13 @@ def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False,
     model.embed = VocabParallelEmbedding.from_embedding(model.embed, group, sp, comm)
     for i, block in enumerate(model.blocks):
         block.attn = ParallelSelfAttention.from_attention(block.attn, group, sp, comm)
-        block.mlp = ParallelMLP.from_mlp(block.mlp, group, sp, comm)
         # forward ranges "tp:blocks.<i>.attn" / ".mlp" around each layer's collectives in a trace
-        block.attn.label, block.mlp.label = f"tp:blocks.{i}.attn", f"tp:blocks.{i}.mlp"
+        block.attn.label = f"tp:blocks.{i}.attn"
+        if isinstance(block.mlp, MoEMLP):    # every expert split over tp (tp/experts.py)
+            parallelize_moe(block.mlp, group, sp, comm, label=f"tp:blocks.{i}.mlp")
+        else:
+            block.mlp = ParallelMLP.from_mlp(block.mlp, group, sp, comm)
+            block.mlp.label = f"tp:blocks.{i}.mlp"
         for norm in (block.ln1, block.ln2):
             _mark_norm(norm, sp)
     _mark_norm(model.final_norm, sp)

@@ -38,6 +38,7 @@ Options:
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from functools import partial
 
@@ -50,6 +51,7 @@ from refimpl.model import GPT
 from refimpl.parallel.dp.flat_param import FlatParams
 from refimpl.parallel.dp.grad_buckets import GradBuckets, assign_buckets, reduce_sum_to_owner
 from refimpl.parallel.zero.sharded_adamw import ShardedAdamW
+from refimpl.placement import data_parallel_axis
 from refimpl.strategy import Strategy
 from refimpl.trace.labels import comm_span
 
@@ -58,17 +60,35 @@ MiB = 2 ** 20
 
 class ZeroDataParallel(Strategy):
     """What stages 1 and 2 share: flat parameters sharded over the dp x cp ranks of the mesh, the
-    sharded AdamW, and the all-gather of the updated shards after it."""
+    sharded AdamW, and the all-gather of the updated shards after it.
+
+    A MoE model under --ep has two such partitions, each an instance of this class over its own
+    parameters (`parts`): the dense ones sharded over dp x cp, the experts over "edp", the ranks
+    holding the same experts (refimpl.placement.data_parallel_axis) -- Megatron-core's distributed
+    optimizer likewise keeps expert parameters in buffers of their own over the expert-data-
+    parallel group. The first partition is this object itself, so a dense model has one, here."""
 
     options = {"bucket_mb": Option(25.0, float, positive=True), "overlap": Option(True, bool),
                "offload": Option(False, bool)}
+    experts_over_edp = True
 
     def setup(self, model: GPT) -> None:
-        ctx, mesh = self.ctx, self.mesh
-        self.group, self.index, self.size = (mesh.group("dp_cp"), mesh.index("dp_cp"),
-                                             mesh.size("dp_cp"))
         self.model = model
-        self.layout = FlatParams(list(self.model.named_parameters()), self.size)
+        by_axis: dict[str, list] = {}
+        for name, p in model.named_parameters():
+            by_axis.setdefault(data_parallel_axis(p), []).append((name, p))
+        self.parts = []
+        for axis, named in by_axis.items():
+            part = self if not self.parts else type(self)(self.ctx)
+            part.model = model
+            part.setup_shards(named, axis)
+            self.parts.append(part)
+
+    def setup_shards(self, named: list, axis: str) -> None:
+        ctx, mesh = self.ctx, self.mesh
+        self.axis = axis
+        self.group, self.index, self.size = mesh.group(axis), mesh.index(axis), mesh.size(axis)
+        self.layout = FlatParams(named, self.size)
         # Every rank keeps the full parameters (stages 1-2 do not shard them), laid out flat so
         # that the updated shards can be all-gathered straight into the model's storage.
         self.flat = self.layout.flatten([p.detach() for p in self.layout.params],
@@ -96,7 +116,7 @@ class ZeroDataParallel(Strategy):
     def bucket_reduce(self):
         """Each bucket is summed onto the rank that owns its range: together, a reduce-scatter."""
         return partial(reduce_sum_to_owner, shard_numel=self.layout.shard_numel,
-                       owners=self.mesh.ranks("dp_cp"), group=self.group, comm=self.comm)
+                       owners=self.mesh.ranks(self.axis), group=self.group, comm=self.comm)
 
     def reduce_scatter_into(self, out: torch.Tensor, flat_grad: torch.Tensor) -> None:
         """Without buckets: one reduce-scatter of the whole flat gradient into `out`."""
@@ -106,7 +126,30 @@ class ZeroDataParallel(Strategy):
         with comm_span("reduce_scatter", flat_grad.nbytes):
             self.comm.reduce_scatter_tensor(out, flat_grad, group=self.group)
 
+    # --- the runner's hooks: each partition's part, in partition order ----------------------------
+
+    @contextlib.contextmanager
+    def micro_step(self, is_last: bool):
+        with contextlib.ExitStack() as stack:
+            for part in self.parts:
+                stack.enter_context(part.part_micro_step(is_last))
+            yield
+
+    def sync_gradients(self) -> None:
+        for part in self.parts:
+            part.part_sync()
+
     def optimizer_step(self) -> None:
+        for part in self.parts:
+            part.part_step()
+
+    def part_micro_step(self, is_last: bool):
+        return contextlib.nullcontext()
+
+    def part_sync(self) -> None:
+        raise NotImplementedError
+
+    def part_step(self) -> None:
         self.optimizer.step(self.grad_shard)
         self.all_gather_parameters()
         self.grad_shard.zero_()
@@ -123,15 +166,18 @@ class ZeroDataParallel(Strategy):
         """Bytes on the compute device. With offload, the fp32 master shard, m and v live in host
         memory instead (`host_state`): the device keeps the parameters and gradients."""
         params = list(self.model.parameters())
-        optimizer = 0 if self.optimizer.offload else \
-            tensor_bytes(optimizer_state_tensors(self.optimizer.optimizer))
+        offload = self.optimizer.offload
+        optimizer = 0 if offload else sum(
+            tensor_bytes(optimizer_state_tensors(part.optimizer.optimizer)) for part in self.parts)
+        shards = [] if offload else [part.grad_shard for part in self.parts]
         return ModelStateBytes(params=tensor_bytes(params),
-                               grads=tensor_bytes([p.grad for p in params] + [
-                                   None if self.optimizer.offload else self.grad_shard]),
+                               grads=tensor_bytes([p.grad for p in params] + shards),
                                optimizer=optimizer)
 
     def host_state(self) -> ModelStateBytes:
-        return self.optimizer.host_state()
+        held = [part.optimizer.host_state() for part in self.parts]
+        return ModelStateBytes(*(sum(getattr(h, k) for h in held)
+                                 for k in ("params", "grads", "optimizer")))
 
 
 class Zero1(ZeroDataParallel):
@@ -150,12 +196,12 @@ class Zero1(ZeroDataParallel):
         else:
             self.layout.bind_grads(self.flat_grad)
 
-    def micro_step(self, is_last: bool):
+    def part_micro_step(self, is_last: bool):
         if self.buckets is None:
-            return super().micro_step(is_last)
+            return super().part_micro_step(is_last)
         return self.buckets.micro_step(is_last)
 
-    def sync_gradients(self) -> None:
+    def part_sync(self) -> None:
         if self.buckets is not None:
             # The buckets were reduced to their owners: this rank's shard of flat_grad holds the
             # sum. The rest is this rank's own gradient, which nothing reads.
@@ -168,8 +214,8 @@ class Zero1(ZeroDataParallel):
             self.reduce_scatter_into(summed, self.flat_grad)
             self.grad_shard.copy_(summed)
 
-    def optimizer_step(self) -> None:
-        super().optimizer_step()
+    def part_step(self) -> None:
+        super().part_step()
         self.flat_grad.zero_()
 
 
@@ -190,12 +236,12 @@ class Zero2(ZeroDataParallel):
                                           self.bucket_cuts(), self.bucket_reduce(),
                                           self.grad_shard, self.index)
 
-    def micro_step(self, is_last: bool):
+    def part_micro_step(self, is_last: bool):
         if self.stream is not None:
             self.stream.start()          # every micro-batch's gradients go out (and are freed)
-        return super().micro_step(is_last)
+        return super().part_micro_step(is_last)
 
-    def sync_gradients(self) -> None:
+    def part_sync(self) -> None:
         if self.stream is not None:
             self.stream.wait()
             return
