@@ -132,7 +132,6 @@ def test_checkpoint_saved_under_one_layout_resumes_under_another(tmp_path):
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(strategy="zero1", nproc=4, tp=2, cp=2), "ring attention over tensor-parallel heads"),
     (dict(strategy="dp", nproc=4, pp=2, micro_batches=2), "not 'dp'"),
     (dict(strategy="torch-fsdp2-tp", nproc=4, tp=4), "dp x tp"),
     (dict(strategy="fsdp", nproc=4, pp=2, micro_batches=2, schedule="zb-h1"), "deferred weight"),
