@@ -3,16 +3,17 @@
 Tensor parallelism splits attention by heads and context parallelism splits it by tokens; the two
 cuts are orthogonal because attention mixes tokens only *within* a head. So a rank at (cp c, tp t)
 computes, after its column-parallel W_Q, W_K, W_V, the a/tp heads of tp rank t for the two sequence
-chunks of cp rank c, and rings exactly that K/V shard -- [b, a/tp, 2·s/(2cp), d_head] -- among its
-cp peers, the ranks with the same tp index (Megatron-LM's context parallelism runs inside each
-tensor-parallel group the same way: the cp group of a rank holds the same heads). Every ring step
+chunks of cp rank c, and rings exactly that K/V shard -- [b, a/tp, s/cp, d_head] -- among its cp
+peers, the ranks with the same tp index (as in Megatron-LM, whose cp groups are the ranks of one
+tp rank, so each ring carries one head shard). Every ring step
 is refimpl.parallel.cp.ring.ring_attention unchanged, called on a/tp heads; W_O stays row-parallel
 over tp. A rank's ring carries 1/tp of what plain cp would send.
 
     tp collectives   per block: f / g around attention and the MLP (all-reduce, or all-gather and
                      reduce-scatter under --sequence-parallel), on the local s/cp tokens
-    cp messages      per block: the K/V shard, cp - 1 hops forward, 2(cp - 1) backward (K/V and
-                     their gradients), each of size 1/tp of plain cp's
+    cp messages      per block: the K/V shard, cp - 1 hops forward; backward 2cp - 1 (the K/V
+                     again, cp - 1 hops, and their gradients home, cp hops), each 1/tp of plain
+                     cp's (tests/test_dryrun.py counts them on fake tensors)
 
 Sequence parallelism composes: between the blocks each rank holds s/(cp·tp) tokens -- its tp
 slice of its cp rank's two chunks; the all-gather before W_Q, W_K, W_V rebuilds the cp rank's
