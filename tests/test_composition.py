@@ -2,7 +2,8 @@
 after 3 AdamW steps) -- dp x tp, dp x pp, tp x pp, pp x cp on 4 ranks with several DP flavours on
 the dp axis, sequence parallelism and activation checkpointing among them, and dp2 x tp2 x pp2 on
 8 ranks; a checkpoint (weights and AdamW's m, v) written under one layout is placed exactly by
-another and training goes on as `single`'s does from the same state; PyTorch's composed twin (torch-fsdp2-tp) matches ours;
+another and training goes on as `single`'s does from the same state; PyTorch's composed twin
+(torch-fsdp2-tp: FSDP2 + DTensor TP, and with --pp torch.distributed.pipelining) matches ours;
 what does not compose fails before launch.
 """
 import functools
@@ -12,10 +13,13 @@ import torch
 
 from refimpl.config import TrainConfig
 from refimpl.mesh import LayoutError
+from refimpl.model import GPTConfig
 from refimpl.train import train_on_ranks, train_several_on_ranks, validate
 from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single
 from refimpl.verify.reshard import placed_state, save_checkpoint
 from tests.models import SMALL
+
+TWO_BLOCKS = GPTConfig(**{**SMALL.to_dict(), "n_layers": 2})
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
@@ -53,7 +57,12 @@ RUNS = {
         "dp-naive dp2 x tp2 x pp2 interleaved v2": layout("dp-naive", 8, tp=2, pp=2,
                                                           schedule="interleaved",
                                                           virtual_stages=2, micro_batches=4),
-        "zero2 dp2 x cp2 x pp2": layout("zero2", 8, cp=2, pp=2)},
+        "zero2 dp2 x cp2 x pp2": layout("zero2", 8, cp=2, pp=2),
+        # PyTorch's twin: FSDP2 + DTensor TP + torch.distributed.pipelining's 1F1B (2 blocks,
+        # 2 steps: DTensor's dispatch makes it the launch's slowest; more in test_torch_twin_pp.py)
+        "torch-fsdp2-tp dp2 x tp2 x pp2 +sp": layout("torch-fsdp2-tp", 8, tp=2, pp=2,
+                                                     sequence_parallel=True).with_(
+                                                         steps=2, model=TWO_BLOCKS)},
 }
 
 
@@ -102,6 +111,16 @@ def test_pytorch_composed_twin_matches_ours():
         assert all(abs(h - quarter) < 0.1 * quarter for h in held), (result["strategy"], held)
 
 
+def test_pytorch_composed_twin_with_a_pipeline_holds_an_eighth():
+    """dp2 x tp2 x pp2 +sp under FSDP2 over dp, DTensor TP over tp and PyTorch's 1F1B over pp
+    (torchtitan's order; equal to single above): every rank holds 1/8 of the parameters (within
+    10%: FSDP2's padding, the replicated LayerNorms), as our fsdp does on the same grid."""
+    theirs = results(8)["torch-fsdp2-tp dp2 x tp2 x pp2 +sp"]
+    eighth = 8 * theirs["n_params"] / 8
+    held = [r["memory"]["params"] for r in theirs["per_rank"]]
+    assert all(abs(h - eighth) < 0.1 * eighth for h in held), held
+
+
 def test_checkpoint_saved_under_one_layout_resumes_under_another(tmp_path):
     """Weights and AdamW's m, v and step, saved under zero3 x tp2, placed exactly by zero1 on
     pp2 x dp2; the continued run equals single continued from the same state, and differs from a
@@ -132,12 +151,12 @@ def test_checkpoint_saved_under_one_layout_resumes_under_another(tmp_path):
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(strategy="zero1", nproc=4, tp=2, cp=2), "ring attention over tensor-parallel heads"),
     (dict(strategy="dp", nproc=4, pp=2, micro_batches=2), "not 'dp'"),
     (dict(strategy="torch-fsdp2-tp", nproc=4, tp=4), "dp x tp"),
     (dict(strategy="fsdp", nproc=4, pp=2, micro_batches=2, schedule="zb-h1"), "deferred weight"),
     (dict(strategy="torch-fsdp2", nproc=2, return_optimizer_state=True), "not for 'torch-fsdp2'"),
-    (dict(strategy="torch-fsdp2-tp", nproc=4, tp=2, pp=2, micro_batches=2), "not .torch-fsdp2-tp."),
+    (dict(strategy="torch-fsdp2-tp", nproc=8, tp=2, pp=2, micro_batches=4, schedule="zbv"),
+     "split backward"),
 ])
 def test_what_does_not_compose_fails_before_launch(kw, message):
     with pytest.raises(LayoutError, match=message):

@@ -87,3 +87,19 @@ def test_the_planner_agrees_with_the_dry_run_on_a_7b_pipeline():
     for category in ("params", "grads", "optimizer"):
         assert abs(row[f"{category}_err"]) < 0.01, category
     assert abs(row["peak_err"]) < 0.10
+
+
+def test_a_ring_message_under_tp_x_cp_is_its_tp_ranks_heads():
+    """Rank 0 of tp2 x cp2 sends over cp as many ring messages as rank 0 of plain cp2, each half
+    the bytes: its a/tp heads' K/V (and their gradients), not all a heads' (refimpl.compose.tp_cp).
+    The batch and the tokens per rank are the same."""
+    two_blocks = GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=128, seq_len=16)
+
+    def ring(**kw):
+        r = dry_run(TrainConfig(model=two_blocks, seq_len=16, device="cpu", strategy="zero1",
+                                global_batch=8, **kw))
+        return r["comm"]["cp"]["isend"], r["calls"]["cp"]["isend"]
+
+    (plain_bytes, plain_calls), (tp_bytes, tp_calls) = ring(nproc=2, cp=2), ring(nproc=4, tp=2, cp=2)
+    assert tp_calls == plain_calls > 0
+    assert 2 * tp_bytes == plain_bytes

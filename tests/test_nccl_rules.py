@@ -4,8 +4,8 @@
   posted; gloo pairs them by tag, so a posting order that NCCL would pair wrongly can pass here
   unseen. Under REFIMPL_P2P_TAGS=one (refimpl.comm.p2p.wire_tag) every message carries tag 0 and
   gloo pairs them by posting order, as NCCL does. Every pipeline schedule (interleaved, whose
-  chunks talk to the same neighbour in both directions, included), ring attention and the rebuilt
-  collectives must then still equal `single` at float64's gate: a wrong pairing gives another
+  chunks talk to the same neighbour in both directions, included), ring attention (over tp heads
+  too) and the rebuilt collectives must then still equal `single` at float64's gate: a wrong pairing gives another
   tensor (an error far above 1e-9) or a hang (the launcher's timeout).
 * **Every call through a device-checking backend.** The runs use the staged backend
   (refimpl.shared_device, REFIMPL_SHARED_DEVICE=cpu here): each collective and message checks that
@@ -56,6 +56,7 @@ RUNS = {
         "torch-tp": cfg("torch-tp", 2, tp=2), "torch-pp-1f1b m4": cfg("torch-pp-1f1b", 2, 4, pp=2)},
     4: {"zero1 dp2 x pp2, rebuilt collectives": cfg("zero1", 4, 2, pp=2, collectives="refimpl"),
         "pp2 x cp2": cfg("dp-naive", 4, 2, pp=2, cp=2),
+        "ring over tp heads tp2 x cp2 + sp": cfg("zero1", 4, 2, tp=2, cp=2, sequence_parallel=True),
         "pp-zbv 4 stages m4": cfg("pp-zbv", 4, 4, pp=4, layers=8)},
 }
 # Factory calls made on the host on purpose, each for a reason (refimpl path, function):

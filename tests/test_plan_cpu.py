@@ -41,7 +41,7 @@ def measured():
 
 def test_every_runnable_layout_is_in_the_table(measured):
     grids = set(zip(measured.dp, measured.tp, measured.pp, measured.cp))
-    # every way to lay 4 ranks on the four axes, except tp x cp (refused before launch)
+    # every way to lay 4 ranks on the four axes, except tp x cp (refimpl.plan.cpu.runs_here)
     assert grids == {(4, 1, 1, 1), (1, 4, 1, 1), (1, 1, 4, 1), (1, 1, 1, 4), (2, 2, 1, 1),
                      (2, 1, 2, 1), (2, 1, 1, 2), (1, 2, 2, 1), (1, 1, 2, 2)}
     assert set(measured.zero_stage) == {0, 1, 2, 3} and set(measured.recompute) == {"full"}

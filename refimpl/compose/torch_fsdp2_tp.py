@@ -1,9 +1,12 @@
-"""`torch-fsdp2-tp`: PyTorch's composed twin of dp x tp -- DTensor tensor parallelism over the tp
-dim and FSDP2 over the dp dim of one 2-D DeviceMesh, in torchtitan's order (parallelize_module
-first, then activation checkpointing, then fully_shard bottom-up: each block, the embedding, the
-root). Our side of the comparison is any DP flavour with `--tp`, e.g. `--strategy fsdp --tp 2`.
+"""`torch-fsdp2-tp`: PyTorch's composed twin of dp x tp (x pp) -- DTensor tensor parallelism over
+the tp dim and FSDP2 over the dp dim of one 2-D DeviceMesh, in torchtitan's order (the pipeline
+split first, then parallelize_module, then activation checkpointing, then fully_shard bottom-up:
+each block, the embedding, the root), and with --pp PyTorch's own pipeline schedules
+(torch.distributed.pipelining, refimpl.parallel.pp.torch_pp) over the stages. Our side of the
+comparison is any DP flavour with `--tp` (and `--pp`), e.g. `--strategy fsdp --tp 2 --pp 2`.
 
     python -m refimpl train --strategy torch-fsdp2-tp --nproc 4 --tp 2      # dp 2 x tp 2
+    python -m refimpl train --strategy torch-fsdp2-tp --nproc 8 --tp 2 --pp 2 --micro-batches 2
 
 Each parameter ends as a DTensor on the 2-D mesh: Shard on the tp dim where the plan cuts it
 (Replicate otherwise), and Shard(0) on the dp dim from fully_shard -- FSDP2 shards the local tp
@@ -13,18 +16,37 @@ dp (so the loss is not scaled by 1/W: `scales_loss_by_world = False`).
 
 The 2-D DeviceMesh is built from the mesh's own process groups (`DeviceMesh.from_group` with the
 dp and tp groups and the global ranks of this replica's dp x tp block): no group is made on the
-default one.
+default one. Under a pipeline each stage has its own dp x tp block (its ranks share the pp index).
+
+With --pp (torchtitan's pipeline_llama + parallelize_llama): each rank cuts the reference into its
+pieces (refimpl.parallel.pp.stage.build_chunks, the cut ours uses), turns each piece into DTensor
+TP and wraps it in FSDP2, then hands the pieces to `PipelineStage`s and PyTorch's schedule, run
+inside `loss_parallel()` (its loss and its backward both see the vocabulary-sharded logits).
+PyTorch's stage knows FSDP2: it turns the gradient reduce-scatter off for every micro-batch's
+backward, runs it once per piece after the last one (PipelineStage.perform_reduce_grad), then
+divides the gradients by the micro-batch count. The split-backward schedules (interleaved-zb, zbv,
+dualpipev) are refused: on PyTorch 2.13 with FSDP2 their deferred weight gradients come out wrong
+(weights 3-7 % off single after 2 steps on dp2 x tp2 x pp2, in float64), while the same DTensor
+stages without FSDP2 (tp2 x pp2, zbv) equal single.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn as nn
 
 from refimpl.config import TrainConfig
 from refimpl.mesh import LayoutError
-from refimpl.model import GPT
+from refimpl.model import GPT, lm_loss
 from refimpl.model.activation_checkpointing import checkpoint_blocks
-from refimpl.parallel.tp.torch_plan import torch_parallelize_tp
+from refimpl.parallel.pp.actions import SPLIT_SCHEDULES
+from refimpl.parallel.pp.schedules import chunks_per_rank, pipeline_schedule, placement
+from refimpl.parallel.pp.stage import build_chunks
+from refimpl.parallel.pp.torch_pp import TorchPipeline, check_torch_layout
+from refimpl.parallel.tp.torch_plan import full_state_dict, torch_parallelize_tp
 from refimpl.parallel.tp.torch_tp import TorchTensorParallel
+from refimpl.placement import merge_stages
 from refimpl.strategy import make_optimizer
 
 
@@ -47,30 +69,85 @@ class TorchFSDP2TP(TorchTensorParallel):
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
         super(TorchTensorParallel, cls).validate(cfg)
-        if cfg.tp < 2 or cfg.pp > 1 or cfg.cp > 1 or cfg.nproc // (cfg.tp * cfg.replicas) < 2:
-            raise LayoutError("strategy 'torch-fsdp2-tp' is dp x tp: --tp >= 2, dp = nproc / tp "
-                              ">= 2, no --pp or --cp")
+        if cfg.tp < 2 or cfg.cp > 1 or cfg.nproc // (cfg.tp * cfg.pp * cfg.replicas) < 2:
+            raise LayoutError("strategy 'torch-fsdp2-tp' is dp x tp (x pp): --tp >= 2, "
+                              "dp = nproc / (tp x pp) >= 2, no --cp")
         if cfg.model.tie_embeddings:
             raise LayoutError("strategy 'torch-fsdp2-tp' needs untied embeddings")
+        if cfg.pp > 1:
+            schedule = pipeline_schedule(cfg)
+            check_torch_layout(cfg.pp, cfg.micro_batches, schedule, getattr(cfg, "virtual_stages", 1))
+            if schedule in SPLIT_SCHEDULES:
+                raise LayoutError(f"strategy 'torch-fsdp2-tp' with the {schedule} schedule: PyTorch "
+                                  "2.13's split backward (stage_backward_input / _weight) leaves "
+                                  "FSDP2's gradients wrong (use gpipe, 1f1b or interleaved)")
 
     def setup(self, model: GPT) -> None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        ctx = self.ctx
-        self.model = model.to(ctx.device)
+        ctx, cfg = self.ctx, self.ctx.cfg
+        model = model.to(ctx.device)
         mesh2d = dp_tp_device_mesh(self.mesh, ctx.device.type)
-        torch_parallelize_tp(self.model, mesh2d["tp"], sequence_parallel=ctx.cfg.sequence_parallel)
-        if ctx.cfg.activation_checkpointing:
-            checkpoint_blocks(self.model)
-        kw = {"mesh": mesh2d["dp"]}
-        if ctx.cfg.mixed_precision == "bf16":   # as torch-fsdp2: bf16 compute, fp32 reduction
-            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                   reduce_dtype=torch.float32)
-        for block in self.model.blocks:
-            fully_shard(block, **kw)
-        fully_shard(self.model.embed, **kw)
-        fully_shard(self.model, **kw)
-        self.optimizer = make_optimizer(self.model.parameters(), ctx.cfg)
+        pp, schedule = self.mesh.size("pp"), pipeline_schedule(cfg)
+        # torchtitan's order: the pipeline split first, then each piece parallelized on its own
+        pieces = [model] if pp == 1 else build_chunks(
+            model, pp, self.mesh.index("pp"), chunks_per_rank(schedule, getattr(cfg, "virtual_stages", 1)),
+            where=placement(schedule))
+        for piece in pieces:
+            torch_parallelize_tp(piece, mesh2d["tp"], sequence_parallel=cfg.sequence_parallel)
+            if cfg.activation_checkpointing:
+                checkpoint_blocks(piece)
+            self._fully_shard(piece, mesh2d["dp"])
+        self.model = model if pp == 1 else _Pieces(pieces)
+        self.optimizer = make_optimizer(self.model.parameters(), cfg)
         # The step runner's loop under loss_parallel (TorchTensorParallel.micro_step); its mean
         # over the dp ranks' rows is the loop's global_mean_loss.
         self.run_with_replicated_loss()
+        if pp > 1:
+            twin = TorchPipeline(pieces, self.mesh.group("pp"), pp, schedule, cfg.micro_batches,
+                                 ctx.device, loss_fn=_replicated_loss)
+            self.rank_model.pipeline = functools.partial(_under_loss_parallel, twin)
+            self.rank_model.pipeline.loss_stage = 0 if placement(schedule) == "v" else None
+
+    def _fully_shard(self, piece: nn.Module, dp_mesh) -> None:
+        """FSDP2 bottom-up over one piece: each block, the embedding (if here), the piece."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        kw = {"mesh": dp_mesh}
+        if self.ctx.cfg.mixed_precision == "bf16":   # as torch-fsdp2: bf16 compute, fp32 reduction
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32)
+        blocks = piece.blocks.values() if isinstance(piece.blocks, nn.ModuleDict) else piece.blocks
+        for block in blocks:
+            fully_shard(block, **kw)
+        if piece.embed is not None:
+            fully_shard(piece.embed, **kw)
+        fully_shard(piece, **kw)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        full = full_state_dict(self.model)          # this stage's names, gathered over dp x tp
+        return merge_stages(full, self.mesh) if self.mesh.size("pp") > 1 else full
+
+
+class _Pieces(nn.Module):
+    """This rank's pipeline pieces under the reference's parameter names (embed, blocks.<i>,
+    final_norm, lm_head): what the optimizer, the memory count and the gather read."""
+
+    def __init__(self, pieces: list[nn.Module]):
+        super().__init__()
+        self.embed = next((p.embed for p in pieces if p.embed is not None), None)
+        self.blocks = nn.ModuleDict({k: b for p in pieces for k, b in p.blocks.items()})
+        self.final_norm = next((p.final_norm for p in pieces if p.final_norm is not None), None)
+        self.lm_head = next((p.lm_head for p in pieces if p.lm_head is not None), None)
+
+
+def _replicated_loss(logits, targets):
+    """The vocabulary-parallel loss of a micro-batch (a replicated DTensor), as a plain tensor: a
+    copy, not to_local()'s view, since the zero-bubble schedules' input backward (PyTorch's
+    stage_backward_input) detaches the stage's output in place, which a view refuses."""
+    return lm_loss(logits, targets).to_local().clone()
+
+
+def _under_loss_parallel(twin: TorchPipeline, micro, **kw):
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():
+        return twin.forward_backward(micro, **kw)

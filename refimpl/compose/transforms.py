@@ -1,6 +1,7 @@
 """A rank's model is the reference model transformed, in one fixed order:
 
-    tensor / sequence parallel (experts split over tp too) -> context parallel (ring attention)
+    tensor / sequence parallel (experts split over tp too) -> context parallel (ring attention;
+    over the tp heads under tp x cp, refimpl.compose.tp_cp)
     -> expert parallel (E/ep experts per rank, the tp split kept inside each)
     -> activation checkpointing -> pipeline split
     -> data-parallel wrapping (the strategy's own: replicate, or shard over dp x cp; a MoE
@@ -24,6 +25,7 @@ import functools
 
 import torch.nn as nn
 
+from refimpl.compose.tp_cp import apply_context_parallel_over_tp, tp_cp_layout_problem
 from refimpl.faults import injected
 from refimpl.mesh import LayoutError
 from refimpl.model import converted, lm_loss
@@ -59,11 +61,11 @@ def validate_model_parallel(cfg) -> None:
     if cfg.sequence_parallel and cfg.tp == 1:
         raise LayoutError("--sequence-parallel needs --tp > 1 (it splits what tensor parallelism "
                           "leaves replicated)")
-    if cfg.tp > 1 and cfg.cp > 1:
-        raise LayoutError("--tp with --cp: ring attention over tensor-parallel heads is not built "
-                          "(use one of them)")
     if cfg.tp > 1:
-        problem = tp_layout_problem(cfg.model, cfg.tp, cfg.seq_len, cfg.sequence_parallel)
+        # under cp a rank holds s/cp tokens: those are what sequence parallelism splits over tp
+        problem = (tp_layout_problem(cfg.model, cfg.tp, cfg.seq_len,
+                                     cfg.sequence_parallel and cfg.cp == 1)
+                   or tp_cp_layout_problem(cfg.seq_len, cfg.tp, cfg.cp, cfg.sequence_parallel))
         if problem:
             raise LayoutError(problem)
     validate_pipeline(cfg)
@@ -82,7 +84,11 @@ def model_parallel(model: nn.Module, ctx) -> RankModel:
         seq_split = mesh.size("tp") if cfg.sequence_parallel else 1
     batch_chunks = None
     if mesh.size("cp") > 1:   # ring attention in every block, global positions
-        apply_context_parallel(model, mesh.group("cp"))
+        if mesh.size("tp") > 1:   # each tp rank rings its own heads' K/V among its cp peers
+            apply_context_parallel_over_tp(model, mesh.group("cp"), mesh.index("cp"),
+                                           mesh.size("cp"))
+        else:
+            apply_context_parallel(model, mesh.group("cp"))
         batch_chunks = functools.partial(shard_batch, rank=mesh.index("cp"), cp=mesh.size("cp"))
     if mesh.size("ep") > 1:
         # Tokens come from every dp x cp rank (the capacity is global); experts move over "ep".

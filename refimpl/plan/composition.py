@@ -8,13 +8,13 @@ collective runs on one axis's group: tp's inside every block, pp's sends between
 once per step (or per unit, for ZeRO-3/FSDP).
 
 Which pairs compose here (tests/test_composition.py) and which fail before launch, in one line:
-  dp x tp, dp x pp, tp x pp, pp x cp, dp x tp x pp, any of them with zero1/2/3 or fsdp on dp,
-  with --sequence-parallel and --checkpointing                                  -> equal to single
+  dp x tp, dp x pp, tp x pp, pp x cp, dp x tp x pp, tp x cp (ring attention over each tp rank's
+  heads, refimpl.compose.tp_cp), dp x tp x cp, cp x tp x pp, any of them with zero1/2/3 or fsdp on
+  dp, with --sequence-parallel and --checkpointing                              -> equal to single
   experts x tp (each expert split over tp; +sp), x ep over dp, and a MoE model under dp-naive,
   dp, zero1/2/3 or fsdp with --ep (experts synced or sharded over edp) (tests/test_moe_tp_dp.py)
                                                                                 -> equal to single
   --ep with PyTorch's twins    they sum every gradient over dp x cp, different experts' included
-  tp x cp                      ring attention over tensor-parallel heads is not built
   `dp` (bucketed) with --pp    its bucket hooks are gated by micro_step, which a schedule skips
   zero3 / fsdp with zb-h1      the deferred weight gradients bypass the per-unit reduce-scatter
 

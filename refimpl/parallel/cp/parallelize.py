@@ -8,7 +8,9 @@ Only two things in the model see more than one token at a time, so only they cha
   * attention: each block's CausalSelfAttention becomes RingSelfAttention -- the same q, k, v, o
     Linear modules (parameter names unchanged) around refimpl.parallel.cp.ring.ring_attention;
   * position embeddings: a token's position is its place in the full sequence, not in the slice.
-Everything else (LayerNorm, MLP, the head, the loss) works token by token.
+Everything else (LayerNorm, MLP, the head, the loss) works token by token. On a tensor-parallel
+model (tp x cp) refimpl.compose.tp_cp makes the same two changes to tp's layers instead: each tp
+rank rings its own heads' K/V.
 
 Gradients: every cp rank holds the same weights and sees different tokens, exactly as data-parallel
 ranks see different rows, so the gradients are synchronised over dp × cp together (the mesh's

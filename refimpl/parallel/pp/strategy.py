@@ -38,6 +38,8 @@ from refimpl.parallel.pp.torch_pp import TorchPipeline, check_torch_layout
 # Data-parallel flavours that run on a pipeline's stages (refimpl.plan.composition). Not `dp`:
 # its buckets are reduced from gradient hooks gated by micro_step, which a schedule does not call.
 DP_ON_A_PIPELINE = ("dp-naive", "zero1", "zero2", "zero3", "fsdp", "tp")
+# PyTorch's composed twin runs its own pipelining schedules on dp x tp x pp (refimpl.compose).
+TWINS_ON_A_PIPELINE = ("torch-fsdp2-tp",)
 
 
 def validate_pipeline(cfg: TrainConfig) -> None:
@@ -48,7 +50,7 @@ def validate_pipeline(cfg: TrainConfig) -> None:
         if v != 1 or getattr(cfg, "schedule", None):
             raise LayoutError("--schedule / --virtual-stages need a pipeline: --pp >= 2")
         return
-    if cfg.strategy not in SCHEDULE_OF and cfg.strategy not in DP_ON_A_PIPELINE:
+    if cfg.strategy not in (*SCHEDULE_OF, *DP_ON_A_PIPELINE, *TWINS_ON_A_PIPELINE):
         raise LayoutError(f"--pp {cfg.pp} runs with the pp-* strategies or "
                           f"{', '.join(DP_ON_A_PIPELINE)}, not {cfg.strategy!r}")
     schedule = pipeline_schedule(cfg)

@@ -48,7 +48,7 @@ class TorchPipeline:
     """This rank's PipelineStage(s) and PyTorch's schedule for them."""
 
     def __init__(self, chunks: list[StageChunk], group, stages: int, schedule: str, micro_batches: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", loss_fn=lm_loss):
         from torch.distributed.pipelining import (
             PipelineStage,
             Schedule1F1B,
@@ -70,10 +70,10 @@ class TorchPipeline:
         multi = {"interleaved": ScheduleInterleaved1F1B, "interleaved-zb": ScheduleInterleavedZeroBubble,
                  "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
         if schedule in multi:
-            self.schedule = multi[schedule](self.stages, micro_batches, loss_fn=lm_loss)
+            self.schedule = multi[schedule](self.stages, micro_batches, loss_fn=loss_fn)
         else:
             cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-            self.schedule = cls(self.stages[0], micro_batches, loss_fn=lm_loss)
+            self.schedule = cls(self.stages[0], micro_batches, loss_fn=loss_fn)
 
     def step(self, batch: Batch) -> torch.Tensor | None:
         """Forward and backward of the whole batch; the mean loss on the last stage (a float64 0-d

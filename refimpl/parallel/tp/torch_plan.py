@@ -25,7 +25,9 @@ import torch.nn as nn
 
 
 def torch_parallelize_tp(model: nn.Module, mesh, sequence_parallel: bool = False) -> nn.Module:
-    """Apply DTensor tensor parallelism over the 1-D DeviceMesh `mesh` (in place)."""
+    """Apply DTensor tensor parallelism over the 1-D DeviceMesh `mesh` (in place). `model` is the
+    reference GPT or one pipeline piece of it (refimpl.parallel.pp.stage.StageChunk: the embedding
+    and the head only where that piece has them, its blocks in a ModuleDict)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -39,17 +41,21 @@ def torch_parallelize_tp(model: nn.Module, mesh, sequence_parallel: bool = False
     t = mesh.size()
     sp = sequence_parallel and t > 1
     between = Shard(1) if sp else Replicate()          # the residual stream's layout between layers
-    plan = {
-        "embed.tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "lm_head": ColwiseParallel(input_layouts=between, output_layouts=Shard(-1),
-                                   use_local_output=False),
-    }
-    if sp:
-        plan["embed"] = PrepareModuleOutput(output_layouts=Replicate(),
-                                            desired_output_layouts=Shard(1))
-        plan["final_norm"] = SequenceParallel(use_local_output=True)
-    parallelize_module(model, mesh, plan)
-    for block in model.blocks:
+    plan = {}
+    if model.embed is not None:
+        plan["embed.tok"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        if sp:
+            plan["embed"] = PrepareModuleOutput(output_layouts=Replicate(),
+                                                desired_output_layouts=Shard(1))
+    if model.lm_head is not None:
+        plan["lm_head"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1),
+                                          use_local_output=False)
+        if sp:
+            plan["final_norm"] = SequenceParallel(use_local_output=True)
+    if plan:
+        parallelize_module(model, mesh, plan)
+    blocks = model.blocks.values() if isinstance(model.blocks, nn.ModuleDict) else model.blocks
+    for block in blocks:
         block_plan = {
             "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
             "attn.o": RowwiseParallel(output_layouts=between),

@@ -47,6 +47,9 @@ class VocabParallelEmbedding(nn.Module):
         self.tok = nn.Embedding(*tok_local.shape, _weight=tok_local)
         self.pos = nn.Embedding(*pos.shape, _weight=pos)
         self.start = group_rank(group) * tok_local.shape[0]
+        # Positions of the tokens `idx` holds, as a function (length, device) -> ids: None is
+        # 0 .. s-1; context parallelism (refimpl.compose.tp_cp) sets this rank's global ones.
+        self.position_ids = None
         set_placement(self.tok.weight, Shard("tp", 0, vocab_size))
         if sequence_parallel:
             mark_sequence_partial(self.pos.weight)
@@ -65,8 +68,10 @@ class VocabParallelEmbedding(nn.Module):
         # the sum of one-hot contributions: exactly one rank's row is non-zero
         x = exit_region(rows, self.group, self.sequence_parallel, self.comm)
         s_local = x.shape[1]
+        where = (torch.arange(idx.shape[1], device=idx.device) if self.position_ids is None
+                 else self.position_ids(idx.shape[1], idx.device))
         first = group_rank(self.group) * s_local if self.sequence_parallel else 0
-        return x + self.pos(torch.arange(first, first + s_local, device=idx.device))
+        return x + self.pos(where[first:first + s_local])
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -1,0 +1,83 @@
+"""Ring attention over tensor-parallel heads (tp x cp): context parallelism on a tp model.
+
+Tensor parallelism splits attention by heads and context parallelism splits it by tokens; the two
+cuts are orthogonal because attention mixes tokens only *within* a head. So a rank at (cp c, tp t)
+computes, after its column-parallel W_Q, W_K, W_V, the a/tp heads of tp rank t for the two sequence
+chunks of cp rank c, and rings exactly that K/V shard -- [b, a/tp, s/cp, d_head] -- among its cp
+peers, the ranks with the same tp index (as in Megatron-LM, whose cp groups are the ranks of one
+tp rank, so each ring carries one head shard). Every ring step
+is refimpl.parallel.cp.ring.ring_attention unchanged, called on a/tp heads; W_O stays row-parallel
+over tp. A rank's ring carries 1/tp of what plain cp would send.
+
+    tp collectives   per block: f / g around attention and the MLP (all-reduce, or all-gather and
+                     reduce-scatter under --sequence-parallel), on the local s/cp tokens
+    cp messages      per block: the K/V shard, cp - 1 hops forward; backward 2cp - 1 (the K/V
+                     again, cp - 1 hops, and their gradients home, cp hops), each 1/tp of plain
+                     cp's (tests/test_dryrun.py counts them on fake tensors)
+
+Sequence parallelism composes: between the blocks each rank holds s/(cp·tp) tokens -- its tp
+slice of its cp rank's two chunks; the all-gather before W_Q, W_K, W_V rebuilds the cp rank's
+s/cp tokens in their head-tail order, which is what the ring expects, and the reduce-scatter after
+W_O cuts them again. The position table is looked up with global positions (the cp slice's), then
+the tp rank's part of them (tp.vocab.VocabParallelEmbedding.position_ids).
+
+Gradients: the weights a cp rank holds are its tp rank's shard, the same on every cp peer, so they
+are summed over dp x cp by the data-parallel strategy exactly as without tp.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+
+from refimpl.parallel.cp.ring import positions, ring_attention
+from refimpl.parallel.tp.layers import ParallelSelfAttention, enter_region
+from refimpl.parallel.tp.vocab import VocabParallelEmbedding
+from refimpl.trace.labels import phase
+
+
+class RingParallelSelfAttention(nn.Module):
+    """ParallelSelfAttention's modules (names unchanged), ring attention over `cp_group` on this
+    tp rank's heads in the middle."""
+
+    def __init__(self, attn: ParallelSelfAttention, cp_group, balanced: bool = True):
+        super().__init__()
+        self.q, self.k, self.v, self.o = attn.q, attn.k, attn.v, attn.o
+        self.n_heads, self.label = attn.n_heads, attn.label          # the local heads: a / tp
+        self.group, self.sequence_parallel, self.comm = attn.group, attn.sequence_parallel, attn.comm
+        self.cp_group, self.balanced = cp_group, balanced
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with phase(self.label):
+            x = enter_region(x, self.group, self.sequence_parallel, self.comm)
+            out = ring_attention(self.q(x), self.k(x), self.v(x), self.n_heads, self.cp_group,
+                                 balanced=self.balanced)
+            return self.o(out)
+
+
+def _cp_positions(length: int, device, *, rank: int, cp: int, balanced: bool) -> torch.Tensor:
+    """The global positions of a cp rank's `length` tokens (its two chunks of a cp·length sequence)."""
+    return positions(rank, cp, length * cp, balanced=balanced, device=device)
+
+
+def apply_context_parallel_over_tp(model: nn.Module, cp_group, rank: int, cp: int, *,
+                                   balanced: bool = True) -> nn.Module:
+    """Context parallelism (in place) on a model `parallelize_tp` already transformed."""
+    if cp == 1:
+        return model
+    if not isinstance(model.embed, VocabParallelEmbedding):
+        raise TypeError("apply_context_parallel_over_tp expects a tensor-parallel model "
+                        "(refimpl.parallel.tp.parallelize_tp first)")
+    model.embed.position_ids = functools.partial(_cp_positions, rank=rank, cp=cp, balanced=balanced)
+    for block in model.blocks:
+        block.attn = RingParallelSelfAttention(block.attn, cp_group, balanced)
+    return model
+
+
+def tp_cp_layout_problem(seq_len: int, tp: int, cp: int, sequence_parallel: bool) -> str | None:
+    """One line naming what a tp x cp layout breaks, or None."""
+    if cp > 1 and sequence_parallel and (seq_len // cp) % tp:
+        return (f"--sequence-parallel with --cp {cp} needs the s/cp = {seq_len // cp} tokens a cp "
+                f"rank holds divisible by --tp {tp} (the tp ranks split them)")
+    return None
