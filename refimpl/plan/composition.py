@@ -10,6 +10,7 @@ once per step (or per unit, for ZeRO-3/FSDP).
 Which pairs compose here (tests/test_composition.py) and which fail before launch, in one line:
   dp x tp, dp x pp, tp x pp, pp x cp, dp x tp x pp, any of them with zero1/2/3 or fsdp on dp,
   with --sequence-parallel and --checkpointing                                  -> equal to single
+  --experts (ep, or replicated) with pp (any schedule) and cp (model.moe_layout) -> equal to single
   tp x cp                      ring attention over tensor-parallel heads is not built
   `dp` (bucketed) with --pp    its bucket hooks are gated by micro_step, which a schedule skips
   zero3 / fsdp with zb-h1      the deferred weight gradients bypass the per-unit reduce-scatter

@@ -18,12 +18,17 @@ each chunk of `ep` consecutive ranks, the experts are spread E/ep per rank
 Averaging an expert's gradient over dp x cp would mix expert 0's gradient into expert 2's weights:
 that is the one rule expert parallelism adds to data parallelism.
 
-Equal to `single` with the same experts (tests/test_ep_strategy.py), dropped tokens included,
-because capacity and the aux loss's f_i are computed over the whole global batch. With
-`--micro-batches m > 1` they are per micro-batch, and a rank's i-th micro-batch is not single's
-i-th micro-batch: the two runs then agree only when nothing overflows and balance != aux
-(and the bias is nudged from the last micro-batch's load). `--strategy ep --nproc N` puts
-the whole world on one ep group (ep = N, edp = 1); `--ep E` with a larger dp keeps E per chunk.
+Equal to `single` with the same experts (tests/test_ep_strategy.py, tests/test_moe_compose.py),
+dropped tokens included, because capacity and the aux loss's f_i are computed over the whole
+global batch (capacity_scope=batch), or per sequence (capacity_scope=sequence). With
+`--micro-batches m > 1` the batch scope counts per micro-batch, and a rank's i-th micro-batch is
+not single's i-th: validation then asks for capacity_scope=sequence unless nothing can overflow
+and balance != aux (refimpl.model.moe_layout.batch_scope_problem). The bias is nudged from the
+whole step's load. `--strategy ep --nproc N` puts the whole world on one ep group (ep = N,
+edp = 1); `--ep E` with a larger dp keeps E per chunk. It composes with the other axes:
+`--cp` (tokens from every dp x cp rank, experts spread over ep inside dp x cp) and `--pp` with any
+schedule (`--schedule`, each stage's experts spread over its own dp x cp ranks; the gradients
+synced after the schedule, as dp-naive's).
 """
 from __future__ import annotations
 

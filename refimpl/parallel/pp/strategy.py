@@ -37,7 +37,9 @@ from refimpl.parallel.pp.torch_pp import TorchPipeline, check_torch_layout
 
 # Data-parallel flavours that run on a pipeline's stages (refimpl.plan.composition). Not `dp`:
 # its buckets are reduced from gradient hooks gated by micro_step, which a schedule does not call.
-DP_ON_A_PIPELINE = ("dp-naive", "zero1", "zero2", "zero3", "fsdp", "tp")
+# `ep`: a MoE model's experts spread over ep inside each stage's dp group (its sync runs after the
+# schedule, expert gradients over edp).
+DP_ON_A_PIPELINE = ("dp-naive", "zero1", "zero2", "zero3", "fsdp", "tp", "ep")
 
 
 def validate_pipeline(cfg: TrainConfig) -> None:
