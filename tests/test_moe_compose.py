@@ -22,7 +22,7 @@ from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
 from refimpl.model.activation_checkpointing import checkpoint_blocks
 from refimpl.model.moe import moe_layers
-from refimpl.parallel.ep.load import dropped_by_step
+from refimpl.parallel.ep.load import dropped_by_step, expert_frame
 from refimpl.train import train_on_ranks, train_several_on_ranks, validate
 from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single, reference_run
 
@@ -88,6 +88,8 @@ def check_equal_to_single(key, name) -> None:
     assert eq.tolerance == FP64_TOLERANCE and eq.ok, eq
     ref = reference_run(cfg)
     assert min(dropped_by_step(ref)) > 0            # the capacity binds: drops must match too
+    if cfg.pp == 1:     # every layer's load on rank 0 (under a pipeline: its stage's layers only)
+        assert expert_frame(runs(key)[name]).equals(expert_frame(ref))
     if cfg.model.balance == "bias":                 # the bias moved (and equal: it is in the state)
         assert any(t.abs().sum() > 0 for n, t in ref["state_dict"].items() if n.endswith("expert_bias"))
 

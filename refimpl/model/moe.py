@@ -309,6 +309,7 @@ def moe_step_record(model: nn.Module) -> dict | None:
     if not layers or layers[0].stats is None:
         return None
     return {"routed": [layer.stats.routed.tolist() for layer in layers],
+            "kept": [layer.stats.kept.tolist() for layer in layers],
             "received": [layer.stats.received.tolist() for layer in layers],
             "dropped": [layer.stats.dropped for layer in layers],
             "capacity": layers[0].stats.capacity,
