@@ -59,6 +59,8 @@ CASES = {
         "cp2, experts replicated, aux": config("dp-naive", 2, cp=2, moe={**AUX, **SEQ}),
         "cp2, ep over cp, bias": config("ep", 2, cp=2, moe={**BIAS, **SEQ}),
         "cp2, ep over cp, aux": config("ep", 2, cp=2, moe={**AUX, **SEQ}),
+        # the other data-parallel flavours over the replicated experts, under cp
+        "cp2, dp (bucketed), bias": config("dp", 2, cp=2, moe={**BIAS, **SEQ}),
     },
     "full-4": {
         "dp2 x pp2, ep over dp, 1f1b, bias": config("ep", 4, pp=2, schedule="1f1b", micro_batches=2,
@@ -72,6 +74,8 @@ CASES = {
         "dp2 x cp2, ep2 inside dp x cp, aux": config("ep", 4, cp=2, ep=2, moe={**AUX, **SEQ}),
         "pp2 x cp2, experts replicated, bias": config("pp-1f1b", 4, pp=2, cp=2, micro_batches=2,
                                                       moe={**BIAS, **SEQ}),
+        "dp2 x pp2, zero1, zb-h1, aux": config("zero1", 4, pp=2, schedule="zb-h1", micro_batches=2,
+                                               moe={**AUX, **SEQ}),
     },
 }
 
