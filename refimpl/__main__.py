@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from refimpl.model import GPTConfig
 
-MODEL_OPTIONS = ("balance", "aux_alpha", "bias_gamma")   # --set keys that configure the MoE layer
+MODEL_OPTIONS = ("balance", "aux_alpha", "bias_gamma", "capacity_scope")   # --set keys that configure the MoE layer
 
 
 def _parse_option(text: str):
@@ -116,7 +116,8 @@ def config_from_args(args):
     if nproc is None:
         nproc = 1 if args.strategy == "single" else 2
     options = dict(args.options)
-    # MoE knobs are the model's, not a strategy's: --set balance=aux|bias|none, aux_alpha, bias_gamma
+    # MoE knobs are the model's, not a strategy's: --set balance=aux|bias|none, aux_alpha, bias_gamma,
+    # capacity_scope=batch|sequence
     moe = {key: options.pop(key) for key in MODEL_OPTIONS if key in options}
     fault = options.pop("fault", None)     # --set fault=<name>: a bug on purpose (refimpl.faults)
     try:

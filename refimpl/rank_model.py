@@ -10,7 +10,8 @@ explicitly, instead of patching attributes onto modules:
     shard_batch  cp: a rank's rows -> its chunks of every sequence (ring attention's layout)
     pipeline     pp: runs this rank's row of the schedule table over the micro-batches, in place
                  of the plain accumulation loop (refimpl.parallel.pp.runner)
-    aux_loss     the MoE layers' load-balancing loss of the last forward (0 for a dense model)
+    aux_loss     the MoE layers' load-balancing loss of the last forward (0 for a dense model;
+                 a pipeline's runner adds each chunk's own after that chunk's forward)
     after_step   after the optimizer: DeepSeek-V3's expert-bias nudge (a no-op otherwise)
 
 The strategy (refimpl.strategy) wraps `module` for the data-parallel axis; the step runner reads

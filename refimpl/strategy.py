@@ -125,7 +125,8 @@ class Strategy:
             self.optimizer_step()
         rank_model.after_step()     # balance=bias (DeepSeek-V3): after the step; else no-op
         return global_mean_loss(local, self.mesh, self.comm,
-                                loss_stage=getattr(rank_model.pipeline, "loss_stage", None))
+                                loss_stage=getattr(rank_model.pipeline, "loss_stage", None),
+                                sum_stages=getattr(rank_model.pipeline, "sum_stages", False))
 
     def loss_with_moe_aux(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss, plus the MoE layers' auxiliary load-balancing loss of the forward that made

@@ -30,9 +30,11 @@ from refimpl.faults import injected
 from refimpl.mesh import LayoutError
 from refimpl.model import converted, lm_loss
 from refimpl.model.activation_checkpointing import checkpoint_blocks
-from refimpl.model.moe import validate_moe
+from refimpl.model.moe import batch_scope_problem, moe_layers, validate_moe
+from refimpl.model.moe_sequence import ChunkedSequences
 from refimpl.parallel import get_strategy
 from refimpl.parallel.cp.parallelize import apply_context_parallel, shard_batch
+from refimpl.parallel.cp.ring import chunk_ids
 from refimpl.parallel.ep.dispatch import parallelize_experts, share_routing_counts
 from refimpl.parallel.pp.runner import pipeline_forward_backward
 from refimpl.parallel.pp.stage import split_for_pipeline
@@ -51,10 +53,14 @@ def validate_model_parallel(cfg) -> None:
         # PyTorch's twins sum every gradient over dp x cp: expert 0's into expert 2's weights.
         raise LayoutError(f"--ep {cfg.dims.ep}: strategy {cfg.strategy!r} would sum different "
                           "experts' gradients over dp x cp (use ep, dp-naive, dp, zero1/2/3 or fsdp)")
-    if cfg.model.n_experts and (cfg.pp > 1 or cfg.cp > 1):
-        # pp: the schedules' loss has no MoE auxiliary loss yet; cp: a rank's tokens are not a
-        # contiguous run of the batch, so the capacity's batch order would differ from single's.
-        raise LayoutError("--experts with --pp or --cp is not supported yet (MoE runs on dp/ep)")
+    problem = batch_scope_problem(cfg.model, dp=cfg.dims.dp, cp=cfg.cp,
+                                  micro_batches=cfg.micro_batches)
+    if problem:
+        raise LayoutError(problem)
+    if cfg.model.n_experts and cfg.pp > 1 and cfg.strategy.startswith("torch-pp-"):
+        raise LayoutError(f"--experts with {cfg.strategy}: PyTorch's schedules run the stages "
+                          "themselves and backpropagate the last stage's loss only, so a stage's MoE "
+                          "aux loss cannot join it and its expert load is not single's (use pp-*)")
     if cfg.tp > 1 and cfg.model.n_experts and not get_strategy(cfg.strategy).takes_our_transforms:
         raise LayoutError(f"--tp with --experts: {cfg.strategy!r} applies DTensor's tp plan to the "
                           "plain reference, which names no MoE layer (ours split each expert)")
@@ -90,6 +96,11 @@ def model_parallel(model: nn.Module, ctx) -> RankModel:
         else:
             apply_context_parallel(model, mesh.group("cp"))
         batch_chunks = functools.partial(shard_batch, rank=mesh.index("cp"), cp=mesh.size("cp"))
+        # MoE, capacity_scope=sequence: the layers learn which pieces of each sequence this rank
+        # holds (ring attention's head-tail chunks), to count a sequence's capacity in order.
+        pieces = [chunk_ids(r, mesh.size("cp")) for r in range(mesh.size("cp"))]
+        for layer in moe_layers(model):
+            layer.sequences = ChunkedSequences(pieces, mesh.group("cp"), comm=ctx.comm)
     if mesh.size("ep") > 1:
         # Tokens come from every dp x cp rank (the capacity is global); experts move over "ep".
         parallelize_experts(model, mesh.group("ep"), mesh.group("dp_cp"), comm=ctx.comm)
@@ -102,4 +113,5 @@ def model_parallel(model: nn.Module, ctx) -> RankModel:
         model = split_for_pipeline(model, ctx, seq_split)
         pipeline = functools.partial(pipeline_forward_backward, model, fault=cfg.fault)
         pipeline.loss_stage = model.loss_stage     # where the loss is: the last stage, or a V's first
+        pipeline.sum_stages = bool(cfg.model.n_experts)   # MoE: every stage adds its aux losses
     return RankModel(model, loss_fn=loss_fn, shard_batch=batch_chunks, pipeline=pipeline)

@@ -22,6 +22,7 @@ class GPTConfig:
     balance: str = "aux"            # "aux" (Switch loss), "bias" (DeepSeek-V3), "none"
     aux_alpha: float = 0.01         # Switch's alpha
     bias_gamma: float = 0.001       # DeepSeek-V3's bias update speed
+    capacity_scope: str = "batch"   # capacity and aux f_i per forward ("batch") or per "sequence"
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio"):

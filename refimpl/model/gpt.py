@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from refimpl.model.config import GPTConfig
 from refimpl.model.layers import MLP, CausalSelfAttention
-from refimpl.model.moe import MoEMLP
+from refimpl.model.moe import MoEMLP, recompute_contexts
 
 
 class Block(nn.Module):
@@ -44,7 +44,7 @@ class Block(nn.Module):
         if self.recompute and torch.is_grad_enabled():
             # use_reentrant=False: works with autograd hooks and saved-tensor hooks (the
             # activation tracker), and is what PyTorch recommends.
-            return checkpoint(self._forward, x, use_reentrant=False)
+            return checkpoint(self._forward, x, use_reentrant=False, context_fn=recompute_contexts)
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:

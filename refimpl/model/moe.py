@@ -14,15 +14,17 @@ One MoE layer, top to bottom (the numbers are the papers' formulas):
   gates       k = 1: the gate is p itself (Switch, section 2.1: the router learns through it);
               k > 1: p renormalised over the chosen experts (GShard, Mixtral).
   capacity    C = ceil(k * T / E * capacity_factor) (Switch, eq. 3 with GShard's k*T slots for
-              top-k; T = tokens in the whole global batch). An expert takes assignments in batch
-              order (token, then slot) until it holds C; the rest overflow: they skip the expert
-              and the token keeps only its residual path (Block adds x back). Overflows are counted.
+              top-k; T = tokens in one forward of the whole batch: the global batch, or one
+              micro-batch of it). An expert takes assignments in batch order (token, then slot)
+              until it holds C; the rest overflow: they skip the expert and the token keeps only
+              its residual path (Block adds x back). Overflows are counted.
   aux loss    Switch, eq. 4-6: alpha * E * sum_i f_i P_i, with f_i the fraction of assignments
               routed to expert i (a count, no gradient) and P_i the mean router probability of
               expert i (differentiable). Minimal (= alpha) when the load is uniform.
   bias        DeepSeek-V3 (Liu et al. 2024, section 2.1.2, auxiliary-loss-free balancing): a
               per-expert bias b_i is added to the scores *for choosing only* (gates still come from
-              p); after each step b_i moves by -gamma if expert i was overloaded, +gamma if under.
+              p); at the end of each step b_i moves by -gamma if expert i was overloaded, +gamma if
+              under, the load being the whole step's (every micro-batch's tokens, on every rank).
 
 `--set balance=aux|bias|none` picks the balancing: aux (the default) adds the loss, bias nudges,
 none does neither (the load then drifts: notebook 08 shows it).
@@ -32,9 +34,19 @@ on this process), or refimpl.parallel.ep.dispatch's all-to-all over an ep group.
 the assignments sorted by expert and in global batch order, so a layout never changes the maths.
 The capacity and f_i are global (counts gathered over the ranks that hold tokens): that is what
 makes an expert-parallel run drop exactly the tokens the single process drops.
+
+Scope (`--set capacity_scope=batch|sequence`). `batch`, the default, is the rule above: C and f_i
+over one forward's tokens, in batch order. It equals single only where a forward holds single's
+tokens in single's order; data parallelism with micro-batches (a forward holds the i-th
+micro-batch of each rank's rows) and context parallelism (a rank holds two chunks of each
+sequence) break that, and `batch_scope_problem` refuses them before launch unless nothing can
+overflow (capacity_factor >= E/k) and, for the first, balance != aux. `sequence` counts C and the
+aux loss per sequence (refimpl.model.moe_sequence, DeepSeek-V3's sequence-wise balance loss): a
+sequence is the same in every layout, so every layout equals single under it.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -43,12 +55,35 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from refimpl.mesh import LayoutError
 from refimpl.model.config import GPTConfig
 from refimpl.model.layers import MLP
+from refimpl.model.moe_layout import BALANCE, SCOPES, batch_scope_problem, validate_moe  # noqa: F401
+from refimpl.model.moe_sequence import (
+    WholeSequences,
+    keep_per_sequence,
+    sequence_aux_loss,
+    sequence_tokens,
+)
 from refimpl.trace.labels import comm_span, phase
 
-BALANCE = ("aux", "bias", "none")
+
+class _Recompute:
+    depth = 0    # > 0 while activation checkpointing recomputes a block in backward
+
+
+@contextlib.contextmanager
+def _recomputing():
+    _Recompute.depth += 1
+    try:
+        yield
+    finally:
+        _Recompute.depth -= 1
+
+
+def recompute_contexts():
+    """torch.utils.checkpoint's `context_fn` for a block (refimpl.model.gpt): the recomputation in
+    backward runs inside `_recomputing`, so it does not count its tokens into the step's load twice."""
+    return contextlib.nullcontext(), _recomputing()
 
 
 @dataclass(frozen=True)
@@ -168,15 +203,19 @@ class MoEMLP(nn.Module):
         super().__init__()
         if cfg.balance not in BALANCE:
             raise ValueError(f"balance must be one of {BALANCE} (got {cfg.balance!r})")
+        if cfg.capacity_scope not in SCOPES:
+            raise ValueError(f"capacity_scope must be one of {SCOPES} (got {cfg.capacity_scope!r})")
         self.cfg = cfg
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
         self.experts = nn.ModuleDict({str(e): MLP(cfg) for e in range(cfg.n_experts)})
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
         self.dispatch = LocalExperts()
+        self.sequences = WholeSequences()   # cp replaces it (moe_sequence.ChunkedSequences)
         self.aux_loss = torch.zeros(())
         self.stats: MoEStats | None = None
         self.keep: torch.Tensor | None = None
+        self.step_load: torch.Tensor | None = None   # routed, summed over this step's forwards
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, tokens = x.shape, x.reshape(-1, x.shape[-1])
@@ -185,54 +224,62 @@ class MoEMLP(nn.Module):
             bias = self.expert_bias if self.cfg.balance == "bias" else None
             r = route(self.router(tokens), k, bias)
             flat = r.experts.reshape(-1)                 # assignment a = (token a // k, slot a % k)
-            counts_by_rank, me = self.dispatch.gather_counts(torch.bincount(flat, minlength=E))
-            routed = counts_by_rank.sum(dim=0)
-            capacity = expert_capacity(int(routed.sum()) // k, E, k, self.cfg.capacity_factor)
-            keep = within_capacity(flat, E, counts_by_rank[:me].sum(dim=0), capacity)
-            self.aux_loss = (switch_aux_loss(r.probs, routed, self.cfg.aux_alpha)
-                             if self.cfg.balance == "aux" else tokens.new_zeros(()))
-            kept = keep.nonzero().squeeze(1)
-            order = kept[torch.argsort(flat[kept], stable=True)]   # by expert, then batch order
+            if self.cfg.capacity_scope == "sequence":
+                keep, routed, kept, capacity, aux = self._fill_per_sequence(
+                    flat, r.probs, shape[0] if x.dim() == 3 else 1)
+            else:
+                keep, routed, kept, capacity, aux = self._fill_batch(flat, r.probs)
+            self.aux_loss = aux if self.cfg.balance == "aux" else tokens.new_zeros(())
+            if torch.is_grad_enabled() and not _Recompute.depth:   # a training forward, once
+                self.step_load = routed if self.step_load is None else self.step_load + routed
+            kept_at = keep.nonzero().squeeze(1)
+            order = kept_at[torch.argsort(flat[kept_at], stable=True)]   # by expert, batch order
             token_of = order // k
         y, received = self.dispatch(tokens[token_of], torch.bincount(flat[order], minlength=E),
                                     self.experts)
-        self.stats = MoEStats(routed, routed.clamp(max=capacity), capacity, received)
+        self.stats = MoEStats(routed, kept, capacity, received)
         self.keep = keep.view(-1, k)
         gate = r.gates.reshape(-1)[order]
         weighted = y * gate[:, None]          # (under bf16 autocast the experts' dtype)
         out = weighted.new_zeros(tokens.shape).index_add(0, token_of, weighted)
         return out.view(shape)
 
+    def _fill_batch(self, flat: torch.Tensor, probs: torch.Tensor) -> tuple:
+        """capacity_scope=batch: C over the forward's tokens on every token-holding rank, each
+        rank's place in an expert's queue after the ranks before it (batch order)."""
+        E, k = self.n_experts, self.top_k
+        counts_by_rank, me = self.dispatch.gather_counts(torch.bincount(flat, minlength=E))
+        routed = counts_by_rank.sum(dim=0)
+        capacity = expert_capacity(int(routed.sum()) // k, E, k, self.cfg.capacity_factor)
+        keep = within_capacity(flat, E, counts_by_rank[:me].sum(dim=0), capacity)
+        aux = switch_aux_loss(probs, routed, self.cfg.aux_alpha) if self.cfg.balance == "aux" else None
+        return keep, routed, routed.clamp(max=capacity), capacity, aux
+
+    def _fill_per_sequence(self, flat: torch.Tensor, probs: torch.Tensor, rows: int) -> tuple:
+        """capacity_scope=sequence (refimpl.model.moe_sequence): C and f_i per sequence; the
+        routed and kept loads are then gathered over the token-holding ranks for the stats and
+        the bias (one all-gather of [2, E], as the batch scope's)."""
+        E, k = self.n_experts, self.top_k
+        seq = sequence_tokens(flat.numel() // k, rows, self.sequences)
+        capacity = expert_capacity(seq, E, k, self.cfg.capacity_factor)
+        keep, per_sequence = keep_per_sequence(flat, rows, E, capacity, self.sequences)
+        one_hot = F.one_hot(flat, E)
+        loads, _ = self.dispatch.gather_counts(torch.stack([one_hot.sum(0), (one_hot * keep[:, None]).sum(0)]))
+        routed, kept = loads.sum(dim=0)
+        aux = (sequence_aux_loss(probs, per_sequence, k, seq, self.cfg.aux_alpha)
+               if self.cfg.balance == "aux" else None)
+        return keep, routed, kept, capacity, aux
+
     @torch.no_grad()
     def update_bias(self) -> None:
-        """DeepSeek-V3's nudge from the last forward's load: b_i -= gamma * sign(load_i - mean)."""
-        if self.cfg.balance != "bias" or self.stats is None:
+        """DeepSeek-V3's nudge from the step's load: b_i -= gamma * sign(load_i - mean), the load
+        summed over every forward of the step (each already global over the token-holding ranks),
+        so micro-batching and the layout do not change it."""
+        load, self.step_load = self.step_load, None
+        if self.cfg.balance != "bias" or load is None:
             return
-        load = self.stats.routed.to(self.expert_bias.dtype)
+        load = load.to(self.expert_bias.dtype)
         self.expert_bias -= self.cfg.bias_gamma * torch.sign(load - load.mean())
-
-
-def validate_moe(cfg: GPTConfig, ep: int = 1) -> None:
-    """The MoE layout constraints, in the launching process; raises LayoutError (one line)."""
-    if cfg.n_experts == 0:
-        if ep > 1:
-            raise LayoutError(f"expert parallelism (ep = {ep}) needs --experts E > 0")
-        return
-    if cfg.n_experts < 0:
-        raise LayoutError(f"--experts must be >= 0 (got {cfg.n_experts})")
-    if not 1 <= cfg.top_k <= cfg.n_experts:
-        raise LayoutError(f"--top-k must be in [1, --experts = {cfg.n_experts}] (got {cfg.top_k})")
-    if not cfg.capacity_factor > 0:
-        raise LayoutError(f"--capacity-factor must be > 0 (got {cfg.capacity_factor})")
-    if cfg.balance not in BALANCE:
-        raise LayoutError(f"--set balance must be one of {', '.join(BALANCE)} (got {cfg.balance!r})")
-    for key in ("aux_alpha", "bias_gamma"):
-        value = getattr(cfg, key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise LayoutError(f"--set {key} must be a number >= 0 (got {value!r})")
-    if cfg.n_experts % ep:
-        raise LayoutError(f"--experts {cfg.n_experts} must be divisible by ep = {ep}: "
-                          f"every rank of the ep group holds E/ep experts")
 
 
 # --- what the training loop calls -------------------------------------------------------------------
@@ -262,6 +309,7 @@ def moe_step_record(model: nn.Module) -> dict | None:
     if not layers or layers[0].stats is None:
         return None
     return {"routed": [layer.stats.routed.tolist() for layer in layers],
+            "kept": [layer.stats.kept.tolist() for layer in layers],
             "received": [layer.stats.received.tolist() for layer in layers],
             "dropped": [layer.stats.dropped for layer in layers],
             "capacity": layers[0].stats.capacity,

@@ -26,10 +26,9 @@ def expert_frame(result: dict) -> pd.DataFrame:
     """(step, layer, expert, routed, kept): the global load, the same on every rank."""
     rows = []
     for step, rec in enumerate(result["per_rank"][0]["moe"]):
-        for layer, routed in enumerate(rec["routed"]):
-            for expert, n in enumerate(routed):
-                rows.append({"step": step, "layer": layer, "expert": expert, "routed": n,
-                             "kept": min(n, rec["capacity"])})
+        for layer, (routed, kept) in enumerate(zip(rec["routed"], rec["kept"])):
+            for expert, (n, k) in enumerate(zip(routed, kept)):
+                rows.append({"step": step, "layer": layer, "expert": expert, "routed": n, "kept": k})
     return pd.DataFrame(rows)
 
 

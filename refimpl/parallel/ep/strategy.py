@@ -23,12 +23,17 @@ parameters over dp x cp), as Megatron-core's distributed optimizer does; `ep` is
 sync spelled out, the name of the layout. With `--tp` each expert is split over tp as well
 (refimpl.parallel.tp.experts). PyTorch's twins sum over dp x cp, so they refuse `--ep`.
 
-Equal to `single` with the same experts (tests/test_ep_strategy.py), dropped tokens included,
-because capacity and the aux loss's f_i are computed over the whole global batch. With
-`--micro-batches m > 1` they are per micro-batch, and a rank's i-th micro-batch is not single's
-i-th micro-batch: the two runs then agree only when nothing overflows and balance != aux
-(and the bias is nudged from the last micro-batch's load). `--strategy ep --nproc N` puts
-the whole world on one ep group (ep = N, edp = 1); `--ep E` with a larger dp keeps E per chunk.
+Equal to `single` with the same experts (tests/test_ep_strategy.py, tests/test_moe_compose.py),
+dropped tokens included, because capacity and the aux loss's f_i are computed over the whole
+global batch (capacity_scope=batch), or per sequence (capacity_scope=sequence). With
+`--micro-batches m > 1` the batch scope counts per micro-batch, and a rank's i-th micro-batch is
+not single's i-th: validation then asks for capacity_scope=sequence unless nothing can overflow
+and balance != aux (refimpl.model.moe_layout.batch_scope_problem). The bias is nudged from the
+whole step's load. `--strategy ep --nproc N` puts the whole world on one ep group (ep = N,
+edp = 1); `--ep E` with a larger dp keeps E per chunk. It composes with the other axes:
+`--cp` (tokens from every dp x cp rank, experts spread over ep inside dp x cp) and `--pp` with any
+schedule (`--schedule`, each stage's experts spread over its own dp x cp ranks; the gradients
+synced after the schedule, as dp-naive's).
 """
 from __future__ import annotations
 

@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from refimpl.comm import p2p
 from refimpl.model import Batch, lm_loss
+from refimpl.model.moe import moe_aux_loss
 
 # schedule_table and bubble_fraction: DESIGN's contract names them here (refimpl.parallel.pp.runner).
 from refimpl.parallel.pp.schedules import (  # noqa: F401
@@ -154,7 +155,8 @@ def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch
     """Run this rank's `actions` (one row of a schedule table) on `micro`, accumulating gradients
     into the chunks' parameters. Returns the mean loss over the micro-batches (each scaled by 1/m,
     then summed; a float64 0-d tensor on the device) on the rank that holds the last piece, None
-    elsewhere. Gradients are those of
+    elsewhere; with MoE layers, every rank's return adds its chunks' aux losses (1/m each), and
+    the step sums the ranks' returns over pp. Gradients are those of
     loss / `divisor` (refimpl.step's convention: W for data-parallel replicas that sum).
     `loss_fn(logits, targets)`: the last piece's loss (tensor parallelism's reads split logits).
     `where`: the placement of the chunks (schedules.placement); `inbox`: simulate.inbox of the whole
@@ -184,27 +186,38 @@ def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch
                 with (record_weight_grads(chunk, record) if split else nullcontext([])) as embeds:
                     with autocast():
                         out = chunk(x)
+                # The MoE layers of this chunk: their aux loss joins the step's loss here, on the
+                # stage that computed it (single adds every layer's to its micro-batch's loss).
+                aux = moe_aux_loss(chunk)
                 if chunk.is_last:
                     with autocast():
-                        loss = loss_fn(out, micro[a.micro_batch].targets) / m
+                        loss = (loss_fn(out, micro[a.micro_batch].targets) + aux) / m
                     # On the device, read once per step by the loop (no host sync here).
                     part = loss.detach().double()
                     total = part if total is None else total + part
                     out = loss / divisor if divisor != 1 else loss
                     if fault == "pp-loss-scaled-twice":
                         out = out / m       # the fault: the 1/m applied a second time
+                    aux = None
+                elif isinstance(aux, torch.Tensor):
+                    aux = aux / m
+                    part = aux.detach().double()
+                    total = part if total is None else total + part
+                    aux = None if not aux.requires_grad else aux / divisor if divisor != 1 else aux
+                else:
+                    aux = None          # a dense chunk
             if not chunk.is_last:   # after the compute range closes: a trace then shows the wait
                 links.send(out.detach(), ACTIVATION, a.micro_batch, k + 1)
-            saved[key], records[key] = (x, embeds, out), record
+            saved[key], records[key] = (x, embeds, out, aux), record
         elif a.kind == "B":
-            x, embeds, out = saved.pop(key)
+            x, embeds, out, aux = saved.pop(key)
             if fault == "p2p-misordered" and links.rank == 0 and a.micro_batch == 0:
                 # The fault: the first backward waits for the last micro-batch's gradient, which
                 # stage 1 cannot send before the forwards this rank has not run yet: a hang.
                 a = Action.parse(f"B{m - 1}")
             grad = None if chunk.is_last else links.take(a)
             with phase("backward"), phase(f"pp:{label}"):
-                dx = _backward(out, grad, x if k > 0 else None, embeds, split)
+                dx = _backward(out, grad, x if k > 0 else None, embeds, split, aux)
             if k > 0:
                 links.send(dx, GRADIENT, a.micro_batch, k - 1)
         else:
@@ -214,16 +227,18 @@ def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch
     return total
 
 
-def _backward(out, grad, x, embeds, split: bool):
+def _backward(out, grad, x, embeds, split: bool, aux=None):
     """B: the gradient of this piece's input x (None on the first piece, whose input is token ids).
-    Without `split` this is the whole backward (weights too); with it, only the input gradient."""
+    Without `split` this is the whole backward (weights too); with it, only the input gradient.
+    `aux`: a middle piece's MoE aux loss (already scaled), backpropagated with its output."""
+    outs, grads = ([out], [grad]) if aux is None else ([out, aux], [grad, torch.ones_like(aux)])
     if not split:
-        torch.autograd.backward(out, grad)
+        torch.autograd.backward(outs, grads)
         return None if x is None else x.grad
     if x is not None:
-        (dx,) = torch.autograd.grad(out, [x], grad)
+        (dx,) = torch.autograd.grad(outs, [x], grads)
         return dx
-    grads = torch.autograd.grad(out, [o for _, o in embeds], grad)
+    grads = torch.autograd.grad(outs, [o for _, o in embeds], grads)
     for (entry, _), g in zip(embeds, grads):
         entry[2] = g
     return None

@@ -11,7 +11,8 @@ Placement: `compose.transforms.model_parallel` cuts the reference model into thi
 (`stage.split_for_pipeline`) and hands the step its runner (`RankModel.pipeline`, i.e.
 `runner.pipeline_forward_backward`), which runs this rank's row of the schedule table instead of
 the plain micro-batch loop;
-the loss lives on the stage with the last piece (the last stage; stage 0 on a V) and `global_mean_loss` broadcasts it over pp. With dp > 1 the
+the loss lives on the stage with the last piece (the last stage; stage 0 on a V) and `global_mean_loss` broadcasts it over pp
+(a MoE model: every stage adds its layers' aux losses, and the parts are summed over pp instead). With dp > 1 the
 stages' gradients are all-reduced over dp after the schedule, as dp-naive does (nothing overlaps).
 Gathering: every rank holds only its stage's parameters; the default `full_state_dict` merges them
 over the pp group.
@@ -37,7 +38,9 @@ from refimpl.parallel.pp.torch_pp import TorchPipeline, check_torch_layout
 
 # Data-parallel flavours that run on a pipeline's stages (refimpl.plan.composition). Not `dp`:
 # its buckets are reduced from gradient hooks gated by micro_step, which a schedule does not call.
-DP_ON_A_PIPELINE = ("dp-naive", "zero1", "zero2", "zero3", "fsdp", "tp")
+# `ep`: a MoE model's experts spread over ep inside each stage's dp group (its sync runs after the
+# schedule, expert gradients over edp).
+DP_ON_A_PIPELINE = ("dp-naive", "zero1", "zero2", "zero3", "fsdp", "tp", "ep")
 # PyTorch's composed twin runs its own pipelining schedules on dp x tp x pp (refimpl.compose).
 TWINS_ON_A_PIPELINE = ("torch-fsdp2-tp",)
 

@@ -1,0 +1,100 @@
+"""Capacity and balance statistics per sequence (`--set capacity_scope=sequence`): a rule that no
+layout can change.
+
+Why. Under the default scope (`batch`, refimpl.model.moe) an expert's capacity and the aux loss's
+f_i count the tokens of one forward, queued in batch order. Which tokens one forward holds is a
+property of the layout: with data parallelism and micro-batches, a forward holds the i-th
+micro-batch of *each* rank's rows, which is not single's i-th micro-batch; under context
+parallelism a rank holds two chunks of every sequence, not a run of the batch. Either changes who
+overflows, and the first also changes f_i.
+
+A sequence is never cut by data parallelism, micro-batches or pipeline stages (they all cut the
+batch by rows), and context parallelism cuts it into pieces whose places in it are known. So
+counting per sequence makes the arithmetic the same in every layout:
+
+  capacity   C = ceil(k * S / E * capacity_factor) per expert *per sequence* (S: the sequence's
+             tokens); inside a sequence an expert takes assignments in position order (token, then
+             slot) until it holds C. GShard (Lepikhin et al. 2020, sec. 2.2) fills capacity per
+             group of tokens; here a group is one sequence, so it cannot depend on the devices.
+  aux loss   Switch's alpha * E * sum_i f_i P_i (Fedus et al. 2021, eq. 4-6) for each sequence,
+             then the mean over sequences: DeepSeek-V3's sequence-wise balance loss (Liu et al.
+             2024, sec. 2.1.2, eq. 17-20: alpha * sum_i f_i P_i with f_i = E/(k S) * count_i, the
+             same product). The mean over a step's sequences is what single's micro-batch loop
+             sums, 1/m at a time, and what the dp ranks' 1/W-scaled losses add up to.
+  cp         a cp rank holds pieces of every sequence (refimpl.parallel.cp.ring.chunk_ids). The cp
+             group all-gathers the per-(sequence, piece) counts, [rows, pieces, E]: each rank then
+             knows how many assignments the earlier pieces queued at every expert (its places),
+             and the whole sequence's counts (f_i). P_i is the mean over this rank's tokens of the
+             sequence; every cp rank holds as many, so the mean of their losses (the dp x cp
+             gradient sum with 1/W) is the sequence's.
+
+DeepSeek-V3's bias rule needs nothing here: it nudges b_i from the load of the whole step
+(refimpl.model.moe.MoEMLP.update_bias), which no layout changes either.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from refimpl.trace.labels import comm_span
+
+
+class WholeSequences:
+    """This rank holds its sequences whole: one piece each (no context parallelism)."""
+
+    held: tuple[int, ...] = (0,)
+    pieces = 1
+
+    def gather(self, counts: torch.Tensor) -> torch.Tensor:
+        return counts
+
+
+class ChunkedSequences:
+    """Context parallelism: of the `pieces` equal pieces of each sequence, cp rank j holds
+    `chunks[j]` (its local tokens are those pieces, concatenated in that order)."""
+
+    def __init__(self, chunks: list[tuple[int, ...]], group, comm=dist):
+        self.chunks, self.group, self.comm = [tuple(c) for c in chunks], group, comm
+        self.held = self.chunks[dist.get_rank(group)]
+        self.pieces = sum(len(c) for c in self.chunks)
+
+    def gather(self, counts: torch.Tensor) -> torch.Tensor:
+        """[rows, held, E] counts of this rank -> [rows, pieces, E], every piece in sequence order."""
+        parts = [torch.empty_like(counts) for _ in self.chunks]
+        with comm_span("all_gather", counts.nbytes * len(parts)):
+            self.comm.all_gather(parts, counts, group=self.group)
+        full = counts.new_zeros(counts.shape[0], self.pieces, counts.shape[2])
+        for part, ids in zip(parts, self.chunks):
+            full[:, list(ids)] = part
+        return full
+
+
+def sequence_tokens(local_tokens: int, rows: int, layout) -> int:
+    """S: tokens of one whole sequence, from this rank's share of it."""
+    return local_tokens // rows // len(layout.held) * layout.pieces
+
+
+def keep_per_sequence(experts_flat: torch.Tensor, rows: int, n_experts: int, capacity: int,
+                      layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which assignments fit under C per sequence, and each sequence's whole counts [rows, E].
+
+    `experts_flat`: this rank's assignments in token-then-slot order, its `rows` sequences one
+    after the other, each as the pieces `layout.held` back to back."""
+    a = experts_flat.view(rows, len(layout.held), -1)      # [sequence, piece, assignment]
+    one_hot = F.one_hot(a, n_experts)                       # [rows, held, n, E]
+    full = layout.gather(one_hot.sum(dim=2))                # [rows, pieces, E]
+    earlier = full.cumsum(dim=1) - full                     # queued by the pieces before each one
+    place = one_hot.cumsum(dim=2) - 1 + earlier[:, list(layout.held)].unsqueeze(2)
+    keep = place.gather(3, a.unsqueeze(3)).squeeze(3) < capacity
+    return keep.reshape(-1), full.sum(dim=1)
+
+
+def sequence_aux_loss(probs: torch.Tensor, per_sequence: torch.Tensor, top_k: int, seq_tokens: int,
+                      alpha: float) -> torch.Tensor:
+    """Mean over this rank's sequences of alpha * E * sum_i f_i P_i, f_i from the sequence's whole
+    counts (`per_sequence`, [rows, E]: no gradient), P_i over this rank's tokens of it."""
+    rows, n_experts = per_sequence.shape
+    f = per_sequence.to(probs.dtype) / (top_k * seq_tokens)
+    p = probs.view(rows, -1, n_experts).mean(dim=1)
+    return alpha * n_experts * (f * p).sum(dim=1).mean()
