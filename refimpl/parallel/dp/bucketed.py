@@ -12,11 +12,17 @@ on every rank), different schedule (Li et al. 2020, "PyTorch Distributed", §3.2
   * with --micro-batches k, the rank's rows are split into k micro-batches whose gradients
     accumulate locally; only the last backward communicates (DDP's `no_sync`).
 
+Under a pipeline (--pp, any schedule) the step's whole table is one micro-step: each stage's
+parameters are counted ready at their last accumulation of the step (the last B of their chunk, or
+the last W under a split schedule: refimpl.parallel.pp.stage's `gradient_accumulations`), so each
+stage's buckets leave during its cool-down, while its remaining backwards still compute.
+
 Options: bucket_mb (MiB). The default tiny model (5.6 MB of fp32 gradients) fits one 25 MiB bucket,
 so nothing overlaps; try --set bucket_mb=0.25 to see several buckets leave during backward.
 """
 from __future__ import annotations
 
+import weakref
 from functools import partial
 
 from refimpl.config import Option
@@ -42,6 +48,11 @@ class BucketedDataParallel(Strategy):
         self.buckets = GradBuckets(layout, float(self.option("bucket_mb")) * MiB, reduce=reduce)
         self.buckets.attach(self.flat_grad)
         self.optimizer = make_optimizer(self.model.parameters(), self.ctx.cfg)
+        pipeline = self.rank_model.pipeline
+        if pipeline is not None:
+            per_name = model.gradient_accumulations()
+            counts = [per_name[slot.name] for slot in layout.slots]
+            self.rank_model.pipeline = _armed(pipeline, self.buckets, counts)
 
     def micro_step(self, is_last: bool):
         return self.buckets.micro_step(is_last)     # only the last backward communicates
@@ -55,3 +66,16 @@ class BucketedDataParallel(Strategy):
 
     def model_state(self) -> ModelStateBytes:
         return measured_model_state(self.model.parameters(), self.optimizer)
+
+
+def _armed(pipeline, buckets: GradBuckets, accumulations: list[int]):
+    """The pipeline's step (RankModel.pipeline) inside one micro-step of `buckets` that expects
+    each parameter `accumulations[i]` times. Holds the buckets weakly (GradBuckets says why)."""
+    ref = weakref.ref(buckets)
+
+    def run(*args, **kwargs):
+        with ref().micro_step(True, accumulations):
+            return pipeline(*args, **kwargs)
+
+    run.loss_stage = pipeline.loss_stage
+    return run

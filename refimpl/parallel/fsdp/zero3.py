@@ -19,6 +19,14 @@ hooks them into its forward and backward, under a `ShardingPolicy`:
             last .grad of unit i accumulated: reduce-scatter its gradient, free its parameters
   step      AdamW on this rank's fp32 shards only (every state sharded)
 
+Under a pipeline's split schedules (zb-h1, interleaved-zb, zbv, dualpipev) a B computes only the
+input gradient: the output hook still fires, so the unit is gathered and its gradients counted as
+expected, but they come later, with the W's, which hand them to autograd's accumulator
+(refimpl.parallel.pp.zero_bubble): the same hooks bind them into the flat gradient and count them
+in. The unit reduce-scatters when every gradient expected of its B's is in, after its last W. A
+W reads no weight (dA = dY^T X; LayerNorm's x_hat without the affine), so a unit resharded by a
+forward between a B and its W is no harm.
+
 The shards are cut over the mesh's dp x cp ranks (refimpl.mesh): on a composed grid each
 tensor-parallel or pipeline slice is sharded among the ranks that hold the same slice.
 

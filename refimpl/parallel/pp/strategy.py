@@ -12,7 +12,9 @@ Placement: `compose.transforms.model_parallel` cuts the reference model into thi
 `runner.pipeline_forward_backward`), which runs this rank's row of the schedule table instead of
 the plain micro-batch loop;
 the loss lives on the stage with the last piece (the last stage; stage 0 on a V) and `global_mean_loss` broadcasts it over pp. With dp > 1 the
-stages' gradients are all-reduced over dp after the schedule, as dp-naive does (nothing overlaps).
+stages' gradients are all-reduced over dp after the schedule, as dp-naive does (nothing overlaps);
+under `--strategy dp --pp P` the buckets leave during each stage's cool-down instead
+(refimpl.parallel.dp.bucketed).
 Gathering: every rank holds only its stage's parameters; the default `full_state_dict` merges them
 over the pp group.
 """
@@ -35,9 +37,11 @@ from refimpl.parallel.pp.schedules import (
 from refimpl.parallel.pp.stage import partition
 from refimpl.parallel.pp.torch_pp import TorchPipeline, check_torch_layout
 
-# Data-parallel flavours that run on a pipeline's stages (refimpl.plan.composition). Not `dp`:
-# its buckets are reduced from gradient hooks gated by micro_step, which a schedule does not call.
-DP_ON_A_PIPELINE = ("dp-naive", "zero1", "zero2", "zero3", "fsdp", "tp")
+# Data-parallel flavours that run on a pipeline's stages (refimpl.plan.composition), under every
+# schedule: `dp` counts each parameter ready at its last backward (or W) of the step, ZeRO-3/FSDP
+# reduce-scatter a unit once its W's have delivered every weight gradient (runner's W goes
+# through autograd's accumulator: refimpl.parallel.pp.zero_bubble).
+DP_ON_A_PIPELINE = ("dp-naive", "dp", "zero1", "zero2", "zero3", "fsdp", "tp")
 
 
 def validate_pipeline(cfg: TrainConfig) -> None:
@@ -56,9 +60,6 @@ def validate_pipeline(cfg: TrainConfig) -> None:
     partition(cfg.model.n_layers, cfg.pp * chunks_per_rank(schedule, v))
     if cfg.model.tie_embeddings:
         raise LayoutError("--pp needs untied embeddings: the head and the embedding sit on different stages")
-    if schedule in SPLIT_SCHEDULES and cfg.strategy in ("zero3", "fsdp"):
-        raise LayoutError(f"--schedule {schedule} with {cfg.strategy}: the deferred weight gradients "
-                          "bypass its per-unit reduce-scatter (use zero1/zero2 or another schedule)")
     if schedule in SPLIT_SCHEDULES and cfg.activation_checkpointing:
         raise LayoutError(f"{schedule} records each layer's input for the deferred W: not with --checkpointing")
 
