@@ -12,6 +12,7 @@ Which pairs compose here (tests/test_composition.py) and which fail before launc
   dp (under every schedule, the split ones included: tests/test_dp_under_pp.py), with
   --sequence-parallel and --checkpointing                                       -> equal to single
   tp x cp                      ring attention over tensor-parallel heads is not built
+  tp x pp, a split schedule    the deferred W knows nn.Linear/LayerNorm/Embedding, not tp's linears
 
 The placement rule of MT-NLG and Megatron-LM ("model parallel inside a node, data parallel across
 nodes"; seed 003) as arithmetic: `placement_rule` compares each axis's traffic with the compute it
