@@ -22,15 +22,23 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn as nn
 
 from refimpl.config import TrainConfig
 from refimpl.mesh import LayoutError
+from refimpl.model import build_model, lm_loss, synthetic_batch
+from refimpl.parallel.dp.flat_param import FlatParams
+from refimpl.parallel.dp.grad_buckets import GradBuckets
+from refimpl.parallel.pp.schedules import schedule_table
+from refimpl.parallel.pp.stage import PipelineStageModel, build_chunks
+from refimpl.parallel.pp.zero_bubble import WeightGradRecord, record_weight_grads
 from refimpl.trace.profiling import load_trace
 from refimpl.train import train_several_on_ranks, validate
 from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single
 from tests.models import SMALL
 
-pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
+ranks = pytest.mark.ranks   # launches rank processes (make test-fast skips those marked)
 
 WORK = Path(tempfile.mkdtemp(prefix="refimpl-dp-under-pp-"))   # the traces
 atexit.register(shutil.rmtree, WORK, ignore_errors=True)
@@ -94,11 +102,13 @@ def assert_equals_single(group, name):
     assert eq.tolerance == FP64_TOLERANCE and eq.ok, (eq.loss_rel_err, eq.weight_rel_err)
 
 
+@ranks
 @pytest.mark.parametrize("name", list(RUNS))
 def test_dp_flavours_under_a_pipeline_equal_single(name):
     assert_equals_single("make test", name)
 
 
+@ranks
 @pytest.mark.full
 @pytest.mark.parametrize("group,name", [(g, n) for g in ("full", "one tag", "8 ranks") for n in GROUPS[g]])
 def test_every_schedule_with_dp_zero3_fsdp_equals_single(group, name):
@@ -123,6 +133,7 @@ def bucket_launches(name):
     return out
 
 
+@ranks
 def test_dp_buckets_leave_while_the_pipeline_still_runs_its_backwards():
     for rank, (actions, launches) in bucket_launches("dp 1f1b").items():
         # One chunk per rank: every gradient is final only in the last B, so every bucket leaves
@@ -133,6 +144,65 @@ def test_dp_buckets_leave_while_the_pipeline_still_runs_its_backwards():
         assert actions[-1].endswith(".0") and min(launches) < len(actions) - 1, (rank, actions, launches)
         assert actions[min(launches)].startswith("pp:W") and actions[min(launches)].endswith(".1")
 
+
+
+# --- the pieces, without ranks -----------------------------------------------------------------
+
+
+def test_a_bucket_waits_for_the_last_accumulation_of_its_parameters():
+    """Two parameters, a bucket each; the first is accumulated twice in the step, the second once:
+    the second's bucket leaves at once, the first's only at its second accumulation."""
+    a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3))
+    layout = FlatParams([("a", a), ("b", b)], world_size=1)
+    launched = []
+
+    def reduce(bucket, grads):
+        launched.append(bucket.params)
+        return torch.futures.Future()              # never waited on here
+
+    buckets = GradBuckets(layout, cap_bytes=1, reduce=reduce)
+    buckets.attach(layout.empty())
+    with buckets.micro_step(True, accumulations=[2, 1]):
+        torch.autograd.backward([a], [torch.ones(3)])
+        assert launched == []                      # bucket 0 (b, the last parameter) goes first
+        torch.autograd.backward([b], [torch.ones(3)])
+        assert launched == [[1]]
+        torch.autograd.backward([a], [torch.ones(3)])
+        assert launched == [[1], [0]]
+    assert a.grad.tolist() == [2.0] * 3
+
+
+def test_w_hands_each_weight_gradient_to_autograd_once_last_layer_first():
+    model = build_model(SMALL, 0)
+    (chunk,) = build_chunks(model, 1, 0)
+    mb = synthetic_batch(SMALL, 2, SMALL.seq_len, 0, 0)
+    names = {p: n for n, p in chunk.named_parameters()}
+    order = []
+    for p in chunk.parameters():
+        p.register_post_accumulate_grad_hook(lambda q: order.append(names[q]))
+    record = WeightGradRecord()
+    with record_weight_grads(chunk, record) as embeds:
+        loss = lm_loss(chunk(mb.inputs), mb.targets)
+    for (entry, _), g in zip(embeds, torch.autograd.grad(loss, [o for _, o in embeds])):   # B
+        entry[2] = g
+    assert order == []
+    record.apply()                                                                          # W
+    assert sorted(order) == sorted(names.values())          # every parameter, once
+    assert order[0].startswith("lm_head") and order[-1].startswith("embed")
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zbv", 2),
+                                        ("dualpipev", 2)])
+def test_each_parameter_is_accumulated_once_per_micro_batch_of_its_chunk(schedule, v):
+    """Read off the table row (B's, or W's under a split schedule; dualpipev's F&B pairs split):
+    every chunk runs every micro-batch's backward once, so m accumulations each."""
+    m = 4 if schedule != "dualpipev" else 8
+    row = schedule_table(2, m, schedule, v)[0]
+    chunks = build_chunks(build_model(SMALL, 0), 2, 0, v, where="v" if v == 2 and schedule != "interleaved"
+                          else "loop")
+    counts = PipelineStageModel(chunks, row, None, schedule).gradient_accumulations()
+    assert sorted(counts) == sorted(n for c in chunks for n, _ in c.named_parameters())
+    assert set(counts.values()) == {m}
 
 
 @pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])

@@ -108,8 +108,9 @@ class PipelineStageModel(nn.Module):
     def gradient_accumulations(self) -> dict[str, int]:
         """Parameter name -> how many times one step of this rank's row accumulates its gradient:
         once per backward of its chunk (its B's; its W's under a split schedule, whose B
-        computes only the input gradient). What the bucketed `dp` counts down to know when a
-        gradient is final (refimpl.parallel.dp.bucketed)."""
+        computes only the input gradient): m for every table schedule_table makes, read off the
+        row all the same. What the bucketed `dp` counts down to know when a gradient is final
+        (refimpl.parallel.dp.bucketed)."""
         actions = [a for entry in self.actions for a in parse_entry(entry)]
         kind = "W" if any(a.kind == "W" for a in actions) else "B"
         per_chunk = Counter(a.chunk for a in actions if a.kind == kind)
