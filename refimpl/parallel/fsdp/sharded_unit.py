@@ -115,7 +115,7 @@ class ShardedUnit:
         """A backward through the unit is starting: its parameters' gradients will come, one
         each. Added, not set: under a split pipeline schedule (zb-h1) B of one micro-batch may
         start before the W of an earlier one has delivered its weight gradients (the runner's
-        W, refimpl.parallel.pp.zero_bubble), and the unit is done when every one has come."""
+        W, refimpl.parallel.pp.zero_bubble); each complete set of them is reduced (zero3.py)."""
         self.grads_left += len(self.flat.params)
 
     def prepare_grads(self) -> None:
