@@ -151,9 +151,8 @@ def test_checkpoint_saved_under_one_layout_resumes_under_another(tmp_path):
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(strategy="dp", nproc=4, pp=2, micro_batches=2), "not 'dp'"),
+    (dict(strategy="torch-ddp", nproc=4, pp=2, micro_batches=2), "not 'torch-ddp'"),
     (dict(strategy="torch-fsdp2-tp", nproc=4, tp=4), "dp x tp"),
-    (dict(strategy="fsdp", nproc=4, pp=2, micro_batches=2, schedule="zb-h1"), "deferred weight"),
     (dict(strategy="torch-fsdp2", nproc=2, return_optimizer_state=True), "not for 'torch-fsdp2'"),
     (dict(strategy="torch-fsdp2-tp", nproc=8, tp=2, pp=2, micro_batches=4, schedule="zbv"),
      "split backward"),

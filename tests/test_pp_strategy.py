@@ -80,14 +80,13 @@ def test_each_stage_holds_only_its_parameters():
      "multiple of pipeline stages"),
     (dict(strategy="torch-pp-1f1b", nproc=4, pp=4, micro_batches=2), ">= stages"),
     (dict(strategy="pp-1f1b", nproc=2, pp=1), "--pp >= 2"),
-    (dict(strategy="dp", nproc=2, pp=2), "pp-* strategies or dp-naive"),  # zero1/2/3, fsdp compose
+    (dict(strategy="torch-ddp", nproc=2, pp=2), "pp-* strategies or dp-naive"),  # dp, zero*, fsdp compose
     (dict(strategy="pp-gpipe", nproc=2, pp=2, schedule="1f1b"), "drop --schedule"),
     (dict(strategy="pp-zb", nproc=2, pp=2, activation_checkpointing=True), "checkpointing"),
     (dict(strategy="pp-dualpipev", nproc=2, pp=2, micro_batches=2), ">= 2 x stages"),
     (dict(strategy="pp-zbv", nproc=2, pp=2, virtual_stages=3, micro_batches=2, model=GPTConfig(n_layers=6)),
      "exactly two chunks"),
     (dict(strategy="pp-zbv", nproc=2, pp=2, micro_batches=2, model=GPTConfig(n_layers=3)), "at least as many"),
-    (dict(strategy="zero3", nproc=4, pp=2, micro_batches=2, schedule="zbv"), "deferred weight gradients"),
     (dict(strategy="torch-pp-interleaved-zb", nproc=2, pp=2, micro_batches=2), "--virtual-stages >= 2"),
 ])
 def test_bad_pipeline_layouts_fail_before_launch_with_one_line(changes, words):

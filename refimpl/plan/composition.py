@@ -2,22 +2,22 @@
 
 How the axes compose (refimpl.compose.transforms.model_parallel, refimpl.mesh): a rank's model is
 the reference with tensor/sequence parallelism, context parallelism and activation checkpointing
-applied, then cut into its pipeline stage; the data-parallel strategy (dp-naive, zero1/2/3, fsdp)
+applied, then cut into its pipeline stage; the data-parallel strategy (dp-naive, dp, zero1/2/3, fsdp)
 then shards or replicates that share over the dp x cp ranks that hold the same share. Each
 collective runs on one axis's group: tp's inside every block, pp's sends between stages, dp's
 once per step (or per unit, for ZeRO-3/FSDP).
 
 Which pairs compose here (tests/test_composition.py) and which fail before launch, in one line:
   dp x tp, dp x pp, tp x pp, pp x cp, dp x tp x pp, tp x cp (ring attention over each tp rank's
-  heads, refimpl.compose.tp_cp), dp x tp x cp, cp x tp x pp, any of them with zero1/2/3 or fsdp on
-  dp, with --sequence-parallel and --checkpointing                              -> equal to single
+  heads, refimpl.compose.tp_cp), dp x tp x cp, cp x tp x pp, any of them with dp, zero1/2/3 or
+  fsdp on dp (under every schedule, the split ones included: tests/test_dp_under_pp.py), with
+  --sequence-parallel and --checkpointing                                       -> equal to single
   experts x tp (each expert split over tp; +sp), x ep over dp, and a MoE model under dp-naive,
   dp, zero1/2/3 or fsdp with --ep (experts synced or sharded over edp) (tests/test_moe_tp_dp.py)
                                                                                 -> equal to single
   --experts (ep, or replicated) with pp (any schedule) and cp (model.moe_layout) -> equal to single
   --ep with PyTorch's twins    they sum every gradient over dp x cp, different experts' included
-  `dp` (bucketed) with --pp    its bucket hooks are gated by micro_step, which a schedule skips
-  zero3 / fsdp with zb-h1      the deferred weight gradients bypass the per-unit reduce-scatter
+  tp x pp, a split schedule    the deferred W knows nn.Linear/LayerNorm/Embedding, not tp's linears
 
 The placement rule of MT-NLG and Megatron-LM ("model parallel inside a node, data parallel across
 nodes"; seed 003) as arithmetic: `placement_rule` compares each axis's traffic with the compute it

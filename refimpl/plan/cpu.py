@@ -42,8 +42,9 @@ def shape_of(cfg: GPTConfig, seq_len: int) -> ModelShape:
 
 
 def cpu_strategy(zero_stage: int, pp: int) -> str:
-    """The loop's strategy for a ZeRO stage. Stage 0 under a pipeline is dp-naive (one all-reduce
-    per parameter tensor): the bucketed `dp` is refused with pp (refimpl.plan.composition)."""
+    """The loop's strategy for a ZeRO stage. Stage 0 under a pipeline stays dp-naive here (one
+    all-reduce per parameter tensor: what `grad_messages` counts), though the bucketed `dp` runs
+    under pp too (refimpl.parallel.dp.bucketed)."""
     return "dp-naive" if zero_stage == 0 and pp > 1 else ZERO_STRATEGY[zero_stage]
 
 

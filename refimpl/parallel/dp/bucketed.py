@@ -14,12 +14,18 @@ on every rank), different schedule (Li et al. 2020, "PyTorch Distributed", §3.2
   * a MoE model under --ep keeps its experts' gradients in a second buffer whose buckets are
     all-reduced over "edp", the ranks holding the same experts (refimpl.placement).
 
+Under a pipeline (--pp, any schedule) the step's whole table is one micro-step: each stage's
+parameters are counted ready at their last accumulation of the step (the last B of their chunk, or
+the last W under a split schedule: refimpl.parallel.pp.stage's `gradient_accumulations`), so each
+stage's buckets leave during its cool-down, while its remaining backwards still compute.
+
 Options: bucket_mb (MiB). The default tiny model (5.6 MB of fp32 gradients) fits one 25 MiB bucket,
 so nothing overlaps; try --set bucket_mb=0.25 to see several buckets leave during backward.
 """
 from __future__ import annotations
 
 import contextlib
+import weakref
 from functools import partial
 
 from refimpl.config import Option
@@ -57,6 +63,11 @@ class BucketedDataParallel(Strategy):
             self.flat_grads.append(flat_grad)
             self.bucket_sets.append(buckets)
         self.optimizer = make_optimizer(self.model.parameters(), self.ctx.cfg)
+        pipeline = self.rank_model.pipeline
+        if pipeline is not None:
+            per_name = model.gradient_accumulations()
+            counts = [[per_name[slot.name] for slot in b.layout.slots] for b in self.bucket_sets]
+            self.rank_model.pipeline = _armed(pipeline, self.bucket_sets, counts)
 
     @contextlib.contextmanager
     def micro_step(self, is_last: bool):
@@ -76,3 +87,19 @@ class BucketedDataParallel(Strategy):
 
     def model_state(self) -> ModelStateBytes:
         return measured_model_state(self.model.parameters(), self.optimizer)
+
+
+def _armed(pipeline, bucket_sets: list[GradBuckets], accumulations: list[list[int]]):
+    """The pipeline's step (RankModel.pipeline) inside one micro-step of every bucket set, each
+    expecting its i-th parameter `accumulations[set][i]` times. Holds the buckets weakly
+    (GradBuckets says why)."""
+    refs = [weakref.ref(b) for b in bucket_sets]
+
+    def run(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for ref, counts in zip(refs, accumulations):
+                stack.enter_context(ref().micro_step(True, counts))
+            return pipeline(*args, **kwargs)
+
+    run.loss_stage = pipeline.loss_stage
+    return run

@@ -18,6 +18,15 @@ no copy is needed (DDP's `gradient_as_bucket_view=True`, §4.2 of the paper desc
 saves). With gradient accumulation, only the last micro-step's backward launches communication;
 the earlier ones just accumulate locally (DDP's `no_sync`).
 
+Under a pipeline (refimpl.parallel.pp) there is no per-micro-batch backward to gate: a schedule
+runs its backwards interleaved with forwards, one chunk's after another's, so a rank's parameters
+become final at different actions of the step (an interleaved or V rank's later chunk finishes
+its backwards while the earlier one is still in its cool-down). The step is then one micro_step
+told how many times each parameter will be accumulated (`accumulations`: once per backward of
+its chunk, or per W of a split schedule); a parameter counts as ready at its last accumulation,
+so a bucket leaves as soon as the last backward (or W) touching its parameters has produced them,
+while the rest of the schedule still runs.
+
 What a bucket's collective *is* belongs to the strategy: `all_reduce_sum` for DP,
 `reduce_sum_to_owner` for ZeRO-1 and ZeRO-2 (`cut_at` then splits buckets at shard boundaries so that each
 bucket has exactly one owner). Both sum: the 1/world of the average was applied to each rank's
@@ -127,6 +136,7 @@ class GradBuckets:
                 self._buckets_of[i].append(b)
         self.flat_grad: torch.Tensor | None = None
         self._sync = False
+        self._left: list[int] | None = None             # accumulations still to come (a pipeline)
         self._next = 0                                  # the next bucket to launch, in order
         # No reference cycles through the parameters' hooks (so `reduce` should not be a bound
         # method of an object holding this one, and the hooks hold `self` weakly): a cycle is
@@ -142,9 +152,12 @@ class GradBuckets:
         self.layout.bind_grads(flat_grad)
 
     @contextlib.contextmanager
-    def micro_step(self, sync: bool):
-        """Wrap each micro-step's backward; with sync=False gradients only accumulate (no_sync)."""
+    def micro_step(self, sync: bool, accumulations: list[int] | None = None):
+        """Wrap each micro-step's backward; with sync=False gradients only accumulate (no_sync).
+        `accumulations[i]`: how many times parameter i's gradient is accumulated inside this
+        micro-step (a pipeline's whole step; default: once); it is ready at the last."""
         self._sync = sync
+        self._left = None if accumulations is None else list(accumulations)
         if sync:
             self._next = 0
             for b in self.buckets:
@@ -154,6 +167,10 @@ class GradBuckets:
     def _on_gradient_ready(self, i: int) -> None:
         if not self._sync:
             return
+        if self._left is not None:
+            self._left[i] -= 1
+            if self._left[i]:
+                return                                  # more backwards will add to it
         for b in self._buckets_of[i]:
             b.pending -= 1
         # Launch in bucket order only: every rank must issue the same collectives in the same order.

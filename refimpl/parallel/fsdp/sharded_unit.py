@@ -112,8 +112,11 @@ class ShardedUnit:
     # --- gradients --------------------------------------------------------------------------------
 
     def expect_grads(self) -> None:
-        """The unit's backward is starting: count down its parameters' gradients from here."""
-        self.grads_left = len(self.flat.params)
+        """A backward through the unit is starting: its parameters' gradients will come, one
+        each. Added, not set: under a split pipeline schedule (zb-h1) B of one micro-batch may
+        start before the W of an earlier one has delivered its weight gradients (the runner's
+        W, refimpl.parallel.pp.zero_bubble); each complete set of them is reduced (zero3.py)."""
+        self.grads_left += len(self.flat.params)
 
     def prepare_grads(self) -> None:
         """Give every parameter a .grad that is a view of one zeroed flat buffer, so autograd

@@ -19,6 +19,15 @@ hooks them into its forward and backward, under a `ShardingPolicy`:
             last .grad of unit i accumulated: reduce-scatter its gradient, free its parameters
   step      AdamW on this rank's fp32 shards only (every state sharded)
 
+Under a pipeline's split schedules (zb-h1, interleaved-zb, zbv, dualpipev) a B computes only the
+input gradient: the output hook still fires, so the unit is gathered and its gradients counted as
+expected, but they come later, with the W's, which hand them to autograd's accumulator
+(refimpl.parallel.pp.zero_bubble): the same hooks bind them into the flat gradient and count them
+in. Each W delivers one gradient of every parameter of the unit, and the unit then reduce-scatters
+and frees them as after a plain backward, even while later micro-batches' B's still expect theirs
+(zb-h1's B's run ahead of its W's). A W reads no weight (dA = dY^T X; LayerNorm's x_hat without
+the affine), so it may run on a resharded unit, and nothing waits for it to free them.
+
 The shards are cut over the mesh's dp x cp ranks (refimpl.mesh): on a composed grid each
 tensor-parallel or pipeline slice is sharded among the ranks that hold the same slice, and a MoE
 block's experts under --ep among the ranks that hold the same experts ("edp": a second flat shard
@@ -148,10 +157,13 @@ class FullySharded(Strategy):
 
     def _grad_ready(self, i: int, unit: ShardedUnit) -> None:
         unit.grads_left -= 1
-        if any(part.grads_left for part in self.at[i]):
+        # every part of the block (dense, and its experts under --ep) has a whole set in
+        if any(part.grads_left % len(part.flat.params) for part in self.at[i]):
             return
-        # The unit's last gradient is in: its backward is over (every op that needed its
-        # weights also produced a weight gradient), so free its parameters first, then reduce.
+        # A whole set is in: one backward's gradient of every parameter (or one W's, under a split
+        # schedule, with the B's of later micro-batches perhaps still expecting theirs). The
+        # backward is over (every op that needed the weights has run: W needs none), so free the
+        # parameters first, then reduce.
         # At most one reduce-scatter stays in flight: the previous unit's has had this unit's
         # whole backward to finish, and waiting for it here frees its full-size gradient buffer
         # before another is sent.

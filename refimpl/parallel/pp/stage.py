@@ -11,6 +11,8 @@ state dict is just the union of every stage's, and a checkpoint moves between la
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn as nn
 
@@ -18,6 +20,7 @@ from refimpl.mesh import LayoutError
 from refimpl.model import GPT
 from refimpl.parallel.pp.schedules import (
     chunks_per_rank,
+    parse_entry,
     piece_of,
     pipeline_schedule,
     placement,
@@ -101,6 +104,18 @@ class PipelineStageModel(nn.Module):
         self.actions, self.group, self.schedule = actions, group, schedule
         self.where, self.inbox = placement(schedule), inbox   # the runner's placement, receive order
         self.loss_stage = 0 if self.where == "v" else None    # None: the last stage (step.global_mean_loss)
+
+    def gradient_accumulations(self) -> dict[str, int]:
+        """Parameter name -> how many times one step of this rank's row accumulates its gradient:
+        once per backward of its chunk (its B's; its W's under a split schedule, whose B
+        computes only the input gradient): m for every table schedule_table makes, read off the
+        row all the same. What the bucketed `dp` counts down to know when a gradient is final
+        (refimpl.parallel.dp.bucketed)."""
+        actions = [a for entry in self.actions for a in parse_entry(entry)]
+        kind = "W" if any(a.kind == "W" for a in actions) else "B"
+        per_chunk = Counter(a.chunk for a in actions if a.kind == kind)
+        return {name: per_chunk[c] for c, chunk in enumerate(self.chunks)
+                for name, _ in chunk.named_parameters()}
 
     def forward(self, *_):
         raise RuntimeError("a pipeline stage runs through pipeline_forward_backward, not forward()")

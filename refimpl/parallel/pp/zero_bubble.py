@@ -11,7 +11,13 @@ How it is done here (our own approach, not PyTorch's `stage_backward_input/weigh
   * B is `torch.autograd.grad(output, inputs=[stage input])`: autograd runs only the nodes on the
     path to the input, and inside each node computes only the outputs that path needs, so the
     weight products X^T dY are skipped (and no .grad is touched);
-  * W computes every weight gradient from the kept (X, dY) pairs with the layer's own formula.
+  * W computes every weight gradient from the kept (X, dY) pairs with the layer's own formula
+    (no weight is read: dA = dY^T X, LayerNorm's x_hat is recomputed without its affine), and
+    hands each one to autograd's own accumulator (`torch.autograd.backward(param, grad)` on the
+    leaf), last layer first, so whatever a data-parallel strategy hooked on a parameter's
+    gradient runs as it would after a plain backward: DDP's buckets (refimpl.parallel.dp.
+    grad_buckets) count it ready, ZeRO-3/FSDP's unit (refimpl.parallel.fsdp.zero3) binds it
+    into its flat gradient and reduce-scatters once its last gradient is in.
 Between B and W this micro-batch's X's and dY's stay alive: that is why ZB-H1 bounds the micro-
 batches in flight (F done, W not yet) by p.
 """
@@ -31,11 +37,25 @@ class WeightGradRecord:
         self.entries: list[list] = []   # [module, X, dY or None]
 
     def apply(self) -> None:
-        """W: accumulate every recorded layer's weight gradient into .grad, then forget X and dY."""
-        for module, x, dy in self.entries:
-            if dy is None:          # an output that did not reach the loss (not in our model)
+        """W: accumulate every recorded layer's weight gradient into .grad, then forget X and dY.
+        Layers go last first (the order a plain backward finishes them in, DDP's bucket order);
+        a layer run twice in one forward has its gradients summed and accumulated once, so each
+        parameter is accumulated once per W, as once per plain backward."""
+        live = [(module, x, dy) for module, x, dy in self.entries if dy is not None]
+        first_use = {}              # walking backwards, a layer's first use is its last visit
+        for i, (module, _, _) in enumerate(live):
+            first_use.setdefault(id(module), i)
+        summed: dict[int, list] = {}
+        for i in reversed(range(len(live))):
+            module, x, dy = live[i]
+            grads = weight_grads(module, x, dy)
+            if id(module) in summed:
+                grads = [a + b for a, b in zip(summed.pop(id(module)), grads)]
+            if i > first_use[id(module)]:
+                summed[id(module)] = grads
                 continue
-            _accumulate(module, x, dy)
+            params = [p for p in (module.weight, getattr(module, "bias", None)) if p is not None]
+            torch.autograd.backward(params, grads)   # AccumulateGrad: .grad += g, and its hooks
         self.entries.clear()
 
 
@@ -66,27 +86,21 @@ def record_weight_grads(chunk: nn.Module, record: WeightGradRecord):
             h.remove()
 
 
-def _grad_buffer(param: torch.Tensor) -> torch.Tensor:
-    if param.grad is None:
-        param.grad = torch.zeros_like(param)
-    return param.grad
-
-
-def _accumulate(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> None:
-    dtype = module.weight.dtype          # under autocast X or dY may be bf16; master weights are not
+def weight_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
+    """The gradients of `module`'s weight (and bias, when it has one) from its input X and its
+    output's gradient dY, in the master dtype (under autocast X or dY may be bf16)."""
+    dtype = module.weight.dtype
     dy = dy.to(dtype)
     x = x if isinstance(module, nn.Embedding) else x.to(dtype)
     with torch.no_grad():
         if isinstance(module, nn.Linear):
             dy2 = dy.reshape(-1, dy.shape[-1])
-            _grad_buffer(module.weight).add_(dy2.t() @ x.reshape(-1, x.shape[-1]))   # dA = dY^T X
-            if module.bias is not None:
-                _grad_buffer(module.bias).add_(dy2.sum(0))
-        elif isinstance(module, nn.LayerNorm):
+            grads = [dy2.t() @ x.reshape(-1, x.shape[-1])]                          # dA = dY^T X
+            return grads + ([dy2.sum(0)] if module.bias is not None else [])
+        if isinstance(module, nn.LayerNorm):
             x_hat = F.layer_norm(x, module.normalized_shape, eps=module.eps)        # recomputed
             dims = tuple(range(dy.dim() - len(module.normalized_shape)))
-            _grad_buffer(module.weight).add_((dy * x_hat).sum(dims))
-            _grad_buffer(module.bias).add_(dy.sum(dims))
-        elif isinstance(module, nn.Embedding):
-            # The gradient of a lookup table: each row receives the dY of every position that read it.
-            _grad_buffer(module.weight).index_add_(0, x.reshape(-1), dy.reshape(-1, dy.shape[-1]))
+            return [(dy * x_hat).sum(dims), dy.sum(dims)]
+        # nn.Embedding: each row of the table receives the dY of every position that read it.
+        table = torch.zeros(module.weight.shape, dtype=dtype, device=dy.device)
+        return [table.index_add_(0, x.reshape(-1), dy.reshape(-1, dy.shape[-1]))]
