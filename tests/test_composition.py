@@ -20,6 +20,14 @@ from refimpl.verify.reshard import placed_state, save_checkpoint
 from tests.models import SMALL
 
 TWO_BLOCKS = GPTConfig(**{**SMALL.to_dict(), "n_layers": 2})
+# 4 experts, top-2, capacity binding (some tokens overflow every step), counted per sequence: the
+# rule that equals single when a forward holds other tokens than single's (refimpl.model.moe)
+EXPERTS = dict(n_experts=4, top_k=2, capacity_factor=0.75, capacity_scope="sequence")
+
+
+def moe(config: TrainConfig, **balance) -> TrainConfig:
+    """The layout on a 2-block MoE model, 2 steps."""
+    return config.with_(steps=2, model=GPTConfig(**{**TWO_BLOCKS.to_dict(), **EXPERTS, **balance}))
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
@@ -49,20 +57,31 @@ RUNS = {
         "torch-fsdp2-tp dp2 x tp2 +sp": layout("torch-fsdp2-tp", 4, tp=2, micro_batches=1,
                                                sequence_parallel=True),
         "fsdp dp2 x tp2": layout("fsdp", 4, tp=2, micro_batches=1)},
+    # One 8-rank launch in make test for every 8-rank layout it keeps (start-up is paid once):
+    # the five axes, dense and with experts, and PyTorch's composed twin.
     8: {"zero1 dp2 x tp2 x pp2": layout("zero1", 8, tp=2, pp=2),
         "fsdp dp2 x tp2 x pp2 +sp": layout("fsdp", 8, tp=2, pp=2, sequence_parallel=True),
-        "fsdp grad_op dp2 x tp2 x pp2 +ckpt": layout("fsdp", 8, tp=2, pp=2,
-                                                     activation_checkpointing=True,
-                                                     options={"sharding": "grad_op"}),
-        "dp-naive dp2 x tp2 x pp2 interleaved v2": layout("dp-naive", 8, tp=2, pp=2,
-                                                          schedule="interleaved",
-                                                          virtual_stages=2, micro_batches=4),
         "zero2 dp2 x cp2 x pp2": layout("zero2", 8, cp=2, pp=2),
+        # ring attention over tp heads under a pipeline (refimpl.compose.tp_cp; tests/test_tp_cp.py)
+        "pp-1f1b cp2 x tp2 x pp2 +sp": layout("pp-1f1b", 8, tp=2, cp=2, pp=2,
+                                              sequence_parallel=True).with_(steps=2, model=TWO_BLOCKS),
+        # a MoE model on dp x ep x tp x pp: experts split over tp, spread over ep inside dp, a
+        # stage's aux loss in the step's (tests/test_moe_compose.py, tests/test_moe_tp_dp.py)
+        "ep dp2 x tp2 x pp2, experts ep over dp, aux +sp": moe(layout(
+            "ep", 8, tp=2, pp=2, sequence_parallel=True), balance="aux"),
+        "zero1 dp2 x tp2 x pp2 --ep 2, bias": moe(layout("zero1", 8, tp=2, pp=2, ep=2),
+                                                  balance="bias", bias_gamma=0.01),
         # PyTorch's twin: FSDP2 + DTensor TP + torch.distributed.pipelining's 1F1B (2 blocks,
         # 2 steps: DTensor's dispatch makes it the launch's slowest; more in test_torch_twin_pp.py)
         "torch-fsdp2-tp dp2 x tp2 x pp2 +sp": layout("torch-fsdp2-tp", 8, tp=2, pp=2,
                                                      sequence_parallel=True).with_(
                                                          steps=2, model=TWO_BLOCKS)},
+    "8-full": {"fsdp grad_op dp2 x tp2 x pp2 +ckpt": layout("fsdp", 8, tp=2, pp=2,
+                                                            activation_checkpointing=True,
+                                                            options={"sharding": "grad_op"}),
+               "dp-naive dp2 x tp2 x pp2 interleaved v2": layout("dp-naive", 8, tp=2, pp=2,
+                                                                 schedule="interleaved",
+                                                                 virtual_stages=2, micro_batches=4)},
 }
 
 
@@ -72,7 +91,9 @@ def results(world):
     return dict(zip(names, train_several_on_ranks([RUNS[world][n] for n in names], timeout=900)))
 
 
-@pytest.mark.parametrize("world,name", [(w, n) for w, runs in RUNS.items() for n in runs])
+@pytest.mark.parametrize("world,name", [
+    pytest.param(w, n, marks=[pytest.mark.full] if str(w).endswith("full") else [])
+    for w, runs in RUNS.items() for n in runs])
 def test_composed_layout_equals_single(world, name):
     config, result = RUNS[world][name], results(world)[name]
     eq = compare_with_single(config, result)

@@ -3,12 +3,13 @@
 Each tp rank holds a/tp heads of Q, K and V and rings its K/V shard among its cp peers; the
 losses and the final weights (gathered from the tp shards) equal single's at float64's gate.
 
-  make test   cp2 x tp2 x pp2 with --sequence-parallel under 1F1B (8 ranks, 2 blocks, 2 steps);
+  make test   cp2 x tp2 x pp2 with --sequence-parallel under 1F1B (8 ranks, 2 blocks, 2 steps)
+              is tests/test_composition.py's, in its one 8-rank launch (start-up paid once);
               tp2 x cp2 with --sequence-parallel under zero1 (4 ranks) is tests/test_nccl_rules.py's
               run, which equals single with every message paired by posting order alone (NCCL's
               rule) and audits each rank's tensors for their device; on fake tensors (no ranks,
               tests/test_dryrun.py), a ring message under tp x cp is 1/tp of plain cp's
-  full        that tp2 x cp2 +sp run here too, tp2 x cp2 without SP and with activation
+  full        those two runs here too, tp2 x cp2 without SP and with activation
               checkpointing; dp2 x tp2 x cp2 under zero2 and fsdp (8 ranks); cp2 x tp2 x pp2
               interleaved (8 ranks)
 """
@@ -33,13 +34,13 @@ def layout(strategy, world, model=SMALL, **kw):
 
 
 RUNS = {  # (world, in make test?) -> name -> config
-    (8, True): {"pp-1f1b cp2 x tp2 x pp2 +sp": layout("pp-1f1b", 8, TWO_BLOCKS, tp=2, cp=2, pp=2,
-                                                      sequence_parallel=True)},
     (4, False): {"zero1 tp2 x cp2 +sp": layout("zero1", 4, tp=2, cp=2, sequence_parallel=True),
                  "tp tp2 x cp2": layout("tp", 4, tp=2, cp=2, micro_batches=1),
                  "fsdp tp2 x cp2 +ckpt": layout("fsdp", 4, tp=2, cp=2,
                                                 activation_checkpointing=True)},
-    (8, False): {"zero2 dp2 x tp2 x cp2": layout("zero2", 8, tp=2, cp=2),
+    (8, False): {"pp-1f1b cp2 x tp2 x pp2 +sp": layout("pp-1f1b", 8, TWO_BLOCKS, tp=2, cp=2, pp=2,
+                                                       sequence_parallel=True),
+                 "zero2 dp2 x tp2 x cp2": layout("zero2", 8, tp=2, cp=2),
                  "fsdp dp2 x tp2 x cp2 +sp": layout("fsdp", 8, tp=2, cp=2, sequence_parallel=True),
                  "zero1 cp2 x tp2 x pp2 interleaved v2": layout(
                      "zero1", 8, tp=2, cp=2, pp=2, schedule="interleaved", virtual_stages=2,
