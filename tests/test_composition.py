@@ -56,7 +56,16 @@ RUNS = {
         "torch-fsdp2-tp dp2 x tp2": layout("torch-fsdp2-tp", 4, tp=2, micro_batches=1),
         "torch-fsdp2-tp dp2 x tp2 +sp": layout("torch-fsdp2-tp", 4, tp=2, micro_batches=1,
                                                sequence_parallel=True),
-        "fsdp dp2 x tp2": layout("fsdp", 4, tp=2, micro_batches=1)},
+        "fsdp dp2 x tp2": layout("fsdp", 4, tp=2, micro_batches=1),
+        # tp's linears under a split schedule: W reads their own matmul (pp.zero_bubble), the
+        # row-parallel bias from its slice of the sequence under SP
+        "zero1 tp2 x pp2 zbv +sp": layout("zero1", 4, tp=2, pp=2, schedule="zbv", micro_batches=4,
+                                          sequence_parallel=True)},
+    "4-full": {"pp-zb tp2 x pp2": layout("pp-zb", 4, tp=2, pp=2, micro_batches=4),
+               "fsdp tp2 x pp2 zb-h1 +sp": layout("fsdp", 4, tp=2, pp=2, schedule="zb-h1",
+                                                  micro_batches=4, sequence_parallel=True),
+               "ep tp2 x pp2 zb-h1, experts": moe(layout("ep", 4, tp=2, pp=2, schedule="zb-h1",
+                                                         micro_batches=4), balance="aux")},
     # One 8-rank launch in make test for every 8-rank layout it keeps (start-up is paid once):
     # the five axes, dense and with experts, and PyTorch's composed twin.
     8: {"zero1 dp2 x tp2 x pp2": layout("zero1", 8, tp=2, pp=2),

@@ -10,14 +10,14 @@ once per step (or per unit, for ZeRO-3/FSDP).
 Which pairs compose here (tests/test_composition.py) and which fail before launch, in one line:
   dp x tp, dp x pp, tp x pp, pp x cp, dp x tp x pp, tp x cp (ring attention over each tp rank's
   heads, refimpl.compose.tp_cp), dp x tp x cp, cp x tp x pp, any of them with dp, zero1/2/3 or
-  fsdp on dp (under every schedule, the split ones included: tests/test_dp_under_pp.py), with
+  fsdp on dp (under every schedule, the split ones included, tp's too: tests/test_dp_under_pp.py,
+  tests/test_composition.py), with
   --sequence-parallel and --checkpointing                                       -> equal to single
   experts x tp (each expert split over tp; +sp), x ep over dp, and a MoE model under dp-naive,
   dp, zero1/2/3 or fsdp with --ep (experts synced or sharded over edp) (tests/test_moe_tp_dp.py)
                                                                                 -> equal to single
   --experts (ep, or replicated) with pp (any schedule) and cp (model.moe_layout) -> equal to single
   --ep with PyTorch's twins    they sum every gradient over dp x cp, different experts' included
-  tp x pp, a split schedule    the deferred W knows nn.Linear/LayerNorm/Embedding, not tp's linears
 
 The placement rule of MT-NLG and Megatron-LM ("model parallel inside a node, data parallel across
 nodes"; seed 003) as arithmetic: `placement_rule` compares each axis's traffic with the compute it

@@ -65,13 +65,6 @@ def validate_pipeline(cfg: TrainConfig) -> None:
     partition(cfg.model.n_layers, cfg.pp * chunks_per_rank(schedule, v))
     if cfg.model.tie_embeddings:
         raise LayoutError("--pp needs untied embeddings: the head and the embedding sit on different stages")
-    if schedule in SPLIT_SCHEDULES and cfg.tp > 1 and cfg.strategy not in TWINS_ON_A_PIPELINE:
-        # (PyTorch's twin runs PyTorch's own split backward: its refusal is its own.)
-        # Found running dp x tp x pp: before this check the layout ran, and its weights drifted
-        # from single's by 8 % in 2 steps.
-        raise LayoutError(f"--schedule {schedule} with --tp {cfg.tp}: the deferred W computes the weight "
-                          "gradients of nn.Linear/LayerNorm/Embedding layers only (pp.zero_bubble), not "
-                          "of the tensor-parallel linears (use 1f1b or interleaved with --tp)")
     if schedule in SPLIT_SCHEDULES and cfg.activation_checkpointing:
         raise LayoutError(f"{schedule} records each layer's input for the deferred W: not with --checkpointing")
 

@@ -6,7 +6,9 @@ ZB-H1 runs B at once and defers W into time that would otherwise be bubble.
 
 How it is done here (our own approach, not PyTorch's `stage_backward_input/weight`):
   * during the forward of a micro-batch, a forward hook on every Linear, LayerNorm and Embedding of
-    the chunk records (module, its input X) and hooks the module's output so that, when the
+    the chunk (and tensor parallelism's column/row-parallel linears, through their
+    `observe_matmul`, which sees the matmul's own input under sequence parallelism) records
+    (module, its input X) and hooks the module's output so that, when the
     gradient dY reaches it, dY is kept too;
   * B is `torch.autograd.grad(output, inputs=[stage input])`: autograd runs only the nodes on the
     path to the input, and inside each node computes only the outputs that path needs, so the
@@ -26,6 +28,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -77,13 +80,26 @@ def record_weight_grads(chunk: nn.Module, record: WeightGradRecord):
             entry[2] = grad if entry[2] is None else entry[2] + grad
         output.register_hook(keep)
 
+    def observe(module, x, y):      # a tensor-parallel linear: its matmul's own X and Y
+        entry = [module, x.detach(), None]
+        record.entries.append(entry)
+
+        def keep(grad):
+            entry[2] = grad if entry[2] is None else entry[2] + grad
+        y.register_hook(keep)
+
     handles = [m.register_forward_hook(hook) for m in chunk.modules()
                if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding))]
+    observed = [m for m in chunk.modules() if hasattr(m, "observe_matmul")]
+    for m in observed:
+        m.observe_matmul = observe
     try:
         yield embed_outputs
     finally:
         for h in handles:
             h.remove()
+        for m in observed:
+            m.observe_matmul = None
 
 
 def weight_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
@@ -93,6 +109,8 @@ def weight_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> list[t
     dy = dy.to(dtype)
     x = x if isinstance(module, nn.Embedding) else x.to(dtype)
     with torch.no_grad():
+        if hasattr(module, "observe_matmul"):
+            return _tp_linear_grads(module, x, dy)
         if isinstance(module, nn.Linear):
             dy2 = dy.reshape(-1, dy.shape[-1])
             grads = [dy2.t() @ x.reshape(-1, x.shape[-1])]                          # dA = dY^T X
@@ -104,3 +122,20 @@ def weight_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> list[t
         # nn.Embedding: each row of the table receives the dY of every position that read it.
         table = torch.zeros(module.weight.shape, dtype=dtype, device=dy.device)
         return [table.index_add_(0, x.reshape(-1), dy.reshape(-1, dy.shape[-1]))]
+
+
+def _tp_linear_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
+    """A tensor-parallel linear (refimpl.parallel.tp.layers): dA = dY^T X on its own matmul's X and
+    Y, as nn.Linear's. A column-parallel bias is inside that matmul (dY summed); a row-parallel
+    bias is added after the reduction, to the rank's own tokens under sequence parallelism: its
+    gradient is the sum over this rank's slice of the sequence (the reduce-scatter's backward
+    gathered every rank's dY into dy), which the sequence-parallel hook then sums over tp."""
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    grads = [dy2.t() @ x.reshape(-1, x.shape[-1])]
+    if module.bias is None:
+        return grads
+    if hasattr(module, "input_is_parallel") and module.sequence_parallel:   # row-parallel, SP
+        s_local = dy.shape[1] // dist.get_world_size(module.group)
+        start = dist.get_rank(module.group) * s_local
+        dy = dy[:, start:start + s_local]
+    return grads + [dy.reshape(-1, dy.shape[-1]).sum(0)]

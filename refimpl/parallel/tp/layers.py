@@ -80,6 +80,12 @@ class ColumnParallelLinear(nn.Module):
     must be ignored downstream (the vocabulary-parallel loss masks them; gather_output trims them).
     """
 
+    # Zero bubble's deferred W (refimpl.parallel.pp.zero_bubble) needs the matmul's own input and
+    # output, which sequence parallelism's gather / reduce-scatter hide from a forward hook: while
+    # it records a micro-batch it sets this to a callable(module, x, y); None otherwise.
+    observe_matmul = None
+
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, *, out_full: int,
                  gather_output: bool, sequence_parallel: bool, input_in_region: bool, comm=None):
         super().__init__()
@@ -108,6 +114,8 @@ class ColumnParallelLinear(nn.Module):
         if not self.input_in_region:
             x = enter_region(x, self.group, self.sequence_parallel, self.comm)
         y = F.linear(x, self.weight, self.bias)
+        if self.observe_matmul is not None:
+            self.observe_matmul(self, x, y)
         if self.gather_output:
             y = gather_last_dim(y, self.group, self.comm)[..., :self.out_full]
         return y
@@ -121,6 +129,12 @@ class RowParallelLinear(nn.Module):
     The reduction is `reduce_from_region` (g: all-reduce), or under sequence parallelism
     `scatter_to_sequence` (reduce-scatter: each rank keeps s/t tokens of the sum).
     """
+
+    # Zero bubble's deferred W (refimpl.parallel.pp.zero_bubble) needs the matmul's own input and
+    # output, which sequence parallelism's gather / reduce-scatter hide from a forward hook: while
+    # it records a micro-batch it sets this to a callable(module, x, y); None otherwise.
+    observe_matmul = None
+
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, *,
                  input_is_parallel: bool, sequence_parallel: bool, comm=None):
@@ -148,6 +162,8 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = split_last_dim(x, self.group, self.comm)
         partial = F.linear(x, self.weight)
+        if self.observe_matmul is not None:
+            self.observe_matmul(self, x, partial)
         y = exit_region(partial, self.group, self.sequence_parallel, self.comm)
         return y + self.bias if self.bias is not None else y
 
