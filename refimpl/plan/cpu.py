@@ -208,7 +208,8 @@ def cpu_layouts(hw: Hardware, world_size: int = 4, cfg: GPTConfig | None = None,
         if not runs_here(lay):
             continue
         row, waits = (predict(shape, lay, global_batch, links, gpus_per_node=world_size,
-                              precision="fp32", grad_messages=grad_messages(cfg, lay))
+                              precision="fp32", grad_messages=grad_messages(cfg, lay),
+                              zero2_per_micro_batch=lay.pp == 1)   # refimpl's zero2 (dp_sync)
                       for links in (hw, latency_only))
         row["planner_step_time_s"] = row["step_time_s"]   # every rank with a core to itself
         for r, links in ((row, hw), (waits, latency_only)):
