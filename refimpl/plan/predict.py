@@ -260,12 +260,13 @@ def predict_time(shape: ModelShape, lay: Layout, global_batch: int, hw: Hardware
     shard = params / n_dp if lay.zero_stage >= 1 else params
     optimizer_s = shard * (2 * bytes_["optimizer"] + bytes_["grad"] + 2 * bytes_["param"]) / hw.memory_bandwidth
 
-    step = pipeline_s + dp_s + optimizer_s
+    step = pipeline_s + dp_s + optimizer_s + hw.step_overhead_s
     executed = ((work["layer_flops"] * t * c) * shape.n_layers
                 + work["logits_flops"] * t * c) * global_batch / b
     return {"step_time_s": step, "compute_s": m * compute_s, "tp_comm_s": m * tp_s,
             "cp_comm_s": m * cp_s, "pp_comm_s": m * pp_s, "bubble_s": (p - 1) * per_micro_batch,
-            "dp_comm_s": dp_s, "optimizer_s": optimizer_s, "bubble_fraction": bubble,
+            "dp_comm_s": dp_s, "optimizer_s": optimizer_s, "step_overhead_s": hw.step_overhead_s,
+            "bubble_fraction": bubble,
             "micro_batches": m, "executed_flops": executed}
 
 
