@@ -10,12 +10,13 @@ step), then every layout is predicted and run in one launch, interleaved in roun
 is printed fastest-measured first with the prediction's parts. The verdict line gives Spearman's
 rank correlation and the pairs the prediction orders the wrong way although their measured times
 differ by more than --margin (closer pairs are within the machine's own spread). Exit status 1 if
-Spearman's rho is below --min-spearman. Not a test: wall time depends on the machine and its load;
-run it on a quiet one.
+Spearman's rho is below --min-spearman. Not a test: wall time depends on the machine and its load
+(printed with the figures); run it on a quiet one.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -48,7 +49,7 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    start = time.perf_counter()
+    start, load_before = time.perf_counter(), os.getloadavg()
     hw = calibrated_cpu_preset(world_size=args.nproc)
     recompute = ("none",) if args.no_checkpointing else ("none", "full")
     table = cpu_layouts(hw, world_size=args.nproc, recompute=recompute)
@@ -60,7 +61,9 @@ def main(argv=None) -> int:
     print(f"{args.nproc} CPU ranks on {hw.source}: matmul {hw.matmul_rate / 1e9:.1f} GFLOP/s per "
           f"core, {ms(hw.block_overhead_s):.2f} ms per block pass, alpha {ms(hw.intra_alpha):.2f} ms "
           f"per ring step, beta {hw.intra_bandwidth / 1e9:.2f} GB/s; {args.rounds} rounds x "
-          f"{args.steps - 1} timed steps, {time.perf_counter() - start:.0f} s in all")
+          f"{args.steps - 1} timed steps, {time.perf_counter() - start:.0f} s in all; load average "
+          f"(1, 5, 15 min) {load_before[0]:.1f} {load_before[1]:.1f} {load_before[2]:.1f} before, "
+          "{:.1f} {:.1f} {:.1f} after on {} cores".format(*os.getloadavg(), os.cpu_count()))
     with pd.option_context("display.width", 200, "display.max_rows", 500):
         print(comparison_view(table).to_string(index=False))
     names = table.layout

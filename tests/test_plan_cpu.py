@@ -89,6 +89,26 @@ def test_time_slicing_makes_bubbles_cheaper_and_full_pipelines_dearer():
     assert time_sliced_step(flat, 4, 2)["step_time_s"] == pytest.approx(2 * time_sliced_step(flat, 4, 4)["step_time_s"])
 
 
+def test_cores_are_shared_by_the_stages_mean_work_and_the_fit_keeps_its_terms_apart():
+    from refimpl.plan.cpu import mean_stage_compute_s
+    from refimpl.plan.cpu_calibration import nonnegative_least_squares, shape_of
+
+    # 4 stages: the busiest holds a block and the head, the mean a quarter of the whole model
+    shape = shape_of(GPTConfig(), 32)
+    whole = mean_stage_compute_s(shape, Layout(micro_batch_size=2), HW, 4)
+    staged = mean_stage_compute_s(shape, Layout(pp=4, micro_batch_size=2), HW, 4)
+    assert staged == pytest.approx(whole / 4)
+    row = {"micro_batches": 4, "pp": 4, "compute_s": 0.040, "optimizer_s": 0.0, "tp_comm_s": 0.0,
+           "cp_comm_s": 0.0, "pp_comm_s": 0.0, "dp_comm_s": 0.0, "step_overhead_s": 0.0}
+    busiest = time_sliced_step(row, world_size=4, cores=1)["step_time_s"]
+    assert time_sliced_step(dict(row, mean_compute_s=0.030), 4, 1)["step_time_s"] == pytest.approx(0.75 * busiest)
+    # the calibration's fit: rate, per-pass and per-step costs, each recovered, none below zero
+    import numpy as np
+    a = np.array([[1.0, 15, 1], [2, 15, 1], [4, 15, 1], [4, 30, 1], [4, 60, 1]])
+    assert nonnegative_least_squares(a, a @ [0.5, 0.01, 0.2]) == pytest.approx([0.5, 0.01, 0.2])
+    assert nonnegative_least_squares(a, a @ [0.5, 0.01, 0.0] - 0.05)[2] == 0.0
+
+
 def test_per_tensor_messages_are_counted():
     from refimpl.model import GPT
 

@@ -49,6 +49,9 @@ class Hardware:
     # Fixed cost of one block's pass per micro-batch (Python, op dispatch, kernel launches):
     # negligible against a GPU's large GEMMs, dominant for the tiny model on CPU.
     block_overhead_s: float = 0.0
+    # Fixed cost of one step whatever its micro-batches (the loop's Python around the step: the
+    # optimizer call, zeroing, the loss's reduction): nothing on a GPU preset, measured on CPU.
+    step_overhead_s: float = 0.0
     source: str = ""
 
     @property
@@ -92,7 +95,8 @@ def get_hardware(gpu) -> Hardware:
 
 def cpu_preset(matmul_flops: float, alpha_s: float, beta_bytes_per_s: float,
                memory_bandwidth: float, block_overhead_s: float = 0.0,
-               memory_bytes: float = 16 * GiB, overlaps_comm: bool = False) -> Hardware:
+               memory_bytes: float = 16 * GiB, overlaps_comm: bool = False,
+               step_overhead_s: float = 0.0) -> Hardware:
     """This machine as a 'GPU' for the planner, every number measured here: one rank's matmul rate
     (fraction 1: it is already what a matmul achieves), one thread's memcpy bandwidth, the
     alpha-beta fit of a collective (notebook 02; refimpl.cost.alpha_beta.fit_alpha_beta) and the
@@ -100,4 +104,5 @@ def cpu_preset(matmul_flops: float, alpha_s: float, beta_bytes_per_s: float,
     return Hardware("cpu", matmul_flops, memory_bytes, memory_bandwidth,
                     beta_bytes_per_s, beta_bytes_per_s, intra_alpha=alpha_s, inter_alpha=alpha_s,
                     gemm_fraction=1.0, link_fraction=1.0, overlaps_comm=overlaps_comm,
-                    block_overhead_s=block_overhead_s, source="measured on this machine")
+                    block_overhead_s=block_overhead_s, step_overhead_s=step_overhead_s,
+                    source="measured on this machine")

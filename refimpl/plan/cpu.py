@@ -17,28 +17,27 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
 import pandas as pd
 
 from refimpl.config import TrainConfig
 from refimpl.cost.alpha_beta import ring_seconds
 from refimpl.cost.hardware import Hardware
-from refimpl.cost.this_machine import measure_cpu_preset
 from refimpl.env import cpu_cores
 from refimpl.model import GPT, GPTConfig
+from refimpl.plan.cpu_calibration import (  # noqa: F401  (re-exported: the notebook, the bench)
+    calibrate_compute,
+    calibrated_cpu_preset,
+    shape_of,
+)
 from refimpl.plan.models import ModelShape
 from refimpl.plan.predict import PRECISIONS, Layout, micro_batch_work, predict
 from refimpl.plan.search import enumerate_layouts, rank_layouts
-from refimpl.train import train_on_ranks, train_several_on_ranks
+from refimpl.train import train_several_on_ranks
 from refimpl.verify.step_time import step_times_in_rounds
 
 ZERO_STRATEGY = {0: "dp", 1: "zero1", 2: "zero2", 3: "zero3"}
 LAYOUT_COLUMNS = ["dp", "tp", "pp", "cp", "zero_stage", "micro_batch_size", "recompute",
                   "sequence_parallel"]
-
-
-def shape_of(cfg: GPTConfig, seq_len: int) -> ModelShape:
-    return ModelShape(cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.vocab_size, seq_len)
 
 
 def cpu_strategy(zero_stage: int, pp: int) -> str:
@@ -115,55 +114,26 @@ def time_sliced_step(row, world_size: int, cores: int, waiting_s: float | None =
     core for another) and everything else more."""
     m, p = row["micro_batches"], row["pp"]
     per_micro_batch = row["compute_s"] / m
+    # the stages' mean work: the busiest (the planner's row) holds the embedding or the head too
+    mean_compute = row.get("mean_compute_s", row["compute_s"])
+    fixed = row["optimizer_s"] + row.get("step_overhead_s", 0.0)
     comm = exposed_comm_s(row)
     waiting = comm if waiting_s is None else waiting_s
     moving = comm - waiting
-    critical = (m + p - 1) * per_micro_batch + row["optimizer_s"] + moving
-    busy = world_size * (m * per_micro_batch + row["optimizer_s"] + moving) / min(cores, world_size)
+    critical = (m + p - 1) * per_micro_batch + fixed + moving
+    busy = world_size * (mean_compute + fixed + moving) / min(cores, world_size)
     return {"critical_path_s": critical, "core_bound_s": busy, "exposed_comm_s": comm,
             "waiting_s": waiting, "step_time_s": max(critical, busy) + waiting}
 
 
-def calibrate_compute(hw: Hardware, cfg: GPTConfig | None = None, seq_len: int = 32,
-                      batch_sizes=(1, 2, 4), steps: int = 5) -> Hardware:
-    """Fit the preset's compute terms to the reference itself: `single` on one thread at a few
-    batch sizes. A step is T(b) = FLOPs(b) / rate + bytes(b) / memcpy + passes * overhead +
-    optimizer; least squares over b gives the rate and the per-pass overhead. The isolated
-    measurements (refimpl.cost.this_machine: measure_matmul_rate's 512 x 512 matmul,
-    measure_block_overhead's one-token block pass) miss the tiny model's thin GEMMs, the loss, the
-    optimizer call and the bookkeeping: on the 2-core CI machine they predicted `single`'s step
-    ~1.5x too fast (fit: 1.0x by construction)."""
-    cfg = cfg or GPTConfig()
-    shape = shape_of(cfg, seq_len)
-    rows, targets = [], []
-    for b in batch_sizes:
-        measured = train_on_ranks(TrainConfig(strategy="single", nproc=1, global_batch=b,
-                                              seq_len=seq_len, steps=steps, model=cfg, device="cpu"))
-        lay = Layout(micro_batch_size=b)
-        work = micro_batch_work(shape, lay, PRECISIONS["fp32"]["activation"])
-        rest = predict(shape, lay, b, replace(hw, peak_flops=float("inf"), block_overhead_s=0.0),
-                       precision="fp32")["step_time_s"]     # memory-bound ops and the optimizer
-        rows.append([work["flops"], work["block_passes"]])
-        targets.append(measured["step_time_s"] - rest)
-    a, t = np.array(rows, dtype=float), np.maximum(np.array(targets), 1e-9)
-    (inv_rate, overhead), *_ = np.linalg.lstsq(a, t, rcond=None)
-    # Noise on a busy machine can push one term below zero: keep both non-negative, as
-    # refimpl.cost.alpha_beta.fit_alpha_beta does, refitting the other one alone.
-    if overhead < 0:
-        inv_rate, overhead = float(a[:, 0] @ t / (a[:, 0] @ a[:, 0])), 0.0
-    if inv_rate <= 0:
-        inv_rate, overhead = 1e-30, float(a[:, 1] @ t / (a[:, 1] @ a[:, 1]))
-    return replace(hw, peak_flops=1.0 / inv_rate, gemm_fraction=1.0, block_overhead_s=float(overhead),
-                   source=hw.source + "; compute fitted to single's step")
-
-
-def calibrated_cpu_preset(world_size: int = 4, cfg: GPTConfig | None = None,
-                          seq_len: int = 32) -> Hardware:
-    """This machine for the planner: the alpha-beta fit of an all-reduce on `world_size` gloo ranks
-    (on the 2-core CI machine alpha per ring step is ~4x larger on 4 ranks than on 2: ranks that
-    outnumber the cores wait for the scheduler), memcpy bandwidth, and the compute terms fitted to
-    the reference's own step."""
-    return calibrate_compute(measure_cpu_preset(world_size=world_size), cfg, seq_len)
+def mean_stage_compute_s(shape: ModelShape, lay: Layout, hw: Hardware, micro_batches: int) -> float:
+    """A stage's compute averaged over the pipeline: the whole model's (pp = 1) over p. The
+    planner's row is the busiest stage's, which holds the embedding or the head besides its
+    blocks; p ranks sharing the cores do the whole model's work once, not p busiest stages'."""
+    work = micro_batch_work(shape, replace(lay, pp=1), PRECISIONS["fp32"]["activation"])
+    per_micro_batch = (work["flops"] / hw.matmul_rate + work["hbm_bytes"] / hw.memory_bandwidth
+                       + work["block_passes"] * hw.block_overhead_s)
+    return micro_batches * per_micro_batch / lay.pp
 
 
 def train_config(row, world_size: int, cfg: GPTConfig, global_batch: int, seq_len: int,
@@ -212,9 +182,11 @@ def cpu_layouts(hw: Hardware, world_size: int = 4, cfg: GPTConfig | None = None,
         if not runs_here(lay):
             continue
         row, waits = (predict(shape, lay, global_batch, links, gpus_per_node=world_size,
-                              precision="fp32", grad_messages=grad_messages(cfg, lay))
+                              precision="fp32", grad_messages=grad_messages(cfg, lay),
+                              zero2_per_micro_batch=lay.pp == 1)   # refimpl's zero2 (dp_sync)
                       for links in (hw, latency_only))
         row["planner_step_time_s"] = row["step_time_s"]   # every rank with a core to itself
+        row["mean_compute_s"] = mean_stage_compute_s(shape, lay, hw, row["micro_batches"])
         for r, links in ((row, hw), (waits, latency_only)):
             r["tp_comm_s"] += sp_grad_sync_s(cfg, lay, links, r["micro_batches"])
         row.update(time_sliced_step(row, world_size, cores, waiting_s=exposed_comm_s(waits)))

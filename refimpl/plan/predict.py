@@ -24,11 +24,18 @@ from refimpl.cost.hardware import MEMORY_HEADROOM, Hardware
 from refimpl.memory import activation_bytes_per_layer, model_state_bytes, training_flops
 from refimpl.memory.arithmetic import tp_block_activation_bytes
 from refimpl.mesh import AXES as GRID_AXES  # dp, pp, cp, tp: outermost to innermost
+from refimpl.plan.dp_sync import dp_sync_seconds
 from refimpl.plan.models import ModelShape
 
 PRECISIONS = {
-    # mixed-precision Adam (the ZeRO paper's K = 12), 16-bit activations: what GPU trainings use
-    "bf16": {"param": 2, "grad": 2, "optimizer": 12, "activation": 2},
+    # mixed-precision Adam (the ZeRO paper's K = 12), 16-bit activations: what GPU trainings use.
+    # bf16 accumulates and reduces the gradients in fp32 (Megatron-LM turns
+    # accumulate_allreduce_grads_in_fp32 on for bf16; NeMo's bf16-mixed sets grad_reduce_in_fp32;
+    # torchtitan reduces in fp32 by default): 18 bytes per parameter, Megatron's distributed
+    # optimizer table's "bf16 param, fp32 grads" row. fp16 with loss scaling (the 2021 runs)
+    # keeps 16-bit gradients: the ZeRO paper's 16 bytes.
+    "bf16": {"param": 2, "grad": 4, "optimizer": 12, "activation": 2},
+    "fp16": {"param": 2, "grad": 2, "optimizer": 12, "activation": 2},
     # the CPU loop's default: fp32 weights and grads, AdamW's m and v
     "fp32": {"param": 4, "grad": 4, "optimizer": 8, "activation": 4},
 }
@@ -158,8 +165,16 @@ def micro_batch_work(shape: ModelShape, lay: Layout, act_bytes: int) -> dict:
     passes = 3 + (1 if lay.recompute == "full" else 0)   # backward = 2 forwards; recompute + 1
     layer_flops = layer_fwd * passes + (attn_core_fwd if lay.recompute == "selective" else 0)
     logits_flops = 3 * 2 * b * s_loc * h * v / t
-    # memory-bound ops read and write every stored activation once per pass (a coarse count)
-    hbm = 2 * passes * layers * _layer_activation_bytes(shape, lay, b, act_bytes, "none")
+    # memory-bound ops read and write every activation once per pass (a coarse count): the
+    # s·b·h-sized ones (Korthikanti et al. 2022 Table 2 without its s² term) and the softmax and
+    # dropout over the attention scores, 5 bytes per score at 16 bits. Ring attention (cp > 1)
+    # stores none of the scores but still computes them, block by block: the diagonal block and
+    # half of each of the c - 1 blocks that hop in (head-tail chunks skip the masked halves),
+    # s/c · s/c · (c + 1)/2 scores per head, against s² for one rank's unmasked attention.
+    scores = shape.n_heads / t * b * (s * s if c == 1 else s_loc * s_loc * (c + 1) / 2)
+    per_layer = (_layer_activation_bytes(shape, lay, b, act_bytes, "selective")
+                 + 5 * scores * act_bytes / 2)
+    hbm = 2 * passes * layers * per_layer
     return {"flops": layers * layer_flops + logits_flops, "hbm_bytes": hbm,
             "block_passes": (layers + 1) * passes,   # + 1: embedding and logits
             "layer_flops": layer_flops, "logits_flops": logits_flops}
@@ -167,7 +182,7 @@ def micro_batch_work(shape: ModelShape, lay: Layout, act_bytes: int) -> dict:
 
 def predict_time(shape: ModelShape, lay: Layout, global_batch: int, hw: Hardware,
                  gpus_per_node: int = 8, precision: str = "bf16",
-                 grad_messages: int = 1) -> dict:
+                 grad_messages: int = 1, zero2_per_micro_batch: bool = True) -> dict:
     """Step time of one layout. Every collective pays alpha per ring step and its bytes over
     beta, so where alpha is large (CPU ranks: ~1 ms) the number of messages matters as much as
     their size. `grad_messages` is how many collectives the data-parallel gradient sync is cut
@@ -200,17 +215,22 @@ def predict_time(shape: ModelShape, lay: Layout, global_batch: int, hw: Hardware
             + 3 * ring_seconds("all_reduce", b * s_loc * 4, t, tp_alpha, tp_beta))
     tp_s = layers * n_tp * activation_ar + ends
 
-    # --- context parallel: K and V hop cp-1 times forward; backward hops K, V again and dK, dV
-    # home (cp hops); each hop overlaps the attention on the block in hand (refimpl/parallel/cp/ring.py)
+    # --- context parallel (refimpl/parallel/cp/ring.py; Liu et al. 2023, Ring Attention, §3):
+    # forward, K and V hop c - 1 times, each hop hidden behind the attention on the block in
+    # hand; with head-tail chunks a rank computes half of each arriving block, (s/c)²/2 query-key
+    # pairs at 4 FLOPs per pair and channel (QKᵀ and PV), so a hop hides only where
+    # s/c >= 2 · rate / bandwidth (Liu et al.'s c >= F/B, halved by the causal mask). Backward,
+    # every step sends the accumulated dK, dV on as well (c steps; c - 1 also move K, V), against
+    # twice the forward's work per block.
     cp_s = 0.0
     if c > 1:
         cp_alpha, cp_beta = hw.link(lay.within_node("cp", gpus_per_node))
         hop = cp_alpha + 2 * b * s_loc * h / t * act / cp_beta
-        block = 4 * b * (s / (2 * c)) ** 2 * h / t * (2 * c + 1) / c / hw.matmul_rate
+        block = 4 * b * s_loc * s_loc / 2 * h / t / hw.matmul_rate
         block = block if hw.overlaps_comm else 0.0
         fwd_rings = 1 + (1 if lay.recompute == "full" else 0)
-        cp_s = layers * ((c - 1) * fwd_rings * max(0.0, hop - block)
-                         + (2 * c - 1) * max(0.0, hop - 2 * block))
+        backward = (c - 1) * max(0.0, 2 * hop - 2 * block) + max(0.0, hop - 2 * block)
+        cp_s = layers * ((c - 1) * fwd_rings * max(0.0, hop - block) + backward)
 
     # --- pipeline: one activation send forward and one gradient send backward per micro-batch,
     # 1/t of it per GPU (scatter/gather, Narayanan et al. 2021 §4.1)
@@ -228,41 +248,36 @@ def predict_time(shape: ModelShape, lay: Layout, global_batch: int, hw: Hardware
     dp_within = lay.within_node("dp", gpus_per_node) if lay.dp > 1 else lay.within_node("cp", gpus_per_node)
     dp_alpha, dp_beta = hw.link(dp_within)
     params = stage_params(shape, lay)
-    grad_bytes = params * bytes_["grad"]
-    k = grad_messages
-    if lay.zero_stage == 0:   # k bucketed all-reduces: k times the latency, the same bytes
-        dp_s = k * ring_seconds("all_reduce", grad_bytes / k, n_dp, dp_alpha, dp_beta)
-    elif lay.zero_stage in (1, 2):   # reduce-scatter the grads, all-gather the updated params
-        dp_s = (k * ring_seconds("reduce_scatter", grad_bytes / k, n_dp, dp_alpha, dp_beta)
-                + ring_seconds("all_gather", params * bytes_["param"], n_dp, dp_alpha, dp_beta))
-    else:   # ZeRO-3: each unit (a block; the embedding and the head) gathers its params forward
-        # and backward and reduce-scatters its grads, every micro-batch; prefetching hides them
-        # behind that micro-batch's compute where they fit (ZeRO §5.3)
-        units = layers + (2 if p == 1 else 1)
-        per_unit = (2 * ring_seconds("all_gather", params * bytes_["param"] / units, n_dp,
-                                     dp_alpha, dp_beta)
-                    + ring_seconds("reduce_scatter", grad_bytes / units, n_dp, dp_alpha, dp_beta))
-        dp_s = m * max(0.0, units * per_unit - hidden_by)
+    backward = (compute_s * 2 / (3 + (1 if lay.recompute == "full" else 0))
+                * (1 if hw.overlaps_comm else 0))   # 2 of a micro-batch's 3 (or 4) passes
+    dp_s = dp_sync_seconds(lay.zero_stage, param_count=params, param_bytes=bytes_["param"],
+                           grad_bytes=bytes_["grad"], ranks=n_dp, alpha=dp_alpha, beta=dp_beta,
+                           micro_batches=m, units=layers + (2 if p == 1 else 1),
+                           backward_s=backward, micro_batch_s=hidden_by, messages=grad_messages,
+                           per_micro_batch=zero2_per_micro_batch)
 
     # --- optimizer: Adam reads and writes its states and the param, reads the grad (memory-bound)
     shard = params / n_dp if lay.zero_stage >= 1 else params
     optimizer_s = shard * (2 * bytes_["optimizer"] + bytes_["grad"] + 2 * bytes_["param"]) / hw.memory_bandwidth
 
-    step = pipeline_s + dp_s + optimizer_s
+    step = pipeline_s + dp_s + optimizer_s + hw.step_overhead_s
     executed = ((work["layer_flops"] * t * c) * shape.n_layers
                 + work["logits_flops"] * t * c) * global_batch / b
     return {"step_time_s": step, "compute_s": m * compute_s, "tp_comm_s": m * tp_s,
             "cp_comm_s": m * cp_s, "pp_comm_s": m * pp_s, "bubble_s": (p - 1) * per_micro_batch,
-            "dp_comm_s": dp_s, "optimizer_s": optimizer_s, "bubble_fraction": bubble,
+            "dp_comm_s": dp_s, "optimizer_s": optimizer_s, "step_overhead_s": hw.step_overhead_s,
+            "bubble_fraction": bubble,
             "micro_batches": m, "executed_flops": executed}
 
 
 def predict(shape: ModelShape, lay: Layout, global_batch: int, hw: Hardware,
-            gpus_per_node: int = 8, precision: str = "bf16", grad_messages: int = 1) -> dict:
+            gpus_per_node: int = 8, precision: str = "bf16", grad_messages: int = 1,
+            zero2_per_micro_batch: bool = True) -> dict:
     """Memory and time of one layout, plus throughput: tflops_per_gpu counts the FLOPs executed
     (recomputation included, Megatron's convention), mfu the model's 6ND + attention FLOPs only."""
     mem = predict_memory(shape, lay, global_batch, precision)
-    time = predict_time(shape, lay, global_batch, hw, gpus_per_node, precision, grad_messages)
+    time = predict_time(shape, lay, global_batch, hw, gpus_per_node, precision, grad_messages,
+                        zero2_per_micro_batch)
     tokens = global_batch * shape.seq_len
     model_flops = training_flops(shape.n_params, tokens, n_layers=shape.n_layers,
                                  seq=shape.seq_len, hidden=shape.d_model)

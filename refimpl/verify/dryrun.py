@@ -11,8 +11,9 @@ size: its collectives return at once, leaving their outputs as they were (fake, 
 torchtitan's COMM_MODE=fake_backend is the same idea on one real GPU.
 
 What runs is exactly the real run's rank (refimpl.train.setup_rank: the model-parallel transforms,
-then the strategy's placement) and two real steps of it, the second measured (`strategy.train_step`: every micro-batch's
-forward and backward in the schedule's order, the data-parallel sync, the optimizer). What comes
+then the strategy's placement) and a real step of it, measured once every state a step leaves
+behind exists (`strategy.train_step`: every micro-batch's forward and backward in the schedule's
+order, the data-parallel sync, the optimizer; see `prime_optimizers`). What comes
 back is what the train CLI reports for that rank, by category -- params, grads, optimizer,
 activations_peak (autograd's saved tensors, refimpl.memory.ActivationTracker), and `peak`, the most
 bytes alive at any moment of the step (refimpl.memory.live.LiveBytes: the model states, and every
@@ -90,14 +91,21 @@ def dry_run(cfg: TrainConfig, rank: int = 0) -> dict:
             ctx, strategy, n_params = setup_rank(rank, cfg.nproc, cfg)
             ids = torch.randint(cfg.model.vocab_size, (cfg.global_batch, cfg.seq_len + 1))
             batch = Batch(ids[:, :-1], ids[:, 1:])
-            # A warm-up step first, as the train CLI's peak is a step after the first: before
-            # it, gradients and optimizer states do not exist yet.
-            strategy.train_step(batch)
-            tracker = ActivationTracker(exclude=strategy.activation_exclusions())
-            live = LiveBytes(held_tensors(mode))
-            held = live.current
-            with recording_collectives(ctx.mesh) as comm, live, tracker:
-                strategy.train_step(batch)
+            # The train CLI's peak is a step after the first: before it, AdamW's m and v do not
+            # exist (torch creates them in its first step), nor, in some strategies, the
+            # gradients. The optimizer's states are made directly (prime_optimizers: a few ops
+            # per tensor instead of a whole step); a measured step that still leaves more alive
+            # than it began with (gradients autograd created, a lazily made buffer) was a
+            # warm-up, and the next one is measured instead.
+            prime_optimizers(strategy)
+            for _ in range(2):
+                tracker = ActivationTracker(exclude=strategy.activation_exclusions())
+                live = LiveBytes(held_tensors(mode))
+                held = live.current
+                with recording_collectives(ctx.mesh) as comm, live, tracker:
+                    strategy.train_step(batch)
+                if live.current <= held:
+                    break
             state = strategy.model_state()
     finally:
         dist.destroy_process_group()
@@ -111,6 +119,25 @@ def dry_run(cfg: TrainConfig, rank: int = 0) -> dict:
                        "held": int(held)},   # alive as the step began: states, the batch
             "comm": {axis: dict(ops) for axis, ops in comm["bytes"].items()},
             "calls": {axis: dict(ops) for axis, ops in comm["calls"].items()}}
+
+
+def prime_optimizers(strategy) -> None:
+    """Create the states a first optimizer step creates, without the step: each torch optimizer
+    the strategy holds (directly, or inside a sharded one, refimpl.parallel.zero.sharded_adamw)
+    steps once on zero gradients where a parameter has none, which are then removed again. On
+    fake tensors the values it writes are no values."""
+    optimizer = getattr(strategy, "optimizer", None)
+    while optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = getattr(optimizer, "optimizer", None)
+    if optimizer is None:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    missing = [p for p in params if p.grad is None]
+    for p in missing:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for p in missing:
+        p.grad = None
 
 
 def held_tensors(mode) -> list:
