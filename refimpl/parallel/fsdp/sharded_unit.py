@@ -59,6 +59,7 @@ class ShardedUnit:
         self.gathered = False
         self.pending_gather = None             # (work, send buffer) of an async all-gather
         self.grads_left = 0                    # countdown to "this unit's backward is done"
+        self.delivered = 0                     # gradients in since its last reduce-scatter
         del whole
 
     @property

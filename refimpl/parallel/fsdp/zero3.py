@@ -157,9 +157,12 @@ class FullySharded(Strategy):
 
     def _grad_ready(self, i: int, unit: ShardedUnit) -> None:
         unit.grads_left -= 1
+        unit.delivered += 1
         # every part of the block (dense, and its experts under --ep) has a whole set in
-        if any(part.grads_left % len(part.flat.params) for part in self.at[i]):
+        if any(part.delivered < len(part.flat.params) for part in self.at[i]):
             return
+        for part in self.at[i]:
+            part.delivered -= len(part.flat.params)
         # A whole set is in: one backward's gradient of every parameter (or one W's, under a split
         # schedule, with the B's of later micro-batches perhaps still expecting theirs). The
         # backward is over (every op that needed the weights has run: W needs none), so free the
