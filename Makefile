@@ -48,14 +48,17 @@ lab: install
 env: install
 	$(BIN)/python -m refimpl env
 
-# One thread per process: ranks and the in-process reference share the machine's cores. Three
-# xdist workers (TEST_WORKERS) on 2 cores: a multi-rank test leaves cores idle while its ranks
-# wait on each other (vmstat showed 2-31 % idle with two workers). --dist loadfile keeps each module on one worker (its launch-once caches run once) and
-# each notebook whole in one kernel. Tests and notebooks in one session, so neither worker
-# idles while another finishes the last module of one half before the second half starts.
-TEST_WORKERS ?= 3
+# One thread per process: ranks and the in-process reference share the machine's cores. Two
+# xdist workers (TEST_WORKERS): a multi-rank test leaves cores idle while its ranks wait on each
+# other (three workers were no faster on 2 cores: 653 s against 638 s, and one launch failed).
+# --dist loadfile keeps each module on one worker (its launch-once caches run once) and each
+# notebook whole in one kernel. Tests and notebooks in one session, so neither worker
+# idles while another finishes the last module of one half before the second half starts. The
+# notebooks first: the longest modules (07, 09) then start early and the short test files fill the
+# end, instead of one worker running 09 alone while the other waits.
+TEST_WORKERS ?= 2
 test: install lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/ notebooks/ --nbval-lax -q -p no:cacheprovider \
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest notebooks/ tests/ --nbval-lax -q -p no:cacheprovider \
 		-n $(TEST_WORKERS) --dist loadfile -m "not full" --durations=30
 
 # The larger equivalence runs that do not fit make test's 10 minutes on 2 cores (8-rank layouts
