@@ -14,6 +14,10 @@ edit still takes effect at the next launch.
 Protocol, one line each way (JSON requests on stdin; replies on stdout):
     {"env": {...}, "cwd": "...", "stdout": "path", "stderr": "path"}  ->  "pid <pid>"
     and, whenever a child exits:                                      ->  "exit <pid> <code>"
+    {"kill": <pid>}: SIGKILL to that child's process group, if the zygote has not reaped it yet
+(the launcher must not kill by pid itself: once the zygote has reaped a child, the kernel may give
+its pid to another process -- pid_max is 32768 here, and a test suite forks tens of thousands --
+and the launcher, which hears of the exit a moment later, would kill a stranger's session.)
 (<code> as subprocess reports it: the exit status, or minus the signal that killed it.)
 The launcher's half (refimpl/_zygote_client.py) starts it, asks it for ranks and reads their exits.
 The zygote never runs a torch operation and never touches CUDA, so forking it is safe; it exits
@@ -24,6 +28,7 @@ import gc
 import json
 import os
 import select
+import signal
 import sys
 
 
@@ -84,6 +89,13 @@ def serve() -> None:
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
                 request = json.loads(line)
+                if "kill" in request:        # only a child not yet reaped: its pid is still ours
+                    if request["kill"] in children:
+                        try:
+                            os.killpg(request["kill"], signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                    continue
                 pid = os.fork()
                 if pid == 0:
                     try:

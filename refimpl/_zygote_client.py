@@ -31,6 +31,11 @@ class _ForkedRank:
             return -signal.SIGKILL        # the zygote died; the kernel killed its children
         return code
 
+    def kill_group(self) -> None:
+        """SIGKILL the rank's session, through the zygote (which alone knows the pid is still the
+        rank's: refimpl._zygote's protocol says why the launcher must not kill by pid)."""
+        self.zygote.kill(self.pid)
+
     def wait(self) -> int:
         while (code := self.poll()) is None:
             time.sleep(0.005)
@@ -71,6 +76,14 @@ class Zygote:
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
             return _ForkedRank(self, self.pids.get(timeout=60))
+
+    def kill(self, pid: int) -> None:
+        with self.lock:
+            try:
+                self.proc.stdin.write(json.dumps({"kill": pid}).encode() + b"\n")
+                self.proc.stdin.flush()
+            except OSError:           # the zygote is gone, and its children with it
+                pass
 
     def close(self) -> None:
         try:

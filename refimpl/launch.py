@@ -222,7 +222,11 @@ def _failure_text(r: _Rank, tmp: Path, code: int) -> str:
 def _kill_all(ranks: list[_Rank]) -> None:
     for r in ranks:
         if r.proc.poll() is None:
-            try:  # the rank's whole session: it may have started helpers of its own
+            if hasattr(r.proc, "kill_group"):   # forked by the zygote: it kills, it knows the pid
+                r.proc.kill_group()
+                continue
+            try:  # the rank's whole session: it may have started helpers of its own (a Popen
+                # child not yet waited for keeps its pid, so this cannot hit another process)
                 os.killpg(r.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
