@@ -54,6 +54,12 @@ def _each(op, outputs, inputs, opts):
     return works[-1] if works else _done([])
 
 
+def _lists(flat: list, count: int) -> list[list]:
+    """`flat` cut back into `count` equal lists (the list-of-lists collectives are staged flat)."""
+    n = len(flat) // count if count else 0
+    return [flat[k * n:(k + 1) * n] for k in range(count)]
+
+
 def _done(result) -> dist.Work:
     fut = torch.futures.Future()
     fut.set_result(result)
@@ -140,23 +146,26 @@ class StagedGloo(dist.ProcessGroup):
     def gather(self, output_lists, inputs, opts=None):
         opts = opts or dist.GatherOptions()
         flat = [t for out in output_lists for t in out]
-        n = len(output_lists[0]) if output_lists else 0
         return self._run("gather", flat, inputs, lambda o, i: self.inner.gather(
-            [o[k * n:(k + 1) * n] for k in range(len(output_lists))], i, opts))
+            _lists(o, len(output_lists)), i, opts))
 
     def scatter(self, outputs, input_lists, opts=None):
         opts = opts or dist.ScatterOptions()
         flat = [t for lst in input_lists for t in lst]
-        n = len(input_lists[0]) if input_lists else 0
         return self._run("scatter", outputs, flat, lambda o, i: self.inner.scatter(
-            o, [i[k * n:(k + 1) * n] for k in range(len(input_lists))], opts))
+            o, _lists(i, len(input_lists)), opts))
 
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts or dist.AllgatherOptions()
         flat = [t for out in output_lists for t in out]
-        n = len(output_lists[0]) if output_lists else 0
         return self._run("all_gather", flat, inputs, lambda o, i: self.inner.allgather(
-            [o[k * n:(k + 1) * n] for k in range(len(output_lists))], i, opts))
+            _lists(o, len(output_lists)), i, opts))
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        flat = [t for lst in input_lists for t in lst]
+        return self._run("reduce_scatter", outputs, flat, lambda o, i: self.inner.reduce_scatter(
+            o, _lists(i, len(input_lists)), opts))
 
     # torch 2.13 calls the *_single names, older releases the _base ones: both are provided.
     def all_gather_single(self, output, input, opts=None):
@@ -194,9 +203,8 @@ class StagedGloo(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists, inputs, opts=None):
         opts = opts or dist.AllgatherOptions()
         flat = [t for out in output_lists for t in out]
-        n = len(output_lists[0]) if output_lists else 0
         return self._run("all_gather_coalesced", flat, inputs, lambda o, i: self.inner.allgather_coalesced(
-            [o[k * n:(k + 1) * n] for k in range(len(output_lists))], i, opts))
+            _lists(o, len(output_lists)), i, opts))
 
     def alltoall(self, outputs, inputs, opts=None):
         opts = opts or dist.AllToAllOptions()
