@@ -2,7 +2,8 @@
 dp x tp x pp x cp, each ZeRO stage, with and without activation checkpointing and sequence
 parallelism) is predicted by refimpl.plan and then run, and the predicted memory per rank must
 match the measured one (the loop counts the tensors a rank holds and the activations it saves).
-Here the 33 layouts with activation checkpointing; notebook 09 asserts the other 33.
+Here the 33 layouts with activation checkpointing (make test: one per grid; make test-full: all);
+notebook 09 asserts the other 33.
 
 Memory is deterministic, so it is asserted here. Step time is wall time: the same table with
 measured step times is scripts/bench_plan_cpu.py's (never a test); its model's parts that do not
@@ -31,12 +32,24 @@ MEMORY_ERROR = 0.15     # each layout's predicted bytes within 15% of the measur
 MEMORY_MARGIN = 0.20    # layouts whose measured memory differs by more than 20% keep their order
 
 
-@pytest.fixture(scope="module")
-def measured():
-    # The layouts with activation checkpointing; notebook 09 asserts the same on the other 33
-    # (recompute="none"), so together every layout is checked once (each costs ~1 s of set-up).
+def one_per_grid(table):
+    """A layout per grid of dp x tp x pp x cp, the ZeRO stages taken in turn, and one with
+    sequence parallelism: every axis and stage once, in about a third of the launch."""
+    rows = []
+    for i, (_, g) in enumerate(table.groupby(["dp", "tp", "pp", "cp"], sort=True)):
+        plain = g[~g.sequence_parallel]
+        stage = plain[plain.zero_stage == i % 4]
+        rows.append((stage if len(stage) else plain).index[0])
+    rows.append(table[table.sequence_parallel].index[0])
+    return table.loc[rows]
+
+
+@pytest.fixture(scope="module", params=["one per grid", pytest.param("all", marks=pytest.mark.full)])
+def measured(request):
+    # The layouts with activation checkpointing (notebook 09 asserts those without): make test
+    # measures one per grid (each costs ~1 s of set-up), make test-full all 33.
     table = cpu_layouts(HW, world_size=4, recompute=("full",))
-    return measure_cpu_layouts(table, world_size=4, steps=1)
+    return measure_cpu_layouts(one_per_grid(table) if request.param != "all" else table, world_size=4, steps=1)
 
 
 def test_every_runnable_layout_is_in_the_table(measured):
@@ -60,9 +73,11 @@ def test_predicted_memory_matches_measured(measured):
     assert agreement["spearman"] >= 0.95, agreement
     assert agreement["misordered"] == [], [
         (layout_name(measured.loc[a]), layout_name(measured.loc[b])) for a, b in agreement["misordered"]]
-    # the extremes: the planner's smallest layout is the measured smallest, and its largest the largest
-    assert measured.memory_bytes.idxmin() == measured.measured_memory_bytes.idxmin()
-    assert measured.memory_bytes.idxmax() == measured.measured_memory_bytes.idxmax()
+    # the extremes: the planner's smallest layout is the measured smallest, and its largest the
+    # largest, up to the margin (two layouts a few % apart may swap, as in the ranking above)
+    got = measured.measured_memory_bytes
+    assert got[measured.memory_bytes.idxmin()] <= (1 + MEMORY_MARGIN) * got.min()
+    assert got[measured.memory_bytes.idxmax()] >= got.max() / (1 + MEMORY_MARGIN)
 
 
 def test_ranking_agreement_counts_only_pairs_beyond_the_margin():

@@ -202,3 +202,21 @@ def test_pipedream_without_a_flush_needs_the_forwards_weights():
     assert stale["stashed"] < 1e-12 < 1e-4 < stale["current weights"]
     adjacent = weight_stashing.stale_gradient_error(0)
     assert max(adjacent.values()) < 1e-12          # no update in between: both are exact
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2), ("zbv", 2), ("dualpipev", 2)])
+def test_replay_with_each_actions_own_time_reproduces_a_run_that_follows_its_table(schedule, v):
+    """A 'run' made by the simulator itself with uneven action times (no two alike): replayed
+    step by step with those times, its idle share comes back exactly; with per-rank means (the
+    plain replay) it does not, which is why measure.replayed_steps replays action by action."""
+    from refimpl.parallel.pp import measure
+    from refimpl.parallel.pp.schedules import placement
+    table = schedule_table(2, 8, schedule, v)
+    texts = [(r, t) for r, row in enumerate(table) for e in row for t in e.split("&")]
+    own = {key: 1.0 + (7 * i % 11) / 5 for i, key in enumerate(texts)}
+    run = simulate(table, F=0, B=0, W=0, where=placement(schedule), per_action=own)
+    slots = pd.DataFrame([{"step": 1, "rank": s.rank, "action": s.action, "start": s.start, "end": s.end}
+                          for s in run])
+    (step,) = measure.replayed_steps(slots, 2, 8, schedule, v)
+    assert step["replayed"] == pytest.approx(step["measured"], abs=1e-12)
+    assert abs(measure.simulated_bubble_from(slots, 2, 8, schedule, v) - step["measured"]) > 1e-3

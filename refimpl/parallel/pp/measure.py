@@ -152,12 +152,34 @@ def simulated_bubble_from(slots, stages: int, micro_batches: int, schedule: str,
                                   where=placement(schedule), **(costs or {})))
 
 
+def replayed_steps(slots, stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1,
+                   costs: dict | None = None) -> list[dict]:
+    """Per profiled step, the measured idle share beside the table replayed with *that step's*
+    durations, action by action (and `costs`: measured_costs). Mean durations lose the spread:
+    one action that runs long (a rank that lost its core for a while, a slow allocation) makes
+    its neighbour wait, and a replay with means has no such wait. With each action's own time the
+    replay differs from the run only by what the model leaves out: the order is the table's, the
+    waits are the dependencies', so the remaining gap is the cost of messages and dispatch."""
+    table = schedule_table(stages, micro_batches, schedule, virtual_stages)
+    out = []
+    for step, g in slots.groupby("step"):
+        own = {(r.rank, r.action): r.end - r.start for r in g.itertuples()}
+        replayed = simulate(table, F=0, B=0, W=0, per_rank=mean_durations(g), where=placement(schedule),
+                            per_action=own, **(costs or {}))
+        out.append({"step": step, "measured": idle_fraction(
+            [TimedAction(r.rank, r.action, r.start, r.end) for r in g.itertuples()]),
+            "replayed": idle_fraction(replayed)})
+    return out
+
+
 def measured_costs(slots, stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1) -> dict:
-    """From the same run: `action_cost`, the median gap between two actions of a rank when the
+    """From the same run: `action_cost`, the mean gap between two actions of a rank when the
     second needs nothing from another rank (an empty action: Python dispatch, posting receives,
-    bookkeeping), and `comm`, the median time from a sender's action end to the receiver's start
+    bookkeeping), and `comm`, the mean time from a sender's action end to the receiver's start
     when the receiver was already waiting for it, less one action_cost (a message's alpha: the
-    isend, gloo's transfer, the wait's wake-up). In ms, as the slots."""
+    isend, gloo's transfer, the wait's wake-up). In ms, as the slots. Means, not medians: the
+    bubble is a sum of such gaps, and a median drops the long ones (a receive posted while the
+    link is busy: runner's `post_receives`) that the sum contains."""
     where = placement(schedule)
     table = schedule_table(stages, micro_batches, schedule, virtual_stages)
     n_virtual = stages * (1 + max(a.chunk for row in table for a in map(Action.parse, flat(row))))
@@ -178,8 +200,8 @@ def measured_costs(slots, stages: int, micro_batches: int, schedule: str, virtua
                     if sent is not None and prev is not None and sent > prev:
                         message.append(r.start - sent)
                 prev = r.end
-    cost = statistics.median(empty) if empty else 0.0
-    return {"action_cost": cost, "comm": max(0.0, statistics.median(message) - cost) if message else 0.0}
+    cost = statistics.mean(empty) if empty else 0.0
+    return {"action_cost": cost, "comm": max(0.0, statistics.mean(message) - cost) if message else 0.0}
 
 
 def _text(kind, mb, piece, p, where, chunked):

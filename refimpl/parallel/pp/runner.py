@@ -21,8 +21,9 @@ rank only ever waits in a receive, for data that an earlier action of another ra
 waits are exactly the dependencies that `simulate.simulate` replays; a table it can finish (every
 table `schedule_table` makes: see `check_table`) finishes here too. With blocking sends, 1F1B's
 steady state would hang: stage s sending an activation forward while stage s+1 sends a gradient back,
-each waiting for the other to receive. Receives are posted one action ahead (`irecv`), so the next
-micro-batch's data arrives while this one computes.
+each waiting for the other to receive. Receives are posted ahead (`irecv`): on gloo all of a
+step's before its first action, elsewhere one action ahead (`_post_whole_step` says why), so the
+next micro-batch's data arrives while this one computes.
 
 Why the messages pair right. NCCL ignores tags: between two ranks it pairs the k-th send with the
 k-th receive posted. Interleaved and the V schedules (rank r's two chunks talk to the same
@@ -46,6 +47,7 @@ message overlap as a pair does.
 """
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 
 import torch
@@ -174,6 +176,9 @@ def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch
                    inbox=inbox, shape=shape)
     saved, records, total = {}, {}, None
     parsed = [(i, a) for i, e in enumerate(entries) for a in e]
+    if _post_whole_step(group):
+        for _, a in parsed:
+            links.post_recv(a)
     for i, a in parsed:
         for ahead in (b for e in entries[i:i + 2] for b in e):  # this entry's receives, the next's
             links.post_recv(ahead)
@@ -225,6 +230,21 @@ def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch
                 records.pop(key).apply()
     links.finish()
     return total
+
+
+def _post_whole_step(group) -> bool:
+    """Post every receive of the step before its first action (gloo), not one entry ahead.
+    On gloo, posting a receive takes the link's lock, which a send in flight on the same link
+    holds: in the middle of a step one post measured 4.6 ms (a `comm:irecv` span in a zbv trace;
+    scripts/bench_bubble.py), paid by the rank before its next action, a bubble no schedule has.
+    At the step's start the links are idle and a post costs microseconds. The buffers then exist
+    for the whole step: one [b, s, d] tensor per incoming message, m per neighbour and direction,
+    against the activations a stage keeps (many such tensors per layer per micro-batch in flight).
+    Elsewhere (NCCL) receives stay one entry ahead; REFIMPL_PP_POST=ahead forces that on gloo
+    too (scripts/bench_bubble.py --post ahead: the bubble before this change)."""
+    if os.environ.get("REFIMPL_PP_POST") == "ahead":
+        return False
+    return group is not None and dist.get_backend(group) == "gloo"
 
 
 def _backward(out, grad, x, embeds, split: bool, aux=None):

@@ -66,13 +66,15 @@ def dependencies(a: Action, rank: int, p: int, n_virtual: int, where: str = "loo
 
 
 def simulate(table, F: float = 1.0, B: float = 1.0, W: float = 0.0, comm: float = 0.0,
-             per_rank: list[dict] | None = None, where: str = "loop", action_cost: float = 0.0) -> list[TimedAction]:
+             per_rank: list[dict] | None = None, where: str = "loop", action_cost: float = 0.0,
+             per_action: dict[tuple[int, str], float] | None = None) -> list[TimedAction]:
     """Earliest start of every action given the table's per-rank order; `comm` is added to every
     dependency that crosses ranks; `per_rank[r]` ({"F": .., "B": .., "W": ..}) overrides the
     durations on rank r (stages that are not equal: the first embeds, the last has the head);
     `where`: the placement ("v" for zbv, dualpipev: schedules.placement); `action_cost`: time every
-    action pays outside its compute (dispatch, posting its receives, the wait's own cost).
-    Raises ScheduleError if the ranks would wait on each other forever."""
+    action pays outside its compute (dispatch, posting its receives, the wait's own cost);
+    `per_action[(rank, "B3")]`: one action's own duration (a measured step, action by action),
+    over the per-rank one. Raises ScheduleError if the ranks would wait on each other forever."""
     ranks = _parse(table)
     p, n_virtual = len(ranks), len(ranks) * _virtual_stages(ranks)
     durations = [{"F": F, "B": B, "W": W, **(per_rank[r] if per_rank else {})} for r in range(p)]
@@ -91,7 +93,8 @@ def simulate(table, F: float = 1.0, B: float = 1.0, W: float = 0.0, comm: float 
                 for a, text in zip(entry, table[r][nxt[r]].split(PAIR)):   # a pair: F, then B
                     t += action_cost
                     key = (a.kind, a.micro_batch, piece_of(r, a.chunk, p, where))
-                    end[key], owner[key] = t + durations[r][a.kind], r
+                    took = per_action.get((r, text), durations[r][a.kind]) if per_action else durations[r][a.kind]
+                    end[key], owner[key] = t + took, r
                     slots.append(TimedAction(r, text, t, end[key]))
                     t = end[key]
                 free[r] = t

@@ -38,17 +38,22 @@ class WeightGradRecord:
 
     def __init__(self):
         self.entries: list[list] = []   # [module, X, dY or None]
+        self.block_of: dict[int, str] = {}   # id(module) -> its block ("blocks.3", "lm_head")
 
     def apply(self) -> None:
         """W: accumulate every recorded layer's weight gradient into .grad, then forget X and dY.
-        Layers go last first (the order a plain backward finishes them in, DDP's bucket order);
+        Blocks go last first (the order a plain backward finishes them in, DDP's bucket order);
         a layer run twice in one forward has its gradients summed and accumulated once, so each
-        parameter is accumulated once per W, as once per plain backward."""
+        parameter is accumulated once per W, as once per plain backward. Each block's gradients
+        enter autograd's engine in one call, not one per layer: a call costs ~0.15 ms of engine
+        start-up on a CPU, which per layer was most of what the split schedules lost to 1F1B
+        (scripts/bench_pp.py); inside one call the engine picks the order of the block's layers."""
         live = [(module, x, dy) for module, x, dy in self.entries if dy is not None]
         first_use = {}              # walking backwards, a layer's first use is its last visit
         for i, (module, _, _) in enumerate(live):
             first_use.setdefault(id(module), i)
         summed: dict[int, list] = {}
+        params, grads_in, block = [], [], None
         for i in reversed(range(len(live))):
             module, x, dy = live[i]
             grads = weight_grads(module, x, dy)
@@ -57,8 +62,14 @@ class WeightGradRecord:
             if i > first_use[id(module)]:
                 summed[id(module)] = grads
                 continue
-            params = [p for p in (module.weight, getattr(module, "bias", None)) if p is not None]
-            torch.autograd.backward(params, grads)   # AccumulateGrad: .grad += g, and its hooks
+            if self.block_of.get(id(module)) != block and params:
+                torch.autograd.backward(params, grads_in)   # AccumulateGrad: .grad += g, and its hooks
+                params, grads_in = [], []
+            block = self.block_of.get(id(module))
+            params += [p for p in (module.weight, getattr(module, "bias", None)) if p is not None]
+            grads_in += grads
+        if params:
+            torch.autograd.backward(params, grads_in)
         self.entries.clear()
 
 
@@ -88,8 +99,10 @@ def record_weight_grads(chunk: nn.Module, record: WeightGradRecord):
             entry[2] = grad if entry[2] is None else entry[2] + grad
         y.register_hook(keep)
 
-    handles = [m.register_forward_hook(hook) for m in chunk.modules()
-               if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding))]
+    layers = [(name, m) for name, m in chunk.named_modules()
+              if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding)) or hasattr(m, "observe_matmul")]
+    record.block_of = {id(m): ".".join(name.split(".")[:2]) for name, m in layers}
+    handles = [m.register_forward_hook(hook) for _, m in layers if not hasattr(m, "observe_matmul")]
     observed = [m for m in chunk.modules() if hasattr(m, "observe_matmul")]
     for m in observed:
         m.observe_matmul = observe
