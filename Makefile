@@ -104,6 +104,7 @@ bench: install
 	$(BIN)/python scripts/bench_fsdp.py
 	$(BIN)/python scripts/bench_tp.py
 	$(BIN)/python scripts/bench_pp.py
+	$(BIN)/python scripts/bench_bubble.py
 	$(BIN)/python scripts/bench_composition.py
 	$(BIN)/python scripts/bench_plan_cpu.py
 
