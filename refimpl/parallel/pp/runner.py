@@ -25,6 +25,17 @@ each waiting for the other to receive. Receives are posted ahead (`irecv`): on g
 step's before its first action, elsewhere one action ahead (`_post_whole_step` says why), so the
 next micro-batch's data arrives while this one computes.
 
+What that argument assumes, and NCCL does not give. It takes every posted operation to progress
+on its own: gloo does (each runs on its own), and so do the staged backend and the one-tag mode
+that check NCCL's other rules here. NCCL runs the operations between two ranks in the order they
+were posted, on one stream, and a send may wait until the peer's matching receive starts (NVIDIA/
+nccl#479, #783). Then a receive posted ahead can hold a later send behind it: in 1F1B's steady
+state stage s posts B's receive (from s+1) before F's send (to s+1), while s+1 waits for that F's
+activation before it sends B's gradient -- a cycle. Megatron and torch.distributed.pipelining
+avoid it by posting the sends of one action and the receives of the next as one group
+(batch_isend_irecv). Not done here, and not run on several GPUs: the multi-GPU path of this runner
+is unverified under NCCL (the GPU checks run one device, through the staged backend).
+
 Why the messages pair right. NCCL ignores tags: between two ranks it pairs the k-th send with the
 k-th receive posted. Interleaved and the V schedules (rank r's two chunks talk to the same
 neighbour, r-1 and r+1, in both directions: activations down chunk 0 and gradients up chunk 1 to
