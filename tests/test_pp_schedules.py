@@ -220,3 +220,47 @@ def test_replay_with_each_actions_own_time_reproduces_a_run_that_follows_its_tab
     (step,) = measure.replayed_steps(slots, 2, 8, schedule, v)
     assert step["replayed"] == pytest.approx(step["measured"], abs=1e-12)
     assert abs(measure.simulated_bubble_from(slots, 2, 8, schedule, v) - step["measured"]) > 1e-3
+
+
+def _every_table():
+    for schedule, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1),
+                        ("interleaved-zb", 2), ("zbv", 2), ("dualpipev", 2)]:
+        for p in (2, 3, 4):
+            for m in (2, 4, 8):
+                try:
+                    yield schedule, p, m, schedule_table(p, m, schedule, v)
+                except LayoutError:
+                    continue
+
+
+def test_posting_in_one_global_order_cannot_hang_under_nccls_rules():
+    """Every table on 2-4 stages: the runner's NCCL order (nccl_order.rank_order, one operation at
+    a time) finishes when each rank's operations run in posting order and a send waits for its
+    receive, on one stream per rank and on one per pair; the ahead-posting it replaced hangs."""
+    from refimpl.parallel.pp import nccl_order
+    from refimpl.parallel.pp.schedules import placement
+    checked = 0
+    for schedule, p, m, table in _every_table():
+        where = placement(schedule)
+        for one_stream in (True, False):
+            assert nccl_order.replay(nccl_order.plans(table, where), one_stream) is None, (schedule, p, m)
+        checked += 1
+    assert checked >= 40
+    one_f_one_b = schedule_table(2, 4, "1f1b")
+    stuck = nccl_order.replay(nccl_order.plans(one_f_one_b, "loop", nccl_order.ahead_plan), one_stream=False)
+    assert stuck is not None and "('B', 0, 0)" in stuck and "('F', 1, 1)" in stuck   # the cycle of the docstring
+
+
+def test_the_global_order_is_each_senders_order_and_each_receivers_posting_order():
+    """Each rank's part of the order sends in its own production order (simulate.messages) and
+    holds every message of the step exactly once."""
+    from refimpl.parallel.pp import nccl_order
+    from refimpl.parallel.pp.schedules import placement
+    from refimpl.parallel.pp.simulate import messages
+    for schedule, p, m, table in _every_table():
+        where = placement(schedule)
+        sent, _ = messages(table, where)
+        order = nccl_order.global_order(table, where)
+        assert sorted(order) == sorted((a, b, msg) for (a, b), msgs in sent.items() for msg in msgs)
+        for (a, b), msgs in sent.items():
+            assert [msg for src, dst, msg in order if (src, dst) == (a, b)] == msgs, (schedule, p, m)

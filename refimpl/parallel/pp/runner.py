@@ -21,20 +21,20 @@ rank only ever waits in a receive, for data that an earlier action of another ra
 waits are exactly the dependencies that `simulate.simulate` replays; a table it can finish (every
 table `schedule_table` makes: see `check_table`) finishes here too. With blocking sends, 1F1B's
 steady state would hang: stage s sending an activation forward while stage s+1 sends a gradient back,
-each waiting for the other to receive. Receives are posted ahead (`irecv`): on gloo all of a
-step's before its first action, elsewhere one action ahead (`_post_whole_step` says why), so the
-next micro-batch's data arrives while this one computes.
+each waiting for the other to receive. Receives are posted ahead (`irecv`), so the next
+micro-batch's data arrives while this one computes: on gloo all of a step's before its first action
+(`links.post_whole_step` says why); elsewhere as below.
 
 What that argument assumes, and NCCL does not give. It takes every posted operation to progress
-on its own: gloo does (each runs on its own), and so do the staged backend and the one-tag mode
-that check NCCL's other rules here. NCCL runs the operations between two ranks in the order they
-were posted, on one stream, and a send may wait until the peer's matching receive starts (NVIDIA/
-nccl#479, #783). Then a receive posted ahead can hold a later send behind it: in 1F1B's steady
-state stage s posts B's receive (from s+1) before F's send (to s+1), while s+1 waits for that F's
-activation before it sends B's gradient -- a cycle. Megatron and torch.distributed.pipelining
-avoid it by posting the sends of one action and the receives of the next as one group
-(batch_isend_irecv). Not done here, and not run on several GPUs: the multi-GPU path of this runner
-is unverified under NCCL (the GPU checks run one device, through the staged backend).
+on its own, as on gloo. NCCL runs the operations between two ranks in the order they were posted,
+on one stream, and a send may wait until the peer's matching receive starts (NVIDIA/nccl#479,
+#783): a receive posted ahead then holds back a later send, and the ahead-posting above hangs
+every schedule (refimpl.parallel.pp.nccl_order replays it: in 1F1B stage 0 posts B0's receive
+before F1's send, while stage 1 waits for F1 before sending B0's gradient). Off gloo (NCCL, and
+the staged backend that stands in for it here) the runner therefore posts every send and receive
+of the step one at a time in one global order, the time each message is produced in the table's
+replay (`nccl_order.global_order`, whose docstring has the argument); `nccl_order.replay` checks
+every schedule on 2-4 stages under NCCL's rules. Not yet run on several GPUs.
 
 Why the messages pair right. NCCL ignores tags: between two ranks it pairs the k-th send with the
 k-th receive posted. Interleaved and the V schedules (rank r's two chunks talk to the same
@@ -58,15 +58,13 @@ message overlap as a pair does.
 """
 from __future__ import annotations
 
-import os
 from contextlib import nullcontext
 
 import torch
-import torch.distributed as dist
 
-from refimpl.comm import p2p
 from refimpl.model import Batch, lm_loss
 from refimpl.model.moe import moe_aux_loss
+from refimpl.parallel.pp.links import ACTIVATION, GRADIENT, Links, post_whole_step
 
 # schedule_table and bubble_fraction: DESIGN's contract names them here (refimpl.parallel.pp.runner).
 from refimpl.parallel.pp.schedules import (  # noqa: F401
@@ -79,92 +77,13 @@ from refimpl.parallel.pp.schedules import (  # noqa: F401
 )
 from refimpl.parallel.pp.stage import StageChunk
 from refimpl.parallel.pp.zero_bubble import WeightGradRecord, record_weight_grads
-from refimpl.trace.labels import comm_span, phase
-
-ACTIVATION, GRADIENT = 0, 1
-
-
-class _Links:
-    """Who sends what to whom: piece k lives on group rank rank_of(k) (k % p, or on a V); receives
-    are posted in each sender's order when the inbox is known (the module docstring)."""
-
-    def __init__(self, group, n_chunks: int, micro_batches: int, like: torch.Tensor | None = None,
-                 where: str = "loop", inbox: dict | None = None, shape=None):
-        self.group = group
-        # Received activations and gradients take the residual stream's dtype and device: those
-        # of the parameters (fp32; the compute dtype when ZeRO-3/FSDP gathers them in bf16; the
-        # rank's GPU under NCCL).
-        self.like = {} if like is None else {"dtype": like.dtype, "device": like.device}
-        self.p = dist.get_world_size(group) if group is not None else 1
-        self.rank = dist.get_rank(group) if group is not None else 0
-        self.pieces, self.m = self.p * n_chunks, micro_batches
-        self.sends: list = []                # (work, tensor): kept alive until the step ends
-        self.posted: dict[int, tuple] = {}   # tag -> (work or None, buffer)
-        self.local: dict[int, torch.Tensor] = {}   # messages to a piece on this same rank
-        self.where, self.shape, self.taken = where, shape, set()
-        kinds = {"F": ACTIVATION, "B": GRADIENT}
-        self.inbox = None if inbox is None else {   # sender -> tags still to post, in its order
-            src: [self.tag(kinds[kind], mb, piece) for kind, mb, piece in order] for src, order in inbox.items()}
-
-    def global_rank(self, group_rank: int) -> int:
-        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
-
-    def piece(self, a: Action) -> int:
-        return piece_of(self.rank, a.chunk, self.p, self.where)
-
-    def tag(self, kind: int, mb: int, piece: int) -> int:
-        return 1 + (kind * self.pieces + piece) * self.m + mb
-
-    def incoming(self, a: Action):
-        """(tag, source rank) of the message action `a` needs, or None (first F, last B, any W)."""
-        k = self.piece(a)
-        if a.kind == "F" and k > 0:
-            return self.tag(ACTIVATION, a.micro_batch, k), rank_of(k - 1, self.p, self.where)
-        if a.kind == "B" and k < self.pieces - 1:
-            return self.tag(GRADIENT, a.micro_batch, k), rank_of(k + 1, self.p, self.where)
-        return None
-
-    def post_recv(self, a: Action) -> None:
-        need = self.incoming(a)
-        if need is None or need[0] in self.posted or need[0] in self.taken or need[1] == self.rank:
-            return
-        tag, src = need
-        queue = self.inbox.get(src, []) if self.inbox is not None else [tag]
-        while tag not in self.posted:       # the sender's earlier messages first: its order
-            first = queue.pop(0)
-            buf = torch.empty(self.shape((first - 1) % self.m), **self.like)
-            self.posted[first] = (p2p.irecv(buf, group=self.group, tag=first, group_src=src), buf)
-
-    def take(self, a: Action) -> torch.Tensor:
-        tag, src = self.incoming(a)
-        if src == self.rank:
-            return self.local.pop(tag)
-        self.post_recv(a)
-        work, buf = self.posted.pop(tag)
-        self.taken.add(tag)
-        with comm_span("recv-wait", buf.numel() * buf.element_size(), group=self.group,
-                       peer=self.global_rank(src), tag=tag,
-                       phase=f"pp:{a.text(self.pieces > self.p)}"):
-            work.wait()   # the only place a rank waits for another: the pipeline's bubble
-        return buf
-
-    def send(self, tensor: torch.Tensor, kind: int, mb: int, to_piece: int) -> None:
-        tag, dst = self.tag(kind, mb, to_piece), rank_of(to_piece, self.p, self.where)
-        if dst == self.rank:
-            self.local[tag] = tensor
-            return
-        tensor = tensor.contiguous()
-        self.sends.append((p2p.isend(tensor, group=self.group, tag=tag, group_dst=dst), tensor))
-
-    def finish(self) -> None:
-        for work, _ in self.sends:
-            work.wait()
-        self.sends.clear()
+from refimpl.trace.labels import phase
 
 
 def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch], group, *,
                  divisor: int = 1, autocast=nullcontext, loss_fn=lm_loss, where: str = "loop",
-                 inbox: dict | None = None, fault: str | None = None) -> torch.Tensor | None:
+                 inbox: dict | None = None, fault: str | None = None,
+                 order: list | None = None) -> torch.Tensor | None:
     """Run this rank's `actions` (one row of a schedule table) on `micro`, accumulating gradients
     into the chunks' parameters. Returns the mean loss over the micro-batches (each scaled by 1/m,
     then summed; a float64 0-d tensor on the device) on the rank that holds the last piece, None
@@ -183,11 +102,12 @@ def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch
         rows, seq = micro[mb].inputs.shape   # sequence parallelism: s/t tokens between stages
         return (rows, seq // chunks[0].seq_split, chunks[0].d_model)
 
-    links = _Links(group, len(chunks), m, like=next(chunks[0].parameters(), None), where=where,
-                   inbox=inbox, shape=shape)
+    whole_step = post_whole_step(group)
+    links = Links(group, len(chunks), m, like=next(chunks[0].parameters(), None), where=where,
+                   inbox=inbox, shape=shape, order=None if whole_step or group is None else order)
     saved, records, total = {}, {}, None
     parsed = [(i, a) for i, e in enumerate(entries) for a in e]
-    if _post_whole_step(group):
+    if whole_step:
         for _, a in parsed:
             links.post_recv(a)
     for i, a in parsed:
@@ -243,21 +163,6 @@ def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch
     return total
 
 
-def _post_whole_step(group) -> bool:
-    """Post every receive of the step before its first action (gloo), not one entry ahead.
-    On gloo, posting a receive takes the link's lock, which a send in flight on the same link
-    holds: in the middle of a step one post measured 4.6 ms (a `comm:irecv` span in a zbv trace;
-    scripts/bench_bubble.py), paid by the rank before its next action, a bubble no schedule has.
-    At the step's start the links are idle and a post costs microseconds. The buffers then exist
-    for the whole step: one [b, s, d] tensor per incoming message, m per neighbour and direction,
-    against the activations a stage keeps (many such tensors per layer per micro-batch in flight).
-    Elsewhere (NCCL) receives stay one entry ahead; REFIMPL_PP_POST=ahead forces that on gloo
-    too (scripts/bench_bubble.py --post ahead: the bubble before this change)."""
-    if os.environ.get("REFIMPL_PP_POST") == "ahead":
-        return False
-    return group is not None and dist.get_backend(group) == "gloo"
-
-
 def _backward(out, grad, x, embeds, split: bool, aux=None):
     """B: the gradient of this piece's input x (None on the first piece, whose input is token ids).
     Without `split` this is the whole backward (weights too); with it, only the input gradient.
@@ -283,6 +188,6 @@ def pipeline_forward_backward(stage, micro: list[Batch], *, divisor: int = 1,
     0-d tensor on the last stage, zero elsewhere (global_mean_loss broadcasts it over pp)."""
     loss = run_schedule(stage.chunks, stage.actions, micro, stage.group, divisor=divisor,
                         autocast=autocast, loss_fn=loss_fn, where=stage.where, inbox=stage.inbox,
-                        fault=fault)
+                        fault=fault, order=getattr(stage, "order", None))
     device = micro[0].inputs.device
     return torch.zeros((), dtype=torch.float64, device=device) if loss is None else loss

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from refimpl.mesh import LayoutError
 from refimpl.model import GPT
+from refimpl.parallel.pp.nccl_order import rank_order
 from refimpl.parallel.pp.schedules import (
     chunks_per_rank,
     parse_entry,
@@ -93,7 +94,7 @@ class PipelineStageModel(nn.Module):
     step as `RankModel.pipeline`)."""
 
     def __init__(self, chunks: list[StageChunk], actions: list[str], group, schedule: str,
-                 inbox: dict | None = None):
+                 inbox: dict | None = None, order: list | None = None):
         super().__init__()
         self.embed = next((c.embed for c in chunks if c.embed is not None), None)
         self.blocks = nn.ModuleDict({k: b for c in chunks for k, b in c.blocks.items()})
@@ -103,6 +104,7 @@ class PipelineStageModel(nn.Module):
         self.chunks = list(chunks)       # a plain list: the modules are registered once, above
         self.actions, self.group, self.schedule = actions, group, schedule
         self.where, self.inbox = placement(schedule), inbox   # the runner's placement, receive order
+        self.order = order          # this rank's sends and receives in the step's one order (NCCL)
         self.loss_stage = 0 if self.where == "v" else None    # None: the last stage (step.global_mean_loss)
 
     def gradient_accumulations(self) -> dict[str, int]:
@@ -132,4 +134,5 @@ def split_for_pipeline(model: GPT, ctx, seq_split: int = 1) -> PipelineStageMode
     chunks = build_chunks(model, p, stage, v, seq_split, placement(schedule))
     table = schedule_table(p, cfg.micro_batches, schedule, v)
     return PipelineStageModel(chunks, table[stage], mesh.group("pp"), schedule,
-                              inbox(table, stage, placement(schedule)))
+                              inbox(table, stage, placement(schedule)),
+                              rank_order(table, stage, placement(schedule)))
