@@ -120,12 +120,13 @@ MODELS = {
     # parameters, 39B active. Same context and batch assumptions as above.
     "mixtral-8x22b": (ModelShape(56, 6144, 48, 32768, 4096, tied_embeddings=False, n_experts=8,
                                  top_k=2, ffn_hidden=16384, kv_heads=8, block="llama"), 1024),
-    # A DeepSeek-V3-like model in refimpl's own block, so that the dry run and the CPU ranks can
-    # build it: DeepSeek-V3's width and expert shape (Liu et al. 2024, tech report §4.2: d_model
+    # A DeepSeek-V3-like model in refimpl's own block (LayerNorm, biases, GELU experts):
+    # DeepSeek-V3's width and expert shape (Liu et al. 2024, tech report §4.2: d_model
     # 7168, 128 heads, 256 routed experts of width 2048, top-8, vocabulary 129280) on 16 layers
     # instead of 61, without its shared expert, multi-head latent attention and first three dense
     # blocks, which this shape cannot say, and with its 2-matrix GELU experts: 125B parameters,
-    # 9.0B active (DeepSeek-V3: 671B, 37B).
+    # 9.0B active (DeepSeek-V3: 671B, 37B). refimpl's GPTConfig cannot build it (its mlp_ratio is an
+    # integer; 2048 / 7168 is not), so neither the loop nor the dry run can run it.
     "deepseek-v3-16l": (ModelShape(16, 7168, 128, 129280, 4096, tied_embeddings=False,
                                    n_experts=256, top_k=8, ffn_hidden=2048), 1024),
 }
