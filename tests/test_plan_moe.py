@@ -72,8 +72,8 @@ def test_cli_prints_ep(capsys):
 
 @pytest.mark.ranks
 def test_moe_model_states_match_the_loop():
-    """One launch of 4 ranks, four layouts (zero1/zero3/fsdp/zero2 with ep, one with tp too): the
-    planner's parameter, gradient and optimizer bytes within 1 % of what each rank holds."""
+    """One launch of 4 ranks, five layouts (zero1/zero3/fsdp/zero2 with ep, one with tp, one with
+    pp): the planner's parameter, gradient and optimizer bytes within 1 % of what each rank holds."""
     table = moe_states_table()
     errors = table[[c for c in table.columns if c.endswith("_err")]]
     assert (errors.abs() < 0.01).all().all(), table.to_string()

@@ -26,16 +26,19 @@ STATES = ("params", "grads", "optimizer")
 MOE_MODEL = GPTConfig(vocab_size=96, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4,
                       top_k=2)
 
-# (strategy, dp, tp, ep) on 4 ranks: the experts over ep with each dp flavour that shards them
+# (strategy, dp, tp, ep, pp) on 4 ranks: the experts over ep with each dp flavour that shards them
 # over edp, edp = 1 (ep = dp x cp: nothing left to shard the experts over), and experts split over
-# tp (zero2 with dp 2, tp 2, ep 2).
-LAYOUTS = (("zero1", 4, 1, 2), ("zero3", 4, 1, 4), ("fsdp", 4, 1, 2), ("zero2", 2, 2, 2))
+# tp (zero2 with dp 2, tp 2, ep 2), and a pipeline (zero1 on dp 2 x pp 2, ep 2; the planner's row
+# is the first stage, the largest here: its word and position embeddings outweigh the head).
+LAYOUTS = (("zero1", 4, 1, 2, 1), ("zero3", 4, 1, 4, 1), ("fsdp", 4, 1, 2, 1),
+           ("zero2", 2, 2, 2, 1), ("zero1", 2, 1, 2, 2))
 
 
-def layout_config(strategy: str, dp: int, tp: int, ep: int, cfg: GPTConfig,
+def layout_config(strategy: str, dp: int, tp: int, ep: int, pp: int, cfg: GPTConfig,
                   global_batch: int) -> TrainConfig:
-    return TrainConfig(strategy=strategy, nproc=dp * tp, tp=tp, ep=ep, global_batch=global_batch,
-                       seq_len=cfg.seq_len, steps=1, model=cfg, device="cpu")
+    return TrainConfig(strategy=strategy, nproc=dp * tp * pp, tp=tp, pp=pp, ep=ep,
+                       global_batch=global_batch, seq_len=cfg.seq_len, steps=1, model=cfg,
+                       device="cpu")
 
 
 def moe_states_table(layouts=LAYOUTS, cfg: GPTConfig = MOE_MODEL,
@@ -46,12 +49,12 @@ def moe_states_table(layouts=LAYOUTS, cfg: GPTConfig = MOE_MODEL,
     results = train_several_on_ranks(configs)
     shape = shape_of(cfg, cfg.seq_len)
     rows = []
-    for (strategy, dp, tp, ep), result in zip(layouts, results):
-        lay = Layout(dp=dp, tp=tp, ep=ep, zero_stage=ZERO_STAGE[strategy],
+    for (strategy, dp, tp, ep, pp), result in zip(layouts, results):
+        lay = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=ZERO_STAGE[strategy],
                      micro_batch_size=global_batch // dp)
         predicted = predict_memory(shape, lay, global_batch, precision="fp32",
                                    activations="refimpl")
-        row = {"strategy": strategy, "dp": dp, "tp": tp, "ep": ep, "edp": dp // ep}
+        row = {"strategy": strategy, "dp": dp, "tp": tp, "pp": pp, "ep": ep, "edp": dp // ep}
         for category in STATES:
             measured = max(rank[category] for rank in result["memory"])
             row[f"{category}_measured"] = measured
