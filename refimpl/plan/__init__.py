@@ -10,6 +10,8 @@ search.py    enumerate, predict, rank: plan()
 cli.py       `python -m refimpl plan --model 70b --gpus 64`: plan_main(argv)
 published.py the planner against Narayanan et al. 2021 Table 1
 cpu.py       the layouts that run on a few CPU ranks, predicted for comparison with measured runs
+moe.py       what a mixture of experts adds: experts over ep then edp, their activations, all-to-alls
+moe_cpu.py   the expert layouts' model-state bytes, predicted beside the loop's on 4 CPU ranks
 
 The GPU presets it predicts with are refimpl.cost.hardware's (the datasheet numbers, re-exported
 here); this machine as a preset is measured by refimpl.cost.this_machine.

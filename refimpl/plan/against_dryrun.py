@@ -47,7 +47,7 @@ def layout_of(cfg: TrainConfig) -> Layout:
     return Layout(dp=dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, zero_stage=ZERO_STAGE[cfg.strategy],
                   micro_batch_size=cfg.global_batch // (dp * cfg.micro_batches),
                   recompute="full" if cfg.activation_checkpointing else "none",
-                  sequence_parallel=cfg.sequence_parallel)
+                  sequence_parallel=cfg.sequence_parallel, ep=cfg.dims.ep)
 
 
 def compare(preset: str, cfg: TrainConfig, rank: int = 0) -> dict:

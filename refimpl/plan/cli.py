@@ -6,6 +6,7 @@
         --global-batch 512 --gpus 32
     python -m refimpl plan --model megatron-1t --gpus 3072 --zero-stages 0 --recompute full \\
         --cp 1 --no-sequence-parallel                             # the techniques of 2021
+    python -m refimpl plan --model mixtral-8x7b --gpus 64 --ep 1,8  # a mixture of experts
 
 Bad arguments exit 2 with one line naming the constraint.
 """
@@ -18,7 +19,7 @@ from refimpl.cost.hardware import GPUS
 from refimpl.plan.models import MODELS, get_model
 from refimpl.plan.search import RECOMPUTE, plan
 
-SHOWN = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "zero_stage": "zero",
+SHOWN = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "zero_stage": "zero",
          "micro_batch_size": "mbs", "micro_batches": "m", "recompute": "recompute",
          "sequence_parallel": "sp", "memory_gb": "mem GB", "fits": "fits",
          "step_time_s": "step s", "tflops_per_gpu": "TFLOP/s/GPU", "mfu": "MFU",
@@ -43,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero-stages", type=_ints, default=(0, 1, 2, 3))
     p.add_argument("--cp", type=_ints, default=(1, 2, 4, 8), help="cp sizes to consider")
     p.add_argument("--micro-batch-sizes", type=_ints, default=(1, 2, 4, 8))
+    p.add_argument("--ep", type=_ints, default=None,
+                   help="ep sizes to consider (a MoE preset; default: every divisor of dp x cp "
+                        "that divides the experts)")
     p.add_argument("--recompute", default=",".join(RECOMPUTE),
                    help="comma-separated subset of none,selective,full")
     p.add_argument("--no-sequence-parallel", action="store_true")
@@ -80,9 +84,16 @@ def run_plan(args):
     if bad:
         raise ValueError(f"--recompute takes none, selective, full (got {', '.join(bad)})")
     sp = (False,) if args.no_sequence_parallel else (False, True)
-    return plan(**_shape_args(args), gpus=args.gpus, gpu=args.gpu,
+    shape = _shape_args(args)
+    experts = shape.get("n_experts", 0)
+    if args.ep and any(e > 1 for e in args.ep) and not experts:
+        raise ValueError("--ep needs a mixture-of-experts preset (e.g. --model mixtral-8x7b)")
+    if args.ep and any(e < 1 or experts % e for e in args.ep):
+        raise ValueError(f"--ep sizes must divide the {experts} experts (got "
+                         f"{', '.join(map(str, args.ep))})")
+    return plan(**shape, gpus=args.gpus, gpu=args.gpu,
                 gpus_per_node=args.gpus_per_node, zero_stages=args.zero_stages,
-                cp_sizes=args.cp, micro_batch_sizes=args.micro_batch_sizes,
+                cp_sizes=args.cp, micro_batch_sizes=args.micro_batch_sizes, ep_sizes=args.ep,
                 recompute=recompute, sequence_parallel=sp)
 
 

@@ -97,9 +97,10 @@ def sp_grad_sync_s(cfg: GPTConfig, lay: Layout, hw: Hardware, micro_batches: int
 
 def exposed_comm_s(row) -> float:
     """The communication of a step that nothing hides: each micro-batch's tp, cp and pp messages
-    on the busiest stage, (m + p - 1) times (its own and its share of the bubble), plus the dp sync."""
+    on the busiest stage (a MoE's all-to-alls too), (m + p - 1) times (its own and its share of the bubble), plus the dp sync."""
     m, p = row["micro_batches"], row["pp"]
-    return (row["tp_comm_s"] + row["cp_comm_s"] + row["pp_comm_s"]) / m * (m + p - 1) + row["dp_comm_s"]
+    per_micro_batch = row["tp_comm_s"] + row["cp_comm_s"] + row["pp_comm_s"] + row.get("ep_comm_s", 0.0)
+    return per_micro_batch / m * (m + p - 1) + row["dp_comm_s"]
 
 
 def time_sliced_step(row, world_size: int, cores: int, waiting_s: float | None = None) -> dict:

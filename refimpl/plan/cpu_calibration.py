@@ -16,8 +16,12 @@ from refimpl.train import train_on_ranks
 
 
 def shape_of(cfg: GPTConfig, seq_len: int) -> ModelShape:
+    """The planner's shape of refimpl's GPT(cfg) at `seq_len` (a MoE config's experts too)."""
+    experts = {} if not cfg.n_experts else dict(
+        n_experts=cfg.n_experts, top_k=cfg.top_k, ffn_hidden=cfg.mlp_ratio * cfg.d_model,
+        capacity_factor=cfg.capacity_factor)
     return ModelShape(cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.vocab_size, seq_len,
-                      tied_embeddings=cfg.tie_embeddings)
+                      tied_embeddings=cfg.tie_embeddings, **experts)
 
 
 def calibrate_compute(hw: Hardware, cfg: GPTConfig | None = None, seq_len: int = 32,

@@ -3,6 +3,14 @@
 A shape is a GPT block stack as in refimpl.model: pre-norm blocks, multi-head attention, a 4h MLP,
 so its parameter count is Narayanan et al. 2021's (§5.1, eq. in "FLOPs calculation"):
     P = 12·l·h² · (1 + 13/(12h) + (V + s)/(12·l·h))
+
+A mixture of experts (n_experts > 0: every block's MLP a router and E experts, top_k of them
+active per token) is counted exactly instead, dense and expert parameters apart, because they are
+sharded over different groups (dense over dp x cp, experts over ep and then edp: refimpl.placement,
+refimpl.plan.moe). block="gpt" is refimpl's own block (refimpl.model: LayerNorm, biases on q, v, o
+and the expert MLP, a GELU MLP of width ffn_hidden); block="llama" is Mixtral's (RMSNorm, no
+biases, a SwiGLU MLP: gate, up, down; kv_heads < n_heads for grouped-query attention), which
+refimpl does not build: the planner predicts it, the dry run cannot run it.
 """
 from __future__ import annotations
 
@@ -19,12 +27,65 @@ class ModelShape:
     # Megatron's GPTs share the word embedding with the output layer; Llama's do not (nor does
     # refimpl's GPT by default): one more V x h matrix.
     tied_embeddings: bool = True
+    # mixture of experts (0: a dense model, the fields below unused)
+    n_experts: int = 0
+    top_k: int = 2
+    ffn_hidden: int = 0              # one expert's MLP width; 0: 4h
+    capacity_factor: float = 1.0     # expert slots per routed token (1.0: dropless on average)
+    kv_heads: int = 0                # grouped-query attention's K/V heads; 0: n_heads
+    block: str = "gpt"               # "gpt" (refimpl's) or "llama" (Mixtral's); see the docstring
 
     @property
     def n_params(self) -> float:
+        if self.n_experts:
+            return self.dense_params + self.expert_params
         l, h, v, s = self.n_layers, self.d_model, self.vocab_size, self.seq_len
         head = 0 if self.tied_embeddings else v * h
         return 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h)) + head
+
+    # --- a mixture of experts, parameter by parameter ---------------------------------------------
+    @property
+    def mlp_width(self) -> int:
+        return self.ffn_hidden or 4 * self.d_model
+
+    @property
+    def one_expert_params(self) -> int:
+        """One expert's MLP: refimpl's up (h x w + w) and down (w x h + h); Mixtral's SwiGLU three
+        h x w matrices without biases (Shazeer 2020)."""
+        h, w = self.d_model, self.mlp_width
+        return 3 * h * w if self.block == "llama" else 2 * h * w + w + h
+
+    @property
+    def layer_dense_params(self) -> int:
+        """One MoE block without its experts: attention, the two norms, the router (E x h, no bias).
+        refimpl's attention has biases on q, v and o, none on k (refimpl.model.layers)."""
+        h = self.d_model
+        kv = (self.kv_heads or self.n_heads) * (h // self.n_heads)   # K and V widths
+        if self.block == "llama":
+            return 2 * h * h + 2 * h * kv + 2 * h + self.n_experts * h
+        attention = (h * h + h) + h * kv + (h * kv + kv) + (h * h + h)
+        return attention + 2 * 2 * h + self.n_experts * h
+
+    @property
+    def dense_params(self) -> int:
+        """Every parameter outside the experts: embeddings (refimpl's learned positions too), the
+        blocks' dense parts, the final norm and an untied output layer."""
+        h, v = self.d_model, self.vocab_size
+        llama = self.block == "llama"
+        embed = v * h + (0 if llama else self.seq_len * h)
+        head = 0 if self.tied_embeddings else v * h
+        return embed + self.n_layers * self.layer_dense_params + (h if llama else 2 * h) + head
+
+    @property
+    def expert_params(self) -> int:
+        return self.n_layers * self.n_experts * self.one_expert_params
+
+    @property
+    def active_params(self) -> int:
+        """What one token's forward touches: the dense parameters and top_k experts per block."""
+        if not self.n_experts:
+            return self.n_params
+        return self.dense_params + self.n_layers * self.top_k * self.one_expert_params
 
     @property
     def layer_params(self) -> float:
@@ -48,6 +109,26 @@ MODELS = {
     # GPT-3 175B (Brown et al. 2020, Table 2.1): 96 layers, d_model 12288, 96 heads, 2048 context,
     # 3.2M-token batches = 1536 sequences; Megatron's 51200-entry vocabulary.
     "gpt3-175b": (ModelShape(96, 12288, 96, 51200, 2048), 1536),
+    # Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", Table 1; the released config.json):
+    # 32 layers, d_model 4096, 32 query heads and 8 key/value heads, 8 SwiGLU experts of width
+    # 14336, top-2, vocabulary 32000, untied output layer; 46.7B parameters, 12.9B active. Context
+    # 4096 and 4M-token batches (1024 sequences) as for Llama 2: the paper gives no batch.
+    "mixtral-8x7b": (ModelShape(32, 4096, 32, 32000, 4096, tied_embeddings=False, n_experts=8,
+                                top_k=2, ffn_hidden=14336, kv_heads=8, block="llama"), 1024),
+    # Mixtral 8x22B (Mistral AI's model card and config.json, 2024): 56 layers, d_model 6144, 48
+    # query and 8 key/value heads, 8 experts of width 16384, top-2, vocabulary 32768; 141B
+    # parameters, 39B active. Same context and batch assumptions as above.
+    "mixtral-8x22b": (ModelShape(56, 6144, 48, 32768, 4096, tied_embeddings=False, n_experts=8,
+                                 top_k=2, ffn_hidden=16384, kv_heads=8, block="llama"), 1024),
+    # A DeepSeek-V3-like model in refimpl's own block (LayerNorm, biases, GELU experts):
+    # DeepSeek-V3's width and expert shape (Liu et al. 2024, tech report §4.2: d_model
+    # 7168, 128 heads, 256 routed experts of width 2048, top-8, vocabulary 129280) on 16 layers
+    # instead of 61, without its shared expert, multi-head latent attention and first three dense
+    # blocks, which this shape cannot say, and with its 2-matrix GELU experts: 125B parameters,
+    # 9.0B active (DeepSeek-V3: 671B, 37B). refimpl's GPTConfig cannot build it (its mlp_ratio is an
+    # integer; 2048 / 7168 is not), so neither the loop nor the dry run can run it.
+    "deepseek-v3-16l": (ModelShape(16, 7168, 128, 129280, 4096, tied_embeddings=False,
+                                   n_experts=256, top_k=8, ffn_hidden=2048), 1024),
 }
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import refimpl.plan.moe as moe  # what a mixture of experts adds
 from refimpl.cost.alpha_beta import ring_seconds
 from refimpl.cost.hardware import MEMORY_HEADROOM, Hardware
 from refimpl.memory import activation_bytes_per_layer, model_state_bytes, training_flops
@@ -52,6 +53,7 @@ class Layout:
     micro_batch_size: int = 1
     recompute: str = "none"            # "none", "selective" (attention scores), "full" (per block)
     sequence_parallel: bool = False
+    ep: int = 1                        # expert parallelism, inside dp x cp (refimpl.plan.moe)
 
     @property
     def gpus(self) -> int:
@@ -85,6 +87,13 @@ def stage_params(shape: ModelShape, lay: Layout) -> float:
 
 
 def _layer_activation_bytes(shape, lay, batch, act_bytes, recompute, activations="korthikanti") -> float:
+    dense = _dense_layer_activation_bytes(shape, lay, batch, act_bytes, recompute, activations)
+    if shape.n_experts and recompute != "full":   # the experts' MLP instead of the 4h one
+        return dense + moe.mlp_activation_delta(shape, lay, batch, act_bytes)
+    return dense
+
+
+def _dense_layer_activation_bytes(shape, lay, batch, act_bytes, recompute, activations) -> float:
     """Korthikanti et al. 2022 Table 2 on this rank's s/cp tokens. Ring attention (cp > 1) never
     stores the s x s probabilities (it recomputes them blockwise, refimpl/parallel/cp/ring.py), so its
     score term is dropped as selective recomputation drops it.
@@ -116,10 +125,13 @@ def predict_memory(shape: ModelShape, lay: Layout, global_batch: int, precision:
                    activations: str = "korthikanti") -> dict:
     bytes_ = PRECISIONS[precision]
     m = global_batch // (lay.dp * lay.micro_batch_size)
-    states = model_state_bytes(stage_params(shape, lay), dp=lay.dp * lay.cp,
-                               zero_stage=lay.zero_stage, param_bytes=bytes_["param"],
-                               grad_bytes=bytes_["grad"], optimizer_bytes=bytes_["optimizer"],
-                               padded=False)
+    if shape.n_experts:   # dense parameters over dp x cp, experts over edp
+        states = moe.moe_state_bytes(shape, lay, bytes_)
+    else:
+        states = model_state_bytes(stage_params(shape, lay), dp=lay.dp * lay.cp,
+                                   zero_stage=lay.zero_stage, param_bytes=bytes_["param"],
+                                   grad_bytes=bytes_["grad"], optimizer_bytes=bytes_["optimizer"],
+                                   padded=False).to_dict()
     b, layers = lay.micro_batch_size, shape.n_layers // lay.pp
     per_layer = _layer_activation_bytes(shape, lay, b, bytes_["activation"], lay.recompute,
                                         activations)
@@ -146,10 +158,10 @@ def predict_memory(shape: ModelShape, lay: Layout, global_batch: int, precision:
         if lay.zero_stage == 3:   # ZeRO-3 / FSDP's working units (ZeRO §5.3), as the dry run saw
             # them: the block in backward and the next, prefetched, gathered, and the block's
             # whole gradient before its reduce-scatter
-            transient += shape.layer_params / lay.tp * (2 * bytes_["param"] + bytes_["grad"])
-    return {"params_bytes": states.params, "grads_bytes": states.grads,
-            "optimizer_bytes": states.optimizer, "activation_bytes": stored,
-            "transient_bytes": transient, "memory_bytes": states.total + stored + transient}
+            transient += moe.unit_params(shape, lay) * (2 * bytes_["param"] + bytes_["grad"])
+    return {"params_bytes": states["params"], "grads_bytes": states["grads"],
+            "optimizer_bytes": states["optimizer"], "activation_bytes": stored,
+            "transient_bytes": transient, "memory_bytes": states["total"] + stored + transient}
 
 
 def micro_batch_work(shape: ModelShape, lay: Layout, act_bytes: int) -> dict:
@@ -161,6 +173,8 @@ def micro_batch_work(shape: ModelShape, lay: Layout, act_bytes: int) -> dict:
     layers, s_loc = shape.n_layers // lay.pp, s // c
     # Narayanan et al. 2021, §5.1 counts: 4 GEMMs + QK^T and PV per layer, forward
     layer_fwd = 24 * b * s_loc * h * h * (1 + s / (6 * h)) / t
+    if shape.n_experts:   # top_k experts and a router instead of the 4h MLP
+        layer_fwd += moe.mlp_flops_delta(shape, lay, b)
     attn_core_fwd = 4 * b * s_loc * s * h / t
     passes = 3 + (1 if lay.recompute == "full" else 0)   # backward = 2 forwards; recompute + 1
     layer_flops = layer_fwd * passes + (attn_core_fwd if lay.recompute == "selective" else 0)
@@ -239,7 +253,10 @@ def predict_time(shape: ModelShape, lay: Layout, global_batch: int, hw: Hardware
         pp_alpha, pp_beta = hw.link(lay.within_node("pp", gpus_per_node))
         pp_s = 2 * (pp_alpha + b * s_loc * h / t * act / pp_beta)
 
-    per_micro_batch = compute_s + tp_s + cp_s + pp_s
+    # --- expert parallelism: the dispatch and combine all-to-alls (refimpl.plan.moe)
+    ep_s = moe.ep_comm_seconds(shape, lay, hw, gpus_per_node, act) if shape.n_experts else 0.0
+
+    per_micro_batch = compute_s + tp_s + cp_s + pp_s + ep_s
     bubble = (p - 1) / (m + p - 1)
     pipeline_s = (m + p - 1) * per_micro_batch
 
@@ -247,7 +264,7 @@ def predict_time(shape: ModelShape, lay: Layout, global_batch: int, hw: Hardware
     n_dp = lay.dp * c
     dp_within = lay.within_node("dp", gpus_per_node) if lay.dp > 1 else lay.within_node("cp", gpus_per_node)
     dp_alpha, dp_beta = hw.link(dp_within)
-    params = stage_params(shape, lay)
+    params = moe.dense_stage_params(shape, lay) if shape.n_experts else stage_params(shape, lay)
     backward = (compute_s * 2 / (3 + (1 if lay.recompute == "full" else 0))
                 * (1 if hw.overlaps_comm else 0))   # 2 of a micro-batch's 3 (or 4) passes
     dp_s = dp_sync_seconds(lay.zero_stage, param_count=params, param_bytes=bytes_["param"],
@@ -255,16 +272,24 @@ def predict_time(shape: ModelShape, lay: Layout, global_batch: int, hw: Hardware
                            micro_batches=m, units=layers + (2 if p == 1 else 1),
                            backward_s=backward, micro_batch_s=hidden_by, messages=grad_messages,
                            per_micro_batch=zero2_per_micro_batch)
+    experts = moe.expert_stage_params(shape, lay) if shape.n_experts else 0.0
+    if experts:   # the experts' gradients, over edp (refimpl.placement.data_parallel_axis)
+        dp_s += moe.expert_sync_seconds(shape, lay, hw, gpus_per_node, bytes_, micro_batches=m,
+                                        units=layers, backward_s=backward, micro_batch_s=hidden_by,
+                                        messages=grad_messages, per_micro_batch=zero2_per_micro_batch)
 
     # --- optimizer: Adam reads and writes its states and the param, reads the grad (memory-bound)
     shard = params / n_dp if lay.zero_stage >= 1 else params
+    if experts:
+        shard += experts / moe.edp(lay) if lay.zero_stage >= 1 else experts
     optimizer_s = shard * (2 * bytes_["optimizer"] + bytes_["grad"] + 2 * bytes_["param"]) / hw.memory_bandwidth
 
     step = pipeline_s + dp_s + optimizer_s + hw.step_overhead_s
     executed = ((work["layer_flops"] * t * c) * shape.n_layers
                 + work["logits_flops"] * t * c) * global_batch / b
     return {"step_time_s": step, "compute_s": m * compute_s, "tp_comm_s": m * tp_s,
-            "cp_comm_s": m * cp_s, "pp_comm_s": m * pp_s, "bubble_s": (p - 1) * per_micro_batch,
+            "cp_comm_s": m * cp_s, "pp_comm_s": m * pp_s, "ep_comm_s": m * ep_s,
+            "bubble_s": (p - 1) * per_micro_batch,
             "dp_comm_s": dp_s, "optimizer_s": optimizer_s, "step_overhead_s": hw.step_overhead_s,
             "bubble_fraction": bubble,
             "micro_batches": m, "executed_flops": executed}
@@ -279,7 +304,7 @@ def predict(shape: ModelShape, lay: Layout, global_batch: int, hw: Hardware,
     time = predict_time(shape, lay, global_batch, hw, gpus_per_node, precision, grad_messages,
                         zero2_per_micro_batch)
     tokens = global_batch * shape.seq_len
-    model_flops = training_flops(shape.n_params, tokens, n_layers=shape.n_layers,
+    model_flops = training_flops(shape.active_params, tokens, n_layers=shape.n_layers,
                                  seq=shape.seq_len, hidden=shape.d_model)
     per_gpu_s = time["step_time_s"] * lay.gpus
     return {**lay.to_dict(), **mem, **time,
