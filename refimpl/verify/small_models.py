@@ -9,8 +9,7 @@ message. Compute grows as h², traffic as h, latency not at all: the narrower th
 the share of a step its ranks spend communicating, and the less the split buys.
 
 `measure` trains models of growing width (same depth, same global batch) under `single` and under
-`tp` on t ranks, both profiled (so both pay the profiler's per-op cost), and reads from each tp
-trace:
+`tp` on t ranks, times both, and reads from one profiled tp step per width:
   * the activation all-reduces of the residual stream, counted and sized (to compare with
     tp_comm's (4L + 2) messages of b·s·h values: 4 per layer, the embedding's and the LM head's);
   * per step, the communication and the compute time of the rank that waited least inside the
@@ -43,14 +42,18 @@ def width_sweep(widths=WIDTHS, *, n_layers: int = 2, n_heads: int = 4, vocab_siz
                       n_layers=n_layers) for h in widths]
 
 
-def _configs(models, tp: int, steps: int, global_batch: int, group: str):
+def share(comm_s: float, compute_s: float) -> float:
+    return comm_s / (comm_s + compute_s)
+
+
+def _configs(models, tp: int, steps: int, global_batch: int, group: str) -> dict:
+    """Per width: tp timed, tp profiled (one warm-up step and one recorded), single timed."""
     runs = {}
     for m in models:
-        base = TrainConfig(strategy="tp", nproc=tp, steps=steps, global_batch=global_batch,
-                           seq_len=m.seq_len, model=m)
-        runs[m.d_model] = (capture.profiled(base, group, f"tp{tp}-h{m.d_model}"),
-                           capture.profiled(base.with_(strategy="single", nproc=1), group,
-                                            f"single-h{m.d_model}"))
+        timed = TrainConfig(strategy="tp", nproc=tp, steps=steps, global_batch=global_batch,
+                            seq_len=m.seq_len, model=m)
+        runs[m.d_model] = (timed, capture.profiled(timed.with_(steps=2), group, f"tp{tp}-h{m.d_model}"),
+                           timed.with_(strategy="single", nproc=1))
     return runs
 
 
@@ -64,17 +67,19 @@ def residual_all_reduces(trace: pd.DataFrame, message_bytes: int, rank: int = 0)
 
 def measure(models: list[GPTConfig], *, tp: int = 2, steps: int = 3, global_batch: int = 8,
             group: str = "06_tensor_parallel/small-models") -> pd.DataFrame:
-    """One row per model: single's and tp's step times, the speed-up, and from tp's trace the
-    residual all-reduces per step and the communication share of the step (module docstring).
-    The tp runs share one launch; single runs in this process, one thread, as a rank does."""
+    """One row per model: single's and tp's step times and the speed-up (no profiler: it costs a
+    fixed time per operator, which would weigh on the small model most), and from a profiled tp
+    step the residual all-reduces and the communication share of the step (module docstring).
+    Every tp run shares one launch; single runs in this process, one thread, as a rank does."""
     runs = _configs(models, tp, steps, global_batch, group)
-    tp_results = train_several_on_ranks([t for t, _ in runs.values()])
+    done = iter(train_several_on_ranks([c for timed, traced, _ in runs.values() for c in (timed, traced)]))
     rows = []
-    for (h, (tp_cfg, single_cfg)), tp_run, m in zip(runs.items(), tp_results, models, strict=True):
+    for (h, (timed, traced, single_cfg)), m in zip(runs.items(), models, strict=True):
+        tp_run, _ = next(done), next(done)
         single = train_on_ranks(single_cfg)
-        trace = profiling.load_trace(tp_cfg.trace_dir)
+        trace = profiling.load_trace(traced.trace_dir)
         times = per_step_times(profiling.summarize(trace))
-        message = global_batch * m.seq_len * h * DTYPES[tp_cfg.dtype].itemsize
+        message = global_batch * m.seq_len * h * DTYPES[timed.dtype].itemsize
         calls = residual_all_reduces(trace, message)
         rows.append({"d_model": h, "n_params": tp_run["n_params"],
                      "single step (ms)": single["step_time_s"] * 1e3,
@@ -83,12 +88,8 @@ def measure(models: list[GPTConfig], *, tp: int = 2, steps: int = 3, global_batc
                      "residual all-reduces / step": int(calls.min()) if len(calls) else 0,
                      "all-reduce message (B)": message,
                      "comm ms / step": times.comm_us / 1e3, "compute ms / step": times.compute_us / 1e3,
-                     "comm share measured": times.comm_us / (times.comm_us + times.compute_us)})
+                     "comm share measured": share(times.comm_us, times.compute_us)})
     return pd.DataFrame(rows).set_index("d_model")
-
-
-def share(comm_s: float, compute_s: float) -> float:
-    return comm_s / (comm_s + compute_s)
 
 
 def predicted_shares(models: list[GPTConfig], *, tp: int, global_batch: int, alpha_hop: float,
