@@ -4,6 +4,7 @@ import math
 
 import pandas as pd
 import pytest
+import torch
 
 from refimpl.cost import allocator, compute, dp_scaling, links, zero_family
 from refimpl.cost.caching_allocator import CachingAllocator, replay
@@ -184,3 +185,39 @@ def test_profiles_land_in_the_repos_folder_whatever_the_cwd(monkeypatch, tmp_pat
     monkeypatch.chdir(tmp_path)
     repo = Path(refimpl.__file__).resolve().parent.parent
     assert capture.profiles_root() == repo / "profiles"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rank_activation_bytes_is_what_autograd_saves(dtype):
+    """cp = 1 here, to the byte, in the model's dtype (the cp > 1 count is checked on the loop's
+    ranks in tests/test_cp.py)."""
+    from refimpl.cost.cp_comm import rank_activation_bytes
+    from refimpl.memory import measure_step_activations
+    from refimpl.model import GPTConfig, build_model
+    from refimpl.model.data import synthetic_batch
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        for b, s, h, vocab, layers in ((4, 32, 64, 128, 2), (3, 24, 96, 200, 1)):
+            cfg = GPTConfig(vocab_size=vocab, seq_len=s, d_model=h, n_heads=4, n_layers=layers)
+            batch = synthetic_batch(cfg, b, s, 0, 0)
+            saved = measure_step_activations(build_model(cfg, 0), batch.inputs, batch.targets)
+            assert saved == rank_activation_bytes(cfg, b, s, dtype_bytes=dtype.itemsize)
+    finally:
+        torch.set_default_dtype(before)
+
+
+def test_small_models_predicted_share_falls_with_width():
+    """TP's FLOPs per byte sent is 9h(1 + s/6h)/((t-1)·bytes): it grows with the width, so the
+    communication share falls, on this machine's fit and on a GPU preset alike."""
+    from refimpl.verify.small_models import predicted_shares, width_sweep
+
+    models = width_sweep((64, 128, 256))
+    table = predicted_shares(models, tp=2, global_batch=8, alpha_hop=5e-5, link=1e9,
+                             matmul_rate=5e10, dtype_bytes=4)
+    for m in models:
+        h, s = m.d_model, m.seq_len
+        assert table.loc[h, "FLOPs per byte sent"] == pytest.approx(9 * h * (1 + s / (6 * h)) / 4)
+    for column in ("comm share predicted, this machine", "comm share predicted, h100-sxm"):
+        assert table[column].is_monotonic_decreasing and table[column].between(0, 1).all()

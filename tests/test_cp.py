@@ -107,12 +107,20 @@ def test_loop_with_context_parallel_equals_single(strategy, nproc, cp, checkpoin
     3 AdamW steps is single's to the 1e-9 gate (in fp32 the same reordering, amplified by AdamW,
     leaves ~1.5e-5, whatever the layout: refimpl.verify.equivalence.fp32_noise_floor)."""
     from refimpl.config import TrainConfig
+    from refimpl.cost.cp_comm import rank_activation_bytes
+    from refimpl.train import train_on_ranks
     from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single
 
-    eq = compare_with_single(TrainConfig(strategy=strategy, nproc=nproc, cp=cp, steps=3,
-                                         activation_checkpointing=checkpointing, dtype="float64",
-                                         model=SMALL))
+    cfg = TrainConfig(strategy=strategy, nproc=nproc, cp=cp, steps=3, return_state=True,
+                      activation_checkpointing=checkpointing, dtype="float64", model=SMALL)
+    run = train_on_ranks(cfg)
+    eq = compare_with_single(cfg, run)
     assert eq.tolerance == FP64_TOLERANCE and eq.ok, eq
+    if not checkpointing:   # what each rank saved for backward: ring attention's count, to the byte
+        rows = cfg.global_batch // (nproc // cp * cfg.micro_batches)
+        want = rank_activation_bytes(SMALL, rows, cfg.seq_len, cp, dtype_bytes=8,
+                                     id_rows=rows * cfg.micro_batches)
+        assert [m["activations_peak"] for m in run["memory"]] == [want] * nproc
 
 
 def test_sequence_must_split_into_2cp_chunks():

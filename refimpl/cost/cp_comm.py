@@ -7,10 +7,13 @@ at least as long: 4·b·c²·h / rate ≥ 2·b·c·h_kv·bytes / bandwidth, i.e.
 c ≥ bytes·rate·h_kv / (2·bandwidth·h) tokens (Liu et al. 2023, "Ring Attention with Blockwise
 Transformers", §3: the block size must exceed FLOPs / bandwidth). Rates are a preset's achievable
 ones (refimpl.cost.hardware: Hardware.matmul_rate, Hardware.link).
+
+Memory: `rank_activation_bytes` is what one cp rank saves for backward, to the byte.
 """
 from __future__ import annotations
 
 from refimpl.cost.hardware import Hardware, get_hardware
+from refimpl.memory import block_activation_bytes
 
 
 def ring_step_seconds(b: int, c: int, h: int, gpu: str | Hardware, within_node: bool = True, *,
@@ -31,3 +34,29 @@ def min_overlap_chunk(gpu: str | Hardware, within_node: bool = True, *, kv_fract
     hw = gpu if isinstance(gpu, Hardware) else get_hardware(gpu)
     _, link = hw.link(within_node)
     return dtype_bytes * hw.matmul_rate * kv_fraction / (2 * link)
+
+
+def rank_activation_bytes(model, rows: int, seq: int, cp: int = 1, *, dtype_bytes: int = 4,
+                          id_rows: int | None = None) -> int:
+    """What autograd saves for one forward of refimpl.model.GPT and its loss on one rank of a cp
+    ring: `rows` sequences of `seq` tokens, this rank holding seq/cp of each (cp = 1: the plain
+    model, exactly refimpl.memory.block_activation_bytes per block).
+
+    Per block, ring attention (refimpl.parallel.cp.ring.RingAttention) saves q, k, v, its output
+    and a fp32 log-sum-exp per query and head instead of the softmax probabilities and the causal
+    mask, the only s² terms: what is left shrinks as 1/cp. Its output is saved once more than in
+    the plain block (the softmax backward's correction term needs it, FlashAttention's D = rowsum
+    dO∘O). Outside the blocks: the token ids and the positions looked up (int64), the final
+    LayerNorm's input, output and statistics, the log-softmax of the logits, the targets (int64),
+    and one fp32 scalar of the loss. `id_rows`: rows in the storage the ids are views of (the
+    micro-batches of a rank's batch share its storage; default `rows`).
+    """
+    s, b, h, a = seq // cp, rows, model.d_model, model.n_heads
+    sbh, sb = s * b * h, s * b
+    block = block_activation_bytes(s, b, h, a, mlp_ratio=model.mlp_ratio, dtype_bytes=dtype_bytes)
+    acc = max(4, dtype_bytes)    # statistics and the log-sum-exp: at least fp32
+    if cp > 1:
+        block += sbh * dtype_bytes + a * sb * acc - a * s * s * b * dtype_bytes - s * s
+    ids = 2 * (id_rows or rows) * s * 8 + s * 8
+    outside = 2 * sbh * dtype_bytes + 2 * sb * acc + sb * model.vocab_size * dtype_bytes + ids + acc
+    return model.n_layers * block + outside

@@ -133,7 +133,8 @@ def block_activation_bytes(seq: int, batch: int, hidden: int, heads: int, *, mlp
     return (16 * sbh * dtype_bytes            # the s·b·h-sized tensors
             + heads * seq * seq * batch * dtype_bytes   # softmax probabilities
             + seq * seq                       # causal mask, 1 byte per entry
-            + 2 * 2 * sb * 4)                 # LayerNorm mean and rstd, fp32, two norms
+            + 2 * 2 * sb * max(4, dtype_bytes))   # LayerNorm mean and rstd (fp32, or the
+                                                      # model's float64), two norms
 
 
 def tp_block_activation_bytes(seq: int, batch: int, hidden: int, heads: int, *, tp: int = 1,
