@@ -17,6 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from refimpl.compose import moe_collectives
 from refimpl.config import TrainConfig
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
@@ -151,3 +152,14 @@ def test_layouts_the_batch_scope_cannot_match_are_refused_in_one_line(cfg, words
 def test_the_batch_scope_runs_where_nothing_can_overflow():
     # k * capacity_factor >= E: C >= T, so the queue's order cannot matter (balance != aux)
     validate(config("dp-naive", 2, cp=2, moe=dict(top_k=2, capacity_factor=2.0, balance="bias")))
+
+
+@pytest.mark.parametrize("cfg", [config("ep", 4, cp=2, moe={**AUX, **SEQ}),
+                                 config("ep", 4, pp=2, activation_checkpointing=True, moe=AUX),
+                                 config("ep", 4, pp=2, schedule="zbv", model=FOUR, moe=AUX)])
+def test_the_collectives_arithmetic_refuses_what_it_does_not_count(cfg):
+    """cp's ring, a checkpointed block's replayed forward and a V's two chunks per rank are not in
+    moe_collectives' counts (notebook 09 and tests/test_composition.py check the rest against a
+    trace): it says so rather than return a wrong table."""
+    with pytest.raises(ValueError, match="one chunk per rank"):
+        moe_collectives.expected_calls(cfg)
