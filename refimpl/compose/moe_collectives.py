@@ -1,4 +1,4 @@
-"""The collectives one rank calls in one step of a MoE model on dp x ep x tp x pp, from the layout alone.
+"""The collectives one rank calls in one step of a MoE model on dp x ep x tp x pp x cp, from the layout.
 
 Notebook 09 traces such a run and counts the labelled calls of a rank per step
 (refimpl.plan.composition.collectives_per_step); this is the arithmetic they must equal, one row per
@@ -30,13 +30,19 @@ experts this rank holds of each layer:
        sent back unless it is the first, each met by a posted receive and its wait
        (refimpl.parallel.pp.runner); and once a step, the all-reduce that sums the stages' parts of
        the loss (every stage adds its MoE layers' aux loss: refimpl.step.global_mean_loss).
+  cp   per block and micro-batch, ring attention's hops (refimpl.parallel.cp.ring): in forward
+       cp - 1 K/V blocks passed on, in backward cp - 1 again and cp hops of the accumulated dK/dV,
+       each hop one isend and one irecv. They are posted by refimpl.comm.p2p.post, which labels no
+       profiler range, so a trace does not show them: their rows say `traced=False` and the trace
+       comparison leaves them out. Under capacity_scope=sequence, per MoE layer and micro-batch,
+       one all-gather over cp of the counts of each sequence's pieces (refimpl.model.moe_sequence).
   dp   `ep`'s gradient sync after the schedule: one all-reduce per dense parameter tensor of the
        stage over dp x cp, one per expert tensor over edp when edp > 1 (refimpl.parallel.ep.strategy;
        under tp each rank syncs its own shards, so the same tensors), and the loss's mean.
 
-Counted: the plain pipeline placement (one chunk per rank), no cp, no activation checkpointing
-(which replays a block's forward collectives in backward). cp's terms (ring attention's K/V
-sends, refimpl.parallel.cp.ring) are not in it yet.
+Counted: the plain pipeline placement (one chunk per rank), no activation checkpointing (which
+replays a block's forward collectives in backward), and not tp with cp together (tp x cp's MoE run
+is not checked against a trace here).
 """
 from __future__ import annotations
 
@@ -94,12 +100,22 @@ def _tp_rows(cfg: TrainConfig, stage: int, layers: int) -> list[tuple]:
             ("all_reduce", "backward", m * (layers * e + sequence_partial_tensors(cfg, stage)))]
 
 
+def _cp_rows(cfg: TrainConfig, layers: int) -> list[tuple]:
+    """cp's (op, pass, calls, traced) per step (see the module's docstring)."""
+    m, c = cfg.micro_batches, cfg.cp
+    ring = [(op, pass_, m * layers * hops, False) for op in ("isend", "irecv")
+            for pass_, hops in (("forward", c - 1), ("backward", 2 * c - 1))]
+    pieces = cfg.model.capacity_scope == "sequence"
+    return ring + [("all_gather", "forward", m * layers if pieces else 0, True)]
+
+
 def expected_calls(cfg: TrainConfig, stage: int = 0) -> pd.DataFrame:
-    """(axis, op, pass, calls): what a rank of pipeline `stage` calls in one step of `cfg` (strategy ep)."""
-    if cfg.cp > 1 or cfg.activation_checkpointing or (
+    """(axis, op, pass, calls, traced): what a rank of pipeline `stage` calls in one step of `cfg`
+    (strategy ep); `traced` is False for calls no profiler range labels (cp's ring)."""
+    if (cfg.cp > 1 and cfg.tp > 1) or cfg.activation_checkpointing or (
             cfg.pp > 1 and (placement(pipeline_schedule(cfg)) != "loop" or cfg.virtual_stages > 1)):
-        raise ValueError("expected_calls counts dp x ep x tp x pp with one chunk per rank, without "
-                         "checkpointing; cp's terms are not in it yet")
+        raise ValueError("expected_calls counts dp x ep x tp x pp (or x cp without tp) with one chunk "
+                         "per rank, without checkpointing")
     if cfg.strategy != "ep" or cfg.model.n_experts == 0:
         raise ValueError("expected_calls counts the `ep` strategy's sync on a MoE model")
     dims, m, p = cfg.dims, cfg.micro_batches, cfg.pp
@@ -111,12 +127,16 @@ def expected_calls(cfg: TrainConfig, stage: int = 0) -> pd.DataFrame:
             ("ep", "all_to_all", "backward", 2 * layers * m if dims.ep > 1 else 0)]
     rows += [("tp", op, pass_, calls) for op, pass_, calls in _tp_rows(cfg, stage, layers)
              if cfg.tp > 1]
+    rows += [("cp", op, pass_, calls) for op, pass_, calls, _ in _cp_rows(cfg, layers) if cfg.cp > 1]
     rows += [("pp", "isend", "step", sends), ("pp", "irecv", "step", sends),
              ("pp", "recv-wait", "step", sends), ("pp", "all_reduce", "loss", 1 if p > 1 else 0),
              ("dp", "all_reduce", "grad sync", (replicated if dp_cp > 1 else 0) + (experts if edp > 1 else 0)),
              ("dp", "all_reduce", "loss", 1 if dp_cp > 1 else 0)]
-    return (pd.DataFrame(rows, columns=["axis", "op", "pass", "calls"]).query("calls > 0")
-            .reset_index(drop=True))
+    table = pd.DataFrame(rows, columns=["axis", "op", "pass", "calls"])
+    untraced = {(op, pass_) for op, pass_, _, traced in _cp_rows(cfg, layers) if not traced}
+    table["traced"] = [not (axis == "cp" and (op, pass_) in untraced)
+                       for axis, op, pass_ in zip(table.axis, table.op, table["pass"])]
+    return table.query("calls > 0").reset_index(drop=True)
 
 
 def count_gather_bytes(cfg: TrainConfig) -> int:
@@ -127,16 +147,27 @@ def count_gather_bytes(cfg: TrainConfig) -> int:
     return 8 * rows * cfg.model.n_experts * cfg.dims.dp * cfg.dims.cp
 
 
+def piece_gather_bytes(cfg: TrainConfig) -> int:
+    """Bytes of cp's all-gather of the pieces' counts under capacity_scope=sequence: int64 counts
+    [rows of a micro-batch, 2 pieces held (ring attention's head-tail chunks), E] from every cp rank."""
+    rows = cfg.global_batch // (cfg.dims.dp * cfg.micro_batches)
+    return 8 * rows * 2 * cfg.model.n_experts * cfg.cp
+
+
 def measured_calls(trace: pd.DataFrame, cfg: TrainConfig, rank: int) -> pd.DataFrame:
     """(axis, op) x step: the labelled collectives of `rank` in each step of a traced run of `cfg`,
     each put on its axis. A label names the op, not the group, so the axis is read from the op and
     from when the call ran (refimpl.strategy.Strategy.train_step's order): all-to-alls are ep's, the
-    sends and receives pp's; an all-gather is ep's when it carries the routing counts
-    (`count_gather_bytes`) and tp's otherwise; any other call is tp's while the schedule runs (up to
+    sends and receives pp's (cp's ring is not labelled); an all-gather is ep's when it carries the
+    routing counts (`count_gather_bytes`), cp's when it carries the pieces' (`piece_gather_bytes`),
+    and tp's otherwise; any other call is tp's while the schedule runs (up to
     the end of its last forward or backward), dp's gradient sync after it, and after the optimizer
     the loss's reductions: dp x cp's mean, then pp's sum of the stages' parts
     (refimpl.step.global_mean_loss)."""
-    counts = count_gather_bytes(cfg)
+    counts, pieces = count_gather_bytes(cfg), piece_gather_bytes(cfg) if cfg.cp > 1 else None
+    if counts == pieces:
+        raise ValueError("ep's and cp's count all-gathers carry the same bytes here: the trace cannot "
+                         "tell them apart")
     mine = trace[(trace["rank"] == rank) & trace.step.notna()]
     rows = []
     for step, calls in mine.groupby("step"):
@@ -148,6 +179,8 @@ def measured_calls(trace: pd.DataFrame, cfg: TrainConfig, rank: int) -> pd.DataF
         for call in comm.itertuples():
             if call.op == "all_to_all" or (call.op == "all_gather" and call.bytes == counts):
                 axis = "ep"
+            elif call.op == "all_gather" and call.bytes == pieces:
+                axis = "cp"
             elif call.op in ("isend", "irecv", "recv-wait"):
                 axis = "pp"
             elif call.start_us >= optimizer:
@@ -163,14 +196,15 @@ def against_trace(cfg: TrainConfig, trace: pd.DataFrame, rank: int) -> pd.DataFr
     """One row per (axis, op): the arithmetic's calls for `rank`'s stage (`expected`) beside the
     trace's, per step."""
     stage = cfg.dims.coordinates(rank)["pp"]
-    expected = calls_by_axis(expected_calls(cfg, stage)).rename(columns={"calls": "expected"})
+    expected = calls_by_axis(expected_calls(cfg, stage).query("traced"))
+    expected = expected.rename(columns={"calls": "expected"})
     table = expected.merge(measured_calls(trace, cfg, rank), on=["axis", "op"], how="outer")
     return table.fillna(0).astype({c: int for c in table.columns if c not in ("axis", "op")})
 
 
 def calls_by_op(expected: pd.DataFrame) -> dict[str, int]:
     """Calls per op, summed over the axes (what a trace, which does not know the axis, counts)."""
-    return expected.groupby("op").calls.sum().to_dict()
+    return expected.query("traced").groupby("op").calls.sum().to_dict()
 
 
 def calls_by_axis(expected: pd.DataFrame) -> pd.DataFrame:
