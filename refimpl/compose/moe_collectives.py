@@ -34,7 +34,7 @@ experts this rank holds of each layer:
        cp - 1 K/V blocks passed on, in backward cp - 1 again and cp hops of the accumulated dK/dV,
        each hop one isend and one irecv. They are posted by refimpl.comm.p2p.post, which labels no
        profiler range, so a trace does not show them: their rows say `traced=False` and the trace
-       comparison leaves them out. Under capacity_scope=sequence, per MoE layer and micro-batch,
+       comparison leaves them out (tests/test_cp.py counts the ring's messages instead). Under capacity_scope=sequence, per MoE layer and micro-batch,
        one all-gather over cp of the counts of each sequence's pieces (refimpl.model.moe_sequence).
   dp   `ep`'s gradient sync after the schedule: one all-reduce per dense parameter tensor of the
        stage over dp x cp, one per expert tensor over edp when edp > 1 (refimpl.parallel.ep.strategy;
@@ -100,11 +100,18 @@ def _tp_rows(cfg: TrainConfig, stage: int, layers: int) -> list[tuple]:
             ("all_reduce", "backward", m * (layers * e + sequence_partial_tensors(cfg, stage)))]
 
 
+def ring_hops(cp: int) -> dict[str, int]:
+    """Messages one rank sends in one ring attention (refimpl.parallel.cp.ring.RingAttention), per
+    pass: forward passes K/V on cp - 1 times; backward passes them on cp - 1 times and the
+    accumulated dK/dV cp times, home again after the last hop (tests/test_cp.py counts them)."""
+    return {"forward": cp - 1, "backward": 2 * cp - 1 if cp > 1 else 0}
+
+
 def _cp_rows(cfg: TrainConfig, layers: int) -> list[tuple]:
     """cp's (op, pass, calls, traced) per step (see the module's docstring)."""
-    m, c = cfg.micro_batches, cfg.cp
+    m = cfg.micro_batches
     ring = [(op, pass_, m * layers * hops, False) for op in ("isend", "irecv")
-            for pass_, hops in (("forward", c - 1), ("backward", 2 * c - 1))]
+            for pass_, hops in ring_hops(cfg.cp).items()]
     pieces = cfg.model.capacity_scope == "sequence"
     return ring + [("all_gather", "forward", m * layers if pieces else 0, True)]
 
