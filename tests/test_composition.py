@@ -6,14 +6,20 @@ another and training goes on as `single`'s does from the same state; PyTorch's c
 (torch-fsdp2-tp: FSDP2 + DTensor TP, and with --pp torch.distributed.pipelining) matches ours;
 what does not compose fails before launch.
 """
+import atexit
 import functools
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
+from refimpl.compose import moe_collectives
 from refimpl.config import TrainConfig
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig
+from refimpl.trace.profiling import load_trace
 from refimpl.train import train_on_ranks, train_several_on_ranks, validate
 from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single
 from refimpl.verify.reshard import placed_state, save_checkpoint
@@ -30,6 +36,8 @@ def moe(config: TrainConfig, **balance) -> TrainConfig:
     return config.with_(steps=2, model=GPTConfig(**{**TWO_BLOCKS.to_dict(), **EXPERTS, **balance}))
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
+WORK = Path(tempfile.mkdtemp(prefix="refimpl-composition-"))   # the MoE layout's trace
+atexit.register(shutil.rmtree, WORK, ignore_errors=True)
 
 
 def layout(strategy, world, **kw):
@@ -76,8 +84,10 @@ RUNS = {
                                               sequence_parallel=True).with_(steps=2, model=TWO_BLOCKS),
         # a MoE model on dp x ep x tp x pp: experts split over tp, spread over ep inside dp, a
         # stage's aux loss in the step's (tests/test_moe_compose.py, tests/test_moe_tp_dp.py)
+        # traced: test_moe_collectives_are_the_arithmetics counts its calls per axis
         "ep dp2 x tp2 x pp2, experts ep over dp, aux +sp": moe(layout(
-            "ep", 8, tp=2, pp=2, sequence_parallel=True), balance="aux"),
+            "ep", 8, tp=2, pp=2, sequence_parallel=True, profile=True,
+            trace_dir=str(WORK / "moe-5d")), balance="aux"),
         "zero1 dp2 x tp2 x pp2 --ep 2, bias": moe(layout("zero1", 8, tp=2, pp=2, ep=2),
                                                   balance="bias", bias_gamma=0.01),
         # PyTorch's twin: FSDP2 + DTensor TP + torch.distributed.pipelining's 1F1B (2 blocks,
@@ -108,6 +118,20 @@ def test_composed_layout_equals_single(world, name):
     eq = compare_with_single(config, result)
     assert eq.tolerance == FP64_TOLERANCE and eq.ok, (eq.loss_rel_err, eq.weight_rel_err)
     assert len({tuple(r["losses"]) for r in result["per_rank"]}) == 1   # one loss on every rank
+
+
+def test_moe_collectives_are_the_arithmetics():
+    """The traced MoE run on dp2 x ep2 x tp2 x pp2 with sequence parallelism: every collective of a
+    first-stage rank and of a last-stage rank, per axis and op, in each step, is the count of
+    refimpl.compose.moe_collectives (notebook 09 checks the same without SP)."""
+    config = RUNS[8]["ep dp2 x tp2 x pp2, experts ep over dp, aux +sp"]
+    trace = load_trace(results(8)["ep dp2 x tp2 x pp2, experts ep over dp, aux +sp"]["trace_dir"])
+    for rank in (0, 7):                         # dp 0, stage 0, tp 0 and dp 1, stage 1, tp 1
+        assert config.dims.coordinates(rank)["pp"] == rank // 7
+        table = moe_collectives.against_trace(config, trace, rank)
+        steps = [c for c in table.columns if c.startswith("step")]
+        assert steps and set(table.axis) == {"ep", "tp", "pp", "dp"}, table
+        assert all((table[s] == table.expected).all() for s in steps), table
 
 
 def test_bf16_through_a_sharded_pipeline():

@@ -8,6 +8,7 @@ refimpl.model.attention on the whole sequence.
 import pytest
 import torch
 
+from refimpl.compose.moe_collectives import ring_hops
 from refimpl.launch import run
 from refimpl.model import attention
 from refimpl.parallel.cp.ring import chunk_ids, score_blocks_per_rank, shard_sequence, unshard_sequence
@@ -28,15 +29,19 @@ def _ring_rank(rank: int, world: int, balanced: bool) -> dict:
     import torch.distributed as dist
 
     from refimpl.parallel.cp.ring import ring_attention
+    from refimpl.trace.labels import CommLog
 
     group = dist.new_group(list(range(world)))
     q, k, v, grad = (shard_sequence(t, rank, world, balanced=balanced) for t in _full_inputs())
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     stats = {}
-    out = ring_attention(q, k, v, HEADS, group, balanced=balanced, stats=stats)
-    out.backward(grad)
+    with CommLog() as forward:
+        out = ring_attention(q, k, v, HEADS, group, balanced=balanced, stats=stats)
+    with CommLog() as backward:
+        out.backward(grad)
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
-            "score_blocks": stats["score_blocks"]}
+            "score_blocks": stats["score_blocks"],
+            "messages": {"forward": forward.messages["cp"], "backward": backward.messages["cp"]}}
 
 
 def _reference():
@@ -62,6 +67,8 @@ def test_ring_attention_equals_full_attention(reference, world, balanced):
         assert rel <= 1e-5, f"{name}: relative error {rel:.2e} (cp={world}, balanced={balanced})"
     # the blocks each rank computed are the ones the work model counts
     assert [r["score_blocks"] for r in results] == score_blocks_per_rank(world, balanced)
+    # and the messages each rank sent are the hops refimpl.compose.moe_collectives counts
+    assert all(r["messages"] == ring_hops(world) for r in results), [r["messages"] for r in results]
 
 
 def test_head_tail_balance_equalises_work():

@@ -11,18 +11,24 @@ make test keeps one launch (4 ranks: dp2 x pp2 with ep over dp on a split schedu
 dp2 x cp2 with ep over dp x cp, bias balance) and the checks without ranks; every other pairing
 is `full` (make test-full).
 """
+import atexit
 import functools
+import shutil
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
+from refimpl.compose import moe_collectives
 from refimpl.config import TrainConfig
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
 from refimpl.model.activation_checkpointing import checkpoint_blocks
 from refimpl.model.moe import moe_layers
 from refimpl.parallel.ep.load import dropped_by_step, expert_frame
+from refimpl.trace.profiling import load_trace
 from refimpl.train import train_on_ranks, train_several_on_ranks, validate
 from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single, reference_run
 
@@ -32,6 +38,8 @@ TIGHT = dict(top_k=2, capacity_factor=0.75)               # some assignments ove
 AUX = dict(TIGHT, balance="aux")
 BIAS = dict(TIGHT, balance="bias", bias_gamma=0.01)
 SEQ = dict(capacity_scope="sequence")
+WORK = Path(tempfile.mkdtemp(prefix="refimpl-moe-compose-"))   # the traced layout's trace
+atexit.register(shutil.rmtree, WORK, ignore_errors=True)
 
 
 def config(strategy: str, nproc: int, model=TWO, moe=(), **layout) -> TrainConfig:
@@ -44,7 +52,9 @@ CASES = {
     4: {  # make test: one launch, two layouts
         "dp2 x pp2, ep over dp, zb-h1, aux": config("ep", 4, pp=2, schedule="zb-h1", micro_batches=2,
                                                     moe={**AUX, **SEQ}),
-        "dp2 x cp2, ep over dp x cp, bias": config("ep", 4, cp=2, moe={**BIAS, **SEQ}),
+        # traced: test_cp_collectives_are_the_arithmetics
+        "dp2 x cp2, ep over dp x cp, bias": config("ep", 4, cp=2, moe={**BIAS, **SEQ}, profile=True,
+                                                   trace_dir=str(WORK / "dp2-cp2")),
     },
     "full-2": {
         # dp = 1: a forward holds single's micro-batch, so the default (batch) scope is exact
@@ -105,6 +115,20 @@ def test_experts_through_a_pipeline_and_cp_equal_single(name):
 
 
 @pytest.mark.ranks
+def test_cp_collectives_are_the_arithmetics():
+    """dp2 x cp2 with ep over dp x cp: every labelled collective of two ranks, per axis and op, is
+    refimpl.compose.moe_collectives' count, cp's all-gather of the pieces' counts among them (ring
+    attention's hops are not labelled in a trace: `traced=False` rows, left out)."""
+    cfg = CASES[4]["dp2 x cp2, ep over dp x cp, bias"]
+    trace = load_trace(runs(4)["dp2 x cp2, ep over dp x cp, bias"]["trace_dir"])
+    for rank in (0, 3):
+        table = moe_collectives.against_trace(cfg, trace, rank)
+        steps = [c for c in table.columns if c.startswith("step")]
+        assert steps and set(table.axis) == {"ep", "cp", "dp"}, table
+        assert all((table[s] == table.expected).all() for s in steps), table
+
+
+@pytest.mark.ranks
 @pytest.mark.full
 @pytest.mark.parametrize("key,name", [(k, n) for k in ("full-2", "full-4") for n in CASES[k]])
 def test_every_expert_pairing_equals_single(key, name):
@@ -151,3 +175,15 @@ def test_layouts_the_batch_scope_cannot_match_are_refused_in_one_line(cfg, words
 def test_the_batch_scope_runs_where_nothing_can_overflow():
     # k * capacity_factor >= E: C >= T, so the queue's order cannot matter (balance != aux)
     validate(config("dp-naive", 2, cp=2, moe=dict(top_k=2, capacity_factor=2.0, balance="bias")))
+
+
+@pytest.mark.parametrize("cfg", [config("ep", 4, cp=2, tp=2, moe={**AUX, **SEQ}),
+                                 config("ep", 4, pp=2, activation_checkpointing=True, moe=AUX),
+                                 config("ep", 4, pp=2, schedule="zbv", model=FOUR, moe=AUX)])
+def test_the_collectives_arithmetic_refuses_what_it_does_not_count(cfg):
+    """tp with cp (not checked against a trace), a checkpointed block's replayed forward and a V's
+    two chunks per rank are not in moe_collectives' counts (notebook 09, tests/test_composition.py
+    and the cp test above check the rest against a trace): it says so rather than return a wrong
+    table."""
+    with pytest.raises(ValueError, match="one chunk"):
+        moe_collectives.expected_calls(cfg)
