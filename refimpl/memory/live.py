@@ -22,6 +22,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+# `tensor.device` read by C++ on a fake tensor is an op too: two thirds of what the dry run's mode
+# is handed (refimpl.verify.dryrun), and it returns a device, never a storage.
+_DEVICE_QUERY = torch.ops.prim.device.default
+
 
 class LiveBytes(TorchDispatchMode):
     def __init__(self, tensors=()):
@@ -53,6 +57,8 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func is _DEVICE_QUERY:   # most ops a fake step sees (the dry run): no tensor comes out
+            return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._track(t)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pandas as pd
 
 from refimpl.config import TrainConfig
+from refimpl.cost.hardware import MEMORY_HEADROOM, get_hardware
 from refimpl.plan.models import get_model
 from refimpl.plan.predict import Layout, predict_memory
 from refimpl.verify.dryrun import default_batch, dry_run, preset_config
@@ -39,6 +40,15 @@ GRID = [
     ("70b", dict(strategy="zero2", nproc=128, tp=8, pp=4, sequence_parallel=True)),
     ("70b", dict(strategy="zero3", nproc=256, tp=8, activation_checkpointing=True)),
     ("70b", dict(strategy="fsdp", nproc=1024, cp=8, activation_checkpointing=True)),
+]
+
+
+# The seed's 70B example on 64 GPUs (notebook 09 §4 searches it; notebook 11 runs these): tp 8
+# inside a node in both, ZeRO-1 over a 4-stage pipeline (the issue's command), ZeRO-3 over half
+# as many stages with twice the data parallelism.
+SEED_70B_64 = [
+    dict(strategy="zero1", nproc=64, tp=8, pp=4),
+    dict(strategy="zero3", nproc=64, tp=8, pp=2),
 ]
 
 
@@ -70,3 +80,27 @@ def compare(preset: str, cfg: TrainConfig, rank: int = 0) -> dict:
 
 def compare_grid(grid=GRID) -> pd.DataFrame:
     return pd.DataFrame([compare(preset, TrainConfig(**kw)) for preset, kw in grid])
+
+
+def compare_again(preset: str, layout: dict, table: pd.DataFrame) -> dict:
+    """`compare(preset, TrainConfig(**layout))`, or the row of `table` (a compare_grid) that
+    already ran that layout: a dry run of a 70B layout costs seconds, a lookup nothing."""
+    cfg = TrainConfig(**layout)
+    key = {"model": preset, "strategy": cfg.strategy, "nproc": cfg.nproc, "tp": cfg.tp,
+           "pp": cfg.pp, "cp": cfg.cp, "sp": cfg.sequence_parallel,
+           "recompute": "full" if cfg.activation_checkpointing else "none", "rank": 0}
+    same = table[(table[list(key)] == pd.Series(key)).all(axis=1)]
+    return same.iloc[0].to_dict() if len(same) else compare(preset, cfg)
+
+
+def will_it_fit(row: dict, gpu: str) -> dict:
+    """Does the layout of a `compare` row fit on `gpu` (refimpl.cost.hardware)? Its usable memory
+    is the planner's own rule, MEMORY_HEADROOM of the capacity (the CUDA context, NCCL's buffers
+    and the allocator's slack take the rest); the dry run's peak and the planner's each answer."""
+    hw = get_hardware(gpu)
+    usable = MEMORY_HEADROOM * hw.memory_bytes
+    return {"gpu": hw.name, "capacity_bytes": hw.memory_bytes, "usable_bytes": usable,
+            "dry_run_bytes": row["peak_ran"], "planner_bytes": row["peak_plan"],
+            "planner_error": row["peak_err"],
+            "fits_by_dry_run": bool(row["peak_ran"] <= usable),
+            "fits_by_planner": bool(row["peak_plan"] <= usable)}

@@ -88,7 +88,8 @@ def dry_run(cfg: TrainConfig, rank: int = 0) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cfg.nproc)
     try:
         with FakeTensorMode() as mode:
-            ctx, strategy, n_params = setup_rank(rank, cfg.nproc, cfg)
+            with values_not_drawn():
+                ctx, strategy, n_params = setup_rank(rank, cfg.nproc, cfg)
             ids = torch.randint(cfg.model.vocab_size, (cfg.global_batch, cfg.seq_len + 1))
             batch = Batch(ids[:, :-1], ids[:, 1:])
             # The train CLI's peak is a step after the first: before it, AdamW's m and v do not
@@ -138,6 +139,27 @@ def prime_optimizers(strategy) -> None:
     optimizer.step()
     for p in missing:
         p.grad = None
+
+
+# The initialisers a model's constructors call (nn.Linear, nn.Embedding, nn.LayerNorm, GPT's own).
+INITIALISERS = ("normal_", "uniform_", "zeros_", "ones_", "kaiming_uniform_", "trunc_normal_")
+
+
+@contextlib.contextmanager
+def values_not_drawn():
+    """nn.init's initialisers as no-ops while the rank is built: a fake tensor has no values to
+    draw, and each call still costs FakeTensorMode a dispatch (two or three per Linear, for every
+    block of the reference, whichever stage keeps it). They write in place, so no storage and no
+    byte of the result changes."""
+    init = torch.nn.init
+    originals = {name: getattr(init, name) for name in INITIALISERS}
+    for name in INITIALISERS:
+        setattr(init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(init, name, fn)
 
 
 def held_tensors(mode) -> list:
