@@ -6,7 +6,8 @@ Two pieces:
   size), the numbers every algorithm is written in. Peers are always addressed by *group* rank
   (`group_dst=` / `group_src=`), so the same ring runs unchanged on the world or on a tensor- or
   data-parallel subgroup, whose members' global ranks may be 1, 3, 5, 7.
-* `post` starts a set of non-blocking receives and sends at once; `exchange` also waits for them.
+* `post` starts a set of non-blocking receives and sends at once, as one group; `exchange` also
+  waits for them.
   Posting both sides before waiting is what keeps a ring from deadlocking: with blocking `send`
   every rank would wait for its right neighbour to call `recv`, which it never does because it is
   itself stuck in `send` (the classic cyclic wait).
@@ -94,7 +95,7 @@ def post(g: GroupView, sends=(), recvs=()) -> Posted:
     Between two ranks, messages with the same tag are matched in the order they were posted, which
     is what lets a pipelined ring post a chunk's segments one after another.
     """
-    works, copy_back = [], []
+    ops, copy_back = [], []      # (irecv or isend, buffer, peer)
     for tensor, peer in recvs:
         if tensor.numel() == 0:
             continue
@@ -102,14 +103,25 @@ def post(g: GroupView, sends=(), recvs=()) -> Posted:
         if not tensor.is_contiguous():
             buf = torch.empty_like(tensor, memory_format=torch.contiguous_format)
             copy_back.append((tensor, buf))
-        works.append(dist.irecv(buf, group=g.group, group_src=peer, tag=wire_tag(COLLECTIVE_TAG)))
+        ops.append((dist.irecv, buf, peer))
         record_recv(buf.numel() * buf.element_size())
     for tensor, peer in sends:
         if tensor.numel() == 0:
             continue
         buf = tensor.contiguous()
-        works.append(dist.isend(buf, group=g.group, group_dst=peer, tag=wire_tag(COLLECTIVE_TAG)))
+        ops.append((dist.isend, buf, peer))
         record_send(buf.numel() * buf.element_size())
+    tag = wire_tag(COLLECTIVE_TAG)
+    if ops and dist.get_backend(g.group) == "nccl":
+        # One group (batch_isend_irecv): NCCL runs the operations between two ranks in posting
+        # order and a send may wait for its receive, so a receive and a send to the same peer
+        # posted one by one would wait for each other (a 2-rank ring, every pairwise exchange);
+        # in a group they start together (refimpl.parallel.pp.nccl_order has the rule).
+        works = dist.batch_isend_irecv([dist.P2POp(op, buf, group=g.group, group_peer=peer, tag=tag)
+                                        for op, buf, peer in ops])
+    else:   # gloo (and the dry run's fake group) runs each posted operation on its own
+        works = [dist.irecv(buf, group=g.group, group_src=peer, tag=tag) if op is dist.irecv
+                 else dist.isend(buf, group=g.group, group_dst=peer, tag=tag) for op, buf, peer in ops]
     return Posted(works, copy_back)
 
 

@@ -218,6 +218,19 @@ def measure_cpu_layouts(table: pd.DataFrame, world_size: int = 4, cfg: GPTConfig
                         measured_memory_bytes=pd.Series(memory))
 
 
+def one_layout_per_grid(table: pd.DataFrame) -> pd.DataFrame:
+    """A layout per grid of dp x tp x pp x cp, the ZeRO stages taken in turn, and one with
+    sequence parallelism: every axis, stage and SP once, for a launch a third as long as the
+    whole table's (notebook 09 and tests/test_plan_cpu.py; make test-full measures them all)."""
+    rows = []
+    for i, (_, g) in enumerate(table.groupby(["dp", "tp", "pp", "cp"], sort=True)):
+        plain = g[~g.sequence_parallel]
+        stage = plain[plain.zero_stage == i % 4]
+        rows.append((stage if len(stage) else plain).index[0])
+    rows.append(table[table.sequence_parallel].index[0])
+    return table.loc[rows]
+
+
 def ranking_agreement(predicted: pd.Series, measured: pd.Series, margin: float = 0.0) -> dict:
     """How well the predicted order matches the measured one.
 

@@ -56,6 +56,11 @@ def preset_config(name: str, cfg: TrainConfig) -> TrainConfig:
     full sequence length. The global batch stays `cfg`'s: one micro-batch per pipeline stage in
     flight is what memory depends on, not the preset's thousand sequences (see `default_batch`)."""
     shape, _ = get_model(name)
+    if shape.n_experts:
+        # the MoE layer counts its routed tokens on the host (a data-dependent shape, which fake
+        # tensors cannot give and a real step should not need): refused, not run as a dense model
+        raise LayoutError(f"--model {name}: the dry run cannot build a mixture of experts yet "
+                          "(refimpl.model.moe reads its routing counts on the host)")
     model = GPTConfig(vocab_size=shape.vocab_size, seq_len=shape.seq_len, d_model=shape.d_model,
                       n_heads=shape.n_heads, n_layers=shape.n_layers,
                       tie_embeddings=shape.tied_embeddings)
