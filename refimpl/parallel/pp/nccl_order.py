@@ -65,7 +65,7 @@ class _Receives:
 
 def ahead_plan(row: list[str], rank: int, p: int, n_pieces: int, where: str, inbox: dict[int, list]) -> list:
     """One operation at a time: the receives of this entry and the next posted before it, each
-    send posted as its action ends (the runner's order before grouped posting)."""
+    send posted as its action ends (the runner's order before the global order)."""
     receives, plan, entries = _Receives(inbox), [], [parse_entry(e) for e in row]
     for i, entry in enumerate(entries):
         for a in (b for e in entries[i:i + 2] for b in e):
@@ -149,79 +149,39 @@ def plans(table, where: str = "loop", how=None) -> list[list]:
 def replay(plans_per_rank: list[list], one_stream: bool = True) -> str | None:
     """Run the plans under NCCL's rules; None if every rank finishes, else who is stuck where.
 
-    A rank's host walks its plan: a post puts the group on a stream and goes on; a wait blocks
-    until the group has completed. A group runs once it is the first unfinished one of its stream
-    (`one_stream`: one stream per rank, the strictest reading; else one per peer, as PyTorch gives
-    each pair of ranks its own communicator for single sends and receives) and completes when
-    every operation's partner (the k-th send a->b for b's k-th receive from a) is in a running
-    group too."""
+    A rank's host walks its plan: a post puts the operation on a stream and goes on; a wait blocks
+    until the receive has completed. An operation runs once it is the first unfinished one of its
+    stream (`one_stream`: one stream per rank, the strictest reading; else one per peer, as PyTorch
+    gives each pair of ranks its own communicator for single sends and receives), and it completes
+    when its partner -- the k-th send a->b for b's k-th receive from a -- is running too."""
     n = len(plans_per_rank)
-    streams = [dict() for _ in range(n)]          # stream key -> list of groups, in posting order
+    queues = [{} for _ in range(n)]     # stream key -> this rank's posted operations not yet through
+    pairing, posted = {}, {}            # (rank, op) -> (sender, receiver, k); (sender, receiver, kind) -> k
     done, at = set(), [0] * n
-    partner_index: dict = {}                      # (rank, op position) -> its pair key
-    count: dict = {}
-
-    def key_of(group):
-        return "all" if one_stream else group[0][1]
-
-    def pair(rank, op):
-        kind, peer, _ = op
-        link = (rank, peer, "s") if kind == "send" else (peer, rank, "r")
-        return link
-
-    posted = [[] for _ in range(n)]
     while True:
         moved = False
-        for r in range(n):                        # hosts
+        for r in range(n):                            # hosts
             while at[r] < len(plans_per_rank[r]):
-                event, group = plans_per_rank[r][at[r]]
-                if event == "post":
-                    gid = (r, at[r])
-                    streams[r].setdefault(key_of(group), []).append(gid)
-                    for op in group:
-                        link = pair(r, op)
-                        count[link] = count.get(link, 0) + 1
-                        partner_index[(gid, op)] = (link[:2], count[link])
-                    posted[r].append((gid, group))
-                elif not _completed(group, r, posted, done):
+                event, ops = plans_per_rank[r][at[r]]
+                if event == "wait" and not all((r, op) in done for op in ops):
                     break
+                for op in ops if event == "post" else ():
+                    kind, peer, _ = op
+                    link = (r, peer) if kind == "send" else (peer, r)
+                    k = posted[link + (kind,)] = posted.get(link + (kind,), 0) + 1
+                    pairing[(r, op)] = link + (k,)
+                    queues[r].setdefault("all" if one_stream else peer, []).append(op)
                 at[r] += 1
                 moved = True
-        running = {gid for r in range(n) for queue in streams[r].values()
-                   for gid in queue[:1] if gid not in done}
-        for r in range(n):                        # devices
-            for queue in streams[r].values():
-                while queue and queue[0] in done:
-                    queue.pop(0)
-        slot = {}                                 # (link, k, side) -> running?
-        for r in range(n):
-            for gid, group in posted[r]:
-                for op in group:
-                    link, k = partner_index[(gid, op)]
-                    slot[(link, k, op[0])] = gid in running or gid in done
-        for r in range(n):
-            for queue in streams[r].values():
-                if not queue:
-                    continue
-                gid = queue[0]
-                group = dict(posted[r])[gid]
-                if all(slot.get((partner_index[(gid, op)][0], partner_index[(gid, op)][1],
-                                 "recv" if op[0] == "send" else "send"), False) for op in group):
-                    done.add(gid)
-                    queue.pop(0)
-                    moved = True
-        if all(at[r] == len(plans_per_rank[r]) for r in range(n)) and all(
-                not q for r in range(n) for q in streams[r].values()):
+        heads = {pairing[(r, q[0])] + (q[0][0],): (r, key) for r in range(n)
+                 for key, q in queues[r].items() if q}
+        for (*link, kind), (r, key) in heads.items():     # devices
+            if tuple(link) + ("recv" if kind == "send" else "send",) in heads:
+                done.add((r, queues[r][key].pop(0)))
+                moved = True
+        if all(at[r] == len(plans_per_rank[r]) and not any(queues[r].values()) for r in range(n)):
             return None
         if not moved:
             stuck = {r: plans_per_rank[r][at[r]] if at[r] < len(plans_per_rank[r]) else "streams"
-                     for r in range(n) if at[r] < len(plans_per_rank[r]) or any(streams[r].values())}
+                     for r in range(n) if at[r] < len(plans_per_rank[r]) or any(queues[r].values())}
             return f"deadlock under NCCL's order: {stuck}"
-
-
-def _completed(group, rank, posted, done) -> bool:
-    """A wait's group: the posted group holding these operations has completed."""
-    for gid, g in posted[rank]:
-        if all(op in g for op in group):
-            return gid in done
-    return False
