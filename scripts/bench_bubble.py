@@ -7,7 +7,8 @@ Each schedule is profiled (refimpl.parallel.pp.measure.profile_pipeline, the sam
 07 uses) and its pipeline actions read back from the trace. Per schedule it prints the closed form
 (`bubble_fraction`), the table replayed with unit costs, with this run's measured per-rank F/B/W
 times, and with those plus what each action and message costs outside its compute on the same run
-(`measure.measured_costs`); then, step by step, the table replayed with each action's own measured
+(`measure.measured_costs`: an empty action, collecting a message that was already there, waiting
+for one); then, step by step, the table replayed with each action's own measured
 time plus those costs (`measure.replayed_steps`: a mean hides the spread, and one long action makes
 its neighbour wait) beside the measured idle share, the median over the profiled steps of each, and
 the measured one's error relative to that replay. `--post ahead` posts receives one action ahead
@@ -44,6 +45,8 @@ def parse(argv=None):
     p.add_argument("--steps", type=int, default=6, help="profiled steps (the first is warm-up)")
     p.add_argument("--post", choices=("step", "ahead"), default="step",
                    help="gloo: post a step's receives at its start (the runner's default) or one ahead")
+    p.add_argument("--traces", help="read the traces of an earlier run from this folder (its path is "
+                                    "printed) instead of running; the other flags must match that run's")
     return p.parse_args(argv)
 
 
@@ -52,19 +55,21 @@ def main(argv=None) -> int:
     cfg = GPTConfig(vocab_size=128, seq_len=64, d_model=args.d_model, n_heads=8, n_layers=args.layers)
     schedules = args.schedules.split(",")
     v_of = {s: args.virtual_stages if s.startswith("interleaved") else chunks_per_rank(s) for s in schedules}
-    root = tempfile.mkdtemp(prefix="bench_bubble_")
+    root = args.traces or tempfile.mkdtemp(prefix="bench_bubble_")
     dirs = {s: os.path.join(root, s) for s in schedules}
-    calls = [((cfg, s, args.micro_batches), dict(global_batch=args.global_batch, virtual_stages=v_of[s],
-                                                  steps=args.steps, trace_dir=dirs[s])) for s in schedules]
-    if args.post == "ahead":
-        os.environ["REFIMPL_PP_POST"] = "ahead"     # the ranks inherit it
-    print("before:", os.popen("uptime").read().strip())
-    run(measure.run_each, args.nproc, measure.profile_pipeline, calls, quiet=True, timeout=1800)
-    print("after: ", os.popen("uptime").read().strip())
+    if not args.traces:
+        calls = [((cfg, s, args.micro_batches), dict(global_batch=args.global_batch, virtual_stages=v_of[s],
+                                                      steps=args.steps, trace_dir=dirs[s])) for s in schedules]
+        if args.post == "ahead":
+            os.environ["REFIMPL_PP_POST"] = "ahead"     # the ranks inherit it
+        print("before:", os.popen("uptime").read().strip())
+        run(measure.run_each, args.nproc, measure.profile_pipeline, calls, quiet=True, timeout=1800)
+        print("after: ", os.popen("uptime").read().strip())
+        print("traces:", root)
     p, m = args.nproc, args.micro_batches
     print(f"{p} stages, m = {m}, {args.layers} blocks of d={args.d_model}, batch {args.global_batch}")
     print(f"{'schedule':<15} {'formula':>8} {'units':>8} {'F/B/W':>8} {'+costs':>8} {'per step':>9} "
-          f"{'measured':>9} {'rel.err':>8} {'act ms':>7} {'msg ms':>7}")
+          f"{'measured':>9} {'rel.err':>8} {'act ms':>7} {'recv ms':>7} {'msg ms':>7}")
     for s in schedules:
         v = v_of[s]
         slots = measure.action_slots(profiling.load_trace(dirs[s], include_ops=True))
@@ -76,7 +81,7 @@ def main(argv=None) -> int:
         own = statistics.median(r["replayed"] for r in steps)
         print(f"{s:<15} {bubble_fraction(p, m, s, v):>8.3f} {simulated_bubble(p, m, s, v):>8.3f} {plain:>8.3f} "
               f"{full:>8.3f} {own:>9.3f} {got:>9.3f} {got / own - 1:>+8.1%} {costs['action_cost']:>7.3f} "
-              f"{costs['comm']:>7.3f}")
+              f"{costs['recv_cost']:>7.3f} {costs['comm']:>7.3f}")
     return 0
 
 

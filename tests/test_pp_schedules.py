@@ -222,6 +222,30 @@ def test_replay_with_each_actions_own_time_reproduces_a_run_that_follows_its_tab
     assert abs(measure.simulated_bubble_from(slots, 2, 8, schedule, v) - step["measured"]) > 1e-3
 
 
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("dualpipev", 2)])
+def test_measured_costs_recover_the_costs_a_run_was_made_with(schedule, v):
+    """A 'run' made by the simulator with uneven action times and known costs outside compute (an
+    empty action's, a collected message's, a waited-for message's): measure.measured_costs reads
+    the same three back from the slots alone, and the step replayed with them and each action's
+    time is the run again. So the costs the notebook and bench_bubble put into the replay are the
+    ones their definitions say, and a replay that misses a measured bubble misses something else."""
+    from refimpl.parallel.pp import measure
+    from refimpl.parallel.pp.schedules import placement
+    table = schedule_table(2, 8, schedule, v)
+    texts = [(r, t) for r, row in enumerate(table) for e in row for t in e.split("&")]
+    own = {key: 1.0 + (7 * i % 11) / 5 for i, key in enumerate(texts)}
+    costs = {"action_cost": 0.1, "recv_cost": 0.3, "comm": 0.5}
+    run = simulate(table, F=0, B=0, W=0, where=placement(schedule), per_action=own, **costs)
+    slots = pd.DataFrame([{"step": 1, "rank": s.rank, "action": s.action, "start": s.start, "end": s.end}
+                          for s in run])
+    got = measure.measured_costs(slots, 2, 8, schedule, v)
+    assert got == pytest.approx(costs, abs=1e-9)
+    (step,) = measure.replayed_steps(slots, 2, 8, schedule, v, got)
+    assert step["replayed"] == pytest.approx(step["measured"], abs=1e-9)
+    without = measure.replayed_steps(slots, 2, 8, schedule, v, {**got, "recv_cost": 0.0})[0]
+    assert without["replayed"] < step["measured"] - 1e-3      # the collected messages are idle time
+
+
 def _every_table():
     for schedule, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1),
                         ("interleaved-zb", 2), ("zbv", 2), ("dualpipev", 2)]:

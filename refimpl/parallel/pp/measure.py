@@ -32,6 +32,7 @@ from refimpl.memory import ActivationTracker
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
 from refimpl.parallel.pp.runner import run_schedule
 from refimpl.parallel.pp.schedules import (
+    PAIR,
     Action,
     chunks_per_rank,
     flat,
@@ -173,35 +174,52 @@ def replayed_steps(slots, stages: int, micro_batches: int, schedule: str, virtua
 
 
 def measured_costs(slots, stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1) -> dict:
-    """From the same run: `action_cost`, the mean gap between two actions of a rank when the
-    second needs nothing from another rank (an empty action: Python dispatch, posting receives,
-    bookkeeping), and `comm`, the mean time from a sender's action end to the receiver's start
-    when the receiver was already waiting for it, less one action_cost (a message's alpha: the
-    isend, gloo's transfer, the wait's wake-up). In ms, as the slots. Means, not medians: the
-    bubble is a sum of such gaps, and a median drops the long ones (a receive posted while the
-    link is busy: runner's `post_receives`) that the sum contains."""
+    """From the same run, the three costs outside compute that simulate() takes (ms, as the slots):
+      * `action_cost`, the mean gap between two actions of a rank when the second needs nothing
+        from another rank (an empty action: Python dispatch, posting, bookkeeping);
+      * `recv_cost`, the mean extra gap, over action_cost, before an action whose message from
+        another rank had arrived before the rank was free for it: completing a receive that
+        needed no waiting (its wait() call, the copy out of gloo's buffer, making the stage input
+        a leaf); the interleaved and split schedules, whose actions mostly take a message, pay it
+        on most actions;
+      * `comm`, the mean time from a sender's action end to the receiver's start when the
+        receiver was already waiting for it, less one action_cost (a message's alpha: the isend,
+        gloo's transfer, the wait's wake-up).
+    Means, not medians: the bubble is a sum of such gaps, and a median drops the long ones (a
+    receive posted while the link is busy: runner's `post_receives`) that the sum contains. The
+    F&B pair (dualpipev) is one entry: its gap is the first action's, its messages both actions'
+    (the pair waits for them before it starts), and its second action is left out (the simulator
+    charges it action_cost only)."""
     where = placement(schedule)
     table = schedule_table(stages, micro_batches, schedule, virtual_stages)
     n_virtual = stages * (1 + max(a.chunk for row in table for a in map(Action.parse, flat(row))))
-    empty, message = [], []
+    entry = {(r, e.split(PAIR)[0]): [Action.parse(t) for t in e.split(PAIR)] for r, row in enumerate(table)
+             for e in row}
+    empty, collected, message = [], [], []
     for _, g in slots.groupby("step"):
         end = {(r.rank, r.action): r.end for r in g.itertuples()}
         for rank, rows in g.sort_values("start").groupby("rank"):
             prev = None
             for r in rows.itertuples():
-                a = Action.parse(r.action)
-                deps = [d for d in dependencies(a, rank, stages, n_virtual, where)
+                if (rank, r.action) not in entry:      # the second action of a pair
+                    prev = r.end
+                    continue
+                deps = [d for a in entry[rank, r.action] for d in dependencies(a, rank, stages, n_virtual, where)
                         if rank_of(d[2], stages, where) != rank]
                 if prev is not None and not deps:
                     empty.append(r.start - prev)
-                for kind, mb, piece in deps:
-                    other = rank_of(piece, stages, where)
-                    sent = end.get((other, _text(kind, mb, piece, stages, where, "." in table[0][0])))
-                    if sent is not None and prev is not None and sent > prev:
-                        message.append(r.start - sent)
+                sent = [end.get((rank_of(piece, stages, where),
+                                 _text(kind, mb, piece, stages, where, "." in table[0][0])))
+                        for kind, mb, piece in deps]
+                if prev is not None and sent and None not in sent:
+                    if max(sent) > prev:          # the rank was free first: it waited
+                        message.append(r.start - max(sent))
+                    else:                         # the message was there first: collected
+                        collected.append(r.start - prev)
                 prev = r.end
     cost = statistics.mean(empty) if empty else 0.0
-    return {"action_cost": cost, "comm": max(0.0, statistics.mean(message) - cost) if message else 0.0}
+    extra = lambda gaps: max(0.0, statistics.mean(gaps) - cost) if gaps else 0.0   # noqa: E731
+    return {"action_cost": cost, "recv_cost": extra(collected), "comm": extra(message)}
 
 
 def _text(kind, mb, piece, p, where, chunked):

@@ -67,12 +67,18 @@ def dependencies(a: Action, rank: int, p: int, n_virtual: int, where: str = "loo
 
 def simulate(table, F: float = 1.0, B: float = 1.0, W: float = 0.0, comm: float = 0.0,
              per_rank: list[dict] | None = None, where: str = "loop", action_cost: float = 0.0,
-             per_action: dict[tuple[int, str], float] | None = None) -> list[TimedAction]:
+             per_action: dict[tuple[int, str], float] | None = None,
+             recv_cost: float = 0.0) -> list[TimedAction]:
     """Earliest start of every action given the table's per-rank order; `comm` is added to every
     dependency that crosses ranks; `per_rank[r]` ({"F": .., "B": .., "W": ..}) overrides the
     durations on rank r (stages that are not equal: the first embeds, the last has the head);
     `where`: the placement ("v" for zbv, dualpipev: schedules.placement); `action_cost`: time every
     action pays outside its compute (dispatch, posting its receives, the wait's own cost);
+    `recv_cost`: what an action that takes a message from another rank pays to complete that
+    receive when the message is already there (its wait and the copy out of the transport): such
+    an action starts at free + recv_cost if its message arrived while the rank was busy, else at
+    arrival + comm (at least free + recv_cost), then pays action_cost; a message is paid for by
+    collecting it or by waiting for it, never both (measured_costs measures the three so);
     `per_action[(rank, "B3")]`: one action's own duration (a measured step, action by action),
     over the per-rank one. Raises ScheduleError if the ranks would wait on each other forever."""
     ranks = _parse(table)
@@ -89,7 +95,10 @@ def simulate(table, F: float = 1.0, B: float = 1.0, W: float = 0.0, comm: float 
                 deps = [d for a in entry for d in dependencies(a, r, p, n_virtual, where)]
                 if any(d not in end for d in deps):
                     break
-                t = max([free[r]] + [end[d] + (comm if owner[d] != r else 0.0) for d in deps])
+                t = max([free[r]] + [end[d] for d in deps if owner[d] == r])
+                arrival = max((end[d] for d in deps if owner[d] != r), default=None)
+                if arrival is not None:      # a message: collected, or waited for (measured_costs)
+                    t = t + recv_cost if arrival <= t else max(arrival + comm, t + recv_cost)
                 for a, text in zip(entry, table[r][nxt[r]].split(PAIR)):   # a pair: F, then B
                     t += action_cost
                     key = (a.kind, a.micro_batch, piece_of(r, a.chunk, p, where))
