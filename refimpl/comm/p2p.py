@@ -37,7 +37,7 @@ def wire_tag(tag: int) -> int:
     would pair wrongly (the wrong tensor, silently, when shapes agree) or not at all (a hang).
     REFIMPL_P2P_TAGS=one sends every message with tag 0, so gloo pairs them as NCCL does: the test
     mode in which every schedule, ring and rebuilt collective must still equal single
-    (tests/test_one_tag.py)."""
+    (tests/test_nccl_rules.py)."""
     return 0 if os.environ.get("REFIMPL_P2P_TAGS") == "one" else tag
 
 
