@@ -53,7 +53,6 @@ RUNS = {
         "zero3 dp2 x tp2": layout("zero3", 4, tp=2, return_optimizer_state=True),
         "fsdp dp2 x tp2 +sp +ckpt": layout("fsdp", 4, tp=2, sequence_parallel=True,
                                            activation_checkpointing=True),
-        "zero1 dp2 x pp2": layout("zero1", 4, pp=2),
         "zero3 dp2 x pp2": layout("zero3", 4, pp=2),
         "fsdp dp2 x pp2 +ckpt": layout("fsdp", 4, pp=2, activation_checkpointing=True),
         "pp-1f1b tp2 x pp2 +sp": layout("pp-1f1b", 4, tp=2, pp=2, sequence_parallel=True),
@@ -62,14 +61,17 @@ RUNS = {
                                                  virtual_stages=2, micro_batches=4),
         "zero1 dp2 x pp2 zb-h1": layout("zero1", 4, pp=2, schedule="zb-h1"),
         "torch-fsdp2-tp dp2 x tp2": layout("torch-fsdp2-tp", 4, tp=2, micro_batches=1),
-        "torch-fsdp2-tp dp2 x tp2 +sp": layout("torch-fsdp2-tp", 4, tp=2, micro_batches=1,
-                                               sequence_parallel=True),
         "fsdp dp2 x tp2": layout("fsdp", 4, tp=2, micro_batches=1),
         # tp's linears under a split schedule: W reads their own matmul (pp.zero_bubble), the
         # row-parallel bias from its slice of the sequence under SP
         "zero1 tp2 x pp2 zbv +sp": layout("zero1", 4, tp=2, pp=2, schedule="zbv", micro_batches=4,
                                           sequence_parallel=True)},
-    "4-full": {"pp-zb tp2 x pp2": layout("pp-zb", 4, tp=2, pp=2, micro_batches=4),
+    # make test-full: 4-rank layouts a sibling above covers in make test (zero1 under pp in its
+    # zb-h1 run, the twin with SP in the 8-rank launch)
+    "4-full": {"zero1 dp2 x pp2": layout("zero1", 4, pp=2),
+               "torch-fsdp2-tp dp2 x tp2 +sp": layout("torch-fsdp2-tp", 4, tp=2, micro_batches=1,
+                                                      sequence_parallel=True),
+               "pp-zb tp2 x pp2": layout("pp-zb", 4, tp=2, pp=2, micro_batches=4),
                "fsdp tp2 x pp2 zb-h1 +sp": layout("fsdp", 4, tp=2, pp=2, schedule="zb-h1",
                                                   micro_batches=4, sequence_parallel=True),
                "ep tp2 x pp2 zb-h1, experts": moe(layout("ep", 4, tp=2, pp=2, schedule="zb-h1",
