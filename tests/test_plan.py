@@ -118,6 +118,30 @@ def test_1f1b_first_stage_holds_p_micro_batches():
     assert zero3["params_bytes"] * 16 == pytest.approx(plain["params_bytes"])
 
 
+@pytest.mark.parametrize("d_model, heads, seq, rows, cp, precision", [
+    (160, 8, 64, 2, 2, "fp32"),       # the loop's small model on a 2-rank ring
+    (256, 8, 256, 1, 4, "fp32"),
+    (4096, 32, 4096, 2, 8, "bf16"),   # the 7B preset's block
+    (8192, 64, 4096, 1, 2, "bf16"),   # the 70B preset's block
+])
+def test_planner_cp_activations_are_what_a_ring_rank_saves(d_model, heads, seq, rows, cp, precision):
+    """One block's activations under ring attention, as the planner predicts them for refimpl's
+    block, are refimpl.cost.cp_comm.rank_activation_bytes' (which test_cp checks against what
+    autograd saves), to the byte: a block is the difference between a 2- and a 1-block model."""
+    from refimpl.cost.cp_comm import rank_activation_bytes
+
+    act = {"fp32": 4, "bf16": 2}[precision]
+    planner, ring = [], []
+    for layers in (1, 2):
+        shape = ModelShape(layers, d_model, heads, 1000, seq, tied_embeddings=False)
+        planner.append(predict_memory(shape, Layout(cp=cp, micro_batch_size=rows), rows, precision,
+                                      activations="refimpl")["activation_bytes"])
+        model = GPTConfig(vocab_size=1000, seq_len=seq, d_model=d_model, n_heads=heads,
+                          n_layers=layers)
+        ring.append(rank_activation_bytes(model, rows, seq, cp, dtype_bytes=act))
+    assert planner[1] - planner[0] == ring[1] - ring[0]
+
+
 def test_cli_prints_the_seeds_70b_table(capsys):
     assert plan_main(["--model", "70b", "--gpus", "64", "--top", "3"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()

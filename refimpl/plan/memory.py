@@ -8,6 +8,7 @@ measures), times the micro-batches 1F1B keeps in flight. refimpl.plan.predict ad
 from __future__ import annotations
 
 import refimpl.plan.moe as moe  # what a mixture of experts adds
+from refimpl.cost.cp_comm import ring_block_delta_bytes
 from refimpl.memory import activation_bytes_per_layer, model_state_bytes
 from refimpl.memory.arithmetic import tp_block_activation_bytes
 from refimpl.plan.layout import Layout
@@ -60,10 +61,11 @@ def dense_layer_activation_bytes(shape, lay, batch, act_bytes, recompute, activa
         block = tp_block_activation_bytes(s, b, shape.d_model, shape.n_heads, tp=lay.tp,
                                           sequence_parallel=lay.sequence_parallel,
                                           dtype_bytes=act_bytes)
-        if lay.cp > 1:   # ring attention saves Q, K, V, O and a log-sum-exp per query (fp32),
-            # not the probabilities nor the mask (refimpl/parallel/cp/ring.py, RingAttention)
-            heads = shape.n_heads / lay.tp
-            block += heads * s * b * 4 - heads * s * s * b * act_bytes - s * s
+        if lay.cp > 1:   # ring attention saves its output once more and a log-sum-exp per
+            # query, not the probabilities nor the mask: the bytes refimpl.cost.cp_comm counts
+            # for one cp rank, on this tp rank's share of the heads
+            block += ring_block_delta_bytes(s, b, shape.d_model / lay.tp, shape.n_heads / lay.tp,
+                                            dtype_bytes=act_bytes)
         return block
     if lay.cp > 1 and recompute == "none":
         recompute = "selective"
