@@ -56,7 +56,20 @@ def rank_activation_bytes(model, rows: int, seq: int, cp: int = 1, *, dtype_byte
     block = block_activation_bytes(s, b, h, a, mlp_ratio=model.mlp_ratio, dtype_bytes=dtype_bytes)
     acc = max(4, dtype_bytes)    # statistics and the log-sum-exp: at least fp32
     if cp > 1:
-        block += sbh * dtype_bytes + a * sb * acc - a * s * s * b * dtype_bytes - s * s
+        block += ring_block_delta_bytes(s, b, h, a, dtype_bytes=dtype_bytes)
     ids = 2 * (id_rows or rows) * s * 8 + s * 8
     outside = 2 * sbh * dtype_bytes + 2 * sb * acc + sb * model.vocab_size * dtype_bytes + ids + acc
     return model.n_layers * block + outside
+
+
+def ring_block_delta_bytes(seq: int, batch: int, hidden: float, heads: float, *,
+                           dtype_bytes: int = 4) -> float:
+    """What one block saves under ring attention minus what the plain block saves, on a rank's
+    `seq` tokens (refimpl.parallel.cp.ring.RingAttention): its output O once more (+s·b·h: the
+    block's output projection saves its own contiguous copy of O), a log-sum-exp per query and head
+    (+a·s·b, at least fp32), and neither the softmax probabilities (-a·s²·b) nor the s×s bool
+    causal mask (-s²). On a tensor-parallel rank pass its hidden/t and heads/t: the mask is the
+    one term that is not split."""
+    s, b = seq, batch
+    return (s * b * hidden * dtype_bytes + heads * s * b * max(4, dtype_bytes)
+            - heads * s * s * b * dtype_bytes - s * s)

@@ -5,10 +5,12 @@
          global_batch=1024, gpus=64)
 
 models.py    model shapes by name, and Narayanan et al. 2021's published layouts
-predict.py   one layout's memory and step time, term by term
+layout.py    a layout: the axes' sizes, the techniques, which groups stay inside a node
+memory.py    one layout's bytes per GPU: model states, activations, a backward's transient
+predict.py   one layout's step time term by term, and predict(): memory, time, throughput
 search.py    enumerate, predict, rank: plan()
 cli.py       `python -m refimpl plan --model 70b --gpus 64`: plan_main(argv)
-published.py the planner against Narayanan et al. 2021 Table 1
+published.py the planner against published layouts (Narayanan et al. 2021 Table 1 and others)
 cpu.py       the layouts that run on a few CPU ranks, predicted for comparison with measured runs
 moe.py       what a mixture of experts adds: experts over ep then edp, their activations, all-to-alls
 moe_cpu.py   the expert layouts' model-state bytes, predicted beside the loop's on 4 CPU ranks

@@ -109,6 +109,33 @@ MODELS = {
     # GPT-3 175B (Brown et al. 2020, Table 2.1): 96 layers, d_model 12288, 96 heads, 2048 context,
     # 3.2M-token batches = 1536 sequences; Megatron's 51200-entry vocabulary.
     "gpt3-175b": (ModelShape(96, 12288, 96, 51200, 2048), 1536),
+    # BLOOM 176B (BigScience, Le Scao et al. 2022, "BLOOM: A 176B-Parameter Open-Access
+    # Multilingual Language Model", Table 3; the training script, bigscience-workshop/bigscience
+    # train/tr11-176B-ml/tr11-176B-ml.slurm): 70 layers, d_model 14336, 112 heads, 2048 context,
+    # a 4h GELU MLP and the word embedding tied to the output layer, as this shape has; its
+    # 250680 tokens padded to a 250880-entry vocabulary (--pad-vocab-size-to, for tp); batches of
+    # 2048 sequences. Two things this shape cannot say, neither large enough to move a layout:
+    # ALiBi (Press et al. 2022) instead of learned positions (the shape counts 2048 x 14336 = 29M
+    # position parameters BLOOM has not, 0.02 %; ALiBi's biases are a·s numbers added to scores
+    # the shape already counts) and a LayerNorm after the word embedding (2h parameters). On its
+    # own 384 GPUs (3 x 128) no layout divides 70 layers and 112 heads: BLOOM's pipeline counted
+    # its embeddings as layers, and refimpl.plan.published compares its run that way.
+    "bloom-176b": (ModelShape(70, 14336, 112, 250880, 2048), 2048),
+    # Llama 3 405B (Llama Team 2024, "The Llama 3 Herd of Models", Table 3; the released
+    # config.json): 126 layers, d_model 16384, 128 query heads and 8 key/value heads (grouped-
+    # query attention), a SwiGLU MLP of width 53248, an untied output layer, a 128256-entry
+    # vocabulary (Table 3 says 128K: 128000 tokens and 256 reserved), 8192 context in pre-training,
+    # 16M-token batches = 2048 sequences (§3.4.1, the last step of its 4M, 8M, 16M ramp). In this
+    # shape's 4h-MLP, multi-head form a block has 12h² weights where Llama 3's has 2h² (Q, O) +
+    # 2h²/16 (K, V of 8 heads) + 3·h·3.25h (SwiGLU) = 11.875h²: parameters and GEMM FLOPs 1 % high
+    # on every layout (410B here). Its stored activations per block differ more, and in both
+    # directions: K and V 1/16 as wide (-3.75 s·b·h at 16 bits), SwiGLU's gate, up and product at
+    # 3.25h (+8), no dropout masks (-2): about +7 % of Korthikanti's 34 s·b·h here. And a ring
+    # hop (cp > 1) moves all heads' K and V here, 16 times Llama 3's 8 heads: cp looks costlier
+    # for this model than it is (refimpl.plan.published says what that can change). pp = 16 does
+    # not divide 126 layers: Llama 3's pipeline left one block's place to the embedding and one
+    # to the output layer, and refimpl.plan.published compares its run as those 128 slots.
+    "llama3-405b": (ModelShape(126, 16384, 128, 128256, 8192, tied_embeddings=False), 2048),
     # Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", Table 1; the released config.json):
     # 32 layers, d_model 4096, 32 query heads and 8 key/value heads, 8 SwiGLU experts of width
     # 14336, top-2, vocabulary 32000, untied output layer; 46.7B parameters, 12.9B active. Context

@@ -1,8 +1,6 @@
-"""One layout -> predicted memory per GPU and step time. Every term is a formula with its source.
-
-The grid is refimpl.mesh's: ranks arange(world).view(dp, pp, cp, tp), tp innermost. An axis whose
-group spans at most one node talks over NVLink, otherwise over InfiniBand (seed 003: model
-parallelism inside a node, data parallelism across nodes).
+"""One layout -> predicted step time, and with refimpl.plan.memory's bytes per GPU, the planner's
+row for it. Every term is a formula with its source; the grid and which axes stay inside a node
+are refimpl.plan.layout's.
 
 Step time, for the busiest pipeline stage (the first holds the embedding, the last the logits):
   per micro-batch  T_mb = GEMMs / matmul rate             (forward 1x, backward 2x, recompute +1x)
@@ -17,151 +15,14 @@ once in refimpl.cost.alpha_beta.ring_seconds: an all-reduce of M bytes on n rank
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import refimpl.plan.moe as moe  # what a mixture of experts adds
 from refimpl.cost.alpha_beta import ring_seconds
 from refimpl.cost.hardware import MEMORY_HEADROOM, Hardware
-from refimpl.memory import activation_bytes_per_layer, model_state_bytes, training_flops
-from refimpl.memory.arithmetic import tp_block_activation_bytes
-from refimpl.mesh import AXES as GRID_AXES  # dp, pp, cp, tp: outermost to innermost
+from refimpl.memory import training_flops
 from refimpl.plan.dp_sync import dp_sync_seconds
+from refimpl.plan.layout import Layout
+from refimpl.plan.memory import PRECISIONS, layer_activation_bytes, predict_memory, stage_params
 from refimpl.plan.models import ModelShape
-
-PRECISIONS = {
-    # mixed-precision Adam (the ZeRO paper's K = 12), 16-bit activations: what GPU trainings use.
-    # bf16 accumulates and reduces the gradients in fp32 (Megatron-LM turns
-    # accumulate_allreduce_grads_in_fp32 on for bf16; NeMo's bf16-mixed sets grad_reduce_in_fp32;
-    # torchtitan reduces in fp32 by default): 18 bytes per parameter, Megatron's distributed
-    # optimizer table's "bf16 param, fp32 grads" row. fp16 with loss scaling (the 2021 runs)
-    # keeps 16-bit gradients: the ZeRO paper's 16 bytes.
-    "bf16": {"param": 2, "grad": 4, "optimizer": 12, "activation": 2},
-    "fp16": {"param": 2, "grad": 2, "optimizer": 12, "activation": 2},
-    # the CPU loop's default: fp32 weights and grads, AdamW's m and v
-    "fp32": {"param": 4, "grad": 4, "optimizer": 8, "activation": 4},
-}
-AXES_INNER_FIRST = tuple(reversed(GRID_AXES))   # innermost (neighbouring ranks) first
-
-
-@dataclass(frozen=True)
-class Layout:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    zero_stage: int = 0
-    micro_batch_size: int = 1
-    recompute: str = "none"            # "none", "selective" (attention scores), "full" (per block)
-    sequence_parallel: bool = False
-    ep: int = 1                        # expert parallelism, inside dp x cp (refimpl.plan.moe)
-
-    @property
-    def gpus(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    def within_node(self, axis: str, gpus_per_node: int) -> bool:
-        """Does every group along `axis` sit inside one node? Its ranks are `stride` apart, stride
-        being the product of the axes inside it; the group spans stride·size consecutive ranks."""
-        stride = 1
-        for name in AXES_INNER_FIRST:
-            if name == axis:
-                break
-            stride *= getattr(self, name)
-        span = stride * getattr(self, axis)
-        return span <= gpus_per_node and gpus_per_node % span == 0
-
-    def to_dict(self) -> dict:
-        # shallow, by hand: dataclasses.asdict deep-copies and was half of a 80k-layout search
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
-
-
-def stage_params(shape: ModelShape, lay: Layout) -> float:
-    """Parameters one GPU of the first stage holds: its blocks and the word embedding, split tp
-    ways (Megatron's vocabulary-parallel embedding); position embeddings replicated. An untied
-    output layer (Llama's; refimpl's GPT by default) is another V x h, on the last stage: on this
-    one too when pp = 1 (the dry run found it missing: 2 % of a 7B model's states)."""
-    blocks = shape.n_layers // lay.pp * shape.layer_params
-    head = 0 if shape.tied_embeddings or lay.pp > 1 else shape.vocab_size * shape.d_model
-    return ((blocks + shape.vocab_size * shape.d_model + head) / lay.tp
-            + shape.seq_len * shape.d_model)
-
-
-def _layer_activation_bytes(shape, lay, batch, act_bytes, recompute, activations="korthikanti") -> float:
-    dense = _dense_layer_activation_bytes(shape, lay, batch, act_bytes, recompute, activations)
-    if shape.n_experts and recompute != "full":   # the experts' MLP instead of the 4h one
-        return dense + moe.mlp_activation_delta(shape, lay, batch, act_bytes)
-    return dense
-
-
-def _dense_layer_activation_bytes(shape, lay, batch, act_bytes, recompute, activations) -> float:
-    """Korthikanti et al. 2022 Table 2 on this rank's s/cp tokens. Ring attention (cp > 1) never
-    stores the s x s probabilities (it recomputes them blockwise, refimpl/parallel/cp/ring.py), so its
-    score term is dropped as selective recomputation drops it.
-
-    activations="refimpl": refimpl's own block instead (no dropout, the softmax output and the
-    causal mask kept: refimpl.memory.tp_block_activation_bytes), what the dry run measures."""
-    if activations == "refimpl" and recompute != "selective":
-        s, b = shape.seq_len // lay.cp, batch
-        if recompute == "full":   # the checkpointed block keeps its input (s/t of it under SP)
-            return s * b * shape.d_model * act_bytes / (lay.tp if lay.sequence_parallel else 1)
-        block = tp_block_activation_bytes(s, b, shape.d_model, shape.n_heads, tp=lay.tp,
-                                          sequence_parallel=lay.sequence_parallel,
-                                          dtype_bytes=act_bytes)
-        if lay.cp > 1:   # ring attention saves Q, K, V, O and a log-sum-exp per query (fp32),
-            # not the probabilities nor the mask (refimpl/parallel/cp/ring.py, RingAttention)
-            heads = shape.n_heads / lay.tp
-            block += heads * s * b * 4 - heads * s * s * b * act_bytes - s * s
-        return block
-    if lay.cp > 1 and recompute == "none":
-        recompute = "selective"
-    sixteen_bit = activation_bytes_per_layer(shape.seq_len // lay.cp, batch, shape.d_model,
-                                             shape.n_heads, tp=lay.tp,
-                                             sequence_parallel=lay.sequence_parallel,
-                                             recompute=recompute)
-    return sixteen_bit * act_bytes / 2
-
-
-def predict_memory(shape: ModelShape, lay: Layout, global_batch: int, precision: str = "bf16",
-                   activations: str = "korthikanti") -> dict:
-    bytes_ = PRECISIONS[precision]
-    m = global_batch // (lay.dp * lay.micro_batch_size)
-    if shape.n_experts:   # dense parameters over dp x cp, experts over edp
-        states = moe.moe_state_bytes(shape, lay, bytes_)
-    else:
-        states = model_state_bytes(stage_params(shape, lay), dp=lay.dp * lay.cp,
-                                   zero_stage=lay.zero_stage, param_bytes=bytes_["param"],
-                                   grad_bytes=bytes_["grad"], optimizer_bytes=bytes_["optimizer"],
-                                   padded=False).to_dict()
-    b, layers = lay.micro_batch_size, shape.n_layers // lay.pp
-    per_layer = _layer_activation_bytes(shape, lay, b, bytes_["activation"], lay.recompute,
-                                        activations)
-    working = 0.0
-    if lay.recompute == "full":   # one block's activations, rebuilt while its backward runs
-        working = _layer_activation_bytes(shape, lay, b, bytes_["activation"], "none", activations)
-    # 1F1B: the first stage has min(p, m) micro-batches in flight before its first backward.
-    first = per_layer * layers * (min(lay.pp, m) if lay.pp > 1 else 1) + working
-    # The last stage (the only one when pp = 1) keeps fp32 logits for the loss: 4·s·b·V/t bytes
-    # (Korthikanti et al. 2022, §4.1).
-    logits = 4 * (shape.seq_len // lay.cp) * b * shape.vocab_size / lay.tp
-    last = per_layer * layers + working + logits
-    stored = first + logits if lay.pp == 1 else max(first, last)
-    # What a backward holds beyond the stored activations, at its worst moment (refimpl's block,
-    # seen in the dry run): the explicit attention's softmax backward has the gradients of the
-    # probabilities and of the scores alive together, a/t·s²·b each (ring attention works on
-    # blocks instead), and the last stage the logits' gradient, as large as the logits.
-    transient = 0.0
-    if activations == "refimpl":
-        s = shape.seq_len
-        attention = 0.0 if lay.cp > 1 else 2 * shape.n_heads / lay.tp * s * s * b * bytes_["activation"]
-        transient = max(first + attention, last + attention + logits) - stored if lay.pp > 1 \
-            else attention + logits
-        if lay.zero_stage == 3:   # ZeRO-3 / FSDP's working units (ZeRO §5.3), as the dry run saw
-            # them: the block in backward and the next, prefetched, gathered, and the block's
-            # whole gradient before its reduce-scatter
-            transient += moe.unit_params(shape, lay) * (2 * bytes_["param"] + bytes_["grad"])
-    return {"params_bytes": states["params"], "grads_bytes": states["grads"],
-            "optimizer_bytes": states["optimizer"], "activation_bytes": stored,
-            "transient_bytes": transient, "memory_bytes": states["total"] + stored + transient}
 
 
 def micro_batch_work(shape: ModelShape, lay: Layout, act_bytes: int) -> dict:
@@ -186,7 +47,7 @@ def micro_batch_work(shape: ModelShape, lay: Layout, act_bytes: int) -> dict:
     # half of each of the c - 1 blocks that hop in (head-tail chunks skip the masked halves),
     # s/c · s/c · (c + 1)/2 scores per head, against s² for one rank's unmasked attention.
     scores = shape.n_heads / t * b * (s * s if c == 1 else s_loc * s_loc * (c + 1) / 2)
-    per_layer = (_layer_activation_bytes(shape, lay, b, act_bytes, "selective")
+    per_layer = (layer_activation_bytes(shape, lay, b, act_bytes, "selective")
                  + 5 * scores * act_bytes / 2)
     hbm = 2 * passes * layers * per_layer
     return {"flops": layers * layer_flops + logits_flops, "hbm_bytes": hbm,
