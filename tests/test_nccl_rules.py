@@ -153,3 +153,86 @@ def test_the_staged_backend_refuses_a_tensor_off_the_rank_s_device():
     x = torch.ones(3)
     on_cpu.allreduce([x]).wait()
     assert x.tolist() == [1.0, 1.0, 1.0]                # one rank: the sum is itself
+
+
+def _both_plans_on_the_strict_stream(rank: int, world: int) -> dict:
+    """One rank of 1F1B on 2 stages (m = 4) under the staged backend's stream order: the runner's
+    global order (nccl_order.rank_order), then the old one-ahead posting (order=None: receives of
+    this entry and the next posted before the entry, each send as its action ends)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from refimpl.model import build_model, lm_loss, synthetic_batch
+    from refimpl.parallel.pp.nccl_order import rank_order
+    from refimpl.parallel.pp.runner import run_schedule, schedule_table
+    from refimpl.parallel.pp.simulate import inbox
+    from refimpl.parallel.pp.stage import build_chunks
+
+    out = {}
+    cfg = GPTConfig(**{**SMALL.to_dict(), "n_layers": 2})
+    # the rendezvous the stream relies on: a send stays incomplete while no receive is posted
+    x = torch.full((8,), 1.0 + rank)
+    if rank == 0:
+        w = dist.isend(x, dst=1)
+        time.sleep(0.3)
+        out["send_done_before_its_recv"] = w.is_completed()
+        dist.barrier()
+        w.wait()
+    else:
+        time.sleep(0.3)
+        got = torch.zeros(8)
+        r = dist.irecv(got, src=0)      # posted before the barrier: the stream runs it first
+        dist.barrier()
+        r.wait()
+        out["received"] = got.tolist()
+    group = dist.new_group([0, 1])
+    model = build_model(cfg, 0).double()
+    chunks = build_chunks(model, 2, rank)
+    batch = synthetic_batch(cfg, 8, cfg.seq_len, 0, 0)
+    micro, table = batch.micro_batches(4), schedule_table(2, 4, "1f1b")
+    dist.barrier(group)
+    group.stream.timeout = 3.0      # from here no wait is legitimately longer (a tiny model's F/B)
+    loss = run_schedule(chunks, table[rank], micro, group, inbox=inbox(table, rank, "loop"),
+                        order=rank_order(table, rank, "loop"))
+    if rank == 1:
+        reference = build_model(cfg, 0).double()
+        out["loss"], out["single"] = loss.item(), lm_loss(reference(batch.inputs), batch.targets).item()
+    dist.barrier(group)
+    start = time.monotonic()
+    try:
+        run_schedule(chunks, table[rank], micro, group, inbox=inbox(table, rank, "loop"), order=None)
+        out["old plan"] = "finished"
+    except RuntimeError as e:
+        out["old plan"] = str(e)
+    print(f"rank {rank}: the old plan failed after {time.monotonic() - start:.1f} s")
+    return out
+
+
+def test_the_strict_stream_hangs_the_old_posting_and_runs_the_global_order():
+    """refimpl.staged_stream under the staged backend: each group's operations run in posting
+    order, one at a time, a send only once its receive has started. The runner's order finishes
+    and its loss equals single's; the old one-ahead posting deadlocks exactly as nccl_order's
+    docstring says (stage 0 waits in B0's receive with F1's send behind it, stage 1 in F1's
+    receive with B0's gradient behind it), and the stream's timeout names it on both ranks."""
+    from refimpl.launch import run
+
+    saved = os.environ.get("REFIMPL_SHARED_DEVICE")
+    os.environ["REFIMPL_SHARED_DEVICE"] = "cpu"
+    try:
+        first, last = run(_both_plans_on_the_strict_stream, 2, timeout=120)
+    finally:
+        if saved is None:
+            os.environ.pop("REFIMPL_SHARED_DEVICE")
+        else:
+            os.environ["REFIMPL_SHARED_DEVICE"] = saved
+    assert first["send_done_before_its_recv"] is False and last["received"] == [1.0] * 8
+    assert abs(last["loss"] - last["single"]) <= 1e-12 * abs(last["single"]), (last["loss"], last["single"])
+    # tags: 1 + (kind * pieces + piece) * m + mb, pieces = 2, m = 4 (links.Links.tag)
+    f1, b0 = 1 + (0 * 2 + 1) * 4 + 1, 1 + (1 * 2 + 0) * 4 + 0
+    for rank, got, blocked, behind in ((0, first, f"recv from group rank 1 (tag {b0}", f"send to group rank 1 (tag {f1}"),
+                                       (1, last, f"recv from group rank 0 (tag {f1}", f"send to group rank 0 (tag {b0}")):
+        message = got["old plan"]
+        assert f"rank {rank} (group rank {rank}) blocked in {blocked}" in message, message
+        assert message.split("waiting behind it: ")[1].startswith(f"['{behind}"), message
