@@ -35,6 +35,7 @@ the backend implements, that no posting order hangs, and that the runs equal `si
 from __future__ import annotations
 
 import os
+import threading
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -104,7 +105,8 @@ class StagedGloo(dist.ProcessGroup):
         self.device = device
         self.inner = dist.ProcessGroupGloo(store, rank, size, timeout)
         self.stream = Stream(rank, timeout)   # every gloo call goes through its one worker
-        self.grouped: tuple | None = None     # inside p2p_group: (its parts so far, its unit)
+        self.open = threading.local()        # .group inside p2p_group: (parts so far, its unit),
+        #                                       per thread, as ncclGroupStart is (comm.work's lane)
 
     def getBackendName(self) -> str:
         return BACKEND
@@ -232,11 +234,11 @@ class StagedGloo(dist.ProcessGroup):
     @contextmanager
     def p2p_group(self):
         """The sends and receives posted inside run as one unit of the stream, all started
-        together (NCCL's ncclGroupStart/End; torch's batch_isend_irecv posts them one by one on
-        a Python process group, so refimpl.comm.p2p.post opens this around it)."""
+        together, as between NCCL's ncclGroupStart and ncclGroupEnd (`_batch_isend_irecv` opens
+        it around torch's batch_isend_irecv, which a Python process group gets one by one)."""
         parts: list = []                       # (what, start) of each operation posted inside
         unit = Unit(lambda: [start() for _, start in parts], [])
-        self.grouped = (parts, unit)
+        self.open.group = (parts, unit)
         try:
             yield
         except BaseException:
@@ -244,15 +246,16 @@ class StagedGloo(dist.ProcessGroup):
             unit.done.set()
             raise
         finally:
-            self.grouped = None
+            self.open.group = None
         if parts:
             unit.what[:] = [what for what, _ in parts]
             self.stream.submit(unit)
 
     def _post(self, what: str, start) -> Unit:
-        if self.grouped is None:
+        grouped = getattr(self.open, "group", None)
+        if grouped is None:
             return self.stream.submit(Unit(lambda: [start()], [what]))
-        parts, unit = self.grouped
+        parts, unit = grouped
         parts.append((what, start))
         return unit
 

@@ -12,6 +12,11 @@
   its tensors are on the rank's device and goes through gloo on host copies. On a GPU machine
   scripts/gpu_check.sh runs this file with REFIMPL_SHARED_DEVICE=cuda:0: several ranks on one GPU,
   every tensor on it, which NCCL itself cannot do (one rank per GPU).
+* **NCCL's stream order.** The staged backend runs each group's operations one at a time in
+  posting order, a send completing only once the peer's receive has started
+  (refimpl.staged_stream), so a posting order that would hang on NCCL hangs in these runs too,
+  and fails at the stream's timeout naming the blocked operation: the pipeline's old one-ahead
+  posting does (`test_the_strict_stream_hangs_the_old_posting...`), every run below does not.
 * **The rank's device.** On a GPU server torch's default device stays the CPU while a rank computes
   on cuda:k, so a factory call without `device=` makes a CPU tensor NCCL refuses. Under
   REFIMPL_DEVICE_AUDIT every rank records such calls made from refimpl's code
@@ -193,13 +198,13 @@ def _both_plans_on_the_strict_stream(rank: int, world: int) -> dict:
     batch = synthetic_batch(cfg, 8, cfg.seq_len, 0, 0)
     micro, table = batch.micro_batches(4), schedule_table(2, 4, "1f1b")
     dist.barrier(group)
-    group.stream.timeout = 3.0      # from here no wait is legitimately longer (a tiny model's F/B)
     loss = run_schedule(chunks, table[rank], micro, group, inbox=inbox(table, rank, "loop"),
                         order=rank_order(table, rank, "loop"))
     if rank == 1:
         reference = build_model(cfg, 0).double()
         out["loss"], out["single"] = loss.item(), lm_loss(reference(batch.inputs), batch.targets).item()
     dist.barrier(group)
+    group.stream.timeout = 3.0      # from here no wait is legitimately longer (a tiny model's F/B)
     start = time.monotonic()
     try:
         run_schedule(chunks, table[rank], micro, group, inbox=inbox(table, rank, "loop"), order=None)
