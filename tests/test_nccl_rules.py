@@ -130,16 +130,38 @@ def test_the_audit_names_a_factory_call_without_a_device():
     assert [s for s in sites if not by_design(s)] == ["refimpl/parallel/cp/ring.py:73 positions arange"]
 
 
-def test_notebook_07s_pipeline_helper_names_its_device(tmp_path, monkeypatch):
-    """07 §5-6 profile the pipeline through pp.measure.profile_pipeline, outside the train loop."""
-    from refimpl.launch import run
+def _on_gloo_ranks(rank: int, world: int) -> dict:
+    """The two checks that need no staged world, in one (forked, fast) gloo launch: notebook 07's
+    pipeline helper, then both posting plans on a staged group (`_both_plans_on_the_strict_stream`)."""
     from refimpl.parallel.pp.measure import profile_pipeline
 
-    monkeypatch.setenv("REFIMPL_DEVICE_AUDIT", str(tmp_path))
-    run(profile_pipeline, 2, SMALL, "1f1b", 4, steps=1, global_batch=8, quiet=True, timeout=120)
+    profile_pipeline(rank, world, SMALL, "1f1b", 4, steps=1, global_batch=8)
+    return _both_plans_on_the_strict_stream(rank, world)
+
+
+@pytest.fixture(scope="module")
+def gloo_launch(tmp_path_factory):
+    """Each rank's `_on_gloo_ranks` result, and the factory calls the device audit found."""
+    from refimpl.launch import run
+
+    audit_dir, saved = tmp_path_factory.mktemp("audit_gloo"), os.environ.get("REFIMPL_DEVICE_AUDIT")
+    os.environ["REFIMPL_DEVICE_AUDIT"] = str(audit_dir)
+    try:
+        results = run(_on_gloo_ranks, 2, backend="gloo", quiet=True, timeout=120)
+    finally:
+        if saved is None:
+            os.environ.pop("REFIMPL_DEVICE_AUDIT")
+        else:
+            os.environ["REFIMPL_DEVICE_AUDIT"] = saved
     found = {}
     for rank in range(2):
-        found.update(json.loads((tmp_path / f"rank{rank}.json").read_text()))
+        found.update(json.loads((audit_dir / f"rank{rank}.json").read_text()))
+    return results, found
+
+
+def test_notebook_07s_pipeline_helper_names_its_device(gloo_launch):
+    """07 §5-6 profile the pipeline through pp.measure.profile_pipeline, outside the train loop."""
+    _, found = gloo_launch
     assert found, "the audit saw nothing: it is not running"
     assert [site for site in sorted(found) if not by_design(site)] == []
 
@@ -161,50 +183,49 @@ def test_the_staged_backend_refuses_a_tensor_off_the_rank_s_device():
 
 
 def _both_plans_on_the_strict_stream(rank: int, world: int) -> dict:
-    """One rank of 1F1B on 2 stages (m = 4) under the staged backend's stream order: the runner's
+    """One rank of 1F1B on 2 stages (m = 4) on a staged group, under its stream order: the runner's
     global order (nccl_order.rank_order), then the old one-ahead posting (order=None: receives of
-    this entry and the next posted before the entry, each send as its action ends)."""
+    this entry and the next posted before the entry, each send as its action ends). The launch is
+    a gloo one (`_on_gloo_ranks`); the group is the staged backend's."""
     import time
 
     import torch
     import torch.distributed as dist
 
+    from refimpl import shared_device  # noqa: F401  (registers the staged backend in this rank)
     from refimpl.model import build_model, lm_loss, synthetic_batch
     from refimpl.parallel.pp.nccl_order import rank_order
     from refimpl.parallel.pp.runner import run_schedule, schedule_table
     from refimpl.parallel.pp.simulate import inbox
     from refimpl.parallel.pp.stage import build_chunks
 
-    out = {}
-    cfg = GPTConfig(**{**SMALL.to_dict(), "n_layers": 2})
+    out, group = {}, dist.new_group([0, 1], backend="staged")
     # the rendezvous the stream relies on: a send stays incomplete while no receive is posted
     x = torch.full((8,), 1.0 + rank)
     if rank == 0:
-        w = dist.isend(x, dst=1)
-        time.sleep(0.3)
+        w = dist.isend(x, group=group, group_dst=1)
+        time.sleep(0.2)
         out["send_done_before_its_recv"] = w.is_completed()
-        dist.barrier()
+        dist.barrier(group)
         w.wait()
     else:
-        time.sleep(0.3)
+        time.sleep(0.2)
         got = torch.zeros(8)
-        r = dist.irecv(got, src=0)      # posted before the barrier: the stream runs it first
-        dist.barrier()
+        r = dist.irecv(got, group=group, group_src=0)   # before the barrier: the stream runs it first
+        dist.barrier(group)
         r.wait()
         out["received"] = got.tolist()
-    group = dist.new_group([0, 1])
-    model = build_model(cfg, 0).double()
-    chunks = build_chunks(model, 2, rank)
+    cfg = GPTConfig(**{**SMALL.to_dict(), "n_layers": 2})
+    chunks = build_chunks(build_model(cfg, 0).double(), 2, rank)
     batch = synthetic_batch(cfg, 8, cfg.seq_len, 0, 0)
     micro, table = batch.micro_batches(4), schedule_table(2, 4, "1f1b")
-    dist.barrier(group)
     loss = run_schedule(chunks, table[rank], micro, group, inbox=inbox(table, rank, "loop"),
                         order=rank_order(table, rank, "loop"))
     if rank == 1:
         reference = build_model(cfg, 0).double()
         out["loss"], out["single"] = loss.item(), lm_loss(reference(batch.inputs), batch.targets).item()
     dist.barrier(group)
-    group.stream.timeout = 3.0      # from here no wait is legitimately longer (a tiny model's F/B)
+    group.stream.timeout = 2.0      # from here no wait is legitimately longer (a tiny model's F/B)
     start = time.monotonic()
     try:
         run_schedule(chunks, table[rank], micro, group, inbox=inbox(table, rank, "loop"), order=None)
@@ -215,23 +236,13 @@ def _both_plans_on_the_strict_stream(rank: int, world: int) -> dict:
     return out
 
 
-def test_the_strict_stream_hangs_the_old_posting_and_runs_the_global_order():
+def test_the_strict_stream_hangs_the_old_posting_and_runs_the_global_order(gloo_launch):
     """refimpl.staged_stream under the staged backend: each group's operations run in posting
     order, one at a time, a send only once its receive has started. The runner's order finishes
     and its loss equals single's; the old one-ahead posting deadlocks exactly as nccl_order's
     docstring says (stage 0 waits in B0's receive with F1's send behind it, stage 1 in F1's
     receive with B0's gradient behind it), and the stream's timeout names it on both ranks."""
-    from refimpl.launch import run
-
-    saved = os.environ.get("REFIMPL_SHARED_DEVICE")
-    os.environ["REFIMPL_SHARED_DEVICE"] = "cpu"
-    try:
-        first, last = run(_both_plans_on_the_strict_stream, 2, timeout=120)
-    finally:
-        if saved is None:
-            os.environ.pop("REFIMPL_SHARED_DEVICE")
-        else:
-            os.environ["REFIMPL_SHARED_DEVICE"] = saved
+    (first, last), _ = gloo_launch
     assert first["send_done_before_its_recv"] is False and last["received"] == [1.0] * 8
     assert abs(last["loss"] - last["single"]) <= 1e-12 * abs(last["single"]), (last["loss"], last["single"])
     # tags: 1 + (kind * pieces + piece) * m + mb, pieces = 2, m = 4 (links.Links.tag)
