@@ -201,19 +201,18 @@ def _both_plans_on_the_strict_stream(rank: int, world: int) -> dict:
 
     out, group = {}, dist.new_group([0, 1], backend="staged")
     # the rendezvous the stream relies on: a send stays incomplete while no receive is posted
+    # (rank 1 posts its receive only after rank 0 has looked, told by the world group: gloo's own)
     x = torch.full((8,), 1.0 + rank)
     if rank == 0:
         w = dist.isend(x, group=group, group_dst=1)
         time.sleep(0.2)
         out["send_done_before_its_recv"] = w.is_completed()
-        dist.barrier(group)
+        dist.barrier()
         w.wait()
     else:
-        time.sleep(0.2)
+        dist.barrier()
         got = torch.zeros(8)
-        r = dist.irecv(got, group=group, group_src=0)   # before the barrier: the stream runs it first
-        dist.barrier(group)
-        r.wait()
+        dist.recv(got, group=group, group_src=0)
         out["received"] = got.tolist()
     cfg = GPTConfig(**{**SMALL.to_dict(), "n_layers": 2})
     chunks = build_chunks(build_model(cfg, 0).double(), 2, rank)
