@@ -200,9 +200,10 @@ def _both_plans_on_the_strict_stream(rank: int, world: int) -> dict:
     from refimpl.parallel.pp.stage import build_chunks
 
     out, group = {}, dist.new_group([0, 1], backend="staged")
+    device = group.device       # REFIMPL_SHARED_DEVICE's (scripts/gpu_check.sh: cuda:0), else the CPU
     # the rendezvous the stream relies on: a send stays incomplete while no receive is posted
     # (rank 1 posts its receive only after rank 0 has looked, told by the world group: gloo's own)
-    x = torch.full((8,), 1.0 + rank)
+    x = torch.full((8,), 1.0 + rank, device=device)
     if rank == 0:
         w = dist.isend(x, group=group, group_dst=1)
         time.sleep(0.2)
@@ -211,17 +212,17 @@ def _both_plans_on_the_strict_stream(rank: int, world: int) -> dict:
         w.wait()
     else:
         dist.barrier()
-        got = torch.zeros(8)
+        got = torch.zeros(8, device=device)
         dist.recv(got, group=group, group_src=0)
         out["received"] = got.tolist()
     cfg = GPTConfig(**{**SMALL.to_dict(), "n_layers": 2})
-    chunks = build_chunks(build_model(cfg, 0).double(), 2, rank)
-    batch = synthetic_batch(cfg, 8, cfg.seq_len, 0, 0)
+    chunks = build_chunks(build_model(cfg, 0).double().to(device), 2, rank)
+    batch = synthetic_batch(cfg, 8, cfg.seq_len, 0, 0).to(device)
     micro, table = batch.micro_batches(4), schedule_table(2, 4, "1f1b")
     loss = run_schedule(chunks, table[rank], micro, group, inbox=inbox(table, rank, "loop"),
                         order=rank_order(table, rank, "loop"))
     if rank == 1:
-        reference = build_model(cfg, 0).double()
+        reference = build_model(cfg, 0).double().to(device)
         out["loss"], out["single"] = loss.item(), lm_loss(reference(batch.inputs), batch.targets).item()
     dist.barrier(group)
     group.stream.timeout = 2.0      # from here no wait is legitimately longer (a tiny model's F/B)
