@@ -14,26 +14,36 @@ multi-rank on CUDA tensors (scripts/gpu_check.sh runs it), where a tensor left o
 device, a `.cpu()` inside a step or a device mismatch in a send shows up.
 
 Semantics kept from NCCL, and where they differ:
-  * a collective runs when it is called (the copy back completes before the call returns):
-    asynchronous ops (async_op=True) return a finished Work, so the overlap tests read nothing
-    here; correctness does not depend on it, because every rank posts its collectives in one order;
-  * a receive stays pending until waited on (the copy back happens in `wait`), and a send returns
-    at once: pipeline ranks post receives before sends, which a blocking receive would deadlock;
+  * every operation on a group -- a collective, a send, a receive, or a batch of sends and
+    receives (torch's batch_isend_irecv, which refimpl.comm.p2p.post uses: `p2p_group`) --
+    runs on that group's one stream (refimpl.staged_stream): in posting order, one unit at a
+    time, a send completing only once the peer's matching receive has started. A posting order
+    that would hang on NCCL hangs here too, and fails after REFIMPL_STAGED_TIMEOUT seconds naming
+    the rank and the blocked operation (tests/test_nccl_rules.py: the pipeline's old posting);
+  * a collective is blocking (the copy back completes before the call returns): asynchronous ops
+    (async_op=True) return a finished Work, so the overlap tests read nothing here; correctness
+    does not depend on it, because every rank posts its collectives in one order;
+  * a send or receive returns at once and runs when the stream reaches it; a receive's copy back
+    to the device happens in `wait`, on the caller's thread;
   * gloo matches point-to-point by tag and NCCL by posting order: the one-tag mode
     (REFIMPL_P2P_TAGS=one, refimpl.comm.p2p) checks that order on CPU ranks already.
 
 On a CPU-only machine `REFIMPL_SHARED_DEVICE=cpu` runs the same backend (the staging copies are
-then no-ops): tests/test_shared_device.py checks there that every strategy's collectives are ones
-the backend implements, and that the runs equal `single`.
+then no-ops): tests/test_nccl_rules.py checks there that every strategy's collectives are ones
+the backend implements, that no posting order hangs, and that the runs equal `single`.
 """
 from __future__ import annotations
 
 import os
+import threading
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
+
+from refimpl.staged_stream import Stream, Unit
 
 ENV = "REFIMPL_SHARED_DEVICE"
 BACKEND = "staged"
@@ -66,16 +76,17 @@ def _done(result) -> dist.Work:
     return _create_work_from_future(fut)
 
 
-class _Pending(dist.Work):
-    """A point-to-point call posted to gloo on host buffers; `wait` waits for it, then copies each
-    received host buffer onto its device tensor (a send's host copy is kept alive until then)."""
+class _Queued(dist.Work):
+    """A send or receive on the group's stream: `wait` waits until the stream has run its unit (or
+    raises the stream's failure), then copies each received host buffer onto its device tensor (a
+    send's host copy is kept alive until then)."""
 
-    def __init__(self, work, copies: list[tuple[torch.Tensor, torch.Tensor]], keep=()):
+    def __init__(self, unit: Unit, copies: list[tuple[torch.Tensor, torch.Tensor]], keep=()):
         super().__init__()
-        self.work, self.copies, self.keep = work, copies, keep
+        self.unit, self.copies, self.keep = unit, copies, keep
 
     def wait(self, timeout=None) -> bool:
-        self.work.wait()
+        self.unit.result()
         for host, device_tensor in self.copies:
             if host is not device_tensor:
                 device_tensor.copy_(host)
@@ -83,7 +94,7 @@ class _Pending(dist.Work):
         return True
 
     def is_completed(self) -> bool:
-        return self.work.is_completed()
+        return self.unit.done.is_set()
 
 
 class StagedGloo(dist.ProcessGroup):
@@ -93,6 +104,9 @@ class StagedGloo(dist.ProcessGroup):
         super().__init__(rank, size)
         self.device = device
         self.inner = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self.stream = Stream(rank, timeout)   # every gloo call goes through its one worker
+        self.open = threading.local()        # .group inside p2p_group: (parts so far, its unit),
+        #                                       per thread, as ncclGroupStart is (comm.work's lane)
 
     def getBackendName(self) -> str:
         return BACKEND
@@ -119,7 +133,7 @@ class StagedGloo(dist.ProcessGroup):
         host_in = [self._host(t) for t in inputs]
         host_of = {id(t): h for t, h in zip(inputs, host_in)}
         host_out = [host_of.get(id(t)) if id(t) in host_of else self._host(t) for t in outputs]
-        call(host_out, host_in).wait()
+        self.stream.submit(Unit(lambda: [call(host_out, host_in)], [op])).result()
         for t, h in zip(outputs, host_out):
             if h is not t:
                 t.copy_(h)
@@ -212,18 +226,67 @@ class StagedGloo(dist.ProcessGroup):
                          lambda o, i: self.inner.alltoall(o, i, opts))
 
     def barrier(self, opts=None):
-        return self.inner.barrier(opts or dist.BarrierOptions())
+        opts = opts or dist.BarrierOptions()
+        self.stream.submit(Unit(lambda: [self.inner.barrier(opts)], ["barrier"])).result()
+        return _done([])
 
-    # -- point to point: a send returns at once, a receive completes when waited on ---------------
+    # -- point to point: posted now, run when the stream reaches them ----------------------------
+    @contextmanager
+    def p2p_group(self):
+        """The sends and receives posted inside run as one unit of the stream, all started
+        together, as between NCCL's ncclGroupStart and ncclGroupEnd (`_batch_isend_irecv` opens
+        it around torch's batch_isend_irecv, which a Python process group gets one by one)."""
+        parts: list = []                       # (what, start) of each operation posted inside
+        unit = Unit(lambda: [start() for _, start in parts], [])
+        self.open.group = (parts, unit)
+        try:
+            yield
+        except BaseException:
+            unit.error = "the group's posting raised"
+            unit.done.set()
+            raise
+        finally:
+            self.open.group = None
+        if parts:
+            unit.what[:] = [what for what, _ in parts]
+            self.stream.submit(unit)
+
+    def _post(self, what: str, start) -> Unit:
+        grouped = getattr(self.open, "group", None)
+        if grouped is None:
+            return self.stream.submit(Unit(lambda: [start()], [what]))
+        parts, unit = grouped
+        parts.append((what, start))
+        return unit
+
     def send(self, tensors, dst: int, tag: int = 0):
         self._check(tensors, "send")
         host = [self._host(t) for t in tensors]
-        return _Pending(self.inner.send(host, dst, tag), [], keep=host)
+        what = f"send to group rank {dst} (tag {tag}, {sum(t.nbytes for t in host)} B)"
+        return _Queued(self._post(what, lambda: self.inner.send(host, dst, tag)), [], keep=host)
 
     def recv(self, tensors, src: int, tag: int = 0):
         self._check(tensors, "recv")
         host = [t if t.device.type == "cpu" else torch.empty_like(t, device="cpu") for t in tensors]
-        return _Pending(self.inner.recv(host, src, tag), list(zip(host, tensors)))
+        what = f"recv from group rank {src} (tag {tag}, {sum(t.nbytes for t in host)} B)"
+        return _Queued(self._post(what, lambda: self.inner.recv(host, src, tag)), list(zip(host, tensors)))
+
+
+_torch_batch_isend_irecv = dist.batch_isend_irecv
+
+
+def _batch_isend_irecv(p2p_op_list):
+    """torch's batch_isend_irecv, whose batch is one group on a staged group's stream. torch
+    coalesces a batch only for its own C++ process groups; on a Python one such as StagedGloo it
+    posts the operations one by one, which under the stream's order would make a send and a
+    receive to the same peer wait for each other -- the hang the batch is there to avoid on NCCL
+    (refimpl.comm.p2p.post, torch.distributed.pipelining's schedules)."""
+    group = p2p_op_list[0].group if p2p_op_list else None
+    group = group if group is not None else dist.group.WORLD
+    if not isinstance(group, StagedGloo):
+        return _torch_batch_isend_irecv(p2p_op_list)
+    with group.p2p_group():
+        return _torch_batch_isend_irecv(p2p_op_list)
 
 
 def _create(store, rank: int, size: int, timeout: timedelta) -> StagedGloo:
@@ -232,3 +295,5 @@ def _create(store, rank: int, size: int, timeout: timedelta) -> StagedGloo:
 
 if BACKEND not in dist.Backend.backend_list:
     dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
+    # in this process only (a rank that asked for the staged backend: refimpl.launch)
+    dist.batch_isend_irecv = _batch_isend_irecv

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "refimpl"
 
 LAYERS = [
-    ("foundation", ("launch", "shared_device", "_rank", "_zygote_client", "device_audit", "flight_recorder", "faults",
+    ("foundation", ("launch", "shared_device", "staged_stream", "_rank", "_zygote_client", "device_audit", "flight_recorder", "faults",
                     "env", "numerics", "progress", "mesh", "__init__")),
     ("labels", ("trace.labels",)),
     ("model", ("model",)),

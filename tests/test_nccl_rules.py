@@ -12,6 +12,11 @@
   its tensors are on the rank's device and goes through gloo on host copies. On a GPU machine
   scripts/gpu_check.sh runs this file with REFIMPL_SHARED_DEVICE=cuda:0: several ranks on one GPU,
   every tensor on it, which NCCL itself cannot do (one rank per GPU).
+* **NCCL's stream order.** The staged backend runs each group's operations one at a time in
+  posting order, a send completing only once the peer's receive has started
+  (refimpl.staged_stream), so a posting order that would hang on NCCL hangs in these runs too,
+  and fails at the stream's timeout naming the blocked operation: the pipeline's old one-ahead
+  posting does (`test_the_strict_stream_hangs_the_old_posting...`), every run below does not.
 * **The rank's device.** On a GPU server torch's default device stays the CPU while a rank computes
   on cuda:k, so a factory call without `device=` makes a CPU tensor NCCL refuses. Under
   REFIMPL_DEVICE_AUDIT every rank records such calls made from refimpl's code
@@ -125,16 +130,38 @@ def test_the_audit_names_a_factory_call_without_a_device():
     assert [s for s in sites if not by_design(s)] == ["refimpl/parallel/cp/ring.py:73 positions arange"]
 
 
-def test_notebook_07s_pipeline_helper_names_its_device(tmp_path, monkeypatch):
-    """07 §5-6 profile the pipeline through pp.measure.profile_pipeline, outside the train loop."""
-    from refimpl.launch import run
+def _on_gloo_ranks(rank: int, world: int) -> dict:
+    """The two checks that need no staged world, in one (forked, fast) gloo launch: notebook 07's
+    pipeline helper, then both posting plans on a staged group (`_both_plans_on_the_strict_stream`)."""
     from refimpl.parallel.pp.measure import profile_pipeline
 
-    monkeypatch.setenv("REFIMPL_DEVICE_AUDIT", str(tmp_path))
-    run(profile_pipeline, 2, SMALL, "1f1b", 4, steps=1, global_batch=8, quiet=True, timeout=120)
+    profile_pipeline(rank, world, SMALL, "1f1b", 4, steps=1, global_batch=8)
+    return _both_plans_on_the_strict_stream(rank, world)
+
+
+@pytest.fixture(scope="module")
+def gloo_launch(tmp_path_factory):
+    """Each rank's `_on_gloo_ranks` result, and the factory calls the device audit found."""
+    from refimpl.launch import run
+
+    audit_dir, saved = tmp_path_factory.mktemp("audit_gloo"), os.environ.get("REFIMPL_DEVICE_AUDIT")
+    os.environ["REFIMPL_DEVICE_AUDIT"] = str(audit_dir)
+    try:
+        results = run(_on_gloo_ranks, 2, backend="gloo", quiet=True, timeout=120)
+    finally:
+        if saved is None:
+            os.environ.pop("REFIMPL_DEVICE_AUDIT")
+        else:
+            os.environ["REFIMPL_DEVICE_AUDIT"] = saved
     found = {}
     for rank in range(2):
-        found.update(json.loads((tmp_path / f"rank{rank}.json").read_text()))
+        found.update(json.loads((audit_dir / f"rank{rank}.json").read_text()))
+    return results, found
+
+
+def test_notebook_07s_pipeline_helper_names_its_device(gloo_launch):
+    """07 §5-6 profile the pipeline through pp.measure.profile_pipeline, outside the train loop."""
+    _, found = gloo_launch
     assert found, "the audit saw nothing: it is not running"
     assert [site for site in sorted(found) if not by_design(site)] == []
 
@@ -153,3 +180,75 @@ def test_the_staged_backend_refuses_a_tensor_off_the_rank_s_device():
     x = torch.ones(3)
     on_cpu.allreduce([x]).wait()
     assert x.tolist() == [1.0, 1.0, 1.0]                # one rank: the sum is itself
+
+
+def _both_plans_on_the_strict_stream(rank: int, world: int) -> dict:
+    """One rank of 1F1B on 2 stages (m = 4) on a staged group, under its stream order: the runner's
+    global order (nccl_order.rank_order), then the old one-ahead posting (order=None: receives of
+    this entry and the next posted before the entry, each send as its action ends). The launch is
+    a gloo one (`_on_gloo_ranks`); the group is the staged backend's."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from refimpl import shared_device  # noqa: F401  (registers the staged backend in this rank)
+    from refimpl.model import build_model, lm_loss, synthetic_batch
+    from refimpl.parallel.pp.nccl_order import rank_order
+    from refimpl.parallel.pp.runner import run_schedule, schedule_table
+    from refimpl.parallel.pp.simulate import inbox
+    from refimpl.parallel.pp.stage import build_chunks
+
+    out, group = {}, dist.new_group([0, 1], backend="staged")
+    device = group.device       # REFIMPL_SHARED_DEVICE's (scripts/gpu_check.sh: cuda:0), else the CPU
+    # the rendezvous the stream relies on: a send stays incomplete while no receive is posted
+    # (rank 1 posts its receive only after rank 0 has looked, told by the world group: gloo's own)
+    x = torch.full((8,), 1.0 + rank, device=device)
+    if rank == 0:
+        w = dist.isend(x, group=group, group_dst=1)
+        time.sleep(0.2)
+        out["send_done_before_its_recv"] = w.is_completed()
+        dist.barrier()
+        w.wait()
+    else:
+        dist.barrier()
+        got = torch.zeros(8, device=device)
+        dist.recv(got, group=group, group_src=0)
+        out["received"] = got.tolist()
+    cfg = GPTConfig(**{**SMALL.to_dict(), "n_layers": 2})
+    chunks = build_chunks(build_model(cfg, 0).double().to(device), 2, rank)
+    batch = synthetic_batch(cfg, 8, cfg.seq_len, 0, 0).to(device)
+    micro, table = batch.micro_batches(4), schedule_table(2, 4, "1f1b")
+    loss = run_schedule(chunks, table[rank], micro, group, inbox=inbox(table, rank, "loop"),
+                        order=rank_order(table, rank, "loop"))
+    if rank == 1:
+        reference = build_model(cfg, 0).double().to(device)
+        out["loss"], out["single"] = loss.item(), lm_loss(reference(batch.inputs), batch.targets).item()
+    dist.barrier(group)
+    group.stream.timeout = 2.0      # from here no wait is legitimately longer (a tiny model's F/B)
+    start = time.monotonic()
+    try:
+        run_schedule(chunks, table[rank], micro, group, inbox=inbox(table, rank, "loop"), order=None)
+        out["old plan"] = "finished"
+    except RuntimeError as e:
+        out["old plan"] = str(e)
+    print(f"rank {rank}: the old plan failed after {time.monotonic() - start:.1f} s")
+    return out
+
+
+def test_the_strict_stream_hangs_the_old_posting_and_runs_the_global_order(gloo_launch):
+    """refimpl.staged_stream under the staged backend: each group's operations run in posting
+    order, one at a time, a send only once its receive has started. The runner's order finishes
+    and its loss equals single's; the old one-ahead posting deadlocks exactly as nccl_order's
+    docstring says (stage 0 waits in B0's receive with F1's send behind it, stage 1 in F1's
+    receive with B0's gradient behind it), and the stream's timeout names it on both ranks."""
+    (first, last), _ = gloo_launch
+    assert first["send_done_before_its_recv"] is False and last["received"] == [1.0] * 8
+    assert abs(last["loss"] - last["single"]) <= 1e-12 * abs(last["single"]), (last["loss"], last["single"])
+    # tags: 1 + (kind * pieces + piece) * m + mb, pieces = 2, m = 4 (links.Links.tag)
+    f1, b0 = 1 + (0 * 2 + 1) * 4 + 1, 1 + (1 * 2 + 0) * 4 + 0
+    for rank, got, blocked, behind in ((0, first, f"recv from group rank 1 (tag {b0}", f"send to group rank 1 (tag {f1}"),
+                                       (1, last, f"recv from group rank 0 (tag {f1}", f"send to group rank 0 (tag {b0}")):
+        message = got["old plan"]
+        assert f"rank {rank} (group rank {rank}) blocked in {blocked}" in message, message
+        assert message.split("waiting behind it: ")[1].startswith(f"['{behind}"), message

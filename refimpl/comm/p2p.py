@@ -112,11 +112,13 @@ def post(g: GroupView, sends=(), recvs=()) -> Posted:
         ops.append((dist.isend, buf, peer))
         record_send(buf.numel() * buf.element_size())
     tag = wire_tag(COLLECTIVE_TAG)
-    if ops and dist.get_backend(g.group) == "nccl":
+    backend = dist.get_backend(g.group) if ops else None
+    if backend in ("nccl", "staged"):
         # One group (batch_isend_irecv): NCCL runs the operations between two ranks in posting
         # order and a send may wait for its receive, so a receive and a send to the same peer
         # posted one by one would wait for each other (a 2-rank ring, every pairwise exchange);
-        # in a group they start together (refimpl.parallel.pp.nccl_order has the rule).
+        # in a group they start together (refimpl.parallel.pp.nccl_order has the rule). The
+        # staged backend keeps that rule (refimpl.staged_stream runs the batch as one group).
         works = dist.batch_isend_irecv([dist.P2POp(op, buf, group=g.group, group_peer=peer, tag=tag)
                                         for op, buf, peer in ops])
     else:   # gloo (and the dry run's fake group) runs each posted operation on its own

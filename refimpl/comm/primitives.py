@@ -87,7 +87,10 @@ def run_one(primitive: str, x: torch.Tensor, rank: int, n: int, c) -> torch.Tens
         if rank > 1:
             return x.clone()
         out = torch.empty_like(x)
-        works = [c.isend(x, dst=1 - rank), c.irecv(out, src=1 - rank)]
+        # rank 0 sends first and rank 1 receives first: both sending first would hang under
+        # NCCL's order (a send completes once its receive has started; refimpl.staged_stream)
+        send, recv = (lambda: c.isend(x, dst=1 - rank)), (lambda: c.irecv(out, src=1 - rank))
+        works = [send(), recv()] if rank == 0 else [recv(), send()]
         for w in works:
             w.wait()
         return out

@@ -61,15 +61,21 @@ def ring_reduce_scatter_(chunks: list[torch.Tensor], op, g: GroupView) -> None:
     for s in range(n - 1):
         outgoing = chunks[(r - s - 1) % n].reshape(-1).tensor_split(n_segments)
         mine = chunks[(r - s - 2) % n].reshape(-1).tensor_split(n_segments)
-        sending = post(g, sends=[(seg, right) for seg in outgoing])
         incoming = [buffers[j % 2][:mine[j].numel()] for j in range(n_segments)]
-        arriving = post(g, recvs=[(incoming[0], left)])
+
+        def segment_pair(j: int):
+            # Segment j's send and receive as one group. Under NCCL's order (a rank's operations
+            # run in posting order; a send completes only once its receive has started) sends
+            # posted before the receives would hang every ring: each rank's first send waits for
+            # a receive its neighbour posted behind its own sends (refimpl.staged_stream).
+            return post(g, sends=[(outgoing[j], right)], recvs=[(incoming[j], left)])
+
+        arriving = segment_pair(0)
         for j in range(n_segments):
-            following = post(g, recvs=[(incoming[j + 1], left)]) if j + 1 < n_segments else None
+            following = segment_pair(j + 1) if j + 1 < n_segments else None
             arriving.wait()
             reduce_into(mine[j], incoming[j], op)
             arriving = following
-        sending.wait()
 
 
 def ring_all_gather_(chunks: list[torch.Tensor], g: GroupView) -> None:

@@ -105,7 +105,11 @@ def _call(c, op: str, x, out, rank: int, n: int) -> None:
     elif op == "reduce":
         c.reduce(x, dst=0)
     elif op == "send_recv":  # every rank sends to its right neighbour, receives from its left
-        works = [c.irecv(out, src=(rank - 1) % n), c.isend(x, dst=(rank + 1) % n)]
+        # Even ranks send first, odd ranks receive first: under NCCL's order (a rank's operations
+        # run in posting order, a send completes once its receive has started) every rank
+        # receiving first would hang the ring (refimpl.staged_stream; nccl_order.replay agrees).
+        send, recv = (lambda: c.isend(x, dst=(rank + 1) % n)), (lambda: c.irecv(out, src=(rank - 1) % n))
+        works = [send(), recv()] if rank % 2 == 0 else [recv(), send()]
         for w in works:
             w.wait()
     else:
