@@ -141,8 +141,16 @@ def post_whole_step(group) -> bool:
     At the step's start the links are idle and a post costs microseconds. The buffers then exist
     for the whole step: one [b, s, d] tensor per incoming message, m per neighbour and direction,
     against the activations a stage keeps (many such tensors per layer per micro-batch in flight).
-    Elsewhere (NCCL) receives stay one entry ahead; REFIMPL_PP_POST=ahead forces that on gloo
-    too (scripts/bench_bubble.py --post ahead: the bubble before this change)."""
-    if os.environ.get("REFIMPL_PP_POST") == "ahead":
+    Elsewhere (NCCL, the staged backend) every send and receive is posted one at a time in the
+    global order (nccl_order.rank_order). REFIMPL_PP_POST=ahead forces the old plan, receives one
+    entry ahead, on any backend (`posts_ahead`): on gloo the bubble before this change
+    (scripts/bench_bubble.py --post ahead), under the staged backend the hang NCCL's order gives
+    it (tests/test_nccl_rules.py)."""
+    if posts_ahead():
         return False
     return group is not None and dist.get_backend(group) == "gloo"
+
+
+def posts_ahead() -> bool:
+    """REFIMPL_PP_POST=ahead: post each entry's receives one entry ahead (the runner's first plan)."""
+    return os.environ.get("REFIMPL_PP_POST") == "ahead"

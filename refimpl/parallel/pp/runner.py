@@ -64,7 +64,7 @@ import torch
 
 from refimpl.model import Batch, lm_loss
 from refimpl.model.moe import moe_aux_loss
-from refimpl.parallel.pp.links import ACTIVATION, GRADIENT, Links, post_whole_step
+from refimpl.parallel.pp.links import ACTIVATION, GRADIENT, Links, post_whole_step, posts_ahead
 
 # schedule_table and bubble_fraction: DESIGN's contract names them here (refimpl.parallel.pp.runner).
 from refimpl.parallel.pp.schedules import (  # noqa: F401
@@ -104,7 +104,8 @@ def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch
 
     whole_step = post_whole_step(group)
     links = Links(group, len(chunks), m, like=next(chunks[0].parameters(), None), where=where,
-                   inbox=inbox, shape=shape, order=None if whole_step or group is None else order)
+                  inbox=inbox, shape=shape,
+                  order=None if whole_step or group is None or posts_ahead() else order)
     saved, records, total = {}, {}, None
     parsed = [(i, a) for i, e in enumerate(entries) for a in e]
     if whole_step:
