@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from refimpl.model.moe_slots import one_hot
 from refimpl.trace.labels import comm_span
 
 
@@ -82,10 +82,10 @@ def keep_per_sequence(experts_flat: torch.Tensor, rows: int, n_experts: int, cap
     `experts_flat`: this rank's assignments in token-then-slot order, its `rows` sequences one
     after the other, each as the pieces `layout.held` back to back."""
     a = experts_flat.view(rows, len(layout.held), -1)      # [sequence, piece, assignment]
-    one_hot = F.one_hot(a, n_experts)                       # [rows, held, n, E]
-    full = layout.gather(one_hot.sum(dim=2))                # [rows, pieces, E]
+    hot = one_hot(a.reshape(-1), n_experts).view(a.shape + (n_experts,))   # [rows, held, n, E]
+    full = layout.gather(hot.sum(dim=2))                # [rows, pieces, E]
     earlier = full.cumsum(dim=1) - full                     # queued by the pieces before each one
-    place = one_hot.cumsum(dim=2) - 1 + earlier[:, list(layout.held)].unsqueeze(2)
+    place = hot.cumsum(dim=2) - 1 + earlier[:, list(layout.held)].unsqueeze(2)
     keep = place.gather(3, a.unsqueeze(3)).squeeze(3) < capacity
     return keep.reshape(-1), full.sum(dim=1)
 
