@@ -13,6 +13,7 @@ TINY = GPTConfig(n_layers=2, d_model=32, n_heads=2, vocab_size=64, seq_len=16, n
                  capacity_factor=1.0, capacity_scope="sequence")
 
 
+@pytest.mark.full
 def test_an_expert_parallel_rank_sends_fixed_size_buffers():
     """Every all-to-all's size comes from the shapes: per layer, the kept counts (E int64) and four
     exchanges (dispatch, combine, and their backward) of the [E, B, d] buffer, B = C per
@@ -60,10 +61,13 @@ def mixtral_against_planner(preset="mixtral-8x7b", **layout) -> dict:
 @pytest.mark.full
 def test_mixtral_with_expert_parallelism_meets_the_planner():
     """Mixtral 8x7B in refimpl's block on 64 ranks (tp 2, pp 4, ep 8 over dp 8, ZeRO-1): model
-    states within 1 %; activations and peak within 15 % (what the planner's formulas leave out:
-    the MoE layer's routing tensors, its buffers' padding)."""
+    states within 1 %, activations and peak within 3 % (measured 2026-12: states 0.0 %,
+    activations -0.03 %, peak +0.6 %). Per sequence, B = C = k * S / E rows per expert and
+    source, so the buffers hold exactly the planner's k * cf slots per token: no padding here."""
     table = mixtral_against_planner(strategy="zero1", nproc=64, tp=2, pp=4, ep=8)
+    print({c: f"{ran / 2**30:.3f} GiB ran, {plan / 2**30:.3f} planned, {err:+.2%}"
+           for c, (ran, plan, err) in table.items()})
     for category in ("params", "grads", "optimizer"):
         assert abs(table[category][2]) < 0.01, (category, table[category])
     for category in ("activations_peak", "peak"):
-        assert abs(table[category][2]) < 0.15, (category, table[category])
+        assert abs(table[category][2]) < 0.03, (category, table[category])

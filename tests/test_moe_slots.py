@@ -99,3 +99,20 @@ def test_forward_and_backward_run_on_fake_tensors():
             out = layer(torch.randn(2, 24, 16))
             (out.sum() + layer.aux_loss).backward()
             assert out.shape == (2, 24, 16) and layer.router.weight.grad is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh)")
+def test_no_stream_sync_inside_forward_and_backward_on_cuda():
+    """The NCCL rule itself: on CUDA, an op that waits for the GPU to answer the host (item,
+    tolist, nonzero, bincount's size) raises under sync_debug_mode 'error'."""
+    torch.manual_seed(0)
+    layer = MoEMLP(GPTConfig(**{**CFG.to_dict(), "balance": "aux"})).cuda()
+    x = torch.randn(2, 24, 16, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = layer(x)
+        (out.sum() + layer.aux_loss).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert layer.stats.dropped >= 0 and layer.router.weight.grad is not None   # read after the step

@@ -244,7 +244,8 @@ class MoEMLP(nn.Module):
             # each kept assignment's row in a fixed [E, B] buffer (refimpl.model.moe_slots)
             dest = destinations(flat, keep, E, bound)
             counts = (one_hot(flat, E) * keep[:, None]).sum(dim=0)     # kept, per expert
-            rows = pack(tokens.repeat_interleave(k, dim=0), dest, E * bound)
+            token_of = torch.arange(flat.numel(), device=flat.device) // k
+            rows = pack(tokens, dest, E * bound, row_of=token_of)
         y, received = self.dispatch(rows.view(E, bound, -1), counts, room, self.experts)
         self.stats = MoEStats(routed, kept, capacity, received)
         self.keep = keep.view(-1, k)

@@ -18,6 +18,8 @@ Dropped assignments go to one extra row past the end (the "dump"), cut off befor
       scope (never more than C in all, nor more than one per token), min(rows * C, T) under
       the sequence scope (C per sequence).
 
+Both moves are gathers (index_select), which autograd saves as an index only.
+
 Padding changes no gradient. A padded row's output is never read back (`unpack` gathers only
 real rows; the dump reads a zero row), so its output gradient is exactly zero; an expert's weight
 and bias gradients are sums over rows of (input x output gradient) and of the output gradient, so
@@ -49,11 +51,18 @@ def destinations(experts_flat: torch.Tensor, keep: torch.Tensor, n_experts: int,
     return torch.where(keep, row, torch.full_like(row, n_experts * bound))
 
 
-def pack(rows: torch.Tensor, dest: torch.Tensor, n_rows: int) -> torch.Tensor:
-    """[n_rows, d]: rows[i] written at dest[i] (each real destination is hit once, so the sum
-    onto zeros is an exact copy), everything else zero; the dump row is cut off."""
-    buffer = rows.new_zeros((n_rows + 1,) + tuple(rows.shape[1:]))
-    return buffer.index_add(0, dest, rows)[:n_rows]
+def pack(rows: torch.Tensor, dest: torch.Tensor, n_rows: int,
+         row_of: torch.Tensor | None = None) -> torch.Tensor:
+    """[n_rows, d]: buffer row dest[i] holds rows[row_of[i]] (row_of: i itself by default; the
+    layer passes token a // k for assignment a), every other row zero; the dump is cut off.
+
+    A gather, not a scatter: each buffer row reads its source (or an appended zero row), so
+    autograd saves only the index. (index_add would save its whole `rows` argument for the
+    backward's expand_as: one more [rows, d] activation per pack.)"""
+    row_of = torch.arange(dest.numel(), device=dest.device) if row_of is None else row_of
+    source = torch.full((n_rows + 1,), rows.shape[0], dtype=dest.dtype, device=dest.device)
+    source = source.scatter(0, dest, row_of)[:n_rows]     # real rows are hit once; the dump is cut
+    return unpack(rows, source)
 
 
 def unpack(buffer: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:

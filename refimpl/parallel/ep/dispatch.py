@@ -13,7 +13,7 @@ token dispatcher does the same with uneven splits):
                  rank sends to each of its experts are real (on the device: no split sizes read);
   2. dispatch    all_to_all_single of the token rows with equal splits: every rank sends each
                  peer E/ep * B rows, its fixed [E, B] buffer (refimpl.model.moe_slots: an expert's
-                 real rows first, zero padding after; B = min(C, T) from the shapes alone);
+                 real rows first, zero padding after; B from the shapes alone);
   3. experts     each local expert runs on a buffer of min(C, ep * B) rows (`room`) holding the
                  real rows it received, in source-rank order = global batch order, then padding
                  (an expert that received nothing still runs, on padding only);
@@ -21,9 +21,12 @@ token dispatcher does the same with uneven splits):
                  token lives on, where the layer weights it by its gate and adds it up.
 
 No host read: every size above is known from the batch's shape (GShard's fixed-capacity
-dispatch), so NCCL's stream never waits for the host. The price is the padding: under the global
-capacity one rank may send one expert up to B = min(C, T) rows, so each all-to-all carries
-E * B rows where balanced routing fills k * T of them (E / (k * cf) times more when C >= T).
+dispatch), so NCCL's stream never waits for the host. The price is the padding. Under the batch
+scope's global capacity one rank may send one expert up to B = min(C, T) rows (all of the C a
+whole batch may give it), so each all-to-all carries E * B rows where balanced routing fills
+k * T of them: E / (k * cf) times more once C >= T, i.e. with many token-holding ranks. Under
+the sequence scope B = min(rows * C_seq, T) = k * cf * T / E: the buffers are exactly k * cf * T
+rows, GShard's (refimpl.model.moe_slots).
 Backward runs the two all-to-alls in reverse (`AllToAll`, as Megatron's _AllToAll). Bytes: the
 counters count the routed rows this rank sends to *other* ranks x d x bytes per value in each
 all-to-all (balanced routing: (ep-1)/ep of its k*T rows, notebook 02's all-to-all volume), as
