@@ -13,7 +13,6 @@ TINY = GPTConfig(n_layers=2, d_model=32, n_heads=2, vocab_size=64, seq_len=16, n
                  capacity_factor=1.0, capacity_scope="sequence")
 
 
-@pytest.mark.full
 def test_an_expert_parallel_rank_sends_fixed_size_buffers():
     """Every all-to-all's size comes from the shapes: per layer, the kept counts (E int64) and four
     exchanges (dispatch, combine, and their backward) of the [E, B, d] buffer, B = C per

@@ -38,8 +38,10 @@ makes an expert-parallel run drop exactly the tokens the single process drops.
 No host read. C comes from the batch's shape (the routed count is k*T, every token-holding rank
 holding as many tokens), so the kept assignments travel in buffers of a size known before the
 step (refimpl.model.moe_slots: each expert's slots, padded with zero rows that change no
-gradient); counts, stats and the aux loss stay on the device. `MoEStats` and the all-to-all
-byte counters are read on the host only after the step (`moe_step_record`).
+gradient); counts, stats and the aux loss stay on the device. `MoEStats`'s `dropped` and
+`imbalance` and the all-to-all byte counters are host reads, made only after the step
+(`moe_step_record`, notebooks). Every rule here has a capacity (capacity_factor > 0): there is no
+dropless mode, which could not have fixed sizes (its buffers would be the routed counts).
 
 Scope (`--set capacity_scope=batch|sequence`). `batch`, the default, is the rule above: C and f_i
 over one forward's tokens, in batch order. It equals single only where a forward holds single's

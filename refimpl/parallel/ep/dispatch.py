@@ -25,8 +25,9 @@ dispatch), so NCCL's stream never waits for the host. The price is the padding. 
 scope's global capacity one rank may send one expert up to B = min(C, T) rows (all of the C a
 whole batch may give it), so each all-to-all carries E * B rows where balanced routing fills
 k * T of them: E / (k * cf) times more once C >= T, i.e. with many token-holding ranks. Under
-the sequence scope B = min(rows * C_seq, T) = k * cf * T / E: the buffers are exactly k * cf * T
-rows, GShard's (refimpl.model.moe_slots).
+the sequence scope B = min(rows * C_seq, T), which is k * cf * T / E (rounded up per sequence)
+when k * cf <= E: the buffers are then k * cf * T rows, GShard's (refimpl.model.moe_slots).
+
 Backward runs the two all-to-alls in reverse (`AllToAll`, as Megatron's _AllToAll). Bytes: the
 counters count the routed rows this rank sends to *other* ranks x d x bytes per value in each
 all-to-all (balanced routing: (ep-1)/ep of its k*T rows, notebook 02's all-to-all volume), as
