@@ -105,14 +105,16 @@ def test_forward_and_backward_run_on_fake_tensors():
 def test_no_stream_sync_inside_forward_and_backward_on_cuda():
     """The NCCL rule itself: on CUDA, an op that waits for the GPU to answer the host (item,
     tolist, nonzero, bincount's size) raises under sync_debug_mode 'error'."""
-    torch.manual_seed(0)
-    layer = MoEMLP(GPTConfig(**{**CFG.to_dict(), "balance": "aux"})).cuda()
-    x = torch.randn(2, 24, 16, device="cuda")
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        out = layer(x)
-        (out.sum() + layer.aux_loss).backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert layer.stats.dropped >= 0 and layer.router.weight.grad is not None   # read after the step
+    for scope in ("batch", "sequence"):
+        torch.manual_seed(0)
+        layer = MoEMLP(GPTConfig(**{**CFG.to_dict(), "balance": "aux", "capacity_scope": scope})).cuda()
+        x = torch.randn(2, 24, 16, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = layer(x)
+            (out.sum() + layer.aux_loss).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        # read after the step: every assignment routed (k * T), a gradient for the router
+        assert int(layer.stats.routed.sum()) == 2 * 48 and layer.router.weight.grad is not None
