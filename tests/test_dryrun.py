@@ -129,8 +129,3 @@ def test_a_ring_message_under_tp_x_cp_is_its_tp_ranks_heads():
     (plain_bytes, plain_calls), (tp_bytes, tp_calls) = ring(nproc=2, cp=2), ring(nproc=4, tp=2, cp=2)
     assert tp_calls == plain_calls > 0
     assert 2 * tp_bytes == plain_bytes
-
-
-def test_a_mixture_of_experts_preset_is_refused_not_run_dense():
-    with pytest.raises(LayoutError, match="mixture of experts"):
-        preset_config("mixtral-8x7b", TrainConfig(strategy="zero1", nproc=64, tp=8))

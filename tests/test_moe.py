@@ -159,9 +159,11 @@ def test_bytes_counted_are_the_rows_sent_to_other_ranks():
     per_rank = [r["refimpl-comm"] for r in runs_on(world)]
     d = BASE.d_model
     for rank, r in enumerate(per_rank):
-        # refimpl.comm counted every byte it sent; the MoE layer counted its own all-to-alls.
-        step_bytes = sum(b["dispatch"] + b["combine"] for b in r["bytes"])
-        assert r["counted"]["sent"]["all_to_all"] == step_bytes + _count_bytes(r, world)
+        # refimpl.comm counted every byte it sent; the MoE layer counted its own all-to-alls:
+        # the whole fixed-size buffers (padding included), the same every step (shapes only).
+        wire = [b["wire"] for b in r["bytes"]]
+        assert r["counted"]["sent"]["all_to_all"] == sum(wire) + _count_bytes(r, world)
+        assert len(set(wire)) == 1 and wire[0] > sum(b["dispatch"] + b["combine"] for b in r["bytes"][:1])
     # Every row a rank dispatches to a remote expert comes back to it in the combine (forward),
     # and backward sends both again, reversed: over the ranks, dispatch bytes = combine bytes.
     for step in range(len(per_rank[0]["bytes"])):
@@ -204,12 +206,17 @@ def _parallelize_three_experts(rank, world):
 def test_moe_has_e_over_k_mlps_of_parameters_for_the_flops_of_its_dense_twin(experts, k, tie):
     from refimpl.cost.moe_arithmetic import dense_twin, gpt_counts, measured_forward_flops
 
-    cfg = GPTConfig(n_experts=experts, top_k=k, capacity_factor=float(experts), tie_embeddings=tie)
+    # capacity factor 1: the experts' fixed buffers hold E * C = k * T rows (refimpl.model.moe_slots)
+    cfg = GPTConfig(n_experts=experts, top_k=k, capacity_factor=1.0, tie_embeddings=tie)
     idx = torch.zeros(2, 32, dtype=torch.long)
     for c in (cfg, dense_twin(cfg)):
         model, formula = GPT(c), gpt_counts(c, context=32)
         assert count_params(model) == formula.total_params
         assert measured_forward_flops(model, idx) == 64 * formula.forward_flops_per_token
+    # a capacity factor of 2 doubles the experts' rows, padding included: their FLOPs double
+    padded = GPT(GPTConfig(**{**cfg.to_dict(), "capacity_factor": 2.0}))
+    expert_flops = 64 * cfg.n_layers * k * 2 * 2 * cfg.d_model * cfg.mlp_ratio * cfg.d_model
+    assert measured_forward_flops(padded, idx) == 64 * gpt_counts(cfg, 32).forward_flops_per_token + expert_flops
     moe, dense = gpt_counts(cfg, 32), gpt_counts(dense_twin(cfg), 32)
     # Same compute per token (up to the d x E router) for several times the parameters.
     router_flops = 2 * cfg.n_layers * cfg.d_model * experts

@@ -21,7 +21,7 @@ Published models, from their released configs (config.json of the Hugging Face c
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from refimpl.model import GPTConfig, build_model, count_params
 
@@ -131,11 +131,18 @@ def published_table():
 
 def dense_comparison(cfg: GPTConfig, context: int, batch: int = 2, seed: int = 0):
     """The MoE `cfg` and its dense twin side by side: parameters counted on the built model and by
-    `gpt_counts`, FLOPs per token counted by FlopCounterMode on a forward and by the formula."""
+    `gpt_counts`, FLOPs per token counted by FlopCounterMode on a forward and by the formula.
+
+    The forward is counted at capacity factor 1: the MoE layer runs each expert on a fixed buffer
+    of C = k*T/E rows (refimpl.model.moe_slots: padding where fewer came), so its experts multiply
+    E*C = k*T rows, the formula's k per token; a factor cf multiplies the experts' FLOPs by cf
+    (Switch, Fedus et al. 2021, sec. 2.1: the capacity buys fewer drops with compute)."""
     import pandas as pd
     import torch
 
     idx = torch.zeros(batch, context, dtype=torch.long)
+    if cfg.n_experts:
+        cfg = replace(cfg, capacity_factor=1.0)
     rows = []
     for name, c in ((f"MoE E={cfg.n_experts}, k={cfg.top_k}", cfg),
                     (f"dense twin (MLP {cfg.top_k}x wider)", dense_twin(cfg))):

@@ -35,6 +35,14 @@ the assignments sorted by expert and in global batch order, so a layout never ch
 The capacity and f_i are global (counts gathered over the ranks that hold tokens): that is what
 makes an expert-parallel run drop exactly the tokens the single process drops.
 
+No host read. C comes from the batch's shape (the routed count is k*T, every token-holding rank
+holding as many tokens), so the kept assignments travel in buffers of a size known before the
+step (refimpl.model.moe_slots: each expert's slots, padded with zero rows that change no
+gradient); counts, stats and the aux loss stay on the device. `MoEStats`'s `dropped` and
+`imbalance` and the all-to-all byte counters are host reads, made only after the step
+(`moe_step_record`, notebooks). Every rule here has a capacity (capacity_factor > 0): there is no
+dropless mode, which could not have fixed sizes (its buffers would be the routed counts).
+
 Scope (`--set capacity_scope=batch|sequence`). `batch`, the default, is the rule above: C and f_i
 over one forward's tokens, in batch order. It equals single only where a forward holds single's
 tokens in single's order; data parallelism with micro-batches (a forward holds the i-th
@@ -53,7 +61,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from refimpl.model.config import GPTConfig
 from refimpl.model.layers import MLP
@@ -64,6 +71,7 @@ from refimpl.model.moe_sequence import (
     sequence_aux_loss,
     sequence_tokens,
 )
+from refimpl.model.moe_slots import destinations, one_hot, pack, unpack
 from refimpl.trace.labels import comm_span, phase
 
 
@@ -134,8 +142,7 @@ def within_capacity(experts_flat: torch.Tensor, n_experts: int, offsets: torch.T
     """Which assignments fit: an assignment's place in its expert's queue is the number of earlier
     assignments to that expert (`offsets`: those of the ranks before this one; then this rank's,
     in batch order). Places >= capacity overflow."""
-    one_hot = F.one_hot(experts_flat, n_experts)
-    place = one_hot.cumsum(dim=0) - 1 + offsets
+    place = one_hot(experts_flat, n_experts).cumsum(dim=0) - 1 + offsets
     return place.gather(1, experts_flat[:, None]).squeeze(1) < capacity
 
 
@@ -158,10 +165,12 @@ def switch_aux_loss(probs: torch.Tensor, routed: torch.Tensor, alpha: float) -> 
 
 @dataclass
 class Traffic:
-    """Bytes this rank sent to other ranks, per all-to-all kind, since the last reset (an
-    expert-parallel dispatch counts them; a local one sends nothing)."""
+    """Bytes of routed rows this rank sent to other ranks, per all-to-all kind, since the last
+    reset (an expert-parallel dispatch counts them, on the device; a local one sends nothing).
+    The padding of the fixed-size buffers is not counted: `wire` has every byte sent."""
     dispatch: int = 0
     combine: int = 0
+    wire: int = 0      # bytes of the whole buffers sent to other ranks, padding included
 
 
 class LocalExperts:
@@ -181,12 +190,14 @@ class LocalExperts:
             return counts[None], 0
         return all_gather_counts(counts, self.token_group, self.comm)
 
-    def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleDict) -> tuple:
-        """x: the kept assignments' inputs, sorted by expert. Returns their outputs, same order,
-        and the rows each of this rank's experts processed, per source rank ([1, E])."""
-        parts = torch.split(x, counts.tolist())
-        # Every expert runs, even on zero rows, so its gradient is a zero tensor, never None.
-        return torch.cat([experts[str(e)](part) for e, part in enumerate(parts)]), counts[None]
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor, room: int | None,
+                 experts: nn.ModuleDict) -> tuple:
+        """x: [E, B, d], expert e's kept assignments in its first counts[e] rows, zero padding
+        after them (refimpl.model.moe_slots). Returns the experts' outputs in the same layout, and
+        the rows each of this rank's experts processed, per source rank ([1, E]). `room` (the
+        most rows one expert gets in all) matters only to an expert-parallel dispatch."""
+        # Every expert runs on its B rows (padding included), so its gradient is never None.
+        return torch.stack([experts[str(e)](part) for e, part in enumerate(x)]), counts[None]
 
 
 class MoEMLP(nn.Module):
@@ -225,35 +236,39 @@ class MoEMLP(nn.Module):
             r = route(self.router(tokens), k, bias)
             flat = r.experts.reshape(-1)                 # assignment a = (token a // k, slot a % k)
             if self.cfg.capacity_scope == "sequence":
-                keep, routed, kept, capacity, aux = self._fill_per_sequence(
+                keep, routed, kept, capacity, aux, bound, room = self._fill_per_sequence(
                     flat, r.probs, shape[0] if x.dim() == 3 else 1)
             else:
-                keep, routed, kept, capacity, aux = self._fill_batch(flat, r.probs)
+                keep, routed, kept, capacity, aux, bound, room = self._fill_batch(flat, r.probs)
             self.aux_loss = aux if self.cfg.balance == "aux" else tokens.new_zeros(())
             if torch.is_grad_enabled() and not _Recompute.depth:   # a training forward, once
                 self.step_load = routed if self.step_load is None else self.step_load + routed
-            kept_at = keep.nonzero().squeeze(1)
-            order = kept_at[torch.argsort(flat[kept_at], stable=True)]   # by expert, batch order
-            token_of = order // k
-        y, received = self.dispatch(tokens[token_of], torch.bincount(flat[order], minlength=E),
-                                    self.experts)
+            # each kept assignment's row in a fixed [E, B] buffer (refimpl.model.moe_slots)
+            dest = destinations(flat, keep, E, bound)
+            counts = (one_hot(flat, E) * keep[:, None]).sum(dim=0)     # kept, per expert
+            token_of = torch.arange(flat.numel(), device=flat.device) // k
+            rows = pack(tokens, dest, E * bound, row_of=token_of)
+        y, received = self.dispatch(rows.view(E, bound, -1), counts, room, self.experts)
         self.stats = MoEStats(routed, kept, capacity, received)
         self.keep = keep.view(-1, k)
-        gate = r.gates.reshape(-1)[order]
-        weighted = y * gate[:, None]          # (under bf16 autocast the experts' dtype)
-        out = weighted.new_zeros(tokens.shape).index_add(0, token_of, weighted)
-        return out.view(shape)
+        y = unpack(y.reshape(E * bound, -1), dest)     # a dropped assignment reads a zero row
+        weighted = y * r.gates.reshape(-1)[:, None]    # (under bf16 autocast the experts' dtype)
+        return weighted.view(tokens.shape[0], k, -1).sum(dim=1).view(shape)
 
     def _fill_batch(self, flat: torch.Tensor, probs: torch.Tensor) -> tuple:
         """capacity_scope=batch: C over the forward's tokens on every token-holding rank, each
         rank's place in an expert's queue after the ranks before it (batch order)."""
         E, k = self.n_experts, self.top_k
-        counts_by_rank, me = self.dispatch.gather_counts(torch.bincount(flat, minlength=E))
+        counts_by_rank, me = self.dispatch.gather_counts(one_hot(flat, E).sum(dim=0))
         routed = counts_by_rank.sum(dim=0)
-        capacity = expert_capacity(int(routed.sum()) // k, E, k, self.cfg.capacity_factor)
+        # T from shapes: every token-holding rank holds as many tokens (the batch divides evenly
+        # over dp x cp), so routed.sum() is k * T without reading it
+        local = flat.numel() // k
+        capacity = expert_capacity(counts_by_rank.shape[0] * local, E, k, self.cfg.capacity_factor)
         keep = within_capacity(flat, E, counts_by_rank[:me].sum(dim=0), capacity)
         aux = switch_aux_loss(probs, routed, self.cfg.aux_alpha) if self.cfg.balance == "aux" else None
-        return keep, routed, routed.clamp(max=capacity), capacity, aux
+        # B: an expert gets at most C from all ranks together, at most one per token from mine
+        return keep, routed, routed.clamp(max=capacity), capacity, aux, min(capacity, local), capacity
 
     def _fill_per_sequence(self, flat: torch.Tensor, probs: torch.Tensor, rows: int) -> tuple:
         """capacity_scope=sequence (refimpl.model.moe_sequence): C and f_i per sequence; the
@@ -263,12 +278,13 @@ class MoEMLP(nn.Module):
         seq = sequence_tokens(flat.numel() // k, rows, self.sequences)
         capacity = expert_capacity(seq, E, k, self.cfg.capacity_factor)
         keep, per_sequence = keep_per_sequence(flat, rows, E, capacity, self.sequences)
-        one_hot = F.one_hot(flat, E)
-        loads, _ = self.dispatch.gather_counts(torch.stack([one_hot.sum(0), (one_hot * keep[:, None]).sum(0)]))
+        hot = one_hot(flat, E)
+        loads, _ = self.dispatch.gather_counts(torch.stack([hot.sum(0), (hot * keep[:, None]).sum(0)]))
         routed, kept = loads.sum(dim=0)
         aux = (sequence_aux_loss(probs, per_sequence, k, seq, self.cfg.aux_alpha)
                if self.cfg.balance == "aux" else None)
-        return keep, routed, kept, capacity, aux
+        # B: C per sequence of my `rows`, at most one per token; no tighter total than ep * B
+        return keep, routed, kept, capacity, aux, min(rows * capacity, flat.numel() // k), None
 
     @torch.no_grad()
     def update_bias(self) -> None:
@@ -318,13 +334,16 @@ def moe_step_record(model: nn.Module) -> dict | None:
 
 
 def all_to_all_bytes(model: nn.Module, reset: bool = True) -> dict[str, int]:
-    """Bytes this rank sent to other ranks in dispatch and combine all-to-alls (forward and
-    backward) since the last reset, summed over the MoE layers (zero for local experts)."""
+    """Bytes of routed rows this rank sent to other ranks in dispatch and combine all-to-alls
+    (forward and backward) since the last reset, summed over the MoE layers (zero for local
+    experts), and `wire`: every byte those all-to-alls sent to other ranks, padding included."""
     total = Traffic()
     for layer in moe_layers(model):
         t = layer.dispatch.traffic
         total.dispatch += t.dispatch
         total.combine += t.combine
+        total.wire += t.wire
         if reset:   # in place: a pending backward still holds this object
-            t.dispatch = t.combine = 0
-    return {"dispatch": total.dispatch, "combine": total.combine}
+            t.dispatch = t.combine = t.wire = 0
+    # dispatch and combine are device tensors (rows counted without a host read): read here
+    return {"dispatch": int(total.dispatch), "combine": int(total.combine), "wire": total.wire}

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from refimpl.model.moe_slots import one_hot
 from refimpl.trace.labels import comm_span
 
 
@@ -64,10 +64,10 @@ class ChunkedSequences:
         parts = [torch.empty_like(counts) for _ in self.chunks]
         with comm_span("all_gather", counts.nbytes * len(parts)):
             self.comm.all_gather(parts, counts, group=self.group)
-        full = counts.new_zeros(counts.shape[0], self.pieces, counts.shape[2])
-        for part, ids in zip(parts, self.chunks):
-            full[:, list(ids)] = part
-        return full
+        # piece p is column i of rank r's part: stacked by Python ints (an index list would be a
+        # host-to-device copy, a stream sync, in every step)
+        where = {p: (r, i) for r, ids in enumerate(self.chunks) for i, p in enumerate(ids)}
+        return torch.stack([parts[r][:, i] for r, i in (where[p] for p in range(self.pieces))], dim=1)
 
 
 def sequence_tokens(local_tokens: int, rows: int, layout) -> int:
@@ -82,10 +82,11 @@ def keep_per_sequence(experts_flat: torch.Tensor, rows: int, n_experts: int, cap
     `experts_flat`: this rank's assignments in token-then-slot order, its `rows` sequences one
     after the other, each as the pieces `layout.held` back to back."""
     a = experts_flat.view(rows, len(layout.held), -1)      # [sequence, piece, assignment]
-    one_hot = F.one_hot(a, n_experts)                       # [rows, held, n, E]
-    full = layout.gather(one_hot.sum(dim=2))                # [rows, pieces, E]
+    hot = one_hot(a.reshape(-1), n_experts).view(a.shape + (n_experts,))   # [rows, held, n, E]
+    full = layout.gather(hot.sum(dim=2))                # [rows, pieces, E]
     earlier = full.cumsum(dim=1) - full                     # queued by the pieces before each one
-    place = one_hot.cumsum(dim=2) - 1 + earlier[:, list(layout.held)].unsqueeze(2)
+    mine = torch.stack([earlier[:, p] for p in layout.held], dim=1)   # Python ints: no copy
+    place = hot.cumsum(dim=2) - 1 + mine.unsqueeze(2)
     keep = place.gather(3, a.unsqueeze(3)).squeeze(3) < capacity
     return keep.reshape(-1), full.sum(dim=1)
 

@@ -54,17 +54,31 @@ AXIS_ORDER = ("tp", "cp", "pp", "dp", "dp_cp", "ep", "edp")
 def preset_config(name: str, cfg: TrainConfig) -> TrainConfig:
     """`cfg` with the planner preset `name`'s shape (refimpl.plan.models) as its model and its
     full sequence length. The global batch stays `cfg`'s: one micro-batch per pipeline stage in
-    flight is what memory depends on, not the preset's thousand sequences (see `default_batch`)."""
+    flight is what memory depends on, not the preset's thousand sequences (see `default_batch`).
+    A mixture of experts is built as `moe_form` says."""
     shape, _ = get_model(name)
-    if shape.n_experts:
-        # the MoE layer counts its routed tokens on the host (a data-dependent shape, which fake
-        # tensors cannot give and a real step should not need): refused, not run as a dense model
-        raise LayoutError(f"--model {name}: the dry run cannot build a mixture of experts yet "
-                          "(refimpl.model.moe reads its routing counts on the host)")
     model = GPTConfig(vocab_size=shape.vocab_size, seq_len=shape.seq_len, d_model=shape.d_model,
                       n_heads=shape.n_heads, n_layers=shape.n_layers,
-                      tie_embeddings=shape.tied_embeddings)
+                      tie_embeddings=shape.tied_embeddings, **moe_form(name, shape))
     return cfg.with_(model=model, seq_len=shape.seq_len)
+
+
+def moe_form(name: str, shape) -> dict:
+    """The MoE fields of GPTConfig for a preset (none for a dense one). refimpl builds its own
+    block (refimpl.model: LayerNorm, multi-head attention, GELU experts of width mlp_ratio * h),
+    so a Mixtral preset (SwiGLU, grouped-query attention) runs in that form, as the 70b preset is
+    Llama 2 in it: experts of width round(ffn_hidden / h) * h (Mixtral 8x7B: 16384, not 14336),
+    E, top_k and capacity_factor the preset's. Capacity per sequence (capacity_scope=sequence):
+    the batch scope refuses data parallelism with micro-batches (refimpl.model.moe_layout), which
+    `default_batch` always has for pp > 1."""
+    if not shape.n_experts:
+        return {}
+    ratio = round(shape.mlp_width / shape.d_model)
+    if ratio < 1:
+        raise LayoutError(f"--model {name}: experts of width {shape.mlp_width} < d_model "
+                          f"{shape.d_model}: refimpl's MLP width is an integer multiple of it")
+    return dict(mlp_ratio=ratio, n_experts=shape.n_experts, top_k=shape.top_k,
+                capacity_factor=shape.capacity_factor, capacity_scope="sequence")
 
 
 def default_batch(cfg: TrainConfig) -> TrainConfig:

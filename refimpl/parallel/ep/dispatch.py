@@ -9,19 +9,29 @@ token dispatcher does the same with uneven splits):
   0. counts      all_gather of each rank's per-expert counts over the ranks that hold tokens, so
                  every rank knows its place in each expert's global queue (the capacity is global,
                  as in the single process) and the global load f_i of the aux loss;
-  1. counts      all_to_all_single of the kept counts: rank s learns how many rows each rank
-                 sends to each of its experts -- the receive split sizes of step 2;
-  2. dispatch    all_to_all_single of the token rows, uneven splits (sorted by expert, so the rows
-                 for rank r's experts are one contiguous chunk);
-  3. experts     each local expert runs on the rows it received, in source-rank order = global
-                 batch order (an expert that received nothing still runs, on zero rows);
-  4. combine     the reverse all_to_all_single returns each output to the rank its token lives on,
-                 where the layer weights it by its gate and adds it up.
+  1. counts      all_to_all_single of the kept counts: rank s learns how many of the rows each
+                 rank sends to each of its experts are real (on the device: no split sizes read);
+  2. dispatch    all_to_all_single of the token rows with equal splits: every rank sends each
+                 peer E/ep * B rows, its fixed [E, B] buffer (refimpl.model.moe_slots: an expert's
+                 real rows first, zero padding after; B from the shapes alone);
+  3. experts     each local expert runs on a buffer of min(C, ep * B) rows (`room`) holding the
+                 real rows it received, in source-rank order = global batch order, then padding
+                 (an expert that received nothing still runs, on padding only);
+  4. combine     the reverse all_to_all_single returns each output to its slot on the rank its
+                 token lives on, where the layer weights it by its gate and adds it up.
 
-Backward runs the two all-to-alls in reverse (`AllToAll`: its backward is the all-to-all with the
-split sizes swapped, as Megatron's _AllToAll). Bytes: a rank sends (rows it sends to *other*
-ranks) x d x bytes per value in each all-to-all; balanced routing makes that (ep-1)/ep of its k*T
-rows (notebook 02's all-to-all volume); `all_to_all_bytes` reads the live count.
+No host read: every size above is known from the batch's shape (GShard's fixed-capacity
+dispatch), so NCCL's stream never waits for the host. The price is the padding. Under the batch
+scope's global capacity one rank may send one expert up to B = min(C, T) rows (all of the C a
+whole batch may give it), so each all-to-all carries E * B rows where balanced routing fills
+k * T of them: E / (k * cf) times more once C >= T, i.e. with many token-holding ranks. Under
+the sequence scope B = min(rows * C_seq, T), which is k * cf * T / E (rounded up per sequence)
+when k * cf <= E: the buffers are then k * cf * T rows, GShard's (refimpl.model.moe_slots).
+
+Backward runs the two all-to-alls in reverse (`AllToAll`, as Megatron's _AllToAll). Bytes: the
+counters count the routed rows this rank sends to *other* ranks x d x bytes per value in each
+all-to-all (balanced routing: (ep-1)/ep of its k*T rows, notebook 02's all-to-all volume), as
+device tensors read after the step (`all_to_all_bytes`); `Traffic.wire` has the padded bytes.
 
 Non-expert parameters stay replicated (data-parallel over the same ranks); expert parameters are
 not: they must be synchronised only over the ranks holding the *same* experts (the mesh's "edp"
@@ -34,36 +44,39 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from refimpl.model.moe import LocalExperts, Traffic, all_gather_counts, moe_layers
+from refimpl.model.moe_slots import compact_destinations, pack, unpack
 from refimpl.placement import Owned, Shard, placement_of, set_placement
 from refimpl.trace.labels import comm_span, phase
 
 
 class AllToAll(torch.autograd.Function):
-    """all_to_all_single with uneven splits as an autograd op: backward sends the gradients
-    back along the same edges (split sizes swapped)."""
+    """all_to_all_single with equal splits as an autograd op: backward sends the gradients back
+    along the same edges. `rows` (forward, backward): device tensors, the routed rows this rank
+    sends to other ranks in each pass, for the byte counter (the padding carries nothing)."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, comm, traffic, kind):
-        ctx.args = (in_splits, out_splits, group, comm, traffic, kind)
-        return _exchange(x, out_splits, in_splits, group, comm, traffic, kind)
+    def forward(ctx, x, group, comm, traffic, kind, rows):
+        ctx.args = (group, comm, traffic, kind, rows)
+        return _exchange(x, group, comm, traffic, kind, rows[0])
 
     @staticmethod
     def backward(ctx, grad):
-        in_splits, out_splits, group, comm, traffic, kind = ctx.args
+        group, comm, traffic, kind, rows = ctx.args
         back = "combine" if kind == "dispatch" else "dispatch"   # the same edges, reversed
         with phase(f"moe:{kind}.backward"):
-            grad_in = _exchange(grad.contiguous(), in_splits, out_splits, group, comm, traffic,
-                                back)
-        return grad_in, None, None, None, None, None, None
+            grad_in = _exchange(grad.contiguous(), group, comm, traffic, back, rows[1])
+        return grad_in, None, None, None, None, None
 
 
-def _exchange(x, out_splits, in_splits, group, comm, traffic, kind):
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    me = dist.get_rank(group)
-    sent = (sum(in_splits) - in_splits[me]) * x[:1].numel() * x.element_size()
-    setattr(traffic, kind, getattr(traffic, kind) + sent)
-    with comm_span("all_to_all", sent):
-        comm.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+def _exchange(x, group, comm, traffic, kind, routed_rows):
+    out = torch.empty_like(x)
+    n = dist.get_world_size(group)
+    row_bytes = x[:1].numel() * x.element_size()
+    wire = x.shape[0] // n * (n - 1) * row_bytes           # every peer's equal piece but mine
+    setattr(traffic, kind, getattr(traffic, kind) + routed_rows * row_bytes)
+    traffic.wire += wire
+    with comm_span("all_to_all", wire):
+        comm.all_to_all_single(out, x.contiguous(), group=group)
     return out
 
 
@@ -85,34 +98,32 @@ class ExpertParallelDispatch:
     def gather_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, int]:
         return all_gather_counts(counts, self.token_group, self.comm)
 
-    def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: nn.ModuleDict) -> tuple:
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor, room: int | None,
+                 experts: nn.ModuleDict) -> tuple:
+        """x: [E, B, d], expert e's kept rows first, zero padding after (refimpl.model.moe_slots);
+        counts: [E] kept rows per expert. Returns the outputs in x's layout and recv [ep, E/ep]."""
+        n_experts, bound, d = x.shape
+        me = dist.get_rank(self.ep_group)
         with phase("moe:dispatch"):
             recv = torch.empty_like(counts)
             with comm_span("all_to_all", counts.nbytes):
                 self.comm.all_to_all_single(recv, counts, group=self.ep_group)
             recv = recv.view(self.ep, self.local)     # recv[s, j]: rows rank s sends my expert j
-            send_splits = counts.view(self.ep, self.local).sum(dim=1).tolist()
-            recv_splits = recv.sum(dim=1).tolist()
-            rows = AllToAll.apply(x, recv_splits, send_splits, self.ep_group, self.comm,
-                                  self.traffic, "dispatch")
-            order = expert_major(recv)
+            sent, got = counts.view(self.ep, self.local).sum(dim=1), recv.sum(dim=1)
+            to_others, from_others = sent.sum() - sent[me], got.sum() - got[me]
+            rows = AllToAll.apply(x.reshape(n_experts * bound, d), self.ep_group, self.comm,
+                                  self.traffic, "dispatch", (to_others, from_others))
+            # each local expert's real rows, source after source, in a buffer of `room` rows
+            room = self.ep * bound if room is None else min(room, self.ep * bound)
+            dest = compact_destinations(recv, bound, room)
+            packed = pack(rows, dest, self.local * room).view(self.local, room, d)
         with phase("moe:experts"):
-            parts = torch.split(rows[order], recv.sum(dim=0).tolist())
-            y = torch.cat([experts[str(self.first + j)](p) for j, p in enumerate(parts)])
-            y = y[torch.argsort(order)]                # back to the source-major layout
+            y = torch.stack([experts[str(self.first + j)](p) for j, p in enumerate(packed)])
+            y = unpack(y.reshape(self.local * room, d), dest)   # back to the received layout
         with phase("moe:combine"):
-            out = AllToAll.apply(y, send_splits, recv_splits, self.ep_group, self.comm,
-                                 self.traffic, "combine")
-        return out, recv
-
-
-def expert_major(recv: torch.Tensor) -> torch.Tensor:
-    """Row order that regroups received rows (laid out source-major, expert-minor) expert-major,
-    source-minor -- i.e. for each local expert, its rows in global batch order."""
-    start = torch.cumsum(recv.reshape(-1), 0).view_as(recv) - recv
-    pieces = [torch.arange(int(start[s, j]), int(start[s, j] + recv[s, j]), device=recv.device)
-              for j in range(recv.shape[1]) for s in range(recv.shape[0])]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=recv.device)
+            out = AllToAll.apply(y, self.ep_group, self.comm, self.traffic, "combine",
+                                 (from_others, to_others))
+        return out.view(n_experts, bound, d), recv
 
 
 # --- the transform and its inverse ------------------------------------------------------------------

@@ -96,6 +96,7 @@ def all_to_all_frame(result: dict, hidden: int, bytes_per_value: int = 4) -> pd.
             went = sum(sum(layer[me]) for p in range(ep) if p != me
                        for layer in per_rank[base + p]["moe"][step]["received"])
             rows.append({"rank": rank, "step": step,
-                         "sent_bytes": sum(rec["all_to_all_bytes"].values()),
+                         "sent_bytes": rec["all_to_all_bytes"]["dispatch"]
+                         + rec["all_to_all_bytes"]["combine"],
                          "from_routing": 2 * (came + went) * hidden * bytes_per_value})
     return pd.DataFrame(rows)
