@@ -10,7 +10,8 @@ sharded over different groups (dense over dp x cp, experts over ep and then edp:
 refimpl.plan.moe). block="gpt" is refimpl's own block (refimpl.model: LayerNorm, biases on q, v, o
 and the expert MLP, a GELU MLP of width ffn_hidden); block="llama" is Mixtral's (RMSNorm, no
 biases, a SwiGLU MLP: gate, up, down; kv_heads < n_heads for grouped-query attention), which
-refimpl does not build: the planner predicts it, the dry run cannot run it.
+refimpl does not build: the planner predicts it as it is, and the dry run runs it in refimpl's
+block form (refimpl.verify.dryrun.moe_form: experts of width round(ffn_hidden / h) * h).
 """
 from __future__ import annotations
 
