@@ -37,6 +37,10 @@ class LiveBytes(TorchDispatchMode):
             if t is not None:
                 self._track(t)
 
+    def storages(self) -> set[int]:
+        """The keys (`UntypedStorage._cdata`) of the storages counted as alive now."""
+        return set(self._size)
+
     def _track(self, t: torch.Tensor) -> None:
         storage = getattr(t, "_local_tensor", t).untyped_storage()
         key = storage._cdata
