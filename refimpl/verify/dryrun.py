@@ -13,7 +13,8 @@ is lost). torchtitan's COMM_MODE=fake_backend is the same idea on one real GPU.
 Why `meta` and not FakeTensorMode (what this file used first; the figures are the same, see
 tests/test_dryrun.py): a fake tensor is a Python subclass, so every op, and every read of its
 device from C++ (`prim.device`, two thirds of the ~50k calls of a 70B step), goes through Python;
-meta tensors are a C++ backend, and only the ops' own shape rules are Python. Half the time.
+meta tensors are a C++ backend, and only the ops' own shape rules are Python. Half the time;
+refimpl.verify.fast_meta shortens the slowest of those rules, for half of what was left.
 The cost of `meta` is that a tensor made on another device is real: the rank is built and run
 inside `torch.device("meta")` (factories without a device land on meta; the train code asks
 launch.device_for("fake"), which says meta), and `OnMeta` refuses any real tensor of more than a
@@ -53,6 +54,7 @@ from refimpl.mesh import LayoutError
 from refimpl.model import Batch, GPTConfig
 from refimpl.plan.models import get_model
 from refimpl.train import setup_rank, validate
+from refimpl.verify.fast_meta import fast_meta_kernels
 
 # The collectives refimpl's code calls through torch.distributed (as `dist.X` or `ctx.comm.X`,
 # looked up at call time), and which argument is "the message" (refimpl.trace.labels' convention).
@@ -105,7 +107,7 @@ def dry_run(cfg: TrainConfig, rank: int = 0) -> dict:
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cfg.nproc)
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), fast_meta_kernels():
             with OnMeta() as made, values_not_drawn():
                 ctx, strategy, n_params = setup_rank(rank, cfg.nproc, cfg)
                 ids = torch.randint(cfg.model.vocab_size, (cfg.global_batch, cfg.seq_len + 1))

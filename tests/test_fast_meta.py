@@ -1,0 +1,71 @@
+"""The dry run's shorter meta rules (refimpl.verify.fast_meta) against torch's own meta kernels."""
+import pytest
+import torch
+
+from refimpl.verify.fast_meta import RULES, fast_meta_kernels, torch_meta_kernel
+
+aten = torch.ops.aten
+
+
+def meta(*shape, dtype=torch.float32):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+# (op, args, kwargs) as a transformer block's step calls them: broadcasting, 0-d operands, the
+# keywords, the masks of a layer norm's backward; and cases the rules hand back to torch (a
+# transposed input, integers).
+x, w = meta(2, 16, 32), meta(32)
+CASES = [
+    (aten.add.Tensor, (x, w), {}), (aten.add.Tensor, (x, meta(2, 16, 1)), {"alpha": 2}),
+    (aten.add.Tensor, (x, torch.tensor(2.0)), {}), (aten.sub.Tensor, (meta(2, 1, 16, 1), x), {}),
+    (aten.mul.Tensor, (x, meta(dtype=torch.float64)), {}),
+    (aten.mul.Tensor, (x.transpose(1, 2), meta(2, 32, 16)), {}),
+    (aten.mul.Tensor, (meta(4, dtype=torch.int64), meta(4, dtype=torch.int64)), {}),
+    (aten.div.Tensor, (x, meta(2, 16, 1)), {}), (aten.logaddexp.default, (meta(2, 4, 8, 1),) * 2, {}),
+    (aten.gelu_backward.default, (x, x), {"approximate": "tanh"}),
+    (aten.exp.default, (x,), {}), (aten.gelu.default, (x,), {}),
+    (aten.triu.default, (meta(16, 16), 1), {}), (aten.tril.default, (meta(16, 16),), {}),
+    (aten.masked_fill.Scalar, (meta(2, 4, 16, 16), meta(16, 16, dtype=torch.bool), -1e9), {}),
+    (aten._softmax_backward_data.default, (meta(2, 4, 16, 16),) * 2 + (-1, torch.float32), {}),
+    (aten.logsumexp.default, (meta(2, 4, 16, 16), [-1], True), {}),
+    (aten.logsumexp.default, (meta(2, 4, 16, 16), [1, -1], False), {}),
+    (aten.addmm.default, (w, meta(8, 16), meta(16, 32)), {}),
+    (aten.addmm.default, (meta(8, 32), meta(8, 16), meta(16, 32)), {"beta": 0.5}),
+    (aten.native_layer_norm.default, (x, [32], w, w, 1e-5), {}),
+    (aten.native_layer_norm.default, (meta(2, 16, 32, dtype=torch.float64), [16, 32], None, None, 1e-5), {}),
+    (aten.native_layer_norm_backward.default,
+     (x, x, [32], meta(2, 16, 1), meta(2, 16, 1), w, w, [True, True, True]), {}),
+    (aten.native_layer_norm_backward.default,
+     (x, x, [32], meta(2, 16, 1), meta(2, 16, 1), w, None, [True, False, False]), {}),
+]
+
+
+def described(out):
+    if isinstance(out, torch.Tensor):
+        return (tuple(out.shape), out.stride(), out.dtype, out.device)
+    return tuple(described(o) for o in out) if out is not None else None
+
+
+@pytest.mark.parametrize("op,args,kwargs", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_a_rule_gives_what_torch_gives(op, args, kwargs):
+    expected = described(torch_meta_kernel(op)(*args, **kwargs))
+    with fast_meta_kernels():
+        assert described(op(*args, **kwargs)) == expected
+
+
+def test_every_rule_is_tested_and_replaces_a_python_kernel():
+    assert {op for op, _, _ in CASES} == set(RULES)
+    assert all(torch_meta_kernel(op) is not None for op in RULES)
+
+
+def test_the_rules_are_in_force_inside_and_torch_kernels_after(monkeypatch):
+    from refimpl.verify import fast_meta
+
+    made = []
+    monkeypatch.setattr(fast_meta, "_new", lambda *a: made.append(a) or torch.empty(a[0], device="meta"))
+    a = meta(4, 4)
+    with fast_meta_kernels():
+        a + a, a.exp()
+    assert len(made) == 2
+    a + a, a.exp()
+    assert len(made) == 2
