@@ -8,7 +8,7 @@ Python ones over them (its `activate_meta`, the refs and decompositions torch.co
 and those cost 0.5-15 ms an op (a `logaddexp` of ring attention is a decomposition of eight prims,
 each with its own Python meta) where the op itself would take microseconds. They were most of
 a 70B dry run's step. Here a few of them get a shorter rule, for the one case a step meets nearly
-always: every tensor argument contiguous, floating point. Such an op's output is a new contiguous
+always: its tensor arguments contiguous (the first, at least). Such an op's output is a new contiguous
 tensor of the broadcast shape in the promoted dtype (TensorIterator's rule for dense inputs); a
 reduction's is the reduced shape; a layer norm's its input's shape plus per-row statistics.
 Anything else (a strided input, an integer dtype, an unexpected keyword) goes to torch's own
@@ -39,23 +39,44 @@ def _new(shape, dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=META)
 
 
-def pointwise(fallback):
+def pointwise(fallback, floating_only=False):
     """Binary pointwise ops with type promotion: add, sub, mul, div, logaddexp, gelu's backward;
-    the scalar keywords (alpha, approximate) change no shape."""
+    `b` a tensor or a Python number. The output is contiguous when every tensor operand is, or
+    when the first is and already has the broadcast shape (TensorIterator takes the output's
+    layout from its operands in order). The scalar keywords (alpha, approximate) change no
+    shape."""
     def kernel(a, b, *rest, **kwargs):
-        if not (isinstance(b, torch.Tensor) and _dense(a, b)):
+        number = isinstance(b, (int, float)) and not isinstance(b, bool)
+        if not (a.is_contiguous() and (number or isinstance(b, torch.Tensor))):
             return fallback(a, b, *rest, **kwargs)
         dtype = torch.result_type(a, b)
-        if not dtype.is_floating_point:
+        if dtype == torch.bool or (floating_only and not dtype.is_floating_point):
             return fallback(a, b, *rest, **kwargs)
-        return _new(torch.broadcast_shapes(a.shape, b.shape), dtype)
+        shape = a.shape if number else torch.broadcast_shapes(a.shape, b.shape)
+        if not (number or b.is_contiguous() or shape == a.shape):
+            return fallback(a, b, *rest, **kwargs)
+        return _new(shape, dtype)
     return kernel
 
 
+def true_division(fallback):
+    """div.Tensor: as `pointwise`, for a floating result only (integers divide into floats)."""
+    return pointwise(fallback, floating_only=True)
+
+
 def like_first(fallback):
-    """Ops whose output is their first argument's shape and dtype (exp, gelu, triu, tril)."""
+    """Floating ops whose output is their first argument's shape and dtype (exp, gelu)."""
     def kernel(a, *rest, **kwargs):
         if not _dense(a):
+            return fallback(a, *rest, **kwargs)
+        return _new(a.shape, a.dtype)
+    return kernel
+
+
+def triangle(fallback):
+    """triu and tril, of any dtype (a causal mask is bool)."""
+    def kernel(a, *rest, **kwargs):
+        if not a.is_contiguous():
             return fallback(a, *rest, **kwargs)
         return _new(a.shape, a.dtype)
     return kernel
@@ -89,7 +110,8 @@ def logsumexp(fallback):
 
 def addmm(fallback):
     def kernel(bias, m1, m2, *, beta=1, alpha=1):
-        if not (_dense(bias, m1, m2) and m1.dim() == m2.dim() == 2
+        # the output is a new (n, m) matrix, row-major, whatever m1's and m2's strides
+        if not (bias.is_floating_point() and m1.dim() == m2.dim() == 2
                 and bias.dtype == m1.dtype == m2.dtype):
             return fallback(bias, m1, m2, beta=beta, alpha=alpha)
         shape = (m1.shape[0], m2.shape[1])
@@ -123,10 +145,10 @@ def layer_norm_backward(fallback):
 
 RULES = {
     aten.add.Tensor: pointwise, aten.sub.Tensor: pointwise, aten.mul.Tensor: pointwise,
-    aten.div.Tensor: pointwise, aten.logaddexp.default: pointwise,
+    aten.div.Tensor: true_division, aten.logaddexp.default: pointwise,
     aten.gelu_backward.default: pointwise,
-    aten.exp.default: like_first, aten.gelu.default: like_first, aten.triu.default: like_first,
-    aten.tril.default: like_first, aten.masked_fill.Scalar: masked_fill,
+    aten.exp.default: like_first, aten.gelu.default: like_first, aten.triu.default: triangle,
+    aten.tril.default: triangle, aten.masked_fill.Scalar: masked_fill,
     aten._softmax_backward_data.default: softmax_backward, aten.logsumexp.default: logsumexp,
     aten.addmm.default: addmm, aten.native_layer_norm.default: layer_norm,
     aten.native_layer_norm_backward.default: layer_norm_backward,
