@@ -38,6 +38,12 @@ CASES = [
     (aten._softmax_backward_data.default, (meta(2, 4, 16, 16),) * 2 + (-1, torch.float32), {}),
     (aten.logsumexp.default, (meta(2, 4, 16, 16), [-1], True), {}),
     (aten.logsumexp.default, (meta(2, 4, 16, 16), [1, -1], False), {}),
+    (aten.sum.dim_IntList, (meta(2, 16, 32), [0, 1]), {}),
+    (aten.sum.dim_IntList, (meta(2, 16, 32), [-1], True), {}),
+    (aten.sum.dim_IntList, (meta(2, 16, 32), [0]), {"dtype": torch.float64}),
+    (aten.mm.default, (meta(8, 16), meta(32, 16).t()), {}), (aten.mm.default, (meta(16, 8).t(), meta(16, 32)), {}),
+    (aten.bmm.default, (meta(4, 8, 16), meta(4, 16, 32)), {}),
+    (aten.bmm.default, (meta(4, 16, 8).transpose(1, 2), meta(4, 32, 16).transpose(1, 2)), {}),
     (aten.addmm.default, (w, meta(8, 16), meta(16, 32)), {}),
     (aten.addmm.default, (meta(8, 32), meta(8, 16), meta(16, 32)), {"beta": 0.5}),
     (aten.native_layer_norm.default, (x, [32], w, w, 1e-5), {}),
@@ -78,3 +84,8 @@ def test_the_rules_are_in_force_inside_and_torch_kernels_after(monkeypatch):
     assert len(made) == 2
     a + a, a.exp()
     assert len(made) == 2
+
+
+def test_shapes_that_do_not_broadcast_are_refused_as_torch_refuses_them():
+    with fast_meta_kernels(), pytest.raises(RuntimeError):
+        meta(4, 3) + meta(4, 2)

@@ -35,6 +35,21 @@ def _dense(*tensors) -> bool:
     return all(t.is_contiguous() and t.is_floating_point() for t in tensors)
 
 
+def _broadcast(a: torch.Size, b: torch.Size) -> torch.Size:
+    """NumPy's broadcasting of two shapes (torch.broadcast_shapes is Python too, and slower than
+    the op it would describe: it goes through the symbolic-shape machinery)."""
+    if a == b:
+        return a
+    n = max(len(a), len(b))
+    a, b = (1,) * (n - len(a)) + tuple(a), (1,) * (n - len(b)) + tuple(b)
+    out = []
+    for x, y in zip(a, b):
+        if x != y and 1 not in (x, y):
+            raise RuntimeError(f"shapes {a} and {b} cannot be broadcast together")
+        out.append(x if y == 1 else y)
+    return torch.Size(out)
+
+
 def _new(shape, dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=META)
 
@@ -52,7 +67,7 @@ def pointwise(fallback, floating_only=False):
         dtype = torch.result_type(a, b)
         if dtype == torch.bool or (floating_only and not dtype.is_floating_point):
             return fallback(a, b, *rest, **kwargs)
-        shape = a.shape if number else torch.broadcast_shapes(a.shape, b.shape)
+        shape = a.shape if number else _broadcast(a.shape, b.shape)
         if not (number or b.is_contiguous() or shape == a.shape):
             return fallback(a, b, *rest, **kwargs)
         return _new(shape, dtype)
@@ -86,7 +101,7 @@ def masked_fill(fallback):
     def kernel(a, mask, value):
         if not (_dense(a) and mask.is_contiguous() and mask.dtype == torch.bool):
             return fallback(a, mask, value)
-        return _new(torch.broadcast_shapes(a.shape, mask.shape), a.dtype)
+        return _new(_broadcast(a.shape, mask.shape), a.dtype)
     return kernel
 
 
@@ -98,10 +113,22 @@ def softmax_backward(fallback):
     return kernel
 
 
-def logsumexp(fallback):
-    def kernel(a, dim, keepdim=False):
-        if not _dense(a) or a.dim() == 0:
-            return fallback(a, dim, keepdim)
+def matmul(fallback):
+    """mm and bmm: a new row-major (b,) n x m, whatever the operands' strides."""
+    def kernel(a, b):
+        if not (a.is_floating_point() and a.dtype == b.dtype and a.dim() == b.dim()
+                and a.dim() in (2, 3) and a.shape[-1] == b.shape[-2]
+                and (a.dim() == 2 or a.shape[0] == b.shape[0])):
+            return fallback(a, b)
+        return _new(tuple(a.shape[:-1]) + (b.shape[-1],), a.dtype)
+    return kernel
+
+
+def reduced(fallback):
+    """sum over dims (no dtype asked for) and logsumexp: the reduced shape, the input's dtype."""
+    def kernel(a, dim=None, keepdim=False, **kwargs):
+        if not _dense(a) or a.dim() == 0 or not dim or kwargs.get("dtype") is not None:
+            return fallback(a, dim, keepdim, **kwargs)
         dims = {d % a.dim() for d in dim}
         shape = [1 if i in dims else n for i, n in enumerate(a.shape) if keepdim or i not in dims]
         return _new(shape, a.dtype)
@@ -115,7 +142,7 @@ def addmm(fallback):
                 and bias.dtype == m1.dtype == m2.dtype):
             return fallback(bias, m1, m2, beta=beta, alpha=alpha)
         shape = (m1.shape[0], m2.shape[1])
-        torch.broadcast_shapes(bias.shape, shape)      # the error torch's kernel would raise
+        _broadcast(bias.shape, shape)      # the error torch's kernel would raise
         return _new(shape, m1.dtype)
     return kernel
 
@@ -149,7 +176,8 @@ RULES = {
     aten.gelu_backward.default: pointwise,
     aten.exp.default: like_first, aten.gelu.default: like_first, aten.triu.default: triangle,
     aten.tril.default: triangle, aten.masked_fill.Scalar: masked_fill,
-    aten._softmax_backward_data.default: softmax_backward, aten.logsumexp.default: logsumexp,
+    aten._softmax_backward_data.default: softmax_backward, aten.logsumexp.default: reduced,
+    aten.sum.dim_IntList: reduced, aten.mm.default: matmul, aten.bmm.default: matmul,
     aten.addmm.default: addmm, aten.native_layer_norm.default: layer_norm,
     aten.native_layer_norm_backward.default: layer_norm_backward,
 }
