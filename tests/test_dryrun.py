@@ -1,4 +1,4 @@
-"""The dry run (refimpl.verify.dryrun): one step of a rank of a large grid, on fake tensors."""
+"""The dry run (refimpl.verify.dryrun): one step of a rank of a large grid, on meta tensors."""
 import json
 
 import pandas as pd
