@@ -134,3 +134,32 @@ def test_a_ring_message_under_tp_x_cp_is_its_tp_ranks_heads():
 def test_a_mixture_of_experts_preset_is_refused_not_run_dense():
     with pytest.raises(LayoutError, match="mixture of experts"):
         preset_config("mixtral-8x7b", TrainConfig(strategy="zero1", nproc=64, tp=8))
+
+
+def test_the_short_meta_rules_change_no_figure(monkeypatch):
+    """refimpl.verify.fast_meta's rules against torch's own meta kernels, on a layout whose step
+    meets every rule (ring attention's logaddexp, SP, ZeRO-3's gathers, a pipeline)."""
+    from refimpl.verify import fast_meta
+
+    cfg = default_batch(small(strategy="zero3", nproc=8, tp=2, cp=2, pp=2, sequence_parallel=True))
+    fast = dry_run(cfg, rank=0)
+    monkeypatch.setattr(fast_meta, "RULES", {})
+    assert dry_run(cfg, rank=0) == fast
+
+
+def test_a_real_tensor_made_while_the_rank_is_built_is_refused():
+    """A buffer that forgot its device would be allocated for real (on a 70B layout, the
+    machine's memory): OnMeta refuses it; the host's scalars (AdamW's step count) may be."""
+    from refimpl.verify.dryrun import HOST_BYTES, OnMeta
+
+    with OnMeta() as made:
+        kept = [torch.zeros(HOST_BYTES // 4), torch.empty(1024, device="meta")]
+        torch.empty(8, device="meta")                 # made, and freed at once
+        with pytest.raises(RuntimeError, match="real cpu tensor"):
+            torch.zeros(1024, device="cpu")
+    assert {s._cdata for s in made.alive()} == {t.untyped_storage()._cdata for t in kept}
+
+
+def test_bf16_is_refused_not_counted_as_fp32():
+    with pytest.raises(LayoutError, match="autocast"):
+        dry_run(small(strategy="dp", nproc=2, global_batch=2, mixed_precision="bf16"))

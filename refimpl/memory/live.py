@@ -34,16 +34,17 @@ class LiveBytes(TorchDispatchMode):
         self._size: dict[int, int] = {}       # storage id -> bytes counted for it
         self._refs: dict[int, weakref.ref] = {}
         self.current = self.peak = 0
-        for t in tensors:                     # what is alive before the mode opens
-            if t is not None:
+        for t in tensors:                     # what is alive before the mode opens (tensors or
+            if t is not None:                 # their storages)
                 self._track(t)
 
-    def storages(self) -> set[int]:
-        """The keys (`UntypedStorage._cdata`) of the storages counted as alive now."""
-        return set(self._size)
+    def storages(self) -> list[torch.UntypedStorage]:
+        """The storages counted as alive now."""
+        return [s for s in (ref() for ref in self._refs.values()) if s is not None]
 
-    def _track(self, t: torch.Tensor) -> None:
-        storage = getattr(t, "_local_tensor", t).untyped_storage()
+    def _track(self, t) -> None:
+        storage = t if isinstance(t, torch.UntypedStorage) else (
+            getattr(t, "_local_tensor", t).untyped_storage())
         key = storage._cdata
         if key in self._size:
             return

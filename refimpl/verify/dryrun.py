@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import weakref
 from collections import defaultdict
 
 import torch
@@ -121,13 +122,13 @@ def dry_run(cfg: TrainConfig, rank: int = 0) -> dict:
                 prime_optimizers(strategy)
             for _ in range(2):
                 tracker = ActivationTracker(exclude=strategy.activation_exclusions())
-                live = LiveBytes(held_tensors(made.storages))
+                live = LiveBytes(made.alive())
                 held = live.current
                 with recording_collectives(ctx.mesh) as comm, live, tracker:
                     strategy.train_step(batch)
                 if live.current <= held:
                     break
-                made.storages.update(live.storages())   # what the warm-up left is held next
+                made.add(live.storages())   # what the warm-up left is held next
             state = strategy.model_state()
     finally:
         dist.destroy_process_group()
@@ -189,35 +190,43 @@ HOST_BYTES = 1024
 
 
 class OnMeta(TorchDispatchMode):
-    """Every storage an op makes while the rank is built (the keys `held_tensors` looks for), and
-    a LayoutError for a real tensor of more than HOST_BYTES: on a 70B layout, an explicit
-    `device="cpu"` would otherwise allocate for real what the real run puts on its GPU."""
+    """Every storage an op makes while the rank is built, and a RuntimeError for a real tensor of
+    more than HOST_BYTES: on a 70B layout, an explicit `device="cpu"` would otherwise allocate for
+    real what the real run puts on its GPU."""
 
     def __init__(self):
         super().__init__()
-        self.storages: set[int] = set()
+        self._made: dict[int, weakref.ref] = {}     # storage key -> the storage, while it lives
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                nbytes = t.untyped_storage().nbytes()
-                if t.device.type != "meta" and nbytes > HOST_BYTES:
+                storage = t.untyped_storage()
+                if t.device.type != "meta" and storage.nbytes() > HOST_BYTES:
                     raise RuntimeError(f"dry run: {func} made a real {t.device} tensor of "
-                                       f"{nbytes} bytes; the rank's tensors belong on ctx.device")
-                self.storages.add(t.untyped_storage()._cdata)
+                                       f"{storage.nbytes()} bytes; the rank's tensors belong "
+                                       "on ctx.device")
+                self.add([storage])
         return out
 
+    def add(self, storages) -> None:
+        for storage in storages:
+            known = self._made.get(storage._cdata)
+            if known is None or known() is None:
+                self._made[storage._cdata] = weakref.ref(storage)
 
-def held_tensors(storages: set[int]) -> list:
-    """Every tensor alive before the step whose storage this dry run made (`OnMeta`): what the
-    rank holds (its parameters, gradients, buffers, optimizer states, flat buffers, the batch,
-    torch's host-side step counts), whichever object of whichever strategy keeps it. (Not
-    another dry run's: a process running several, as refimpl.plan.against_dryrun does, was seen
-    to keep some of an earlier run's alive; a live storage's key is never another's.)"""
-    gc.collect()
-    return [t for t in gc.get_objects()
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in storages]
+    def alive(self) -> list:
+        """Every storage this dry run made that is alive now: what the rank holds before the
+        step (its parameters, gradients, buffers, optimizer states, flat buffers, the batch,
+        torch's host-side step counts), whichever object of whichever strategy keeps it, and
+        nothing of another dry run's (a process running several, as
+        refimpl.plan.against_dryrun does, was seen to keep some of an earlier run's alive). A
+        storage's Python object lives exactly as long as the storage (refimpl.memory.live), so
+        its weak reference says whether it does; garbage in reference cycles is collected
+        first."""
+        gc.collect()
+        return [s for s in (ref() for ref in self._made.values()) if s is not None]
 
 
 @contextlib.contextmanager
