@@ -72,7 +72,7 @@ def test_cli_prints_the_memory_as_json(capsys):
 
 @pytest.mark.full
 def test_the_seeds_70b_layout_runs():
-    """The issue's command: 70B (80 x 8192), 64 ranks, tp 8, pp 4, ZeRO-1 (~11 s CPU). make test
+    """The issue's command: 70B (80 x 8192), 64 ranks, tp 8, pp 4, ZeRO-1 (~1-3 s CPU). make test
     runs it in notebook 11 instead, with the planner beside it."""
     cfg = default_batch(preset_config("70b", TrainConfig(strategy="zero1", nproc=64, tp=8, pp=4,
                                                          device="cpu")))
