@@ -10,15 +10,17 @@ costs nothing to build, and the `fake` process-group backend
 size: its collectives return at once, leaving their outputs as they were (no values, so nothing
 is lost). torchtitan's COMM_MODE=fake_backend is the same idea on one real GPU.
 
-Why `meta` and not FakeTensorMode (what this file used first; the figures are the same, see
-tests/test_dryrun.py): a fake tensor is a Python subclass, so every op, and every read of its
-device from C++ (`prim.device`, two thirds of the ~50k calls of a 70B step), goes through Python;
-meta tensors are a C++ backend, and only the ops' own shape rules are Python. Half the time;
-refimpl.verify.fast_meta shortens the slowest of those rules, for half of what was left.
+Why `meta` and not FakeTensorMode (what this file used first; every figure came out the same on
+the 22 layouts of the tests and refimpl.plan.against_dryrun.GRID, before and after): a fake
+tensor is a Python subclass, so every op, and every read of its device from C++ (`prim.device`,
+two thirds of the ~50k calls of a 70B step), goes through Python; meta tensors are a C++
+backend, and only the ops' own shape rules are Python. That halved the time, and
+refimpl.verify.fast_meta, shorter rules for the slowest of those, halved what was left.
 The cost of `meta` is that a tensor made on another device is real: the rank is built and run
 inside `torch.device("meta")` (factories without a device land on meta; the train code asks
-launch.device_for("fake"), which says meta), and `OnMeta` refuses any real tensor of more than a
-few bytes while the rank is built, before it can take the machine's memory.
+launch.device_for("fake"), which says meta), and `OnMeta` raises as soon as an op makes a real
+tensor of more than a few bytes while the rank is built (the tests' small layouts take the same
+code paths first, where such a tensor costs nothing).
 
 What runs is exactly the real run's rank (refimpl.train.setup_rank: the model-parallel transforms,
 then the strategy's placement) and a real step of it, measured once every state a step leaves
