@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "parts from single (step, phase, module; noise or bug)")
     from refimpl.verify.dryrun import add_arguments as add_dryrun_arguments
     add_dryrun_arguments(sub.add_parser("dryrun", parents=[t], add_help=False, help="one step of "
-                                        "rank R of a full-size layout on fake tensors (memory, comm)"))
+                                        "rank R of a full-size layout on meta tensors (memory, comm)"))
     return p
 
 

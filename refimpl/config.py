@@ -6,6 +6,7 @@ process, so a layout that cannot work fails with one line before any rank starts
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -166,8 +167,9 @@ class RunContext:
         """bf16 autocast under --mixed-precision bf16: matmuls in bf16, weights and optimizer
         states stay fp32 (the master copy). bf16 has fp32's exponent range, so unlike fp16 it
         needs no loss scaling."""
-        return torch.autocast(self.device.type, dtype=torch.bfloat16,
-                              enabled=self.cfg.mixed_precision == "bf16")
+        if self.cfg.mixed_precision != "bf16":   # nothing to cast (and the dry run's meta
+            return contextlib.nullcontext()        # device has no autocast: refimpl.verify.dryrun)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
 
 @dataclass(frozen=True)

@@ -296,11 +296,13 @@ def init_process_group(rank: int, world_size: int, backend: str, timeout: float 
 
 def device_for(backend: str):
     """The device this rank computes on: its own GPU under NCCL, the CPU under gloo, the shared
-    device under the staged backend."""
+    device under the staged backend, `meta` under the dry run's fake one."""
     import torch
 
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     if backend == "staged":     # every rank on the one shared device (refimpl.shared_device)
         return torch.device(os.environ.get("REFIMPL_SHARED_DEVICE", "cpu"))
+    if backend == "fake":       # the dry run (refimpl.verify.dryrun): shapes only, no storage
+        return torch.device("meta")
     return torch.device("cpu")

@@ -1,7 +1,7 @@
 """The planner's memory beside the dry run's for the grid of 7B and 70B layouts (refimpl.plan.
-against_dryrun.GRID), one CPU process per layout's rank 0, on fake tensors.
+against_dryrun.GRID), one CPU process per layout's rank 0, on meta tensors.
 
-    python scripts/dryrun_vs_plan.py            # every layout (~15 min on one core: 7B 10-40 s, 70B 1-9 min)
+    python scripts/dryrun_vs_plan.py            # every layout (~1 min on one core: 7B ~1 s, 70B 2-10 s each)
     python scripts/dryrun_vs_plan.py 0 9        # the layouts at these indices of GRID
 
 Prints one line per layout (GiB ran, relative error of the planner per category) and exits 1 if

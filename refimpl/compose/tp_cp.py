@@ -13,7 +13,7 @@ over tp. A rank's ring carries 1/tp of what plain cp would send.
                      reduce-scatter under --sequence-parallel), on the local s/cp tokens
     cp messages      per block: the K/V shard, cp - 1 hops forward; backward 2cp - 1 (the K/V
                      again, cp - 1 hops, and their gradients home, cp hops), each 1/tp of plain
-                     cp's (tests/test_dryrun.py counts them on fake tensors)
+                     cp's (tests/test_dryrun.py counts them on meta tensors)
 
 Sequence parallelism composes: between the blocks each rank holds s/(cp·tp) tokens -- its tp
 slice of its cp rank's two chunks; the all-gather before W_Q, W_K, W_V rebuilds the cp rank's

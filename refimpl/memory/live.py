@@ -11,7 +11,7 @@ wrapped while the mode is open: ZeRO-3 and FSDP free a gathered unit by resizing
 and regather into the same storage (refimpl.parallel.fsdp.sharded_unit). This is the idea of
 torch.distributed._tools.mem_tracker.MemTracker without its per-module bookkeeping, which refuses
 a module called more than once in a step (every micro-batch of a pipeline calls it again). It
-works on fake tensors (the dry run, refimpl.verify.dryrun) as on real ones, and counts bytes as
+works on meta and fake tensors (the dry run, refimpl.verify.dryrun) as on real ones, and counts bytes as
 requested, not as an allocator rounds them.
 """
 from __future__ import annotations
@@ -22,9 +22,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-# `tensor.device` read by C++ on a fake tensor is an op too: two thirds of what the dry run's mode
-# is handed (refimpl.verify.dryrun), and it returns a device, never a storage.
+# `tensor.device` read by C++ on a fake tensor (FakeTensorMode) is an op too: two thirds of what a
+# fake step's mode is handed, and it returns a device, never a storage.
 _DEVICE_QUERY = torch.ops.prim.device.default
+_ALIASES: dict = {}     # op -> whether its output is a view of an input (OpOverload.is_view)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -33,12 +34,17 @@ class LiveBytes(TorchDispatchMode):
         self._size: dict[int, int] = {}       # storage id -> bytes counted for it
         self._refs: dict[int, weakref.ref] = {}
         self.current = self.peak = 0
-        for t in tensors:                     # what is alive before the mode opens
-            if t is not None:
+        for t in tensors:                     # what is alive before the mode opens (tensors or
+            if t is not None:                 # their storages)
                 self._track(t)
 
-    def _track(self, t: torch.Tensor) -> None:
-        storage = getattr(t, "_local_tensor", t).untyped_storage()
+    def storages(self) -> list[torch.UntypedStorage]:
+        """The storages counted as alive now."""
+        return [s for s in (ref() for ref in self._refs.values()) if s is not None]
+
+    def _track(self, t) -> None:
+        storage = t if isinstance(t, torch.UntypedStorage) else (
+            getattr(t, "_local_tensor", t).untyped_storage())
         key = storage._cdata
         if key in self._size:
             return
@@ -57,7 +63,16 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is _DEVICE_QUERY:   # most ops a fake step sees (the dry run): no tensor comes out
+        if func is _DEVICE_QUERY:   # most ops a fake step sees: no tensor comes out
+            return out
+        # A view (its schema says its output aliases an input: view, expand, transpose, split,
+        # detach, ...; over half of a dry-run step's ops) makes no storage: its input's is
+        # counted already, since every storage alive as the mode opens is handed in (`tensors`)
+        # and every later one comes out of an op this mode sees.
+        aliasing = _ALIASES.get(func)
+        if aliasing is None:
+            aliasing = _ALIASES[func] = bool(getattr(func, "is_view", False))
+        if aliasing:
             return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):

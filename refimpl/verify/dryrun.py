@@ -3,12 +3,24 @@
     result = dry_run(TrainConfig(strategy="zero1", nproc=64, tp=8, pp=4, model=...), rank=0)
     python -m refimpl dryrun --model 70b --nproc 64 --tp 8 --pp 4 --strategy zero1 --rank 0 --json
 
-Nobody here has 64 GPUs, but PyTorch can run the code of rank r of a 64-rank run anyway:
-`FakeTensorMode` gives every tensor its shape, dtype and device and no storage, so a 65B-parameter
-model costs nothing to build, and the `fake` process-group backend
+Nobody here has 64 GPUs, but PyTorch can run the code of rank r of a 64-rank run anyway: a tensor
+on the `meta` device has its shape, dtype and strides and no storage, so a 65B-parameter model
+costs nothing to build, and the `fake` process-group backend
 (torch.testing._internal.distributed.fake_pg) lets this one process be rank r of a world of any
-size: its collectives return at once, leaving their outputs as they were (fake, so nothing is lost).
-torchtitan's COMM_MODE=fake_backend is the same idea on one real GPU.
+size: its collectives return at once, leaving their outputs as they were (no values, so nothing
+is lost). torchtitan's COMM_MODE=fake_backend is the same idea on one real GPU.
+
+Why `meta` and not FakeTensorMode (what this file used first; every figure came out the same on
+the 22 layouts of the tests and refimpl.plan.against_dryrun.GRID, before and after): a fake
+tensor is a Python subclass, so every op, and every read of its device from C++ (`prim.device`,
+two thirds of the ~50k calls of a 70B step), goes through Python; meta tensors are a C++
+backend, and only the ops' own shape rules are Python. That halved the time, and
+refimpl.verify.fast_meta, shorter rules for the slowest of those, halved what was left.
+The cost of `meta` is that a tensor made on another device is real: the rank is built and run
+inside `torch.device("meta")` (factories without a device land on meta; the train code asks
+launch.device_for("fake"), which says meta), and `OnMeta` raises as soon as an op makes a real
+tensor of more than a few bytes while the rank is built (the tests' small layouts take the same
+code paths first, where such a tensor costs nothing).
 
 What runs is exactly the real run's rank (refimpl.train.setup_rank: the model-parallel transforms,
 then the strategy's placement) and a real step of it, measured once every state a step leaves
@@ -21,18 +33,22 @@ storage an op creates, until it is freed) -- and `comm`: every collective this r
 op per axis of the grid (the labels' convention, refimpl.trace.labels: the whole message).
 
 The batch is the only thing not from the loop: `synthetic_batch` draws its noise with a
-data-dependent count, which fake tensors cannot have, and token values change no memory figure, so
-the dry run feeds random ids of the batch's shape.
+data-dependent count, which a meta tensor cannot have, and token values change no memory figure,
+so the dry run feeds random ids of the batch's shape. bf16 autocast is refused: PyTorch has no
+autocast for `meta`, and without it the figures would silently be fp32's.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import gc
+import weakref
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from refimpl.config import TrainConfig
 from refimpl.memory import ActivationTracker
@@ -41,6 +57,7 @@ from refimpl.mesh import LayoutError
 from refimpl.model import Batch, GPTConfig
 from refimpl.plan.models import get_model
 from refimpl.train import setup_rank, validate
+from refimpl.verify.fast_meta import fast_meta_kernels
 
 # The collectives refimpl's code calls through torch.distributed (as `dist.X` or `ctx.comm.X`,
 # looked up at call time), and which argument is "the message" (refimpl.trace.labels' convention).
@@ -100,32 +117,34 @@ def dry_run(cfg: TrainConfig, rank: int = 0) -> dict:
         raise LayoutError(f"--rank must be in [0, {cfg.nproc - 1}] (got {rank})")
     if dist.is_initialized():
         raise RuntimeError("dry_run starts its own (fake) process group: none may be running")
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    if cfg.mixed_precision == "bf16":
+        raise LayoutError("the dry run computes on the meta device, which has no bf16 autocast: "
+                          "use --mixed-precision fp32")
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cfg.nproc)
     try:
-        with FakeTensorMode() as mode:
-            with values_not_drawn():
+        with torch.device("meta"), fast_meta_kernels():
+            with OnMeta() as made, values_not_drawn():
                 ctx, strategy, n_params = setup_rank(rank, cfg.nproc, cfg)
-            ids = torch.randint(cfg.model.vocab_size, (cfg.global_batch, cfg.seq_len + 1))
-            batch = Batch(ids[:, :-1], ids[:, 1:])
-            # The train CLI's peak is a step after the first: before it, AdamW's m and v do not
-            # exist (torch creates them in its first step), nor, in some strategies, the
-            # gradients. The optimizer's states are made directly (prime_optimizers: a few ops
-            # per tensor instead of a whole step); a measured step that still leaves more alive
-            # than it began with (gradients autograd created, a lazily made buffer) was a
-            # warm-up, and the next one is measured instead.
-            prime_optimizers(strategy)
+                ids = torch.randint(cfg.model.vocab_size, (cfg.global_batch, cfg.seq_len + 1))
+                batch = Batch(ids[:, :-1], ids[:, 1:])
+                # The train CLI's peak is a step after the first: before it, AdamW's m and v do
+                # not exist (torch creates them in its first step), nor, in some strategies, the
+                # gradients. The optimizer's states are made directly (prime_optimizers: a few
+                # ops per tensor instead of a whole step); a measured step that still leaves more
+                # alive than it began with (gradients autograd created, a lazily made buffer)
+                # was a warm-up, and the next one is measured instead.
+                prime_optimizers(strategy)
             for _ in range(2):
                 tracker = ActivationTracker(exclude=strategy.activation_exclusions())
-                live = LiveBytes(held_tensors(mode))
+                live = LiveBytes(made.alive())
                 held = live.current
                 with recording_collectives(ctx.mesh) as comm, live, tracker:
                     strategy.train_step(batch)
                 if live.current <= held:
                     break
+                made.add(live.storages())   # what the warm-up left is held next
             state = strategy.model_state()
     finally:
         dist.destroy_process_group()
@@ -166,10 +185,10 @@ INITIALISERS = ("normal_", "uniform_", "zeros_", "ones_", "kaiming_uniform_", "t
 
 @contextlib.contextmanager
 def values_not_drawn():
-    """nn.init's initialisers as no-ops while the rank is built: a fake tensor has no values to
-    draw, and each call still costs FakeTensorMode a dispatch (two or three per Linear, for every
-    block of the reference, whichever stage keeps it). They write in place, so no storage and no
-    byte of the result changes."""
+    """nn.init's initialisers as no-ops while the rank is built: a meta tensor has no values to
+    draw, and each call still costs a dispatch through `OnMeta` and a meta kernel (two or three
+    per Linear, for every block of the reference, whichever stage keeps it). They write in place,
+    so no storage and no byte of the result changes."""
     init = torch.nn.init
     originals = {name: getattr(init, name) for name in INITIALISERS}
     for name in INITIALISERS:
@@ -181,15 +200,49 @@ def values_not_drawn():
             setattr(init, name, fn)
 
 
-def held_tensors(mode) -> list:
-    """Every tensor of this dry run's fake mode alive before the step: what the rank holds (its
-    parameters, gradients, buffers, optimizer states, flat buffers, the batch), whichever object
-    of whichever strategy keeps it. (Not another dry run's: a process running several, as
-    refimpl.plan.against_dryrun does, was seen to keep some of an earlier run's alive.)"""
-    from torch._subclasses.fake_tensor import FakeTensor
+# The most bytes a tensor made off `meta` may have while the rank is built: the scalars torch
+# keeps on the host (AdamW's step count), not a buffer that forgot its device.
+HOST_BYTES = 1024
 
-    gc.collect()
-    return [t for t in gc.get_objects() if isinstance(t, FakeTensor) and t.fake_mode is mode]
+
+class OnMeta(TorchDispatchMode):
+    """Every storage an op makes while the rank is built, and a RuntimeError for a real tensor of
+    more than HOST_BYTES: on a 70B layout, an explicit `device="cpu"` would otherwise allocate for
+    real what the real run puts on its GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self._made: dict[int, weakref.ref] = {}     # storage key -> the storage, while it lives
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if t.device.type != "meta" and storage.nbytes() > HOST_BYTES:
+                    raise RuntimeError(f"dry run: {func} made a real {t.device} tensor of "
+                                       f"{storage.nbytes()} bytes; the rank's tensors belong "
+                                       "on ctx.device")
+                self.add([storage])
+        return out
+
+    def add(self, storages) -> None:
+        for storage in storages:
+            known = self._made.get(storage._cdata)
+            if known is None or known() is None:
+                self._made[storage._cdata] = weakref.ref(storage)
+
+    def alive(self) -> list:
+        """Every storage this dry run made that is alive now: what the rank holds before the
+        step (its parameters, gradients, buffers, optimizer states, flat buffers, the batch,
+        torch's host-side step counts), whichever object of whichever strategy keeps it, and
+        nothing of another dry run's (a process running several, as
+        refimpl.plan.against_dryrun does, was seen to keep some of an earlier run's alive). A
+        storage's Python object lives exactly as long as the storage (refimpl.memory.live), so
+        its weak reference says whether it does; garbage in reference cycles is collected
+        first."""
+        gc.collect()
+        return [s for s in (ref() for ref in self._made.values()) if s is not None]
 
 
 @contextlib.contextmanager
