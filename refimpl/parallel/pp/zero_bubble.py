@@ -22,6 +22,18 @@ How it is done here (our own approach, not PyTorch's `stage_backward_input/weigh
     into its flat gradient and reduce-scatters once its last gradient is in.
 Between B and W this micro-batch's X's and dY's stay alive: that is why ZB-H1 bounds the micro-
 batches in flight (F done, W not yet) by p.
+
+The first piece is the exception. Its input is token ids, so its B has no input gradient to send:
+the only thing the split would make there is the embeddings' dY, which only its own W reads, so
+splitting costs the hooks, the recomputed x_hat and a second pass over the layers, and defers
+nothing another rank waits for (PyTorch's pipelining does not split stage 0 either: it runs one
+full backward in the W slot). Here its B is one autograd pass for the gradient of every weight
+(`torch.autograd.grad` with the parameters as inputs: autograd's own backward, on its own saved
+tensors, still touching no .grad), freeing the activations as a plain backward does, and its W
+only hands those gradients to the accumulators, block by block, last first, as above. What stays
+alive from B to W is then one weight gradient per parameter. Where a parameter carries a tensor
+hook of its own (tensor parallelism's sequence-parallel all-reduce, ZeRO-3's buffer preparation)
+that hook would fire on the grad in B and again in W, so such a chunk is split as every other.
 """
 from __future__ import annotations
 
@@ -39,6 +51,7 @@ class WeightGradRecord:
     def __init__(self):
         self.entries: list[list] = []   # [module, X, dY or None]
         self.block_of: dict[int, str] = {}   # id(module) -> its block ("blocks.3", "lm_head")
+        self.whole: list[list] = []     # the first piece: [block, param, its grad from B or None]
 
     def apply(self) -> None:
         """W: accumulate every recorded layer's weight gradient into .grad, then forget X and dY.
@@ -48,6 +61,8 @@ class WeightGradRecord:
         enter autograd's engine in one call, not one per layer: a call costs ~0.15 ms of engine
         start-up on a CPU, which per layer was most of what the split schedules lost to 1F1B
         (scripts/bench_pp.py); inside one call the engine picks the order of the block's layers."""
+        if self.whole:
+            self._accumulate_whole()
         live = [(module, x, dy) for module, x, dy in self.entries if dy is not None]
         first_use = {}              # walking backwards, a layer's first use is its last visit
         for i, (module, _, _) in enumerate(live):
@@ -72,13 +87,38 @@ class WeightGradRecord:
             torch.autograd.backward(params, grads_in)
         self.entries.clear()
 
+    def _accumulate_whole(self) -> None:
+        """The first piece's W: B computed every weight gradient; accumulate them, one engine call
+        per block, last block first (a plain backward's order)."""
+        by_block: dict[str, tuple[list, list]] = {}
+        for block, param, grad in self.whole:
+            if grad is not None:
+                params, grads = by_block.setdefault(block, ([], []))
+                params.append(param)
+                grads.append(grad)
+        for params, grads in reversed(list(by_block.values())):
+            torch.autograd.backward(params, grads)
+        self.whole.clear()
+
 
 @contextmanager
 def record_weight_grads(chunk: nn.Module, record: WeightGradRecord):
     """Forward hooks that fill `record` while the chunk runs one micro-batch's forward; yields the
-    list of (entry, output) of the embeddings: the first chunk has no input gradient to compute, so
-    its B differentiates with respect to the embeddings' outputs and stores their dY in the entry."""
+    list of (entry, tensor) that the first piece's B differentiates with respect to and stores the
+    gradient of in entry[2], since it has no input gradient to compute: its parameters (no hooks
+    then), or, where a parameter has a tensor hook, the embeddings' outputs (their dY)."""
     embed_outputs = []
+    params = [(name, p) for name, p in chunk.named_parameters() if p.requires_grad]
+    if any(isinstance(m, nn.Embedding) for m in chunk.modules()) and params and not any(
+            p._backward_hooks for _, p in params):
+        # The first piece: B takes every weight's gradient at once (the module docstring).
+        for name, p in params:
+            parts = name.split(".")
+            entry = [".".join(parts[:2]) if parts[0] == "blocks" else parts[0], p, None]
+            record.whole.append(entry)
+            embed_outputs.append((entry, p))    # B stores each weight's gradient in entry[2]
+        yield embed_outputs
+        return
 
     def hook(module, inputs, output):
         entry = [module, inputs[0].detach(), None]
