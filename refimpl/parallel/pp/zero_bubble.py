@@ -108,17 +108,19 @@ def record_weight_grads(chunk: nn.Module, record: WeightGradRecord):
     gradient of in entry[2], since it has no input gradient to compute: its parameters (no hooks
     then), or, where a parameter has a tensor hook, the embeddings' outputs (their dY)."""
     embed_outputs = []
-    params = [(name, p) for name, p in chunk.named_parameters() if p.requires_grad]
-    if any(isinstance(m, nn.Embedding) for m in chunk.modules()) and params and not any(
-            p._backward_hooks for _, p in params):
-        # The first piece: B takes every weight's gradient at once (the module docstring).
-        for name, p in params:
-            parts = name.split(".")
-            entry = [".".join(parts[:2]) if parts[0] == "blocks" else parts[0], p, None]
-            record.whole.append(entry)
-            embed_outputs.append((entry, p))    # B stores each weight's gradient in entry[2]
-        yield embed_outputs
-        return
+    layers = [(name, m) for name, m in chunk.named_modules()
+              if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding)) or hasattr(m, "observe_matmul")]
+    if any(isinstance(m, nn.Embedding) for _, m in layers):       # the first piece
+        params = [(name, p) for name, p in chunk.named_parameters() if p.requires_grad]
+        if params and not any(p._backward_hooks for _, p in params):
+            # B takes every weight's gradient at once (the module docstring).
+            for name, p in params:
+                parts = name.split(".")
+                entry = [".".join(parts[:2]) if parts[0] == "blocks" else parts[0], p, None]
+                record.whole.append(entry)
+                embed_outputs.append((entry, p))    # B stores each weight's gradient in entry[2]
+            yield embed_outputs
+            return
 
     def hook(module, inputs, output):
         entry = [module, inputs[0].detach(), None]
@@ -139,11 +141,9 @@ def record_weight_grads(chunk: nn.Module, record: WeightGradRecord):
             entry[2] = grad if entry[2] is None else entry[2] + grad
         y.register_hook(keep)
 
-    layers = [(name, m) for name, m in chunk.named_modules()
-              if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding)) or hasattr(m, "observe_matmul")]
     record.block_of = {id(m): ".".join(name.split(".")[:2]) for name, m in layers}
     handles = [m.register_forward_hook(hook) for _, m in layers if not hasattr(m, "observe_matmul")]
-    observed = [m for m in chunk.modules() if hasattr(m, "observe_matmul")]
+    observed = [m for _, m in layers if hasattr(m, "observe_matmul")]
     for m in observed:
         m.observe_matmul = observe
     try:
