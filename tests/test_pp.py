@@ -169,10 +169,10 @@ def test_zero_bubble_b_skips_the_weight_products():
 
 
 @pytest.mark.parametrize("hooked", [False, True])
-def test_first_piece_b_takes_every_weight_gradient_unless_a_parameter_is_hooked(hooked):
-    # The first piece has no input gradient to send, so its B is the whole backward and its W only
-    # accumulates (no matrix product); a parameter's own tensor hook (SP's all-reduce, ZeRO-3) would
-    # fire in both, so such a chunk keeps the split. Gradients equal the plain backward either way.
+def test_first_piece_w_is_the_whole_backward_unless_a_parameter_is_hooked(hooked):
+    # The first piece has no input gradient to send, so its B does no matrix product and its W is
+    # the whole backward; a chunk whose parameter has a tensor hook (SP's all-reduce, ZeRO-3) keeps
+    # the split. Gradients equal the plain backward either way, and the hook fires once, in W.
     from torch.utils.flop_counter import FlopCounterMode
 
     (chunk,) = build_chunks(build_model(config(2), SEED), 2, 0)   # embedding + block 0
@@ -203,7 +203,7 @@ def test_first_piece_b_takes_every_weight_gradient_unless_a_parameter_is_hooked(
         for (entry, _), g in zip(embeds, torch.autograd.grad(out, [t for _, t in embeds], dy)):
             entry[2] = g
     fb, fw = flops(b), flops(record.apply)
-    assert fb + fw == full and (0 < fw < fb if hooked else fw == 0)
+    assert fb + fw == full and (0 < fw < fb if hooked else fb == 0)
     assert len(calls) == hooked                                  # the hook fired once, in W
     for n, p in chunk.named_parameters():
         assert rel_err(p.grad, want[n]) <= 1e-6

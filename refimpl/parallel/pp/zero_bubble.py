@@ -26,14 +26,15 @@ batches in flight (F done, W not yet) by p.
 The first piece is the exception. Its input is token ids, so its B has no input gradient to send:
 the only thing the split would make there is the embeddings' dY, which only its own W reads, so
 splitting costs the hooks, the recomputed x_hat and a second pass over the layers, and defers
-nothing another rank waits for (PyTorch's pipelining does not split stage 0 either: it runs one
-full backward in the W slot). Here its B is one autograd pass for the gradient of every weight
-(`torch.autograd.grad` with the parameters as inputs: autograd's own backward, on its own saved
-tensors, still touching no .grad), freeing the activations as a plain backward does, and its W
-only hands those gradients to the accumulators, block by block, last first, as above. What stays
-alive from B to W is then one weight gradient per parameter. Where a parameter carries a tensor
-hook of its own (tensor parallelism's sequence-parallel all-reduce, ZeRO-3's buffer preparation)
-that hook would fire on the grad in B and again in W, so such a chunk is split as every other.
+nothing another rank waits for. As PyTorch's pipelining does for stage 0, its B then only takes the
+gradient of the chunk's output (nothing, or on a one-stage pipeline the loss's own backward to the
+logits), and its W is one plain backward from that output: autograd's own products on its own saved
+tensors, every hook a data-parallel strategy put on a parameter firing once, as in a plain backward.
+Its activations then stay alive until W rather than B (the peak in flight is reached before its
+first B on every table here). A chunk with experts keeps the split (its aux loss, which the runner
+adds to the output's, does not pass through the output), and so does one whose parameters carry a
+tensor hook (tensor parallelism's sequence-parallel all-reduce, ZeRO-3's buffer preparation): those
+strategies were built and checked on the split's W, which reads no weight (zero3.py counts on it).
 """
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from refimpl.model.moe import MoEMLP
+
 
 class WeightGradRecord:
     """The (module, X, dY) triples of one micro-batch on one chunk, filled during F and B."""
@@ -51,7 +54,7 @@ class WeightGradRecord:
     def __init__(self):
         self.entries: list[list] = []   # [module, X, dY or None]
         self.block_of: dict[int, str] = {}   # id(module) -> its block ("blocks.3", "lm_head")
-        self.whole: list[list] = []     # the first piece: [block, param, its grad from B or None]
+        self.whole: list = []           # the first piece: [(its output, [.., .., d output from B])]
 
     def apply(self) -> None:
         """W: accumulate every recorded layer's weight gradient into .grad, then forget X and dY.
@@ -88,16 +91,9 @@ class WeightGradRecord:
         self.entries.clear()
 
     def _accumulate_whole(self) -> None:
-        """The first piece's W: B computed every weight gradient; accumulate them, one engine call
-        per block, last block first (a plain backward's order)."""
-        by_block: dict[str, tuple[list, list]] = {}
-        for block, param, grad in self.whole:
-            if grad is not None:
-                params, grads = by_block.setdefault(block, ([], []))
-                params.append(param)
-                grads.append(grad)
-        for params, grads in reversed(list(by_block.values())):
-            torch.autograd.backward(params, grads)
+        """The first piece's W: one plain backward from its output, with the gradient B took."""
+        for out, entry in self.whole:
+            torch.autograd.backward(out, entry[2])
         self.whole.clear()
 
 
@@ -105,22 +101,26 @@ class WeightGradRecord:
 def record_weight_grads(chunk: nn.Module, record: WeightGradRecord):
     """Forward hooks that fill `record` while the chunk runs one micro-batch's forward; yields the
     list of (entry, tensor) that the first piece's B differentiates with respect to and stores the
-    gradient of in entry[2], since it has no input gradient to compute: its parameters (no hooks
-    then), or, where a parameter has a tensor hook, the embeddings' outputs (their dY)."""
+    gradient of in entry[2], since it has no input gradient to compute: the chunk's output, or,
+    where the first piece keeps the split (module docstring), the embeddings' outputs (their dY)."""
     embed_outputs = []
     layers = [(name, m) for name, m in chunk.named_modules()
               if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding)) or hasattr(m, "observe_matmul")]
-    if any(isinstance(m, nn.Embedding) for _, m in layers):       # the first piece
-        params = [(name, p) for name, p in chunk.named_parameters() if p.requires_grad]
-        if params and not any(p._backward_hooks for _, p in params):
-            # B takes every weight's gradient at once (the module docstring).
-            for name, p in params:
-                parts = name.split(".")
-                entry = [".".join(parts[:2]) if parts[0] == "blocks" else parts[0], p, None]
-                record.whole.append(entry)
-                embed_outputs.append((entry, p))    # B stores each weight's gradient in entry[2]
+    if any(isinstance(m, nn.Embedding) for _, m in layers) and not any(
+            isinstance(m, MoEMLP) for m in chunk.modules()) and not any(
+            p._backward_hooks for p in chunk.parameters()):
+        # The first piece: B takes only the output's gradient, W is the whole backward (docstring).
+        outputs = []
+        handle = chunk.register_forward_hook(lambda module, inputs, output: outputs.append(output))
+        try:
             yield embed_outputs
-            return
+        finally:
+            handle.remove()
+        if outputs:
+            entry = [chunk, None, None]
+            record.whole.append((outputs[-1], entry))
+            embed_outputs.append((entry, outputs[-1]))   # B stores the output's gradient in entry[2]
+        return
 
     def hook(module, inputs, output):
         entry = [module, inputs[0].detach(), None]
