@@ -9,6 +9,12 @@ Rounds alternate ours, theirs, ours, ... so a slow spell of the machine hits bot
 time is the median over its steps after each round's first (the slowest rank per step). Prints per
 schedule: loss of each side, median step times, the ratio ours / theirs, and the bubble the table
 predicts. Not a test: timings depend on the machine.
+
+On a shared machine (more runnable processes than cores) the wall clock also counts the time a rank
+waits for a core, and the ratio moves by 10-30 % from run to run. Beside it, each step's CPU time of
+the rank's main thread (`time.thread_time`, the slowest rank): the compute and the Python dispatch,
+neither the waits for a message nor gloo's own threads, so it does not see the bubble, but it moves
+much less with the load. Read both, with `uptime`.
 """
 from __future__ import annotations
 
@@ -48,7 +54,8 @@ def parse(argv=None):
 
 
 def bench_rank(rank, world, args, schedules):
-    """Every (schedule, side) in rounds; returns {(schedule, side): ([step seconds], last loss)}."""
+    """Every (schedule, side) in rounds; returns {(schedule, side): ([(step seconds, main thread's
+    CPU seconds)], last loss)}."""
     group = dist.new_group(list(range(world)))
     cfg = GPTConfig(n_layers=args.layers, d_model=args.d_model, seq_len=args.seq_len)
     out = {}
@@ -68,10 +75,10 @@ def bench_rank(rank, world, args, schedules):
                 for s in range(args.steps):
                     batch = synthetic_batch(cfg, args.global_batch, args.seq_len, 0, s)
                     dist.barrier(group)
-                    start = time.perf_counter()
+                    start, cpu = time.perf_counter(), time.thread_time()
                     loss = step(batch)
                     dist.barrier(group)
-                    times.append(time.perf_counter() - start)
+                    times.append((time.perf_counter() - start, time.thread_time() - cpu))
                     for c in chunks:
                         c.zero_grad(set_to_none=True)
                 prev = out.get((schedule, side), ([], None))[0]
@@ -88,18 +95,20 @@ def main(argv=None) -> int:
     print(f"{args.nproc} stages, {args.micro_batches} micro-batches, {args.layers} blocks of d={args.d_model}, "
           f"batch {args.global_batch} x seq {args.seq_len}, {args.rounds} rounds x {args.steps - 1} timed steps")
     print(f"{'schedule':<15} {'bubble':>7} {'loss ours':>10} {'loss torch':>10} {'ours ms':>9} "
-          f"{'torch ms':>9} {'ours/torch':>10}")
+          f"{'torch ms':>9} {'ours/torch':>10} {'cpu ours':>9} {'cpu torch':>9} {'cpu o/t':>8}")
     for s in schedules:
         v = chunks_of(s, args)
-        med = {}
+        med, cpu = {}, {}
         for side in ("ours", "torch"):
-            per_step = [max(ts) for ts in zip(*(r[(s, side)][0] for r in ranks))]  # slowest rank
-            med[side] = statistics.median(per_step)
+            steps = list(zip(*(r[(s, side)][0] for r in ranks)))    # per step: every rank's
+            med[side] = statistics.median(max(t[0] for t in ts) for ts in steps)   # slowest rank
+            cpu[side] = statistics.median(max(t[1] for t in ts) for ts in steps)
         last = 0 if placement(s) == "v" else -1           # the rank with the loss
         loss = {side: ranks[last][(s, side)][1] for side in ("ours", "torch")}
         print(f"{s:<15} {bubble_fraction(args.nproc, args.micro_batches, s, v):>7.3f} {loss['ours']:>10.6f} "
               f"{loss['torch']:>10.6f} {med['ours'] * 1e3:>9.2f} {med['torch'] * 1e3:>9.2f} "
-              f"{med['ours'] / med['torch']:>10.3f}")
+              f"{med['ours'] / med['torch']:>10.3f} {cpu['ours'] * 1e3:>9.2f} {cpu['torch'] * 1e3:>9.2f} "
+              f"{cpu['ours'] / cpu['torch']:>8.3f}")
     return 0
 
 

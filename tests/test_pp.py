@@ -166,3 +166,44 @@ def test_zero_bubble_b_skips_the_weight_products():
     b = flops(lambda: torch.autograd.grad(out, [x]))
     w = flops(record.apply)
     assert b + w == full and 0.3 * full < b < 0.7 * full
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_first_piece_w_is_the_whole_backward_unless_a_parameter_is_hooked(hooked):
+    # The first piece has no input gradient to send, so its B does no matrix product and its W is
+    # the whole backward; a chunk whose parameter has a tensor hook (SP's all-reduce, ZeRO-3) keeps
+    # the split. Gradients equal the plain backward either way, and the hook fires once, in W.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    (chunk,) = build_chunks(build_model(config(2), SEED), 2, 0)   # embedding + block 0
+    mb = synthetic_batch(config(2), BATCH, SEQ, SEED, 0)
+    dy = torch.randn(BATCH, SEQ, 32, generator=torch.Generator().manual_seed(0))
+    chunk(mb.inputs).backward(dy)
+    want = {n: p.grad.clone() for n, p in chunk.named_parameters()}
+    chunk.zero_grad(set_to_none=True)
+    calls = []
+    if hooked:
+        chunk.blocks["0"].ln1.weight.register_hook(lambda g: calls.append(1))
+
+    def flops(fn):
+        with FlopCounterMode(display=False) as counter:
+            fn()
+        return counter.get_total_flops()
+
+    with FlopCounterMode(display=False) as counter:
+        chunk(mb.inputs).backward(dy)
+    full = counter.get_total_flops() - flops(lambda: chunk(mb.inputs))
+    chunk.zero_grad(set_to_none=True)
+    calls.clear()
+    record = WeightGradRecord()
+    with record_weight_grads(chunk, record) as embeds:
+        out = chunk(mb.inputs)
+
+    def b():
+        for (entry, _), g in zip(embeds, torch.autograd.grad(out, [t for _, t in embeds], dy)):
+            entry[2] = g
+    fb, fw = flops(b), flops(record.apply)
+    assert fb + fw == full and (0 < fw < fb if hooked else fb == 0)
+    assert len(calls) == hooked                                  # the hook fired once, in W
+    for n, p in chunk.named_parameters():
+        assert rel_err(p.grad, want[n]) <= 1e-6

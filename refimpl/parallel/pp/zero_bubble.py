@@ -22,6 +22,19 @@ How it is done here (our own approach, not PyTorch's `stage_backward_input/weigh
     into its flat gradient and reduce-scatters once its last gradient is in.
 Between B and W this micro-batch's X's and dY's stay alive: that is why ZB-H1 bounds the micro-
 batches in flight (F done, W not yet) by p.
+
+The first piece is the exception. Its input is token ids, so its B has no input gradient to send:
+the only thing the split would make there is the embeddings' dY, which only its own W reads, so
+splitting costs the hooks, the recomputed x_hat and a second pass over the layers, and defers
+nothing another rank waits for. As PyTorch's pipelining does for stage 0, its B then only takes the
+gradient of the chunk's output (nothing, or on a one-stage pipeline the loss's own backward to the
+logits), and its W is one plain backward from that output: autograd's own products on its own saved
+tensors, every hook a data-parallel strategy put on a parameter firing once, as in a plain backward.
+Its activations then stay alive until W rather than B (the peak in flight is reached before its
+first B on every table here). A chunk with experts keeps the split (its aux loss, which the runner
+adds to the output's, does not pass through the output), and so does one whose parameters carry a
+tensor hook (tensor parallelism's sequence-parallel all-reduce, ZeRO-3's buffer preparation): those
+strategies were built and checked on the split's W, which reads no weight (zero3.py counts on it).
 """
 from __future__ import annotations
 
@@ -32,6 +45,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from refimpl.model.moe import MoEMLP
+
 
 class WeightGradRecord:
     """The (module, X, dY) triples of one micro-batch on one chunk, filled during F and B."""
@@ -39,6 +54,7 @@ class WeightGradRecord:
     def __init__(self):
         self.entries: list[list] = []   # [module, X, dY or None]
         self.block_of: dict[int, str] = {}   # id(module) -> its block ("blocks.3", "lm_head")
+        self.whole: list = []           # the first piece: [(its output, [.., .., d output from B])]
 
     def apply(self) -> None:
         """W: accumulate every recorded layer's weight gradient into .grad, then forget X and dY.
@@ -48,6 +64,8 @@ class WeightGradRecord:
         enter autograd's engine in one call, not one per layer: a call costs ~0.15 ms of engine
         start-up on a CPU, which per layer was most of what the split schedules lost to 1F1B
         (scripts/bench_pp.py); inside one call the engine picks the order of the block's layers."""
+        if self.whole:
+            self._accumulate_whole()
         live = [(module, x, dy) for module, x, dy in self.entries if dy is not None]
         first_use = {}              # walking backwards, a layer's first use is its last visit
         for i, (module, _, _) in enumerate(live):
@@ -72,13 +90,37 @@ class WeightGradRecord:
             torch.autograd.backward(params, grads_in)
         self.entries.clear()
 
+    def _accumulate_whole(self) -> None:
+        """The first piece's W: one plain backward from its output, with the gradient B took."""
+        for out, entry in self.whole:
+            torch.autograd.backward(out, entry[2])
+        self.whole.clear()
+
 
 @contextmanager
 def record_weight_grads(chunk: nn.Module, record: WeightGradRecord):
     """Forward hooks that fill `record` while the chunk runs one micro-batch's forward; yields the
-    list of (entry, output) of the embeddings: the first chunk has no input gradient to compute, so
-    its B differentiates with respect to the embeddings' outputs and stores their dY in the entry."""
+    list of (entry, tensor) that the first piece's B differentiates with respect to and stores the
+    gradient of in entry[2], since it has no input gradient to compute: the chunk's output, or,
+    where the first piece keeps the split (module docstring), the embeddings' outputs (their dY)."""
     embed_outputs = []
+    layers = [(name, m) for name, m in chunk.named_modules()
+              if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding)) or hasattr(m, "observe_matmul")]
+    if any(isinstance(m, nn.Embedding) for _, m in layers) and not any(
+            isinstance(m, MoEMLP) for m in chunk.modules()) and not any(
+            p._backward_hooks for p in chunk.parameters()):
+        # The first piece: B takes only the output's gradient, W is the whole backward (docstring).
+        outputs = []
+        handle = chunk.register_forward_hook(lambda module, inputs, output: outputs.append(output))
+        try:
+            yield embed_outputs
+        finally:
+            handle.remove()
+        if outputs:
+            entry = [chunk, None, None]
+            record.whole.append((outputs[-1], entry))
+            embed_outputs.append((entry, outputs[-1]))   # B stores the output's gradient in entry[2]
+        return
 
     def hook(module, inputs, output):
         entry = [module, inputs[0].detach(), None]
@@ -99,11 +141,9 @@ def record_weight_grads(chunk: nn.Module, record: WeightGradRecord):
             entry[2] = grad if entry[2] is None else entry[2] + grad
         y.register_hook(keep)
 
-    layers = [(name, m) for name, m in chunk.named_modules()
-              if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding)) or hasattr(m, "observe_matmul")]
     record.block_of = {id(m): ".".join(name.split(".")[:2]) for name, m in layers}
     handles = [m.register_forward_hook(hook) for _, m in layers if not hasattr(m, "observe_matmul")]
-    observed = [m for m in chunk.modules() if hasattr(m, "observe_matmul")]
+    observed = [m for _, m in layers if hasattr(m, "observe_matmul")]
     for m in observed:
         m.observe_matmul = observe
     try:
