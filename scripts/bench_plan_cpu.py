@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     agreement = ranking_agreement(table.step_time_s, table.measured_step_time_s, args.margin)
 
     ms = lambda s: s * 1e3   # noqa: E731
-    print(f"{args.nproc} CPU ranks on {hw.source}: matmul {hw.matmul_rate / 1e9:.1f} GFLOP/s per "
+    print(f"{args.nproc} CPU ranks; the preset {hw.source}: matmul {hw.matmul_rate / 1e9:.1f} GFLOP/s per "
           f"core, {ms(hw.block_overhead_s):.2f} ms per block pass, alpha {ms(hw.intra_alpha):.2f} ms "
           f"per ring step, beta {hw.intra_bandwidth / 1e9:.2f} GB/s; {args.rounds} rounds x "
           f"{args.steps - 1} timed steps, {time.perf_counter() - start:.0f} s in all; load average "
