@@ -9,7 +9,8 @@ from refimpl.config import TrainConfig
 from refimpl.cost.hardware import MEMORY_HEADROOM
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig
-from refimpl.verify.dryrun import default_batch, dry_run, preset_config, values_not_drawn
+from refimpl.verify.dryrun import default_batch, dry_run, preset_config
+from refimpl.verify.on_meta import values_not_drawn
 
 SMALL = GPTConfig(n_layers=4, d_model=64, n_heads=4, vocab_size=128, seq_len=16)
 
@@ -145,7 +146,7 @@ def test_the_short_meta_rules_change_no_figure(monkeypatch):
 def test_a_real_tensor_made_while_the_rank_is_built_is_refused():
     """A buffer that forgot its device would be allocated for real (on a 70B layout, the
     machine's memory): OnMeta refuses it; the host's scalars (AdamW's step count) may be."""
-    from refimpl.verify.dryrun import HOST_BYTES, OnMeta
+    from refimpl.verify.on_meta import HOST_BYTES, OnMeta
 
     with OnMeta() as made:
         kept = [torch.zeros(HOST_BYTES // 4), torch.empty(1024, device="meta")]
