@@ -22,8 +22,9 @@ def test_an_expert_parallel_rank_sends_fixed_size_buffers():
     r = dry_run(cfg)
     bound = 2 * 16 // 4
     buffer = TINY.n_experts * bound * TINY.d_model * 4            # fp32 rows
-    assert r["comm"]["dp"]["all_to_all_single"] == TINY.n_layers * (TINY.n_experts * 8 + 4 * buffer)
-    assert r["calls"]["dp"]["all_to_all_single"] == TINY.n_layers * 5
+    assert r["comm"]["ep"]["all_to_all_single"] == TINY.n_layers * (TINY.n_experts * 8 + 4 * buffer)
+    assert r["calls"]["ep"]["all_to_all_single"] == TINY.n_layers * 5
+    assert "all_to_all_single" not in r["comm"].get("dp", {})    # ep's group is dp's: named ep
 
 
 def test_a_moe_preset_runs_in_refimpls_block():

@@ -186,6 +186,9 @@ def recording_collectives(mesh):
         ranks = mesh.ranks(axis) if axis in mesh._ranks else []
         if len(ranks) > 1:
             axes[tuple(ranks)] = axis
+    # the all-to-all is expert parallelism's own collective: where ep's group is dp's (ep = dp),
+    # it goes under ep, and the dp group's gradient syncs stay under dp
+    ep_ranks = tuple(mesh.ranks("ep")) if "ep" in mesh._ranks else ()
     out = {"bytes": defaultdict(lambda: defaultdict(int)),
            "calls": defaultdict(lambda: defaultdict(int))}
     originals = {name: getattr(dist, name) for name in MESSAGE_ARG}
@@ -198,6 +201,8 @@ def recording_collectives(mesh):
                 group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
             ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else None
             axis = axes.get(ranks, "world") if ranks else "world"
+            if name == "all_to_all_single" and ranks == ep_ranks:
+                axis = "ep"
             message = args[MESSAGE_ARG[name]] if len(args) > MESSAGE_ARG[name] else None
             if isinstance(message, (list, tuple)):   # all_gather's list of outputs
                 nbytes = sum(t.numel() * t.element_size() for t in message)
