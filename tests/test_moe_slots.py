@@ -5,7 +5,7 @@ import torch
 
 from refimpl.model import GPTConfig
 from refimpl.model.moe import MoEMLP, expert_capacity, route, within_capacity
-from refimpl.model.moe_slots import compact_destinations, destinations, pack, unpack
+from refimpl.model.moe_slots import compact_destinations, destinations, one_hot, pack, unpack
 
 CFG = GPTConfig(d_model=16, n_heads=2, n_experts=4, top_k=2, capacity_factor=0.75, balance="none")
 
@@ -73,7 +73,7 @@ def test_padding_rows_get_an_exactly_zero_output_gradient():
 def test_pack_and_unpack_place_rows_in_their_expert_slot():
     experts = torch.tensor([1, 0, 1, 1, 0])
     keep = torch.tensor([True, True, False, True, True])
-    dest = destinations(experts, keep, 2, bound=3)
+    dest = destinations(experts, keep, one_hot(experts, 2) * keep[:, None], bound=3)
     assert dest.tolist() == [3, 0, 6, 4, 1]            # expert-major, slot = running kept count; dump = 6
     rows = torch.arange(5.0)[:, None]
     buffer = pack(rows, dest, 6)

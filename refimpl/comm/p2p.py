@@ -95,7 +95,7 @@ def post(g: GroupView, sends=(), recvs=()) -> Posted:
     Between two ranks, messages with the same tag are matched in the order they were posted, which
     is what lets a pipelined ring post a chunk's segments one after another.
     """
-    ops, copy_back = [], []      # (irecv or isend, buffer, peer)
+    ops, copy_back = [], []      # ("recv" or "send", buffer, peer)
     for tensor, peer in recvs:
         if tensor.numel() == 0:
             continue
@@ -103,13 +103,13 @@ def post(g: GroupView, sends=(), recvs=()) -> Posted:
         if not tensor.is_contiguous():
             buf = torch.empty_like(tensor, memory_format=torch.contiguous_format)
             copy_back.append((tensor, buf))
-        ops.append((dist.irecv, buf, peer))
+        ops.append(("recv", buf, peer))
         record_recv(buf.numel() * buf.element_size())
     for tensor, peer in sends:
         if tensor.numel() == 0:
             continue
         buf = tensor.contiguous()
-        ops.append((dist.isend, buf, peer))
+        ops.append(("send", buf, peer))
         record_send(buf.numel() * buf.element_size())
     tag = wire_tag(COLLECTIVE_TAG)
     backend = dist.get_backend(g.group) if ops else None
@@ -119,11 +119,12 @@ def post(g: GroupView, sends=(), recvs=()) -> Posted:
         # posted one by one would wait for each other (a 2-rank ring, every pairwise exchange);
         # in a group they start together (refimpl.parallel.pp.nccl_order has the rule). The
         # staged backend keeps that rule (refimpl.staged_stream runs the batch as one group).
-        works = dist.batch_isend_irecv([dist.P2POp(op, buf, group=g.group, group_peer=peer, tag=tag)
-                                        for op, buf, peer in ops])
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.irecv if kind == "recv" else dist.isend, buf, group=g.group, group_peer=peer, tag=tag)
+            for kind, buf, peer in ops])
     else:   # gloo (and the dry run's fake group) runs each posted operation on its own
-        works = [dist.irecv(buf, group=g.group, group_src=peer, tag=tag) if op is dist.irecv
-                 else dist.isend(buf, group=g.group, group_dst=peer, tag=tag) for op, buf, peer in ops]
+        works = [dist.irecv(buf, group=g.group, group_src=peer, tag=tag) if kind == "recv"
+                 else dist.isend(buf, group=g.group, group_dst=peer, tag=tag) for kind, buf, peer in ops]
     return Posted(works, copy_back)
 
 

@@ -244,8 +244,9 @@ class MoEMLP(nn.Module):
             if torch.is_grad_enabled() and not _Recompute.depth:   # a training forward, once
                 self.step_load = routed if self.step_load is None else self.step_load + routed
             # each kept assignment's row in a fixed [E, B] buffer (refimpl.model.moe_slots)
-            dest = destinations(flat, keep, E, bound)
-            counts = (one_hot(flat, E) * keep[:, None]).sum(dim=0)     # kept, per expert
+            kept_hot = one_hot(flat, E) * keep[:, None]
+            dest = destinations(flat, keep, kept_hot, bound)
+            counts = kept_hot.sum(dim=0)                               # kept, per expert
             token_of = torch.arange(flat.numel(), device=flat.device) // k
             rows = pack(tokens, dest, E * bound, row_of=token_of)
         y, received = self.dispatch(rows.view(E, bound, -1), counts, room, self.experts)

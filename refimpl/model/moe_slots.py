@@ -37,17 +37,18 @@ def one_hot(experts_flat: torch.Tensor, n_experts: int) -> torch.Tensor:
     return (experts_flat[:, None] == ids).long()
 
 
-def slots(experts_flat: torch.Tensor, keep: torch.Tensor, n_experts: int) -> torch.Tensor:
+def slots(experts_flat: torch.Tensor, kept_hot: torch.Tensor) -> torch.Tensor:
     """[A]: for a kept assignment, how many of this rank's kept assignments to its expert come
-    before it (batch order); meaningless for a dropped one."""
-    kept = one_hot(experts_flat, n_experts) * keep[:, None]
-    return (kept.cumsum(dim=0) - 1).gather(1, experts_flat[:, None]).squeeze(1)
+    before it (batch order); meaningless for a dropped one. `kept_hot`: one_hot(experts_flat, E)
+    with the dropped assignments' rows zeroed (the layer sums it for its per-expert counts too)."""
+    return (kept_hot.cumsum(dim=0) - 1).gather(1, experts_flat[:, None]).squeeze(1)
 
 
-def destinations(experts_flat: torch.Tensor, keep: torch.Tensor, n_experts: int,
+def destinations(experts_flat: torch.Tensor, keep: torch.Tensor, kept_hot: torch.Tensor,
                  bound: int) -> torch.Tensor:
     """[A]: each assignment's row in the [E * bound] buffer, the dump row (E * bound) if dropped."""
-    row = experts_flat * bound + slots(experts_flat, keep, n_experts)
+    n_experts = kept_hot.shape[1]
+    row = experts_flat * bound + slots(experts_flat, kept_hot)
     return torch.where(keep, row, torch.full_like(row, n_experts * bound))
 
 

@@ -176,7 +176,6 @@ def prime_optimizers(strategy) -> None:
         p.grad = None
 
 
-# The initialisers a model's constructors call (nn.Linear, nn.Embedding, nn.LayerNorm, GPT's own).
 @contextlib.contextmanager
 def recording_collectives(mesh):
     """Count every torch.distributed collective called inside: bytes of its message and calls,
