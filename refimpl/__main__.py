@@ -31,33 +31,33 @@ def _parse_option(text: str):
         return key, value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m refimpl", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train the tiny GPT with one strategy and report")
-    t.add_argument("--strategy", default="single")
-    t.add_argument("--nproc", type=int, default=None,
+def train_flags() -> argparse.ArgumentParser:
+    """The flags of a run: train takes them, and so do bisect and dryrun (the run they examine)."""
+    f = argparse.ArgumentParser(add_help=False)
+    f.add_argument("--strategy", default="single")
+    f.add_argument("--nproc", type=int, default=None,
                    help="ranks to start (default 1 for single, else 2; under torchrun: its size)")
-    t.add_argument("--steps", type=int, default=5)
-    t.add_argument("--global-batch", type=int, default=8)
-    t.add_argument("--seq-len", type=int, default=32)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--micro-batches", type=int, default=1)
-    t.add_argument("--mixed-precision", default="fp32", help="fp32 or bf16")
-    t.add_argument("--dtype", default="float32",
+    f.add_argument("--steps", type=int, default=5)
+    f.add_argument("--global-batch", type=int, default=8)
+    f.add_argument("--seq-len", type=int, default=32)
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--lr", type=float, default=3e-3)
+    f.add_argument("--micro-batches", type=int, default=1)
+    f.add_argument("--mixed-precision", default="fp32", help="fp32 or bf16")
+    f.add_argument("--dtype", default="float32",
                    help="float32, or float64 (exact comparisons with single on any processor)")
-    t.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
-    t.add_argument("--profile", action="store_true", help="write torch.profiler traces")
-    t.add_argument("--trace-dir", default=None)
-    t.add_argument("--layers", type=int, default=GPTConfig.n_layers)
-    t.add_argument("--d-model", type=int, default=GPTConfig.d_model)
-    t.add_argument("--heads", type=int, default=GPTConfig.n_heads)
-    t.add_argument("--experts", type=int, default=0, help="experts per MoE layer (0: dense MLP)")
-    t.add_argument("--top-k", type=int, default=GPTConfig.top_k, help="experts per token (MoE)")
-    t.add_argument("--capacity-factor", type=float, default=GPTConfig.capacity_factor,
+    f.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
+    f.add_argument("--profile", action="store_true", help="write torch.profiler traces")
+    f.add_argument("--trace-dir", default=None)
+    f.add_argument("--layers", type=int, default=GPTConfig.n_layers)
+    f.add_argument("--d-model", type=int, default=GPTConfig.d_model)
+    f.add_argument("--heads", type=int, default=GPTConfig.n_heads)
+    f.add_argument("--vocab", type=int, default=GPTConfig.vocab_size, help="vocabulary size")
+    f.add_argument("--experts", type=int, default=0, help="experts per MoE layer (0: dense MLP)")
+    f.add_argument("--top-k", type=int, default=GPTConfig.top_k, help="experts per token (MoE)")
+    f.add_argument("--capacity-factor", type=float, default=GPTConfig.capacity_factor,
                    help="MoE expert capacity = ceil(top_k x tokens / experts x factor)")
-    grid = t.add_argument_group("the rank grid (refimpl.mesh): dp = nproc / (pp x cp x tp)")
+    grid = f.add_argument_group("the rank grid (refimpl.mesh): dp = nproc / (pp x cp x tp)")
     grid.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     grid.add_argument("--sequence-parallel", action="store_true",
                       help="with --tp: LayerNorm regions split along the sequence")
@@ -69,41 +69,49 @@ def build_parser() -> argparse.ArgumentParser:
                            "interleaved-zb, zbv, dualpipev")
     grid.add_argument("--virtual-stages", type=int, default=1,
                       help="model chunks per pipeline rank (interleaved schedule)")
-    t.add_argument("--collectives", default="torch",
+    f.add_argument("--collectives", default="torch",
                    help="torch, or refimpl: every collective rebuilt from send/recv (refimpl.comm)")
-    from refimpl.plan.cli import add_arguments as add_plan_arguments
-    add_plan_arguments(sub.add_parser("plan", help="rank parallel layouts of a model on a cluster "
-                                      "by predicted memory and step time (refimpl.plan)"))
-    t.add_argument("--set", dest="options", action="append", type=_parse_option, default=[],
+    f.add_argument("--set", dest="options", action="append", type=_parse_option, default=[],
                    metavar="KEY=VALUE", help="strategy option, e.g. --set bucket_mb=1 (repeatable)")
-    t.add_argument("--save-state", default=None, metavar="PATH",
+    f.add_argument("--save-state", default=None, metavar="PATH",
                    help="write the final full state dict (reference names: loads under any layout)")
-    t.add_argument("--init-state", default=None, metavar="PATH",
+    f.add_argument("--init-state", default=None, metavar="PATH",
                    help="start from a full state dict written by --save-state under any layout")
-    t.add_argument("--save-optimizer-state", default=None, metavar="PATH",
+    f.add_argument("--save-optimizer-state", default=None, metavar="PATH",
                    help="write AdamW's m, v and step in reference names (loads under any layout)")
-    t.add_argument("--init-optimizer-state", default=None, metavar="PATH",
+    f.add_argument("--init-optimizer-state", default=None, metavar="PATH",
                    help="start AdamW from a state written by --save-optimizer-state")
-    t.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+    f.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                    help="every K steps, save the whole run (weights, AdamW, data position, RNG) "
                    "atomically into --checkpoint-dir")
-    t.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+    f.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="resume from the newest checkpoint there, under any layout (and save there)")
-    t.add_argument("--timeout", type=float, default=900.0)
-    t.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    _add_env_parser(sub)
-    sub.add_parser("bisect", add_help=False, help="the train flags: where the layout first "
-                   "parts from single (step, phase, module; noise or bug)")
+    f.add_argument("--timeout", type=float, default=900.0)
+    f.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    return f
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m refimpl", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    flags = train_flags()
+
+    def command(name: str, what: str, **kw):
+        return sub.add_parser(name, help=what, description=what[0].upper() + what[1:] + ".", **kw)
+
+    command("train", "train the tiny GPT with one strategy and report", parents=[flags])
+    command("bisect", "run a layout and single side by side and name the first step, phase, "
+            "module and rank where they part (noise or bug)", parents=[flags])
     from refimpl.verify.dryrun import add_arguments as add_dryrun_arguments
-    add_dryrun_arguments(sub.add_parser("dryrun", parents=[t], add_help=False, help="one step of "
-                                        "rank R of a full-size layout on meta tensors (memory, comm)"))
-    return p
-
-
-def _add_env_parser(sub) -> None:
-    """`python -m refimpl env [--json]`: the machine as the workbook sees it (refimpl.env)."""
-    e = sub.add_parser("env", help="this machine: cores, memory, GPUs, versions, backend per nproc")
+    add_dryrun_arguments(command("dryrun", "one step of rank R of a full-size layout on meta "
+                                 "tensors: its memory by category and its bytes per axis",
+                                 parents=[flags]))
+    from refimpl.plan.cli import add_arguments as add_plan_arguments
+    add_plan_arguments(command("plan", "rank parallel layouts of a model on a cluster by "
+                               "predicted memory and step time (refimpl.plan)"))
+    e = command("env", "this machine: cores, memory, GPUs, versions, backend per nproc")
     e.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
 
 
 def config_from_args(args):
@@ -122,20 +130,18 @@ def config_from_args(args):
     fault = options.pop("fault", None)     # --set fault=<name>: a bug on purpose (refimpl.faults)
     try:
         model = replace(GPTConfig(), n_layers=args.layers, d_model=args.d_model,
-                        n_heads=args.heads, n_experts=args.experts, top_k=args.top_k,
+                        n_heads=args.heads, vocab_size=args.vocab, n_experts=args.experts,
+                        top_k=args.top_k,
                         capacity_factor=args.capacity_factor, **moe)
     except ValueError as e:
         raise LayoutError(str(e)) from None
-    pp = args.pp
-    if pp == 1 and (args.strategy.startswith("pp-") or args.strategy.startswith("torch-pp-")):
-        pp = nproc                                # the shorthand puts the whole world on pp
     return TrainConfig(strategy=args.strategy, nproc=nproc, steps=args.steps,
                        global_batch=args.global_batch, seq_len=args.seq_len, seed=args.seed,
                        lr=args.lr, micro_batches=args.micro_batches,
                        mixed_precision=args.mixed_precision, dtype=args.dtype,
                        activation_checkpointing=args.checkpointing, profile=args.profile,
                        trace_dir=args.trace_dir, model=model, options=options,
-                       tp=args.tp, pp=pp, cp=args.cp, ep=args.ep,
+                       tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
                        sequence_parallel=args.sequence_parallel, collectives=args.collectives,
                        schedule=args.schedule, virtual_stages=args.virtual_stages, fault=fault,
                        init_state=args.init_state, return_state=bool(args.save_state),
@@ -147,11 +153,10 @@ def config_from_args(args):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bisect"]:          # the train flags, then refimpl.verify.bisect
-        from refimpl.verify.bisect import main as bisect_main
-        args = build_parser().parse_args(["train", *argv[1:]])
-        return bisect_main(lambda: config_from_args(args), as_json=args.json, timeout=args.timeout)
     args = build_parser().parse_args(argv)
+    if args.command == "bisect":        # the train flags, then refimpl.verify.bisect
+        from refimpl.verify.bisect import main as bisect_main
+        return bisect_main(lambda: config_from_args(args), as_json=args.json, timeout=args.timeout)
     if args.command == "env":
         from refimpl import env
         return env.main(as_json=args.json)
@@ -174,7 +179,8 @@ def main(argv=None) -> int:
                     init_optimizer_state=args.init_optimizer_state,
                     writes={"--save-state": args.save_state,
                             "--save-optimizer-state": args.save_optimizer_state},
-                    trace_dir=args.trace_dir if args.profile else None)
+                    trace_dir=args.trace_dir if args.profile else None,
+                    checkpoint_dir=args.checkpoint_dir)
     except LayoutError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -76,9 +76,7 @@ class TrainConfig:
     def dims(self) -> ParallelDims:
         per_replica = self.replicas * self.pp * self.cp * self.tp
         dp = max(self.nproc // per_replica, 1)
-        # The shorthand `--strategy ep` (no --ep): every data-parallel rank in one ep group.
-        ep = dp * self.cp if self.strategy == "ep" and self.ep == 1 else self.ep
-        return ParallelDims(dp=dp, pp=self.pp, cp=self.cp, tp=self.tp, ep=ep,
+        return ParallelDims(dp=dp, pp=self.pp, cp=self.cp, tp=self.tp, ep=self.ep,
                             replica=self.replicas)
 
     def validate(self) -> None:

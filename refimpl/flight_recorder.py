@@ -14,7 +14,7 @@ stuck in and the call its peer is stuck in (`hang_report`).
 On when REFIMPL_FLIGHT_RECORDER names a folder: `refimpl.launch.run` sets it for its ranks
 (pass flight_recorder=False, or REFIMPL_FLIGHT_RECORDER=0 in the caller's environment, to turn it
 off); under torchrun it is off unless you set it. A call costs one JSON line and a 256-byte copy
-into the page cache, twice (see `refimpl.trace.labels.comm_span`, which calls `entered`).
+into the page cache, twice (see `refimpl.labels.comm_span`, which calls `entered`).
 """
 from __future__ import annotations
 

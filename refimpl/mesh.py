@@ -122,7 +122,8 @@ class Mesh:
 
     Every rank creates every group, in the same order (torch.distributed.new_group is collective
     over the whole world even though only members use a group); axes of size 1 get no group.
-    Built once per run and handed to the strategy in its RunContext: nothing here is global.
+    Built once per run and handed to the strategy in its RunContext. Axes with the same ranks
+    share one group (dp = dp_cp when cp = 1), and so do runs (`_groups_of_this_world`).
     """
 
     def __init__(self, dims: ParallelDims, rank: int):
@@ -134,7 +135,7 @@ class Mesh:
         import torch.distributed as dist
 
         distributed = dist.is_available() and dist.is_initialized()
-        made: dict[tuple, object] = {}     # axes with the same ranks share one group (dp = dp_cp)
+        made = _groups_of_this_world() if distributed else {}
         for axis in GROUP_AXES + ("replica",):
             for ranks in dims.groups(axis):
                 key = tuple(ranks)
@@ -166,6 +167,24 @@ class Mesh:
         shape = " x ".join(f"{a}{self.dims.size(a)}" for a in AXES if self.dims.size(a) > 1)
         at = ", ".join(f"{a}={self.coords[a]}" for a in AXES if self.dims.size(a) > 1)
         return f"Mesh({shape or 'single'}; rank {self.rank}: {at})"
+
+
+# The groups made in this process, by member ranks, for the default group they were made in. A
+# process that trains many runs one after another (a notebook's comparison, the layout matrix: 100s
+# of runs in one launch) reuses them instead of making new ones each run: a gloo group holds three
+# threads and a socket per peer until the process ends, and destroying a run's groups instead
+# breaks DTensor, whose caches hand a later run's equal DeviceMesh the destroyed group's name. Every
+# rank runs the same runs, so every rank misses (and creates, collectively) the same groups.
+_MADE: dict = {"world": None, "groups": {}}
+
+
+def _groups_of_this_world() -> dict[tuple, object]:
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    if _MADE["world"] is not world:      # a new default group (a restart, the dry run's fake one)
+        _MADE["world"], _MADE["groups"] = world, {}
+    return _MADE["groups"]
 
 
 def describe_grid(dims: ParallelDims) -> list[dict]:

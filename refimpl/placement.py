@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from refimpl.trace.labels import comm_span
+from refimpl.labels import comm_span
 
 ATTRIBUTE = "_refimpl_placement"
 

@@ -13,8 +13,9 @@ from typing import Callable, ContextManager
 
 import torch
 
+from refimpl.labels import comm_span, phase
 from refimpl.model import Batch
-from refimpl.trace.labels import comm_span, phase
+from refimpl.rank_model import Pipeline
 
 
 def forward_backward(model: Callable, micro_batches: list[Batch], *, loss_fn: Callable,
@@ -36,27 +37,28 @@ def forward_backward(model: Callable, micro_batches: list[Batch], *, loss_fn: Ca
     return total
 
 
-def global_mean_loss(local: torch.Tensor, mesh, comm, loss_stage: int | None = None,
-                     sum_stages: bool = False) -> torch.Tensor:
+def global_mean_loss(local: torch.Tensor, mesh, comm, pipeline: Pipeline | None = None
+                     ) -> torch.Tensor:
     """The mean over the global batch, on every rank.
 
     Data-parallel (and context-parallel) ranks hold equal numbers of tokens, so the mean of their
-    means is the global mean: one all-reduce over dp x cp. Under a pipeline only the last stage
-    computed a loss; it is broadcast over pp so every rank returns it (the loop's contract). That
-    stage is the last one (pp - 1), or `loss_stage` (0 for the V schedules: the V's last piece is on
-    rank 0). With MoE layers every stage holds a part (its layers' aux losses; the loss stage adds
-    the language-model loss): `sum_stages` all-reduces the parts over pp instead."""
+    means is the global mean: one all-reduce over dp x cp. Under a pipeline only the stage holding
+    the last piece computed a loss (`pipeline.loss_stage`: the last stage, or 0 on a V, whose last
+    piece is on rank 0); it is broadcast over pp so every rank returns it (the loop's contract).
+    With MoE layers every stage holds a part (its layers' aux losses; the loss stage adds the
+    language-model loss): `pipeline.sum_stages` all-reduces the parts over pp instead."""
     t = local.detach().clone()
     if mesh.size("dp_cp") > 1:
         with comm_span("all_reduce", t.nbytes):
             comm.all_reduce(t, group=mesh.group("dp_cp"))
         t /= mesh.size("dp_cp")
-    if mesh.size("pp") > 1 and sum_stages:
+    if mesh.size("pp") == 1:
+        return t
+    if pipeline.sum_stages:
         with comm_span("all_reduce", t.nbytes):
             comm.all_reduce(t, group=mesh.group("pp"))
-    elif mesh.size("pp") > 1:
+    else:
         with comm_span("broadcast", t.nbytes):
-            stage = mesh.size("pp") - 1 if loss_stage is None else loss_stage
-            comm.broadcast(t, src=mesh.global_rank("pp", stage),
+            comm.broadcast(t, src=mesh.global_rank("pp", pipeline.loss_stage),
                            group=mesh.group("pp"))
     return t

@@ -37,20 +37,20 @@ import torch
 import torch.nn as nn
 
 from refimpl.config import Option, RunContext, TrainConfig
+from refimpl.labels import phase
 from refimpl.memory import ModelStateBytes, measured_model_state
 from refimpl.mesh import LayoutError
 from refimpl.model import Batch
 from refimpl.placement import gather_full_state_dict
 from refimpl.rank_model import RankModel
 from refimpl.step import forward_backward, global_mean_loss
-from refimpl.trace.labels import phase
 
 
 class Strategy:
     """One way to train the reference model on the grid `ctx.mesh`. See the module docstring.
 
-    `place(rank_model)` keeps the transforms' RankModel and calls `setup(module)`, which must
-    set `self.model` (this rank's module, reference parameter names) and `self.optimizer`. The
+    `place(rank_model)` calls `setup(module)`, which must set `self.model` (this rank's module,
+    reference parameter names) and `self.optimizer`, then keeps `step_model(rank_model)`. The
     step is `train_step`; override its parts, not the step."""
 
     name: str = ""
@@ -59,9 +59,6 @@ class Strategy:
     options: dict[str, Option] = {}
     # True: backward runs on loss / W and the gradients are summed (see the module docstring).
     scales_loss_by_world: bool = True
-    # A shorthand that puts the whole world on one model-parallel axis: `--strategy tp --nproc 4`
-    # is tp = 4 (refimpl.train.resolve_layout), unless that axis was given explicitly.
-    whole_world_axis: str | None = None
     # False for PyTorch's twins that parallelize the plain reference themselves (DTensor): they
     # are handed the reference untouched instead of our transforms' result.
     takes_our_transforms: bool = True
@@ -69,6 +66,9 @@ class Strategy:
     # (refimpl.placement.data_parallel_axis: an expert's over "edp", the ranks holding the same
     # expert), so it runs a MoE model with --ep > 1; False: it would sum different experts.
     experts_over_edp: bool = False
+    # True: runs on a pipeline's stages (--pp > 1): its sync and gathering work on a stage's
+    # parameters and its runner on the schedule's table (refimpl.parallel.pp.validate).
+    on_a_pipeline: bool = False
 
     def __init__(self, ctx: RunContext):
         self.ctx = ctx
@@ -97,15 +97,21 @@ class Strategy:
         return self.ctx.cfg.options.get(key, self.options[key].default)
 
     def place(self, rank_model: RankModel) -> None:
-        """Keep what the transforms handed over and place its module (refimpl.train.setup_rank)."""
-        self.rank_model = rank_model
+        """Place the module the transforms handed over, and keep the rank model the step runs
+        (refimpl.train.setup_rank)."""
         self.setup(rank_model.module)
+        self.rank_model = self.step_model(rank_model)
 
     def setup(self, model: nn.Module) -> None:
         """Place this rank's model (the same transformed reference on every rank of the dp axis).
         The default replicates it: the whole module here, one AdamW over its parameters."""
         self.model = model
         self.optimizer = make_optimizer(model.parameters(), self.ctx.cfg)
+
+    def step_model(self, rank_model: RankModel) -> RankModel:
+        """What the step runner runs, after `setup`: the transforms' rank model (the default), or
+        a new one (RankModel is frozen) where this strategy runs the model its own way."""
+        return rank_model
 
     # --- the step: one runner, the same for every strategy -----------------------------------------
 
@@ -114,8 +120,8 @@ class Strategy:
         (equal on every rank). The loop reads it once per step: no sync per micro-batch."""
         rank_model, micro = self.rank_model, self.local_micro_batches(batch)
         if rank_model.pipeline is not None:   # pp > 1: a schedule's table
-            local = rank_model.pipeline(micro, divisor=self.loss_divisor, autocast=self.ctx.autocast,
-                                        loss_fn=rank_model.loss_fn)
+            local = rank_model.pipeline.run(micro, divisor=self.loss_divisor,
+                                            autocast=self.ctx.autocast, loss_fn=rank_model.loss_fn)
         else:
             local = forward_backward(self.forward_model, micro, loss_fn=self.loss_with_moe_aux,
                                      divisor=self.loss_divisor, micro_step=self.micro_step,
@@ -124,9 +130,7 @@ class Strategy:
         with phase("optimizer"):
             self.optimizer_step()
         rank_model.after_step()     # balance=bias (DeepSeek-V3): after the step; else no-op
-        return global_mean_loss(local, self.mesh, self.comm,
-                                loss_stage=getattr(rank_model.pipeline, "loss_stage", None),
-                                sum_stages=getattr(rank_model.pipeline, "sum_stages", False))
+        return global_mean_loss(local, self.mesh, self.comm, rank_model.pipeline)
 
     def loss_with_moe_aux(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss, plus the MoE layers' auxiliary load-balancing loss of the forward that made

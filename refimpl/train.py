@@ -28,47 +28,41 @@ from refimpl.mesh import Mesh
 from refimpl.model import build_model, converted, count_params, synthetic_batch
 from refimpl.model.moe import moe_step_record
 from refimpl.numerics import exact_fp32_on_cuda
-from refimpl.parallel import get_strategy
 from refimpl.rank_model import RankModel
+from refimpl.registry import Resolved, resolve
 from refimpl.strategy import Strategy
 from refimpl.trace.capture import StepProfiler, profiles_root
 from refimpl.trace.memory_events import StepPeak
 from refimpl.trace.run_record import record_run
 
 
-def resolve_layout(cfg: TrainConfig) -> TrainConfig:
-    """`--strategy tp --nproc 4` means tp = 4: a strategy's `whole_world_axis` takes the ranks the
-    other axes leave (when that axis was not given explicitly)."""
-    axis = get_strategy(cfg.strategy).whole_world_axis
-    if axis is None or getattr(cfg, axis) != 1:
-        return cfg
-    others = cfg.replicas * cfg.pp * cfg.cp * cfg.tp
-    return cfg.with_(**{axis: max(cfg.nproc // others, 1)})
-
-
-def validate(cfg: TrainConfig) -> None:
-    """Every layout check, in the launching process: raises LayoutError with one line."""
-    cfg = resolve_layout(cfg)
+def validate(cfg: TrainConfig) -> Resolved:
+    """Every layout check, in the launching process: raises LayoutError with one line, or returns
+    the layout resolved (refimpl.registry: the shorthand's axes filled, the strategy's class)."""
+    layout = resolve(cfg)
+    cfg = layout.cfg
     cfg.validate()
-    validate_model_parallel(cfg)
-    get_strategy(cfg.strategy).validate(cfg)
+    validate_model_parallel(cfg, layout.strategy)
+    layout.strategy.validate(cfg)
     if cfg.init_optimizer_state or cfg.return_optimizer_state:
         validate_optimizer_state(cfg)
     if cfg.checkpoint_dir:
         validate_optimizer_state(cfg, "--checkpoint-dir")
         run_checkpoint.check_resumable(cfg)
+    return layout
 
 
 def default_trace_dir(cfg: TrainConfig) -> str:
     return str(profiles_root() / "cli" / f"{cfg.strategy}-n{cfg.nproc}")
 
 
-def setup_rank(rank: int, world_size: int, cfg: TrainConfig,
+def setup_rank(rank: int, world_size: int, layout: Resolved,
                resume: dict | None = None) -> tuple[RunContext, Strategy, int]:
     """This rank's context, its strategy placed from the reference model (and a checkpoint, if
-    any), and the reference's parameter count: everything before the first step. `resume`: a
-    run checkpoint (refimpl.compose.run_checkpoint) to continue, instead of init_state."""
-    cfg = resolve_layout(cfg)
+    any), and the reference's parameter count: everything before the first step. `layout`: the
+    run's configuration resolved (refimpl.registry.resolve); `resume`: a run checkpoint
+    (refimpl.compose.run_checkpoint) to continue, instead of init_state."""
+    cfg = layout.cfg
     backend, device = _backend_and_device(cfg)
     exact_fp32_on_cuda(device)
     # This rank's point of the grid and one process group per axis (refimpl.mesh).
@@ -84,23 +78,29 @@ def setup_rank(rank: int, world_size: int, cfg: TrainConfig,
         # it: every strategy places it from the reference model, so it reshards on load.
         reference.load_state_dict(torch.load(cfg.init_state, map_location="cpu"))
     n_params = count_params(reference)
-    strategy = get_strategy(cfg.strategy)(ctx)
+    strategy = layout.strategy(ctx)
     # The model-parallel transforms in their fixed order (refimpl.compose.transforms), then the
     # strategy's data-parallel placement. PyTorch's DTensor twins parallelize the plain reference.
     strategy.place(model_parallel(reference, ctx) if strategy.takes_our_transforms
                    else RankModel(reference.to(device)))
     if resume is not None:                     # AdamW's state and the generator, as they were
         run_checkpoint.restore(strategy, resume)
-    elif cfg.init_optimizer_state is not None:   # AdamW's m and v too, placed for this layout
+    elif cfg.init_optimizer_state is not None:   # AdamW's m, v too, placed for this layout
         load_optimizer_state(strategy, torch.load(cfg.init_optimizer_state, map_location="cpu"))
     return ctx, strategy, n_params
 
 
 def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
-    """Train on this rank; run by `launch.run` on every rank (or once, for `single`)."""
+    """Train on this rank; run by `launch.run` on every rank (or once, for `single`). The name
+    is resolved here, once per run: the axes a shorthand names, and the strategy's class."""
+    return _train_resolved(rank, world_size, resolve(cfg))
+
+
+def _train_resolved(rank: int, world_size: int, layout: Resolved) -> dict:
+    cfg = layout.cfg
     resume = run_checkpoint.load_latest(cfg.checkpoint_dir)
-    ctx, strategy, n_params = setup_rank(rank, world_size, cfg, resume)
-    cfg, device = ctx.cfg, ctx.device
+    ctx, strategy, n_params = setup_rank(rank, world_size, layout, resume)
+    device = ctx.device
     # Resumed: the data continues at the checkpoint's step, the losses before it are its own.
     first = resume["step"] if resume is not None else 0
     losses = list(resume["losses"]) if resume is not None else []

@@ -47,7 +47,7 @@ from tests.trace_runs import BIG_RUN, write_synthetic_run  # noqa: E402
 
 def make_runs(logdir: Path) -> Path:
     """A 2-rank profiled run, and a synthetic 4-rank, 10-step one, under logdir."""
-    from refimpl.parallel import STRATEGIES
+    from refimpl.registry import STRATEGIES
 
     write_synthetic_run(logdir / BIG_RUN, ranks=4, steps=10)
 

@@ -19,6 +19,7 @@ from refimpl.compose import moe_collectives
 from refimpl.config import TrainConfig
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig
+from refimpl.registry import resolve
 from refimpl.trace.profiling import load_trace
 from refimpl.train import train_on_ranks, train_several_on_ranks, validate
 from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single
@@ -129,7 +130,7 @@ def test_moe_collectives_are_the_arithmetics():
     trace = load_trace(results(8)["ep dp2 x tp2 x pp2, experts ep over dp, aux +sp"]["trace_dir"])
     for rank in (0, 7):                         # dp 0, stage 0, tp 0 and dp 1, stage 1, tp 1
         assert config.dims.coordinates(rank)["pp"] == rank // 7
-        table = moe_collectives.against_trace(config, trace, rank)
+        table = moe_collectives.against_trace(resolve(config).cfg, trace, rank)   # ep = dp
         steps = [c for c in table.columns if c.startswith("step")]
         assert steps and set(table.axis) == {"ep", "tp", "pp", "dp"}, table
         assert all((table[s] == table.expected).all() for s in steps), table
@@ -206,7 +207,7 @@ def test_checkpoint_saved_under_one_layout_resumes_under_another(tmp_path):
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(strategy="torch-ddp", nproc=4, pp=2, micro_batches=2), "not 'torch-ddp'"),
+    (dict(strategy="torch-ddp", nproc=4, pp=2, micro_batches=2), "'torch-ddp' does not run on pipeline"),
     (dict(strategy="torch-fsdp2-tp", nproc=4, tp=4), "dp x tp"),
     (dict(strategy="torch-fsdp2", nproc=2, return_optimizer_state=True), "not for 'torch-fsdp2'"),
     (dict(strategy="torch-fsdp2-tp", nproc=8, tp=2, pp=2, micro_batches=4, schedule="zbv"),

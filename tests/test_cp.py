@@ -28,8 +28,8 @@ def _full_inputs():
 def _ring_rank(rank: int, world: int, balanced: bool) -> dict:
     import torch.distributed as dist
 
+    from refimpl.labels import CommLog
     from refimpl.parallel.cp.ring import ring_attention
-    from refimpl.trace.labels import CommLog
 
     group = dist.new_group(list(range(world)))
     q, k, v, grad = (shard_sequence(t, rank, world, balanced=balanced) for t in _full_inputs())

@@ -199,6 +199,6 @@ def test_each_parameter_is_accumulated_once_per_micro_batch_of_its_chunk(schedul
     row = schedule_table(2, m, schedule, v)[0]
     chunks = build_chunks(build_model(SMALL, 0), 2, 0, v, where="v" if v == 2 and schedule != "interleaved"
                           else "loop")
-    counts = PipelineStageModel(chunks, row, None, schedule).gradient_accumulations()
+    counts = PipelineStageModel(chunks, row, None, schedule, loss_stage=1).gradient_accumulations()
     assert sorted(counts) == sorted(n for c in chunks for n, _ in c.named_parameters())
     assert set(counts.values()) == {m}

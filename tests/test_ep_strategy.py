@@ -7,6 +7,7 @@ import pytest
 from refimpl.config import TrainConfig
 from refimpl.model import GPTConfig
 from refimpl.parallel.ep.load import all_to_all_frame, dropped_by_step, expert_frame, rank_frame
+from refimpl.registry import resolve
 from refimpl.train import train_several_on_ranks
 from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single, reference_run
 
@@ -63,7 +64,7 @@ def test_tight_capacity_drops_as_many_tokens_per_expert_as_single(world, name):
 @pytest.mark.parametrize("world,name", [(2, "loose"), (4, "loose"), (4, "ep2-loose")])
 def test_each_rank_processes_the_tokens_routed_to_its_experts(world, name):
     result = runs_on(world)[name]
-    ep = CASES[world][name].dims.ep
+    ep = resolve(CASES[world][name]).cfg.dims.ep      # the shorthand: ep = dp x cp
     by_rank = rank_frame(result)
     routed = expert_frame(result)
     # Summed over the ranks that hold expert e (one per ep chunk), received = routed (no drops).

@@ -1,50 +1,65 @@
-"""The package's layers, enforced: every import in refimpl/ (function-level ones too) runs
+"""The package's layers, enforced as ../shared/DESIGN.md draws them ("Layout"): every import in
+refimpl/ (function-level ones too, and the "module:Class" strings the registry imports by name) runs
 downward, no module is part of an import circle, and a parallelism never imports another.
 
-The layers, bottom first (../shared/DESIGN.md, "Layout"). A module may import its own layer and
-the layers below it:
+The layers, bottom first, in DESIGN's order. A module may import its own layer and the layers below
+it, never one above:
 
-    foundation   launch (+ the rank entry point), env, numerics, progress, mesh
-    labels       trace.labels: the profiler range names (the MoE layer labels its phases)
-    model        the GPT, the MoE layer, activation checkpointing, the data
-    measure      memory, trace, comm: what a run holds, where its time went, collectives rebuilt
-    cost         α-β, bytes per collective, hardware datasheets, ceilings
+    foundation   launch (+ the rank entry point), env, numerics, progress, mesh, the staged
+                 backend, the flight recorder, faults, and labels: the profiler range names every
+                 layer puts on its work (the MoE layer's phases, a collective's span), so they sit
+                 below all of them; refimpl.trace reads them
+    model        the GPT, the MoE layer (routing only: its collectives are parallel/ep's), the
+                 presets of published models, activation checkpointing, the data
+    memory       what a run holds (arithmetic, measured, CUDA)
+    trace        capture, loading, summaries, kernels, merged timelines
+    comm         collectives rebuilt from send/recv, the byte log
+    cost         alpha-beta, bytes per collective, hardware datasheets, ceilings
     interface    config, placement, rank_model, step, strategy: what every strategy plugs into
-    parallel     one folder per parallelism (dp < zero < fsdp may share; tp, pp, cp, ep build on
-                 the data-parallel base, never on each other)
+    parallel     one folder per parallelism (dp < zero < fsdp may share; tp, pp, cp and ep import
+                 no other)
     compose      the transforms in their order, optimizer resharding, composed twins
+    registry     the --strategy names (DESIGN puts it with parallel/; it names compose's twin too,
+                 so it sits above compose)
     train        the one loop
-    tools        verify, plan, plots, the TensorBoard plugin, bench, the CLI, the rank zygote
+    verify       equivalence, the bisector, the dry run, the layout matrix
+    plan         the planner (it reads the dry run, never the other way round)
+    tools        plots, the TensorBoard plugin, bench, the CLI, the rank zygote
 
 An import inside a function is allowed only where the module says why (ALLOWED_LAZY).
 """
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "refimpl"
 
 LAYERS = [
-    ("foundation", ("launch", "shared_device", "staged_stream", "_rank", "_zygote_client", "device_audit", "flight_recorder", "faults",
-                    "env", "numerics", "progress", "mesh", "__init__")),
-    ("labels", ("trace.labels",)),
+    ("foundation", ("launch", "shared_device", "staged_stream", "_rank", "_zygote_client",
+                    "device_audit", "flight_recorder", "faults", "labels", "env", "numerics",
+                    "progress", "mesh", "__init__")),
     ("model", ("model",)),
-    ("measure", ("memory", "trace", "comm")),
+    ("memory", ("memory",)),
+    ("trace", ("trace",)),
+    ("comm", ("comm",)),
     ("cost", ("cost",)),
     ("interface", ("config", "placement", "rank_model", "step", "strategy")),
     ("parallel", ("parallel",)),
     ("compose", ("compose",)),
+    ("registry", ("registry",)),
     ("train", ("train",)),
+    ("verify", ("verify",)),
+    ("plan", ("plan",)),
     # _zygote: the fork server, a process of its own that preloads the loop for the ranks it forks
-    ("tools", ("verify", "plan", "plots", "tb_plugin", "bench", "__main__", "_zygote")),
+    ("tools", ("plots", "tb_plugin", "bench", "__main__", "_zygote")),
 ]
 # Inside parallel/: a folder may import the folders listed for it (and its own), nothing else.
 PARALLEL_MAY_IMPORT = {
     "dp": set(), "zero": {"dp"}, "fsdp": {"dp", "zero"},
-    "tp": {"dp"}, "pp": {"dp"}, "cp": {"dp"}, "ep": {"dp"},
-    "__init__": {"dp", "zero", "fsdp", "tp", "pp", "cp", "ep"},   # the registry (names only)
+    "tp": set(), "pp": set(), "cp": set(), "ep": set(), "__init__": set(),
 }
 # Function-level imports of refimpl modules, each with its reason.
 ALLOWED_LAZY = {
@@ -93,6 +108,21 @@ def _resolve(module: str, node: ast.AST) -> list[str]:
     return out
 
 
+# "refimpl.parallel.dp.naive:NaiveDataParallel": a class named in a string, for importlib (a
+# "-m refimpl._rank" starts a process: not an import)
+NAMED = re.compile(r"^refimpl(\.\w+)+:\w+$")
+
+
+def _named_in_strings(module: str, tree: ast.AST) -> list[str]:
+    """The refimpl modules a module names in string constants of the form importlib takes (the
+    registry's entries): importing by name is still importing."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and NAMED.match(node.value):
+            out += _resolve(module, ast.Import(names=[ast.alias(node.value.split(":")[0])]))
+    return out
+
+
 def _edges() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     edges, lazy = defaultdict(set), defaultdict(set)
     for module, path in MODULES.items():
@@ -104,6 +134,7 @@ def _edges() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
                     edges[module].add(target)
                     if id(node) not in top:
                         lazy[module].add(target)
+        edges[module].update(_named_in_strings(module, tree))
     return edges, lazy
 
 
@@ -203,8 +234,20 @@ def test_the_checks_name_what_they_find():
     pass on the real graph means something)."""
     made_up = {"model.gpt": {"parallel.tp.layers"},            # upward
                "parallel.tp.layers": {"parallel.pp.stage"},    # a parallelism into another
-               "parallel.pp.stage": {"parallel.pp.runner"},
-               "parallel.pp.runner": {"parallel.pp.stage"}}    # a circle
-    assert upward(made_up) == ["refimpl.model.gpt (model) imports refimpl.parallel.tp.layers (parallel)"]
-    assert crossing(made_up) == ["refimpl.parallel.tp.layers imports refimpl.parallel.pp.stage"]
+               "parallel.pp.stage": {"parallel.pp.runner", "parallel.dp.naive"},   # tp/pp/cp/ep
+               "parallel.pp.runner": {"parallel.pp.stage"},    # a circle        # import no dp
+               "verify.dryrun": {"plan.cli"},                  # verify sits below plan
+               "model.moe": {"trace.capture"}}                 # model sits below trace
+    assert upward(made_up) == ["refimpl.model.gpt (model) imports refimpl.parallel.tp.layers (parallel)",
+                               "refimpl.model.moe (model) imports refimpl.trace.capture (trace)",
+                               "refimpl.verify.dryrun (verify) imports refimpl.plan.cli (plan)"]
+    assert crossing(made_up) == ["refimpl.parallel.pp.stage imports refimpl.parallel.dp.naive",
+                                 "refimpl.parallel.tp.layers imports refimpl.parallel.pp.stage"]
     assert circles(made_up) == [["parallel.pp.runner", "parallel.pp.stage"]]
+
+
+def test_a_strategy_named_in_a_string_is_an_import():
+    """The registry imports its strategies by "module:Class" name: the check sees those edges."""
+    edges, _ = _edges()
+    assert "parallel.dp.naive" in edges["registry"]
+    assert "compose.torch_fsdp2_tp" in edges["registry"]

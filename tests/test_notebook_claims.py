@@ -8,9 +8,9 @@ from refimpl.cost import cp_comm, tp_comm
 from refimpl.cost.hardware import get_hardware
 from refimpl.model import GPTConfig
 from refimpl.model.capacity_rules import displaced_first_choices, global_keep, per_group_keep
+from refimpl.model.presets import get_model
 from refimpl.parallel.pp.replay import bubble_sweep, over_ideal, replay
 from refimpl.plan import composition
-from refimpl.plan.models import get_model
 
 
 def test_one_tp_ratio_for_notebooks_06_and_09():

@@ -9,10 +9,10 @@ import pytest
 
 from refimpl.cost.hardware import GPUS, cpu_preset
 from refimpl.model import GPTConfig
+from refimpl.model.presets import MODELS, ModelShape, megatron_flops
 from refimpl.plan import Layout, best_per_grid, megatron_runs, plan
 from refimpl.plan.cli import plan_main
 from refimpl.plan.cpu import cpu_layouts, train_config
-from refimpl.plan.models import MODELS, ModelShape, megatron_flops
 from refimpl.plan.predict import predict, predict_memory
 from refimpl.plan.published import TECHNIQUES_2021, compare_with_megatron, published_grid_ranks
 
@@ -51,7 +51,7 @@ def test_with_every_technique_the_published_grid_is_in_the_top_five():
 
 def test_bloom_and_llama3_are_presets_of_their_published_size():
     """BLOOM 176B (176.2B parameters, Le Scao et al. 2022) and Llama 3 405B in this planner's
-    4h-MLP, multi-head form: within 1.5 % (refimpl.plan.models says what the form leaves out)."""
+    4h-MLP, multi-head form: within 1.5 % (refimpl.model.presets says what the form leaves out)."""
     for name, billions in (("bloom-176b", 176.2), ("llama3-405b", 405)):
         assert MODELS[name][0].n_params / 1e9 == pytest.approx(billions, rel=0.015), name
 
@@ -72,8 +72,8 @@ def test_ring_hops_are_exposed_at_short_sequences_and_zero2_reduces_every_micro_
 
 
 def test_gpt3_on_1024_gpus_takes_about_34_days():
-    from refimpl.plan.models import GPT3_ON_1024 as g
-    from refimpl.plan.models import training_days_of
+    from refimpl.model.presets import GPT3_ON_1024 as g
+    from refimpl.model.presets import training_days_of
 
     shape, _ = MODELS[g["model"]]
     df = plan(**shape.to_dict(), global_batch=g["global_batch"], gpus=g["gpus"], **TECHNIQUES_2021)

@@ -79,8 +79,8 @@ def test_each_stage_holds_only_its_parameters():
     (dict(strategy="pp-interleaved", nproc=2, pp=2, virtual_stages=2, micro_batches=3, global_batch=6),
      "multiple of pipeline stages"),
     (dict(strategy="torch-pp-1f1b", nproc=4, pp=4, micro_batches=2), ">= stages"),
-    (dict(strategy="pp-1f1b", nproc=2, pp=1), "--pp >= 2"),
-    (dict(strategy="torch-ddp", nproc=2, pp=2), "pp-* strategies or dp-naive"),  # dp, zero*, fsdp compose
+    (dict(strategy="pp-1f1b", nproc=2, tp=2), "pipeline parallelism needs >= 2"),
+    (dict(strategy="torch-ddp", nproc=2, pp=2), "does not run on pipeline stages"),  # dp, zero*, fsdp do
     (dict(strategy="pp-gpipe", nproc=2, pp=2, schedule="1f1b"), "drop --schedule"),
     (dict(strategy="pp-zb", nproc=2, pp=2, activation_checkpointing=True), "checkpointing"),
     (dict(strategy="pp-dualpipev", nproc=2, pp=2, micro_batches=2), ">= 2 x stages"),
@@ -98,9 +98,16 @@ def test_bad_pipeline_layouts_fail_before_launch_with_one_line(changes, words):
 def test_cli_shorthand_puts_the_whole_world_on_pp():
     args = build_parser().parse_args(["train", "--strategy", "pp-interleaved", "--nproc", "4",
                                       "--virtual-stages", "2", "--micro-batches", "4", "--layers", "8"])
-    config = config_from_args(args)
+    config = validate(config_from_args(args)).cfg      # the registry fills the shorthand's axis
     assert (config.pp, config.dims.dp, config.virtual_stages) == (4, 1, 2)
-    validate(config)
+    # the ranks the other axes leave: tp 2 x pp 2, the same layout as dp-naive with --pp 2
+    args = build_parser().parse_args(["train", "--strategy", "pp-1f1b", "--nproc", "4", "--tp", "2"])
+    shorthand = validate(config_from_args(args))
+    spelled_out = validate(config_from_args(build_parser().parse_args(
+        ["train", "--strategy", "dp-naive", "--nproc", "4", "--tp", "2", "--pp", "2",
+         "--schedule", "1f1b"])))
+    assert shorthand.strategy is spelled_out.strategy
+    assert shorthand.cfg.with_(strategy="dp-naive") == spelled_out.cfg
     args = build_parser().parse_args(["train", "--strategy", "dp-naive", "--nproc", "4", "--pp", "2",
                                       "--schedule", "zb-h1", "--micro-batches", "2"])
     config = config_from_args(args)

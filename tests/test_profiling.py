@@ -10,8 +10,8 @@ def _profiled_all_reduce(rank, world_size, out_dir, steps):
     import torch
     import torch.distributed as dist
 
+    from refimpl.labels import comm_span, phase
     from refimpl.trace.capture import StepProfiler
-    from refimpl.trace.labels import comm_span, phase
 
     x = torch.randn(256, 256)
     with StepProfiler(out_dir, rank, steps) as prof:

@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn as nn
 
+from refimpl.labels import CommLog
 from refimpl.memory import activation_bytes_per_layer, block_activation_bytes, tp_block_activation_bytes
 from refimpl.model import GPTConfig
 from refimpl.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
 from refimpl.parallel.tp.parallelize import tp_layout_problem
 from refimpl.placement import Shard
-from refimpl.trace.labels import CommLog
 from tests.tp_runs import BLOCK_CFG, B, S, checks_on
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)

@@ -13,7 +13,8 @@ from refimpl import launch
 from refimpl.__main__ import main as cli
 from refimpl.config import TrainConfig
 from refimpl.mesh import LayoutError
-from refimpl.train import merge_results, resolve_layout, train_several_on_ranks, validate
+from refimpl.registry import resolve
+from refimpl.train import merge_results, train_several_on_ranks, validate
 from refimpl.verify.equivalence import FP64_TOLERANCE, compare_states, compare_with_single
 from tests.models import SMALL
 from tests.test_mesh import _train_guarded
@@ -93,9 +94,9 @@ def test_parameters_per_rank_shrink_with_tp():
 
 
 def test_shorthand_puts_the_whole_world_on_tp():
-    assert resolve_layout(TrainConfig(strategy="tp", nproc=4)).tp == 4
-    assert resolve_layout(TrainConfig(strategy="tp", nproc=4, replicas=2)).tp == 2
-    assert resolve_layout(TrainConfig(strategy="zero1", nproc=4, tp=2)).dims.dp == 2
+    assert resolve(TrainConfig(strategy="tp", nproc=4)).cfg.tp == 4
+    assert resolve(TrainConfig(strategy="tp", nproc=4, replicas=2)).cfg.tp == 2
+    assert resolve(TrainConfig(strategy="zero1", nproc=4, tp=2)).cfg.dims.dp == 2
 
 
 @pytest.mark.parametrize("cfg, words", [

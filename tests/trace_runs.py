@@ -20,8 +20,8 @@ def profiled_allreduce(rank: int, world_size: int, out: str, steps: int) -> dict
     import torch
     import torch.distributed as dist
 
+    from refimpl.labels import comm_span, phase
     from refimpl.trace.capture import StepProfiler
-    from refimpl.trace.labels import comm_span, phase
     from refimpl.trace.run_record import record_run
 
     torch.manual_seed(rank)

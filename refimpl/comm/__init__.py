@@ -14,7 +14,7 @@ swapped for the other in any strategy. Only `torch.distributed.isend/irecv` move
     all_to_all(_single)       pairwise exchange                 pairwise.py
     send, recv, isend, irecv  torch's own, counted              p2p.py
 
-`CommLog` (refimpl.trace.labels) records the calls, and the bytes each rank sends per collective
+`CommLog` (refimpl.labels) records the calls, and the bytes each rank sends per collective
 (counted in counter.py); `async_op=True`
 returns a `Work` whose `.wait()` blocks until the result is in place (work.py). Every collective
 is labelled `comm:<name>` for torch.profiler.
@@ -33,7 +33,7 @@ from refimpl.comm.ring import (
 )
 from refimpl.comm.tree import broadcast, reduce
 from refimpl.comm.work import Work
-from refimpl.trace.labels import CommLog
+from refimpl.labels import CommLog
 
 __all__ = [
     "ReduceOp", "CommLog", "Work",

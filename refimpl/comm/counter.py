@@ -1,6 +1,6 @@
 """Count the bytes each rank puts on the wire, per collective, into the open CommLogs.
 
-    with CommLog() as counted:                     # refimpl.trace.labels.CommLog
+    with CommLog() as counted:                     # refimpl.labels.CommLog
         comm.all_reduce(x)
     counted.sent["all_reduce"]      # bytes this rank sent: 2(n-1)/n * x.nbytes for the ring
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextvars
 from contextlib import contextmanager
 
-from refimpl.trace.labels import open_logs
+from refimpl.labels import open_logs
 
 # The collective that is running: its sends are counted under its name.
 _OP: contextvars.ContextVar[str] = contextvars.ContextVar("refimpl_comm_op", default="send")

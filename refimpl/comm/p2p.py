@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from refimpl.comm.counter import op_scope, record_recv, record_send
-from refimpl.trace.labels import comm_span
+from refimpl.labels import comm_span
 
 # Collectives send with their own tag so that a pipeline stage's user-level send/recv (tag 0)
 # between the same two ranks can never be matched with a message that belongs to a ring.

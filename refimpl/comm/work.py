@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from refimpl.comm.counter import op_scope
 from refimpl.comm.p2p import GroupView
-from refimpl.trace.labels import comm_span
+from refimpl.labels import comm_span
 
 
 class Work:

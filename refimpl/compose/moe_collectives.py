@@ -35,10 +35,11 @@ experts this rank holds of each layer:
        each hop one isend and one irecv. They are posted by refimpl.comm.p2p.post, which labels no
        profiler range, so a trace does not show them: their rows say `traced=False` and the trace
        comparison leaves them out (tests/test_cp.py counts the ring's messages instead). Under capacity_scope=sequence, per MoE layer and micro-batch,
-       one all-gather over cp of the counts of each sequence's pieces (refimpl.model.moe_sequence).
-  dp   `ep`'s gradient sync after the schedule: one all-reduce per dense parameter tensor of the
-       stage over dp x cp, one per expert tensor over edp when edp > 1 (refimpl.parallel.ep.strategy;
-       under tp each rank syncs its own shards, so the same tensors), and the loss's mean.
+       one all-gather over cp of the counts of each sequence's pieces (refimpl.parallel.ep.counts).
+  dp   `ep`'s gradient sync after the schedule (dp-naive's: refimpl.parallel.dp.naive): one
+       all-reduce per dense parameter tensor of the stage over dp x cp, one per expert tensor over
+       edp when edp > 1 (under tp each rank syncs its own shards, so the same tensors), and the
+       loss's mean.
 
 Counted: the plain pipeline placement (one chunk per rank), no activation checkpointing (which
 replays a block's forward collectives in backward), and not tp with cp together (tp x cp's MoE run
@@ -149,7 +150,7 @@ def expected_calls(cfg: TrainConfig, stage: int = 0) -> pd.DataFrame:
 def count_gather_bytes(cfg: TrainConfig) -> int:
     """Bytes of ep's all-gather of the routing counts: int64 counts per expert (routed and kept
     under the sequence scope, routed under the batch scope) from every dp x cp rank
-    (refimpl.model.moe: `all_gather_counts`)."""
+    (refimpl.parallel.ep.counts: `all_gather_counts`)."""
     rows = 2 if cfg.model.capacity_scope == "sequence" else 1
     return 8 * rows * cfg.model.n_experts * cfg.dims.dp * cfg.dims.cp
 

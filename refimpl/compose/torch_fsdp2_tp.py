@@ -32,6 +32,7 @@ stages without FSDP2 (tp2 x pp2, zbv) equal single.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -47,6 +48,7 @@ from refimpl.parallel.pp.torch_pp import TorchPipeline, check_torch_layout
 from refimpl.parallel.tp.torch_plan import full_state_dict, torch_parallelize_tp
 from refimpl.parallel.tp.torch_tp import TorchTensorParallel
 from refimpl.placement import merge_stages
+from refimpl.rank_model import Pipeline, RankModel
 from refimpl.strategy import make_optimizer
 
 
@@ -63,8 +65,8 @@ def dp_tp_device_mesh(mesh, device_type: str):
 
 class TorchFSDP2TP(TorchTensorParallel):
     name = "torch-fsdp2-tp"
-    whole_world_axis = None
     scales_loss_by_world = False
+    on_a_pipeline = True
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
@@ -76,7 +78,7 @@ class TorchFSDP2TP(TorchTensorParallel):
             raise LayoutError("strategy 'torch-fsdp2-tp' needs untied embeddings")
         if cfg.pp > 1:
             schedule = pipeline_schedule(cfg)
-            check_torch_layout(cfg.pp, cfg.micro_batches, schedule, getattr(cfg, "virtual_stages", 1))
+            check_torch_layout(cfg.pp, cfg.micro_batches, schedule, cfg.virtual_stages)
             if schedule in SPLIT_SCHEDULES:
                 raise LayoutError(f"strategy 'torch-fsdp2-tp' with the {schedule} schedule: PyTorch "
                                   "2.13's split backward (stage_backward_input / _weight) leaves "
@@ -89,7 +91,7 @@ class TorchFSDP2TP(TorchTensorParallel):
         pp, schedule = self.mesh.size("pp"), pipeline_schedule(cfg)
         # torchtitan's order: the pipeline split first, then each piece parallelized on its own
         pieces = [model] if pp == 1 else build_chunks(
-            model, pp, self.mesh.index("pp"), chunks_per_rank(schedule, getattr(cfg, "virtual_stages", 1)),
+            model, pp, self.mesh.index("pp"), chunks_per_rank(schedule, cfg.virtual_stages),
             where=placement(schedule))
         for piece in pieces:
             torch_parallelize_tp(piece, mesh2d["tp"], sequence_parallel=cfg.sequence_parallel)
@@ -98,14 +100,21 @@ class TorchFSDP2TP(TorchTensorParallel):
             self._fully_shard(piece, mesh2d["dp"])
         self.model = model if pp == 1 else _Pieces(pieces)
         self.optimizer = make_optimizer(self.model.parameters(), cfg)
-        # The step runner's loop under loss_parallel (TorchTensorParallel.micro_step); its mean
-        # over the dp ranks' rows is the loop's global_mean_loss.
-        self.run_with_replicated_loss()
-        if pp > 1:
-            twin = TorchPipeline(pieces, self.mesh.group("pp"), pp, schedule, cfg.micro_batches,
-                                 ctx.device, loss_fn=_replicated_loss)
-            self.rank_model.pipeline = functools.partial(_under_loss_parallel, twin)
-            self.rank_model.pipeline.loss_stage = 0 if placement(schedule) == "v" else None
+        self.pieces = pieces
+
+    def step_model(self, rank_model: RankModel) -> RankModel:
+        """The step runner's loop under loss_parallel (TorchTensorParallel.micro_step), its mean
+        over the dp ranks' rows the loop's global_mean_loss; with --pp, PyTorch's schedule over
+        the pieces, the loss on the stage with the last piece."""
+        plain = super().step_model(rank_model)
+        pp, cfg = self.mesh.size("pp"), self.ctx.cfg
+        if pp == 1:
+            return plain
+        schedule = pipeline_schedule(cfg)
+        twin = TorchPipeline(self.pieces, self.mesh.group("pp"), pp, schedule, cfg.micro_batches,
+                             self.ctx.device, loss_fn=_replicated_loss)
+        return replace(plain, pipeline=Pipeline(functools.partial(_under_loss_parallel, twin),
+                                                loss_stage=0 if placement(schedule) == "v" else pp - 1))
 
     def _fully_shard(self, piece: nn.Module, dp_mesh) -> None:
         """FSDP2 bottom-up over one piece: each block, the embedding (if here), the piece."""

@@ -31,10 +31,10 @@ import functools
 import torch
 import torch.nn as nn
 
+from refimpl.labels import phase
 from refimpl.parallel.cp.ring import positions, ring_attention
 from refimpl.parallel.tp.layers import ParallelSelfAttention, enter_region
 from refimpl.parallel.tp.vocab import VocabParallelEmbedding
-from refimpl.trace.labels import phase
 
 
 class RingParallelSelfAttention(nn.Module):

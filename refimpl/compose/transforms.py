@@ -31,25 +31,25 @@ from refimpl.mesh import LayoutError
 from refimpl.model import converted, lm_loss
 from refimpl.model.activation_checkpointing import checkpoint_blocks
 from refimpl.model.moe import batch_scope_problem, moe_layers, validate_moe
-from refimpl.model.moe_sequence import ChunkedSequences
-from refimpl.parallel import get_strategy
 from refimpl.parallel.cp.parallelize import apply_context_parallel, shard_batch
 from refimpl.parallel.cp.ring import chunk_ids
+from refimpl.parallel.ep.counts import ChunkedSequences
 from refimpl.parallel.ep.dispatch import parallelize_experts, share_routing_counts
 from refimpl.parallel.pp.runner import pipeline_forward_backward
 from refimpl.parallel.pp.stage import split_for_pipeline
-from refimpl.parallel.pp.strategy import validate_pipeline
+from refimpl.parallel.pp.validate import validate_pipeline
 from refimpl.parallel.tp.parallelize import parallelize_tp, tp_layout_problem, tp_loss_for
-from refimpl.rank_model import RankModel
+from refimpl.rank_model import Pipeline, RankModel
 
 
-def validate_model_parallel(cfg) -> None:
-    """The model-parallel constraints of a layout, checked before launch (one line each)."""
+def validate_model_parallel(cfg, strategy) -> None:
+    """The model-parallel constraints of a layout, checked before launch (one line each).
+    `strategy`: the class that runs it (refimpl.registry), whose traits say what it composes with."""
     if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):
         raise LayoutError(f"--seq-len {cfg.seq_len} must be divisible by 2 x cp = {2 * cfg.cp}: "
                           "ring attention cuts each sequence into 2·cp equal chunks")
     validate_moe(cfg.model, cfg.dims.ep)
-    if cfg.dims.ep > 1 and not get_strategy(cfg.strategy).experts_over_edp:
+    if cfg.dims.ep > 1 and not strategy.experts_over_edp:
         # PyTorch's twins sum every gradient over dp x cp: expert 0's into expert 2's weights.
         raise LayoutError(f"--ep {cfg.dims.ep}: strategy {cfg.strategy!r} would sum different "
                           "experts' gradients over dp x cp (use ep, dp-naive, dp, zero1/2/3 or fsdp)")
@@ -61,7 +61,7 @@ def validate_model_parallel(cfg) -> None:
         raise LayoutError(f"--experts with {cfg.strategy}: PyTorch's schedules run the stages "
                           "themselves and backpropagate the last stage's loss only, so a stage's MoE "
                           "aux loss cannot join it and its expert load is not single's (use pp-*)")
-    if cfg.tp > 1 and cfg.model.n_experts and not get_strategy(cfg.strategy).takes_our_transforms:
+    if cfg.tp > 1 and cfg.model.n_experts and not strategy.takes_our_transforms:
         raise LayoutError(f"--tp with --experts: {cfg.strategy!r} applies DTensor's tp plan to the "
                           "plain reference, which names no MoE layer (ours split each expert)")
     if cfg.sequence_parallel and cfg.tp == 1:
@@ -74,7 +74,7 @@ def validate_model_parallel(cfg) -> None:
                    or tp_cp_layout_problem(cfg.seq_len, cfg.tp, cfg.cp, cfg.sequence_parallel))
         if problem:
             raise LayoutError(problem)
-    validate_pipeline(cfg)
+    validate_pipeline(cfg, strategy)
 
 
 def model_parallel(model: nn.Module, ctx) -> RankModel:
@@ -111,7 +111,7 @@ def model_parallel(model: nn.Module, ctx) -> RankModel:
     pipeline = None
     if mesh.size("pp") > 1:
         model = split_for_pipeline(model, ctx, seq_split)
-        pipeline = functools.partial(pipeline_forward_backward, model, fault=cfg.fault)
-        pipeline.loss_stage = model.loss_stage     # where the loss is: the last stage, or a V's first
-        pipeline.sum_stages = bool(cfg.model.n_experts)   # MoE: every stage adds its aux losses
+        pipeline = Pipeline(functools.partial(pipeline_forward_backward, model, fault=cfg.fault),
+                            loss_stage=model.loss_stage,           # the last stage, or a V's first
+                            sum_stages=bool(cfg.model.n_experts))  # MoE: every stage adds its aux
     return RankModel(model, loss_fn=loss_fn, shard_batch=batch_chunks, pipeline=pipeline)

@@ -59,9 +59,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from refimpl.labels import phase
 from refimpl.model.config import GPTConfig
 from refimpl.model.layers import MLP
 from refimpl.model.moe_layout import BALANCE, SCOPES, batch_scope_problem, validate_moe  # noqa: F401
@@ -72,7 +72,6 @@ from refimpl.model.moe_sequence import (
     sequence_tokens,
 )
 from refimpl.model.moe_slots import destinations, one_hot, pack, unpack
-from refimpl.trace.labels import comm_span, phase
 
 
 class _Recompute:
@@ -146,15 +145,6 @@ def within_capacity(experts_flat: torch.Tensor, n_experts: int, offsets: torch.T
     return place.gather(1, experts_flat[:, None]).squeeze(1) < capacity
 
 
-def all_gather_counts(counts: torch.Tensor, group, comm) -> tuple[torch.Tensor, int]:
-    """[ranks, E] per-expert counts of every rank of `group` (in batch order), and my row."""
-    n = dist.get_world_size(group)
-    rows = [torch.empty_like(counts) for _ in range(n)]
-    with comm_span("all_gather", counts.nbytes * n):
-        comm.all_gather(rows, counts, group=group)
-    return torch.stack(rows), dist.get_rank(group)
-
-
 def switch_aux_loss(probs: torch.Tensor, routed: torch.Tensor, alpha: float) -> torch.Tensor:
     """alpha * E * sum_i f_i * P_i (Switch eq. 4). `routed` are the global counts, so f is the
     global fraction; P is this rank's mean, so the mean of the ranks' losses is the global loss."""
@@ -174,21 +164,18 @@ class Traffic:
 
 
 class LocalExperts:
-    """Every expert lives in this process: the single-process reference's dispatch, and a
-    data-parallel replica's (`token_group`: the ranks holding the other rows of the batch, whose
-    counts make the capacity and f_i global, as in the single process)."""
+    """Every expert lives in this process, and so does every token: the single-process
+    reference's dispatch. (A data-parallel replica's counts the other ranks' tokens too:
+    refimpl.parallel.ep.counts.SharedCounts.)"""
 
     first = 0          # the global index of this rank's first expert
 
-    def __init__(self, token_group=None, comm=None):
-        self.token_group, self.comm = token_group, comm
+    def __init__(self):
         self.traffic = Traffic()
 
     def gather_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Counts per expert of every token-holding rank ([ranks, E]) and this rank's row."""
-        if self.token_group is None:
-            return counts[None], 0
-        return all_gather_counts(counts, self.token_group, self.comm)
+        return counts[None], 0
 
     def __call__(self, x: torch.Tensor, counts: torch.Tensor, room: int | None,
                  experts: nn.ModuleDict) -> tuple:
@@ -222,7 +209,7 @@ class MoEMLP(nn.Module):
         self.experts = nn.ModuleDict({str(e): MLP(cfg) for e in range(cfg.n_experts)})
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
         self.dispatch = LocalExperts()
-        self.sequences = WholeSequences()   # cp replaces it (moe_sequence.ChunkedSequences)
+        self.sequences = WholeSequences()   # cp replaces it (parallel.ep.counts.ChunkedSequences)
         self.aux_loss = torch.zeros(())
         self.stats: MoEStats | None = None
         self.keep: torch.Tensor | None = None

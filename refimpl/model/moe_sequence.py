@@ -34,40 +34,20 @@ DeepSeek-V3's bias rule needs nothing here: it nudges b_i from the load of the w
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from refimpl.model.moe_slots import one_hot
-from refimpl.trace.labels import comm_span
 
 
 class WholeSequences:
-    """This rank holds its sequences whole: one piece each (no context parallelism)."""
+    """This rank holds its sequences whole: one piece each (no context parallelism; under it the
+    layer's `sequences` is refimpl.parallel.ep.counts.ChunkedSequences, which gathers the counts
+    of the pieces the other cp ranks hold)."""
 
     held: tuple[int, ...] = (0,)
     pieces = 1
 
     def gather(self, counts: torch.Tensor) -> torch.Tensor:
         return counts
-
-
-class ChunkedSequences:
-    """Context parallelism: of the `pieces` equal pieces of each sequence, cp rank j holds
-    `chunks[j]` (its local tokens are those pieces, concatenated in that order)."""
-
-    def __init__(self, chunks: list[tuple[int, ...]], group, comm=dist):
-        self.chunks, self.group, self.comm = [tuple(c) for c in chunks], group, comm
-        self.held = self.chunks[dist.get_rank(group)]
-        self.pieces = sum(len(c) for c in self.chunks)
-
-    def gather(self, counts: torch.Tensor) -> torch.Tensor:
-        """[rows, held, E] counts of this rank -> [rows, pieces, E], every piece in sequence order."""
-        parts = [torch.empty_like(counts) for _ in self.chunks]
-        with comm_span("all_gather", counts.nbytes * len(parts)):
-            self.comm.all_gather(parts, counts, group=self.group)
-        # piece p is column i of rank r's part: stacked by Python ints (an index list would be a
-        # host-to-device copy, a stream sync, in every step)
-        where = {p: (r, i) for r, ids in enumerate(self.chunks) for i, p in enumerate(ids)}
-        return torch.stack([parts[r][:, i] for r, i in (where[p] for p in range(self.pieces))], dim=1)
 
 
 def sequence_tokens(local_tokens: int, rows: int, layout) -> int:

@@ -1,49 +1,13 @@
-"""One strategy per file. `get_strategy(name)` imports the one asked for.
+"""One folder per parallelism: its mechanism, its strategy and PyTorch's twin together.
 
-The registry maps a `--strategy` name to "module:Class". From-scratch strategies and PyTorch's
-built-in twins (prefixed `torch-`) run through the same loop, so any comparison is one command.
+    dp/     single, dp-naive, dp (bucketed, overlapped), torch-ddp
+    zero/   ZeRO stages 1 and 2 (sharded AdamW, streaming reduce), torch-zero1
+    fsdp/   ZeRO-3 and FSDP (sharded units, prefetch), torch-fsdp2
+    tp/     tensor and sequence parallelism, torch-tp
+    pp/     pipeline schedules as tables, one runner, zero bubble, torch-pp-*
+    cp/     ring attention
+    ep/     expert parallelism (the all-to-all dispatch)
+
+A parallelism never imports another (dp < zero < fsdp share mechanisms); they meet in
+refimpl.compose, and the `--strategy` names map to them in refimpl.registry.
 """
-from __future__ import annotations
-
-import importlib
-
-from refimpl.mesh import LayoutError
-from refimpl.strategy import Strategy
-
-STRATEGIES: dict[str, str] = {
-    "single": "refimpl.parallel.dp.single:Single",
-    "dp-naive": "refimpl.parallel.dp.naive:NaiveDataParallel",
-    "dp": "refimpl.parallel.dp.bucketed:BucketedDataParallel",
-    "torch-ddp": "refimpl.parallel.dp.torch_ddp:TorchDDP",
-    "zero1": "refimpl.parallel.zero.stages:Zero1",
-    "zero2": "refimpl.parallel.zero.stages:Zero2",
-    "torch-zero1": "refimpl.parallel.zero.torch_zero1:TorchZero1",
-    "zero3": "refimpl.parallel.fsdp.zero3:Zero3",
-    "fsdp": "refimpl.parallel.fsdp.fully_shard:FSDP",
-    "torch-fsdp2": "refimpl.parallel.fsdp.torch_fsdp2:TorchFSDP2",
-    "torch-fsdp2-gradop": "refimpl.parallel.fsdp.torch_fsdp2:TorchFSDP2GradOp",
-    "tp": "refimpl.parallel.tp.strategy:TensorParallel",
-    "torch-tp": "refimpl.parallel.tp.torch_tp:TorchTensorParallel",
-    "torch-fsdp2-tp": "refimpl.compose.torch_fsdp2_tp:TorchFSDP2TP",
-    "pp-gpipe": "refimpl.parallel.pp.strategy:PipelineParallel",
-    "pp-1f1b": "refimpl.parallel.pp.strategy:PipelineParallel",
-    "pp-interleaved": "refimpl.parallel.pp.strategy:PipelineParallel",
-    "pp-zb": "refimpl.parallel.pp.strategy:PipelineParallel",
-    "pp-interleaved-zb": "refimpl.parallel.pp.strategy:PipelineParallel",
-    "pp-zbv": "refimpl.parallel.pp.strategy:PipelineParallel",
-    "pp-dualpipev": "refimpl.parallel.pp.strategy:PipelineParallel",
-    "torch-pp-gpipe": "refimpl.parallel.pp.strategy:TorchPipelineParallel",
-    "torch-pp-1f1b": "refimpl.parallel.pp.strategy:TorchPipelineParallel",
-    "torch-pp-interleaved": "refimpl.parallel.pp.strategy:TorchPipelineParallel",
-    "torch-pp-interleaved-zb": "refimpl.parallel.pp.strategy:TorchPipelineParallel",
-    "torch-pp-zbv": "refimpl.parallel.pp.strategy:TorchPipelineParallel",
-    "torch-pp-dualpipev": "refimpl.parallel.pp.strategy:TorchPipelineParallel",
-    "ep": "refimpl.parallel.ep.strategy:ExpertParallel",
-}
-
-
-def get_strategy(name: str) -> type[Strategy]:
-    if name not in STRATEGIES:
-        raise LayoutError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
-    module, cls = STRATEGIES[name].split(":")
-    return getattr(importlib.import_module(module), cls)

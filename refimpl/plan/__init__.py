@@ -19,7 +19,7 @@ The GPU presets it predicts with are refimpl.cost.hardware's (the datasheet numb
 here); this machine as a preset is measured by refimpl.cost.this_machine.
 """
 from refimpl.cost.hardware import GPUS, Hardware, cpu_preset, get_hardware  # noqa: F401
-from refimpl.plan.models import MODELS, ModelShape, megatron_runs  # noqa: F401
+from refimpl.model.presets import MODELS, ModelShape, megatron_runs  # noqa: F401
 from refimpl.plan.predict import Layout, predict  # noqa: F401
 from refimpl.plan.published import compare_with_megatron  # noqa: F401
 from refimpl.plan.search import best_per_grid, enumerate_layouts, plan  # noqa: F401

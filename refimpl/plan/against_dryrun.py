@@ -16,7 +16,7 @@ import pandas as pd
 
 from refimpl.config import TrainConfig
 from refimpl.cost.hardware import MEMORY_HEADROOM, get_hardware
-from refimpl.plan.models import get_model
+from refimpl.model.presets import get_model
 from refimpl.plan.predict import Layout, predict_memory
 from refimpl.verify.dryrun import default_batch, dry_run, preset_config
 

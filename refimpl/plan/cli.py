@@ -16,7 +16,7 @@ import argparse
 import sys
 
 from refimpl.cost.hardware import GPUS
-from refimpl.plan.models import MODELS, get_model
+from refimpl.model.presets import MODELS, get_model
 from refimpl.plan.search import RECOMPUTE, plan
 
 SHOWN = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "zero_stage": "zero",

@@ -39,7 +39,7 @@ from refimpl.cost.tp_comm import (
     flops_per_layer,
     pp_boundary_bytes,
 )
-from refimpl.plan.models import ModelShape
+from refimpl.model.presets import ModelShape
 
 
 def collectives_per_step(trace: pd.DataFrame, rank: int = 0) -> pd.DataFrame:

@@ -24,12 +24,12 @@ from refimpl.cost.alpha_beta import ring_seconds
 from refimpl.cost.hardware import Hardware
 from refimpl.env import cpu_cores
 from refimpl.model import GPT, GPTConfig
+from refimpl.model.presets import ModelShape
 from refimpl.plan.cpu_calibration import (  # noqa: F401  (re-exported: the notebook, the bench)
     calibrate_compute,
     calibrated_cpu_preset,
     shape_of,
 )
-from refimpl.plan.models import ModelShape
 from refimpl.plan.predict import PRECISIONS, Layout, micro_batch_work, predict
 from refimpl.plan.search import enumerate_layouts, rank_layouts
 from refimpl.train import train_several_on_ranks

@@ -10,7 +10,7 @@ from refimpl.config import TrainConfig
 from refimpl.cost.hardware import Hardware
 from refimpl.cost.this_machine import measure_cpu_preset
 from refimpl.model import GPTConfig
-from refimpl.plan.models import ModelShape
+from refimpl.model.presets import ModelShape
 from refimpl.plan.predict import PRECISIONS, Layout, micro_batch_work, predict
 from refimpl.train import train_on_ranks
 

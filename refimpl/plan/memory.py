@@ -11,8 +11,8 @@ import refimpl.plan.moe as moe  # what a mixture of experts adds
 from refimpl.cost.cp_comm import ring_block_delta_bytes
 from refimpl.memory import activation_bytes_per_layer, model_state_bytes
 from refimpl.memory.arithmetic import tp_block_activation_bytes
+from refimpl.model.presets import ModelShape
 from refimpl.plan.layout import Layout
-from refimpl.plan.models import ModelShape
 
 PRECISIONS = {
     # mixed-precision Adam (the ZeRO paper's K = 12), 16-bit activations: what GPU trainings use.

@@ -19,10 +19,10 @@ import refimpl.plan.moe as moe  # what a mixture of experts adds
 from refimpl.cost.alpha_beta import ring_seconds
 from refimpl.cost.hardware import MEMORY_HEADROOM, Hardware
 from refimpl.memory import training_flops
+from refimpl.model.presets import ModelShape
 from refimpl.plan.dp_sync import dp_sync_seconds
 from refimpl.plan.layout import Layout
 from refimpl.plan.memory import PRECISIONS, layer_activation_bytes, predict_memory, stage_params
-from refimpl.plan.models import ModelShape
 
 
 def micro_batch_work(shape: ModelShape, lay: Layout, act_bytes: int) -> dict:

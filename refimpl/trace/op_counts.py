@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from refimpl.labels import phase
 from refimpl.model import lm_loss
-from refimpl.trace.labels import phase
 from refimpl.trace.native_stderr import quiet_profiler_in_notebook
 
 

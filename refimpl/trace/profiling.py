@@ -3,7 +3,7 @@
 `load_trace(run_dir)` turns every rank's trace into one DataFrame (rank, name, category, start_us,
 dur_us, step); `summarize(df)` gives per rank the time spent computing, communicating, both at once
 (overlap) and neither (idle) inside the profiled steps: from our labelled ranges
-(refimpl.trace.labels) on CPU ranks, from the GPU streams' kernels on CUDA runs
+(refimpl.labels) on CPU ranks, from the GPU streams' kernels on CUDA runs
 (refimpl.trace.kernels explains why). The ranks' clocks are one host clock on one machine; on
 several nodes only as aligned as NTP. Traces are written by refimpl.trace.capture.
 """
@@ -14,8 +14,8 @@ import json
 import re
 from pathlib import Path
 
+from refimpl.labels import COMM_LABEL, PHASES, categorize
 from refimpl.trace import kernels
-from refimpl.trace.labels import COMM_LABEL, PHASES, categorize
 
 
 def trace_files(run: str | Path) -> dict[int, Path]:

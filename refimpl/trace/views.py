@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from refimpl.trace.labels import PHASES
+from refimpl.labels import PHASES
 from refimpl.trace.profiling import comm_table, summarize
 
 DEFAULT_WINDOW = 4   # steps shown when a viewer asks for none: enough to see a steady state

@@ -40,6 +40,7 @@ from refimpl.config import TrainConfig
 from refimpl.launch import run
 from refimpl.mesh import LayoutError
 from refimpl.model import synthetic_batch
+from refimpl.registry import resolve
 from refimpl.train import in_this_process, launch_backend, setup_rank, validate
 from refimpl.verify.equivalence import FP64_TOLERANCE, reference_config
 
@@ -122,7 +123,7 @@ def main(make_config, as_json: bool = False, timeout: float = 300.0) -> int:
 
 
 def _first_divergence(cfg, tolerance, timeout):
-    validate(cfg)
+    cfg = validate(cfg).cfg     # a shorthand's axes filled in (refimpl.registry)
     per_rank = (run(record_rank, cfg.nproc, cfg, timeout=timeout, quiet=True,
                     backend=launch_backend(cfg)) if cfg.nproc > 1 else
                 [in_this_process(record_rank, 0, 1, cfg)])
@@ -136,7 +137,7 @@ def _first_divergence(cfg, tolerance, timeout):
 
 def record_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     """Train `cfg` on this rank, recording every step's fingerprints, loss and weights."""
-    ctx, strategy, _ = setup_rank(rank, world_size, cfg)
+    ctx, strategy, _ = setup_rank(rank, world_size, resolve(cfg))
     forward: dict[str, torch.Tensor] = {}
     backward: dict[str, torch.Tensor] = {}
     handles = [m.register_forward_hook(_hook(canonical[1], forward, backward))

@@ -30,7 +30,7 @@ back is what the train CLI reports for that rank, by category -- params, grads, 
 activations_peak (autograd's saved tensors, refimpl.memory.ActivationTracker), and `peak`, the most
 bytes alive at any moment of the step (refimpl.memory.live.LiveBytes: the model states, and every
 storage an op creates, until it is freed) -- and `comm`: every collective this rank called, bytes per
-op per axis of the grid (the labels' convention, refimpl.trace.labels: the whole message).
+op per axis of the grid (the labels' convention, refimpl.labels: the whole message).
 
 The batch is the only thing not from the loop: `synthetic_batch` draws its noise with a
 data-dependent count, which a meta tensor cannot have, and token values change no memory figure,
@@ -51,13 +51,13 @@ from refimpl.memory import ActivationTracker
 from refimpl.memory.live import LiveBytes
 from refimpl.mesh import LayoutError
 from refimpl.model import Batch, GPTConfig
-from refimpl.plan.models import get_model
+from refimpl.model.presets import get_model
 from refimpl.train import setup_rank, validate
 from refimpl.verify.fast_meta import fast_meta_kernels
 from refimpl.verify.on_meta import OnMeta, values_not_drawn
 
 # The collectives refimpl's code calls through torch.distributed (as `dist.X` or `ctx.comm.X`,
-# looked up at call time), and which argument is "the message" (refimpl.trace.labels' convention).
+# looked up at call time), and which argument is "the message" (refimpl.labels' convention).
 MESSAGE_ARG = {"all_reduce": 0, "broadcast": 0, "reduce": 0, "all_gather_into_tensor": 0,
                "reduce_scatter_tensor": 1, "all_to_all_single": 1, "all_gather": 0,
                "isend": 0, "irecv": 0, "send": 0, "recv": 0}
@@ -66,7 +66,7 @@ AXIS_ORDER = ("tp", "cp", "pp", "dp", "dp_cp", "ep", "edp")
 
 
 def preset_config(name: str, cfg: TrainConfig) -> TrainConfig:
-    """`cfg` with the planner preset `name`'s shape (refimpl.plan.models) as its model and its
+    """`cfg` with the planner preset `name`'s shape (refimpl.model.presets) as its model and its
     full sequence length. The global batch stays `cfg`'s: one micro-batch per pipeline stage in
     flight is what memory depends on, not the preset's thousand sequences (see `default_batch`).
     A mixture of experts is built as `moe_form` says."""
@@ -109,7 +109,8 @@ def dry_run(cfg: TrainConfig, rank: int = 0) -> dict:
     Returns {"rank", "world_size", "n_params", "memory": {params, grads, optimizer,
     activations_peak, total, peak} (bytes, this rank), "comm": {axis: {op: bytes}}, "calls":
     {axis: {op: count}}}. Raises LayoutError (one line) for a layout the real run would refuse."""
-    validate(cfg)
+    layout = validate(cfg)
+    cfg = layout.cfg            # a shorthand's axes filled in (refimpl.registry)
     if not 0 <= rank < cfg.nproc:
         raise LayoutError(f"--rank must be in [0, {cfg.nproc - 1}] (got {rank})")
     if dist.is_initialized():
@@ -123,7 +124,7 @@ def dry_run(cfg: TrainConfig, rank: int = 0) -> dict:
     try:
         with torch.device("meta"), fast_meta_kernels():
             with OnMeta() as made, values_not_drawn():
-                ctx, strategy, n_params = setup_rank(rank, cfg.nproc, cfg)
+                ctx, strategy, n_params = setup_rank(rank, cfg.nproc, layout)
                 ids = torch.randint(cfg.model.vocab_size, (cfg.global_batch, cfg.seq_len + 1))
                 batch = Batch(ids[:, :-1], ids[:, 1:])
                 # The train CLI's peak is a step after the first: before it, AdamW's m and v do
@@ -224,7 +225,7 @@ def recording_collectives(mesh):
 def add_arguments(parser) -> None:
     """`dryrun` takes the train flags plus these (refimpl.__main__ builds it from train's)."""
     parser.add_argument("--model", default=None,
-                        help="a planner preset (refimpl.plan.models: 70b, gpt3-175b, ...)")
+                        help="a planner preset (refimpl.model.presets: 70b, gpt3-175b, ...)")
     parser.add_argument("--rank", type=int, default=0, help="the rank of the grid to run")
 
 

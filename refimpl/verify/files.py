@@ -4,11 +4,12 @@ A corrupt `--init-state` used to end in a 20-line traceback from inside a rank; 
 another model shape in a size-mismatch traceback; `--save-state` into a missing folder trained the
 whole run and then lost it. `check_files` tries what can be tried in the launching process: the
 state files load and their names and shapes are the model's, the folders a run will write into
-exist and are writable. Every failure is a LayoutError, which the CLI prints as one line (exit 2).
+exist (or can be made) and take a file. Every failure is a LayoutError, which the CLI prints as one line (exit 2).
 """
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -19,9 +20,10 @@ from refimpl.model import GPT, GPTConfig
 
 def check_files(model: GPTConfig, *, init_state: str | None = None,
                 init_optimizer_state: str | None = None, writes: dict[str, str | None] = (),
-                trace_dir: str | None = None) -> None:
+                trace_dir: str | None = None, checkpoint_dir: str | None = None) -> None:
     """Raise LayoutError naming the flag and the problem; `writes` maps a flag to the file it
-    will write (its folder must exist and be writable)."""
+    will write (its folder must exist and take a file); `trace_dir` and `checkpoint_dir` are
+    folders the run will write into, made here if missing (as the run would)."""
     if init_state:
         _check_state(init_state, model)
     if init_optimizer_state:
@@ -34,18 +36,34 @@ def check_files(model: GPTConfig, *, init_state: str | None = None,
             folder = Path(path).resolve().parent
             if not folder.is_dir():
                 raise LayoutError(f"{flag} {path}: the folder {folder} does not exist")
-            _writable(flag, path, folder)
-    if trace_dir:
-        folder = Path(trace_dir).resolve()
-        existing = next(p for p in (folder, *folder.parents) if p.exists())
-        if not existing.is_dir():
-            raise LayoutError(f"--trace-dir {trace_dir}: {existing} is a file, not a folder")
-        _writable("--trace-dir", trace_dir, existing)
+            _takes_a_file(flag, path, folder)
+    for flag, folder in (("--trace-dir", trace_dir), ("--checkpoint-dir", checkpoint_dir)):
+        if folder:
+            _make_folder(flag, folder)
 
 
-def _writable(flag: str, path: str, folder: Path) -> None:
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise LayoutError(f"{flag} {path}: {folder} is not writable")
+def _make_folder(flag: str, path: str) -> None:
+    """Make the folder (and its parents), or say in one line why it cannot be: a file in the way,
+    a file system that takes no folders (/proc), no permission."""
+    folder = Path(path).resolve()
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise LayoutError(f"{flag} {path}: {existing} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LayoutError(f"{flag} {path}: cannot make the folder ({e.strerror or e})") from None
+    _takes_a_file(flag, path, folder)
+
+
+def _takes_a_file(flag: str, path: str, folder: Path) -> None:
+    """Write and remove a file there: permission bits say nothing to root (containers run as
+    root), and some file systems refuse files whatever the bits say."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise LayoutError(f"{flag} {path}: {folder} is not writable ({e.strerror or e})") from None
 
 
 def _load(flag: str, path: str):

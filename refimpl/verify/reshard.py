@@ -23,6 +23,7 @@ import torch
 from refimpl import launch
 from refimpl.compose.optim_reshard import full_optimizer_state
 from refimpl.config import TrainConfig
+from refimpl.registry import resolve
 from refimpl.train import setup_rank, validate
 
 
@@ -33,7 +34,8 @@ def save_checkpoint(state: dict[str, torch.Tensor], path) -> None:
 def placed_state_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict[str, torch.Tensor]:
     """On one rank: place `cfg.init_state` under `cfg`'s layout, then gather it back, untrained."""
 
-    _, strategy, _ = setup_rank(rank, world_size, cfg)   # exactly as refimpl.train's ranks place it
+    # exactly as refimpl.train's ranks place it
+    _, strategy, _ = setup_rank(rank, world_size, resolve(cfg))
     if cfg.init_optimizer_state is None:
         return strategy.full_state_dict()
     return {"weights": strategy.full_state_dict(), "optimizer": full_optimizer_state(strategy)}
@@ -42,8 +44,8 @@ def placed_state_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict[str,
 def placed_state(cfg: TrainConfig) -> dict[str, torch.Tensor]:
     """The checkpoint `cfg.init_state` as `cfg`'s layout holds it, gathered back (rank 0's copy);
     with `cfg.init_optimizer_state`, {"weights": ..., "optimizer": full_optimizer_state} instead."""
-    validate(cfg)
-    return launch.run(placed_state_rank, cfg.nproc, cfg)[0]
+    layout = validate(cfg)
+    return launch.run(placed_state_rank, cfg.nproc, layout.cfg)[0]
 
 
 def unequal_tensors(placed: dict, weights: dict[str, torch.Tensor], optimizer: dict | None = None) -> list:

@@ -34,6 +34,7 @@ from refimpl.model import GPT
 from refimpl.parallel.dp.flat_param import FlatParams
 from refimpl.parallel.dp.grad_buckets import GradBuckets, all_reduce_sum
 from refimpl.placement import data_parallel_axis
+from refimpl.rank_model import RankModel
 from refimpl.strategy import Strategy, make_optimizer
 
 MiB = 2 ** 20
@@ -44,6 +45,7 @@ class BucketedDataParallel(Strategy):
     options = {"bucket_mb": Option(25.0, float, positive=True)}
 
     experts_over_edp = True
+    on_a_pipeline = True
 
     def setup(self, model: GPT) -> None:
         self.model = model
@@ -63,11 +65,15 @@ class BucketedDataParallel(Strategy):
             self.flat_grads.append(flat_grad)
             self.bucket_sets.append(buckets)
         self.optimizer = make_optimizer(self.model.parameters(), self.ctx.cfg)
-        pipeline = self.rank_model.pipeline
-        if pipeline is not None:
-            per_name = model.gradient_accumulations()
-            counts = [[per_name[slot.name] for slot in b.layout.slots] for b in self.bucket_sets]
-            self.rank_model.pipeline = _armed(pipeline, self.bucket_sets, counts)
+
+    def step_model(self, rank_model: RankModel) -> RankModel:
+        """Under a pipeline, the schedule's whole table runs inside one micro-step of the buckets,
+        each parameter counted ready at its last accumulation of the step."""
+        if rank_model.pipeline is None:
+            return rank_model
+        per_name = self.model.gradient_accumulations()
+        counts = [[per_name[slot.name] for slot in b.layout.slots] for b in self.bucket_sets]
+        return rank_model.with_pipeline_run(_armed(rank_model.pipeline.run, self.bucket_sets, counts))
 
     @contextlib.contextmanager
     def micro_step(self, is_last: bool):
@@ -89,17 +95,16 @@ class BucketedDataParallel(Strategy):
         return measured_model_state(self.model.parameters(), self.optimizer)
 
 
-def _armed(pipeline, bucket_sets: list[GradBuckets], accumulations: list[list[int]]):
-    """The pipeline's step (RankModel.pipeline) inside one micro-step of every bucket set, each
-    expecting its i-th parameter `accumulations[set][i]` times. Holds the buckets weakly
+def _armed(run, bucket_sets: list[GradBuckets], accumulations: list[list[int]]):
+    """The pipeline's step (RankModel.pipeline.run) inside one micro-step of every bucket set,
+    each expecting its i-th parameter `accumulations[set][i]` times. Holds the buckets weakly
     (GradBuckets says why)."""
     refs = [weakref.ref(b) for b in bucket_sets]
 
-    def run(*args, **kwargs):
+    def armed(*args, **kwargs):
         with contextlib.ExitStack() as stack:
             for ref, counts in zip(refs, accumulations):
                 stack.enter_context(ref().micro_step(True, counts))
-            return pipeline(*args, **kwargs)
+            return run(*args, **kwargs)
 
-    run.loss_stage = pipeline.loss_stage
-    return run
+    return armed

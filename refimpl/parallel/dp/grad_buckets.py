@@ -42,8 +42,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from refimpl.labels import comm_span
 from refimpl.parallel.dp.flat_param import FlatParams
-from refimpl.trace.labels import comm_span
 
 
 @dataclass

@@ -17,16 +17,15 @@ here). `dp` (refimpl.parallel.dp.bucketed) fixes both with buckets launched from
 from __future__ import annotations
 
 from refimpl.faults import injected
+from refimpl.labels import comm_span
 from refimpl.placement import data_parallel_axis
 from refimpl.strategy import Strategy
-from refimpl.trace.labels import comm_span
 
 
 class NaiveDataParallel(Strategy):
     name = "dp-naive"
-
-
     experts_over_edp = True
+    on_a_pipeline = True
 
     def sync_gradients(self) -> None:
         last = f"blocks.{self.ctx.cfg.model.n_layers - 1}."

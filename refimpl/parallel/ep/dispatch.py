@@ -43,10 +43,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from refimpl.model.moe import LocalExperts, Traffic, all_gather_counts, moe_layers
+from refimpl.labels import comm_span, phase
+from refimpl.model.moe import Traffic, moe_layers
 from refimpl.model.moe_slots import compact_destinations, pack, unpack
+from refimpl.parallel.ep.counts import SharedCounts, all_gather_counts
 from refimpl.placement import Owned, Shard, placement_of, set_placement
-from refimpl.trace.labels import comm_span, phase
 
 
 class AllToAll(torch.autograd.Function):
@@ -160,7 +161,7 @@ def share_routing_counts(model: nn.Module, token_group, comm=dist) -> nn.Module:
     its routing over the whole global batch (one all-gather of E counts per layer), so capacity
     and the aux loss's f_i are the single process's, and so are the dropped tokens."""
     for layer in moe_layers(model):
-        layer.dispatch = LocalExperts(token_group, comm)
+        layer.dispatch = SharedCounts(token_group, comm)
     return model
 
 

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from refimpl.labels import comm_span
 from refimpl.parallel.dp.flat_param import FlatParams
-from refimpl.trace.labels import comm_span
 
 
 class ShardedUnit:

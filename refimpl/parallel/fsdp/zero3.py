@@ -82,6 +82,7 @@ class FullySharded(Strategy):
 
     options = {"offload": Option(False, bool)}
     experts_over_edp = True
+    on_a_pipeline = True
 
     @classmethod
     def policy(cls, cfg: TrainConfig) -> ShardingPolicy:

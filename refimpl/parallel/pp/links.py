@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from refimpl.comm import p2p
+from refimpl.labels import comm_span
 from refimpl.parallel.pp.schedules import Action, piece_of, rank_of
-from refimpl.trace.labels import comm_span
 
 ACTIVATION, GRADIENT = 0, 1
 

@@ -62,6 +62,7 @@ from contextlib import nullcontext
 
 import torch
 
+from refimpl.labels import phase
 from refimpl.model import Batch, lm_loss
 from refimpl.model.moe import moe_aux_loss
 from refimpl.parallel.pp.links import ACTIVATION, GRADIENT, Links, post_whole_step, posts_ahead
@@ -77,7 +78,6 @@ from refimpl.parallel.pp.schedules import (  # noqa: F401
 )
 from refimpl.parallel.pp.stage import StageChunk
 from refimpl.parallel.pp.zero_bubble import WeightGradRecord, record_weight_grads
-from refimpl.trace.labels import phase
 
 
 def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch], group, *,
@@ -189,6 +189,6 @@ def pipeline_forward_backward(stage, micro: list[Batch], *, divisor: int = 1,
     0-d tensor on the last stage, zero elsewhere (global_mean_loss broadcasts it over pp)."""
     loss = run_schedule(stage.chunks, stage.actions, micro, stage.group, divisor=divisor,
                         autocast=autocast, loss_fn=loss_fn, where=stage.where, inbox=stage.inbox,
-                        fault=fault, order=getattr(stage, "order", None))
+                        fault=fault, order=stage.order)
     device = micro[0].inputs.device
     return torch.zeros((), dtype=torch.float64, device=device) if loss is None else loss

@@ -78,20 +78,10 @@ def check_layout(stages: int, micro_batches: int, schedule: str, virtual_stages:
                           f"of pipeline stages ({stages})")
 
 
-SCHEDULE_OF = {"pp-gpipe": "gpipe", "pp-1f1b": "1f1b", "pp-interleaved": "interleaved", "pp-zb": "zb-h1",
-               "pp-interleaved-zb": "interleaved-zb", "pp-zbv": "zbv", "pp-dualpipev": "dualpipev",
-               "torch-pp-gpipe": "gpipe", "torch-pp-1f1b": "1f1b", "torch-pp-interleaved": "interleaved",
-               "torch-pp-interleaved-zb": "interleaved-zb", "torch-pp-zbv": "zbv",
-               "torch-pp-dualpipev": "dualpipev"}
-
-
 def pipeline_schedule(cfg) -> str:
-    """The schedule a layout runs: the strategy's own (pp-1f1b, ...), else --schedule, else 1f1b."""
-    named = SCHEDULE_OF.get(cfg.strategy)
-    chosen = getattr(cfg, "schedule", None)
-    if named and chosen and chosen != named:
-        raise LayoutError(f"--strategy {cfg.strategy} runs the {named} schedule; drop --schedule {chosen}")
-    return named or chosen or "1f1b"
+    """The schedule a layout runs: --schedule (a pp-* shorthand sets it: refimpl.registry), else
+    1f1b."""
+    return cfg.schedule or "1f1b"
 
 
 def schedule_table(stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1) -> list[list[str]]:

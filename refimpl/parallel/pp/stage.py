@@ -94,7 +94,7 @@ class PipelineStageModel(nn.Module):
     step as `RankModel.pipeline`)."""
 
     def __init__(self, chunks: list[StageChunk], actions: list[str], group, schedule: str,
-                 inbox: dict | None = None, order: list | None = None):
+                 loss_stage: int, inbox: dict | None = None, order: list | None = None):
         super().__init__()
         self.embed = next((c.embed for c in chunks if c.embed is not None), None)
         self.blocks = nn.ModuleDict({k: b for c in chunks for k, b in c.blocks.items()})
@@ -105,7 +105,7 @@ class PipelineStageModel(nn.Module):
         self.actions, self.group, self.schedule = actions, group, schedule
         self.where, self.inbox = placement(schedule), inbox   # the runner's placement, receive order
         self.order = order          # this rank's sends and receives in the step's one order (NCCL)
-        self.loss_stage = 0 if self.where == "v" else None    # None: the last stage (step.global_mean_loss)
+        self.loss_stage = loss_stage      # the stage holding the last piece (RankModel.pipeline)
 
     def gradient_accumulations(self) -> dict[str, int]:
         """Parameter name -> how many times one step of this rank's row accumulates its gradient:
@@ -126,13 +126,13 @@ class PipelineStageModel(nn.Module):
 def split_for_pipeline(model: GPT, ctx, seq_split: int = 1) -> PipelineStageModel:
     """The pipeline transform (refimpl.compose.transforms): this rank's stage of `model` on the
     mesh's pp axis, with its row of the schedule table (validated before launch by
-    refimpl.parallel.pp.strategy.validate_pipeline)."""
+    refimpl.parallel.pp.validate.validate_pipeline)."""
     cfg, mesh = ctx.cfg, ctx.mesh
     p, stage = mesh.size("pp"), mesh.index("pp")
     schedule = pipeline_schedule(cfg)
-    v = chunks_per_rank(schedule, cfg.virtual_stages)
-    chunks = build_chunks(model, p, stage, v, seq_split, placement(schedule))
+    v, where = chunks_per_rank(schedule, cfg.virtual_stages), placement(schedule)
+    chunks = build_chunks(model, p, stage, v, seq_split, where)
     table = schedule_table(p, cfg.micro_batches, schedule, v)
     return PipelineStageModel(chunks, table[stage], mesh.group("pp"), schedule,
-                              inbox(table, stage, placement(schedule)),
-                              rank_order(table, stage, placement(schedule)))
+                              0 if where == "v" else p - 1,   # a V ends on rank 0
+                              inbox(table, stage, where), rank_order(table, stage, where))

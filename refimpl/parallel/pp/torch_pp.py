@@ -1,4 +1,5 @@
-"""PyTorch's twin of refimpl.parallel.pp.runner: the same stages run by `torch.distributed.pipelining`.
+"""PyTorch's twin of refimpl.parallel.pp.runner: the same stages run by `torch.distributed.pipelining`
+(`TorchPipeline`), and the strategy `torch-pp-<schedule>` that runs it in the loop.
 
 The comparator, never a dependency. Each rank wraps its chunks (refimpl.parallel.pp.stage, the
 same cut as ours) in `PipelineStage`s and hands them to PyTorch's schedule:
@@ -21,11 +22,14 @@ from __future__ import annotations
 
 import torch
 
+from refimpl.config import TrainConfig
+from refimpl.labels import phase
 from refimpl.mesh import LayoutError
 from refimpl.model import Batch, lm_loss
-from refimpl.parallel.pp.schedules import piece_of, placement
+from refimpl.parallel.pp.schedules import piece_of, pipeline_schedule, placement
 from refimpl.parallel.pp.stage import StageChunk
-from refimpl.trace.labels import phase
+from refimpl.rank_model import RankModel
+from refimpl.strategy import Strategy
 
 TWIN_SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
 
@@ -97,3 +101,27 @@ class TorchPipeline:
         with phase("forward-backward"):
             loss = self.step(whole)
         return torch.zeros((), dtype=torch.float64, device=whole.inputs.device) if loss is None else loss
+
+
+class TorchPipelineParallel(Strategy):
+    """`torch-pp-<schedule>`: PyTorch's twin, the same stages (our pipeline transform cuts them)
+    run by torch.distributed.pipelining's schedules. The whole world is on pp (the registry's
+    shorthand), so there is no data-parallel sync; the default placement replicates the stage."""
+
+    scales_loss_by_world = False
+    on_a_pipeline = True
+
+    @classmethod
+    def validate(cls, cfg: TrainConfig) -> None:
+        super().validate(cfg)
+        if cfg.pp != cfg.nproc:
+            raise LayoutError(f"--strategy {cfg.strategy} puts the whole world on pp "
+                              f"(--pp {cfg.pp} != --nproc {cfg.nproc})")
+        check_torch_layout(cfg.pp, cfg.micro_batches, pipeline_schedule(cfg), cfg.virtual_stages)
+
+    def step_model(self, rank_model: RankModel) -> RankModel:
+        """Our stages, PyTorch's schedule in place of our runner (the loss stage unchanged)."""
+        cfg = self.ctx.cfg
+        twin = TorchPipeline(self.model.chunks, self.mesh.group("pp"), cfg.pp,
+                             pipeline_schedule(cfg), cfg.micro_batches, self.ctx.device)
+        return rank_model.with_pipeline_run(twin.forward_backward)

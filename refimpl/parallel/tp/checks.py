@@ -4,7 +4,7 @@ notebook 06 assert on. `all_checks` runs on every rank of a launch (`launch.run(
 Each check builds the reference layer (the same on every rank: same seed), its tensor-parallel
 version from it, runs both on the same input, and returns plain numbers: relative errors against
 the reference (gathered over tp where the TP result is sharded), the communication log
-(refimpl.trace.labels.CommLog) and the activation bytes autograd saved.
+(refimpl.labels.CommLog) and the activation bytes autograd saved.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from refimpl.config import TrainConfig
 from refimpl.cost.collective_bytes import wire_bytes
+from refimpl.labels import CommLog
 from refimpl.launch import device_for
 from refimpl.memory import measure_block_activations
 from refimpl.model import Block, GPTConfig, build_model, lm_loss, synthetic_batch
@@ -29,7 +30,6 @@ from refimpl.parallel.tp.mappings import group_rank, is_sequence_partial
 from refimpl.parallel.tp.parallelize import gather_tp_state_dict, parallelize_tp, tp_lm_loss
 from refimpl.placement import GroupMesh, placement_of, unshard
 from refimpl.strategy import make_optimizer
-from refimpl.trace.labels import CommLog
 
 BLOCK_CFG = GPTConfig(d_model=64, n_heads=8, n_layers=1, seq_len=16)
 B, S = 2, 16

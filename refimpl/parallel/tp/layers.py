@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from refimpl.labels import phase
 from refimpl.model import attention
 from refimpl.parallel.tp.mappings import (
     copy_to_region,
@@ -45,7 +46,6 @@ from refimpl.parallel.tp.mappings import (
     split_last_dim,
 )
 from refimpl.placement import Shard, set_placement
-from refimpl.trace.labels import phase
 
 
 def default_group(group):

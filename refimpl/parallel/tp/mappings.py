@@ -25,7 +25,7 @@ Each helper returns its input untouched when the group has one rank (group None 
 `comm` is the collectives module (torch.distributed, or refimpl.comm under --collectives refimpl:
 the same signatures), passed down from the layer that owns the group.
 Every call is labelled `comm:<op> <bytes>B` for the profiler and recorded, with its pass (forward
-or backward), in the open `CommLog`s (refimpl.trace.labels). The logs an op writes to in backward
+or backward), in the open `CommLog`s (refimpl.labels). The logs an op writes to in backward
 are the ones open when its forward ran: backward may run on another thread (autograd's device
 threads on GPU).
 """
@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from refimpl.trace.labels import comm_span, open_logs
+from refimpl.labels import comm_span, open_logs
 
 
 def group_size(group) -> int:

@@ -10,6 +10,7 @@ This twin does not compose with our data-parallel strategies (dp must be 1).
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from refimpl.config import TrainConfig
 from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
@@ -22,12 +23,16 @@ from refimpl.strategy import Strategy, make_optimizer
 
 
 def _local(t):
-    return getattr(t, "_local_tensor", t)
+    """A DTensor's local shard (a plain tensor is its own)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _local_loss(logits, targets):
+    return lm_loss(logits, targets).to_local()
 
 
 class TorchTensorParallel(Strategy):
     name = "torch-tp"
-    whole_world_axis = "tp"
     takes_our_transforms = False   # DTensor parallelize_module on the plain reference
 
     @classmethod
@@ -49,13 +54,11 @@ class TorchTensorParallel(Strategy):
         if ctx.cfg.activation_checkpointing:
             checkpoint_blocks(self.model)
         self.optimizer = make_optimizer(self.model.parameters(), ctx.cfg)
-        self.run_with_replicated_loss()
 
-    def run_with_replicated_loss(self) -> None:
+    def step_model(self, rank_model: RankModel) -> RankModel:
         """The step runner's loop (refimpl.step) on the DTensor model, its replicated loss read as
         a plain tensor."""
-        self.rank_model = RankModel(self.model, loss_fn=lambda logits, targets:
-                                    lm_loss(logits, targets).to_local())
+        return RankModel(self.model, loss_fn=_local_loss)
 
     def micro_step(self, is_last: bool):
         from torch.distributed.tensor.parallel import loss_parallel

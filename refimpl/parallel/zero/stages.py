@@ -46,6 +46,7 @@ import torch
 
 from refimpl.config import Option
 from refimpl.faults import injected
+from refimpl.labels import comm_span
 from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
 from refimpl.model import GPT
 from refimpl.parallel.dp.flat_param import FlatParams
@@ -53,7 +54,6 @@ from refimpl.parallel.dp.grad_buckets import GradBuckets, assign_buckets, reduce
 from refimpl.parallel.zero.sharded_adamw import ShardedAdamW
 from refimpl.placement import data_parallel_axis
 from refimpl.strategy import Strategy
-from refimpl.trace.labels import comm_span
 
 MiB = 2 ** 20
 
@@ -71,6 +71,7 @@ class ZeroDataParallel(Strategy):
     options = {"bucket_mb": Option(25.0, float, positive=True), "overlap": Option(True, bool),
                "offload": Option(False, bool)}
     experts_over_edp = True
+    on_a_pipeline = True
 
     def setup(self, model: GPT) -> None:
         self.model = model

@@ -1,4 +1,4 @@
-"""Model shapes the planner knows by name, and published layouts of real trainings to check it with.
+"""Model shapes by name (the planner's presets, the dry run's models), and the published runs they come from.
 
 A shape is a GPT block stack as in refimpl.model: pre-norm blocks, multi-head attention, a 4h MLP,
 so its parameter count is Narayanan et al. 2021's (§5.1, eq. in "FLOPs calculation"):

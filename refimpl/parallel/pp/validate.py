@@ -1,0 +1,47 @@
+"""A pipeline's layout constraints, checked in the launching process (compose.transforms), one
+line each, before any rank starts.
+
+The pipeline is an axis, not a strategy: `--pp P` (or a `pp-<schedule>` shorthand, which is
+dp-naive with the whole world on pp: refimpl.registry) puts P stages on the grid, and the
+data-parallel flavour on the dp axis runs over each stage's parameters. The runner
+(refimpl.parallel.pp.runner) takes the step's micro-batches through the schedule's table; the loss
+lives on the stage with the last piece (the last stage; stage 0 on a V) and the step broadcasts it
+over pp (a MoE model: every stage adds its layers' aux losses, summed over pp instead). With
+dp > 1 the stages' gradients are all-reduced over dp after the schedule, as dp-naive does; under
+`--strategy dp --pp P` the buckets leave during each stage's cool-down instead
+(refimpl.parallel.dp.bucketed). Every rank holds only its stage's parameters; the default
+`full_state_dict` merges them over the pp group.
+"""
+from __future__ import annotations
+
+from refimpl.config import TrainConfig
+from refimpl.mesh import LayoutError
+from refimpl.parallel.pp.schedules import (
+    SPLIT_SCHEDULES,
+    check_layout,
+    chunks_per_rank,
+    pipeline_schedule,
+)
+from refimpl.parallel.pp.stage import partition
+
+
+def validate_pipeline(cfg: TrainConfig, strategy) -> None:
+    """`strategy`: the class that runs the layout; it must say it runs on a pipeline's stages
+    (Strategy.on_a_pipeline: our data-parallel flavours, whose sync and W path know the stages,
+    and PyTorch's pipelining twins)."""
+    v = cfg.virtual_stages
+    if cfg.pp == 1:
+        if v != 1 or cfg.schedule:
+            raise LayoutError("--schedule / --virtual-stages need a pipeline: --pp >= 2")
+        return
+    if not strategy.on_a_pipeline:
+        raise LayoutError(f"--pp {cfg.pp}: strategy {cfg.strategy!r} does not run on pipeline "
+                          "stages (ours do: dp-naive, dp, zero1, zero2, zero3, fsdp and the tp, "
+                          "ep, pp-* shorthands; PyTorch's: torch-fsdp2-tp, torch-pp-*)")
+    schedule = pipeline_schedule(cfg)
+    check_layout(cfg.pp, cfg.micro_batches, schedule, v)
+    partition(cfg.model.n_layers, cfg.pp * chunks_per_rank(schedule, v))
+    if cfg.model.tie_embeddings:
+        raise LayoutError("--pp needs untied embeddings: the head and the embedding sit on different stages")
+    if schedule in SPLIT_SCHEDULES and cfg.activation_checkpointing:
+        raise LayoutError(f"{schedule} records each layer's input for the deferred W: not with --checkpointing")

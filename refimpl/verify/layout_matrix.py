@@ -1,0 +1,291 @@
+"""The layout matrix: every layout the CLI accepts on 2, 3, 4 and 8 ranks, each one equal to
+`single` or refused before launch with one line.
+
+A hand-picked list of composed layouts tests the pairings someone thought of; a bug lives in the
+pairing nobody did (a MoE model under `dp` on a pipeline reported the last stage's loss only,
+3.3e-3 away from single, because one copy of the pipeline's runner forgot how the stages' losses
+combine). So the layouts are generated, not listed. A layout is one value of every factor below:
+
+    world            2, 3, 4, 8 ranks
+    strategy         every --strategy name but single (the data-parallel flavours, the shorthands
+                     tp, pp-*, ep, and PyTorch's twins)
+    tp, pp, cp       the divisors of the world (dp = world / (pp·cp·tp))
+    schedule         with --pp > 1 and a strategy that does not name its own: every schedule
+    virtual_stages   under an interleaved schedule: 1 or 2 chunks per rank
+    experts          0 (dense) or 4 (top-2, a capacity that drops tokens)
+    balance, capacity_scope, ep     with experts: none / aux / bias, batch / sequence, ep | world
+    sequence_parallel, checkpointing, micro_batches (1, 2, 4, 8), collectives (torch, refimpl),
+    precision (float64, or bf16 autocast over float32 weights)
+    option           the strategy's --set knobs, one at a time (each bool flipped, each choice, a
+                     bucket small enough that every parameter gets its own)
+
+A factor that does not apply to a layout (balance of a dense model) is None: it takes no value, so
+no two layouts differ by it alone. Every layout runs the smallest model that lets each factor take
+each value (`MATRIX_MODEL`: 4 heads for tp 4, 4 blocks for pp 4, 8 tokens for cp 4 and sequence
+parallelism over them, 4 experts), 2 steps, a global batch of 96 rows (a multiple of every dp x
+micro-batches the grid allows, 3 x 8 included).
+
+What runs where (tests/test_layout_matrix.py): `make test` a pairwise cover (every two factor
+values that occur together in some accepted layout occur together in a layout it runs),
+`make test-full` a three-wise cover; `python -m refimpl matrix` counts the whole space (accepted,
+refused by reason) and runs any strength, or all of it (refimpl.verify.matrix_run).
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from refimpl.config import TrainConfig
+from refimpl.mesh import LayoutError
+from refimpl.model import GPTConfig
+from refimpl.parallel.pp.schedules import SCHEDULES
+from refimpl.registry import STRATEGIES, entry_of, strategy_class
+from refimpl.train import validate
+
+WORLDS = (2, 3, 4, 8)
+# The sizes the matrix model can take on each axis: 4 heads split by tp 1, 2, 4; 4 blocks cut into
+# 1-4 stages; 8 tokens into 2·cp chunks for cp 1, 2, 4; 4 experts over ep 1, 2, 4. A size outside
+# these is refused for the model's shape alone (tests/test_layout_matrix.py checks one of each).
+AXIS_SIZES = {"tp": (1, 2, 4), "pp": (1, 2, 3, 4), "cp": (1, 2, 4), "ep": (1, 2, 4)}
+MATRIX_MODEL = GPTConfig(vocab_size=32, d_model=16, n_heads=4, n_layers=4)
+SEQ_LEN = 8
+EXPERTS = dict(top_k=2, capacity_factor=0.75)   # 4 experts, top-2: some tokens overflow each step
+GLOBAL_BATCH, STEPS = 96, 2
+
+
+def _option_values(strategy: str) -> list:
+    """The strategy's --set knobs one at a time: ("-", nothing set), then each non-default value
+    worth a run: a bool flipped, every other choice, a bucket of 1 KiB (one per parameter)."""
+    out: list = [()]
+    for key, opt in strategy_class(strategy).options.items():
+        if opt.kind is bool:
+            out.append(((key, not opt.default),))
+        elif opt.choices:
+            out += [((key, c),) for c in opt.choices if c != opt.default]
+        elif key == "bucket_mb":
+            out.append(((key, 2 ** -10),))
+    return out
+
+
+@dataclass(frozen=True)
+class Factor:
+    name: str
+    # the values this factor may take given the factors before it (a dict of them); () when the
+    # factor does not apply (the layout then holds None for it)
+    values: Callable[[dict], tuple]
+
+
+def _grid_fits(layout: dict, axis: str) -> tuple:
+    """The axis's sizes that fit the world beside the axes already chosen."""
+    used = 1
+    for other in ("tp", "pp", "cp"):
+        if other != axis and layout.get(other):
+            used *= layout[other]
+    return tuple(n for n in AXIS_SIZES[axis] if layout["world"] % (used * n) == 0)
+
+
+def _pipelined(layout: dict) -> bool:
+    return layout["pp"] > 1 or entry_of(layout["strategy"]).axis == "pp"
+
+
+def _schedules(layout: dict) -> tuple:
+    """Every schedule, where there is a pipeline and the strategy does not name its own."""
+    if not _pipelined(layout) or entry_of(layout["strategy"]).schedule:
+        return ()
+    return SCHEDULES
+
+
+def _virtual(layout: dict) -> tuple:
+    schedule = entry_of(layout["strategy"]).schedule or layout["schedule"]
+    return (1, 2) if _pipelined(layout) and schedule in ("interleaved", "interleaved-zb") else ()
+
+
+def _moe(values: tuple) -> Callable[[dict], tuple]:
+    return lambda layout: values if layout["experts"] else ()
+
+
+FACTORS: tuple[Factor, ...] = (
+    Factor("world", lambda _: WORLDS),
+    Factor("strategy", lambda _: tuple(s for s in STRATEGIES if s != "single")),
+    Factor("tp", lambda lay: _grid_fits(lay, "tp")),
+    Factor("pp", lambda lay: _grid_fits(lay, "pp")),
+    Factor("cp", lambda lay: _grid_fits(lay, "cp")),
+    Factor("schedule", _schedules),
+    Factor("virtual_stages", _virtual),
+    Factor("experts", lambda _: (0, 4)),
+    Factor("balance", _moe(("none", "aux", "bias"))),
+    Factor("capacity_scope", _moe(("batch", "sequence"))),
+    Factor("ep", lambda lay: tuple(n for n in AXIS_SIZES["ep"] if lay["world"] % n == 0)
+           if lay["experts"] else ()),
+    Factor("sequence_parallel", lambda _: (False, True)),
+    Factor("checkpointing", lambda _: (False, True)),
+    Factor("micro_batches", lambda _: (1, 2, 4, 8)),
+    Factor("collectives", lambda _: ("torch", "refimpl")),
+    Factor("precision", lambda _: ("float64", "bf16")),
+    Factor("option", lambda lay: tuple(_option_values(lay["strategy"]))),
+)
+NAMES = tuple(f.name for f in FACTORS)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the matrix: a value (or None) per factor, in FACTORS' order."""
+    values: tuple
+
+    def __getitem__(self, name: str):
+        return self.values[NAMES.index(name)]
+
+    def config(self) -> TrainConfig:
+        """The TrainConfig the CLI builds from `argv()` (tests/test_layout_matrix.py checks so)."""
+        get = self.__getitem__
+        moe = {}
+        if get("experts"):
+            moe = dict(n_experts=get("experts"), balance=get("balance"),
+                       capacity_scope=get("capacity_scope"), **EXPERTS)
+        bf16 = get("precision") == "bf16"
+        return TrainConfig(
+            strategy=get("strategy"), nproc=get("world"), steps=STEPS, global_batch=GLOBAL_BATCH,
+            seq_len=SEQ_LEN, model=GPTConfig(**{**MATRIX_MODEL.to_dict(), **moe}),
+            tp=get("tp"), pp=get("pp"), cp=get("cp"), ep=get("ep") or 1, schedule=get("schedule"),
+            virtual_stages=get("virtual_stages") or 1,
+            sequence_parallel=get("sequence_parallel"),
+            activation_checkpointing=get("checkpointing"), micro_batches=get("micro_batches"),
+            collectives=get("collectives"), dtype="float32" if bf16 else "float64",
+            mixed_precision="bf16" if bf16 else "fp32", options=dict(get("option")),
+            return_state=True, device="cpu")
+
+    def argv(self) -> list[str]:
+        """The same layout as `python -m refimpl train` flags."""
+        get = self.__getitem__
+        out = ["--strategy", get("strategy"), "--nproc", str(get("world")), "--steps", str(STEPS),
+               "--global-batch", str(GLOBAL_BATCH), "--seq-len", str(SEQ_LEN),
+               "--layers", str(MATRIX_MODEL.n_layers), "--d-model", str(MATRIX_MODEL.d_model),
+               "--heads", str(MATRIX_MODEL.n_heads), "--vocab", str(MATRIX_MODEL.vocab_size),
+               "--micro-batches", str(get("micro_batches")), "--collectives", get("collectives")]
+        for axis in ("tp", "pp", "cp", "ep"):
+            if get(axis) not in (None, 1):
+                out += [f"--{axis}", str(get(axis))]
+        if get("schedule"):
+            out += ["--schedule", get("schedule")]
+        if get("virtual_stages") not in (None, 1):
+            out += ["--virtual-stages", str(get("virtual_stages"))]
+        if get("experts"):
+            out += ["--experts", str(get("experts")), "--top-k", str(EXPERTS["top_k"]),
+                    "--capacity-factor", str(EXPERTS["capacity_factor"]),
+                    "--set", f"balance={get('balance')}",
+                    "--set", f"capacity_scope={get('capacity_scope')}"]
+        if get("sequence_parallel"):
+            out.append("--sequence-parallel")
+        if get("checkpointing"):
+            out.append("--checkpointing")
+        out += (["--mixed-precision", "bf16"] if get("precision") == "bf16"
+                else ["--dtype", "float64"])
+        for key, value in get("option"):
+            out += ["--set", f"{key}={str(value).lower() if isinstance(value, bool) else value}"]
+        return out
+
+    def name(self) -> str:
+        """A short label of the values that are not the defaults, e.g. "w4 zero3 pp2 1f1b e4 aux
+        sequence ep2 m4"."""
+        return " ".join(_label(n, v) for n, v in zip(NAMES, self.values)
+                        if v is not None and v != QUIET.get(n, object()))
+
+
+QUIET = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "virtual_stages": 1, "experts": 0,
+         "sequence_parallel": False, "checkpointing": False, "micro_batches": 1,
+         "collectives": "torch", "precision": "float64", "option": ()}
+
+
+def _label(name: str, value) -> str:
+    if name == "world":
+        return f"w{value}"
+    if name in ("sequence_parallel", "checkpointing"):
+        return {"sequence_parallel": "+sp", "checkpointing": "+ckpt"}[name]
+    if name == "option":
+        return ",".join(f"{k}={v}" for k, v in value)
+    short = {"tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "virtual_stages": "v",
+             "micro_batches": "m", "experts": "e"}
+    return f"{short[name]}{value}" if name in short else str(value)
+
+
+# --- the space -------------------------------------------------------------------------------------
+
+def enumerate_layouts() -> Iterator[Layout]:
+    """Every layout of the matrix (accepted or not), factors in order, dependent ones filled."""
+    def fill(layout: dict, i: int):
+        if i == len(FACTORS):
+            yield Layout(tuple(layout[n] for n in NAMES))
+            return
+        factor = FACTORS[i]
+        values = factor.values(layout) or (None,)
+        for value in values:
+            layout[factor.name] = value
+            yield from fill(layout, i + 1)
+        del layout[factor.name]
+
+    yield from fill({}, 0)
+
+
+def refusal(layout: Layout) -> str | None:
+    """None if the launcher accepts the layout, else the one line it refuses it with."""
+    try:
+        validate(layout.config())
+    except LayoutError as e:
+        return str(e)
+    return None
+
+
+def reason_kind(message: str) -> str:
+    """A refusal's kind, for the counts: its first words, numbers dropped."""
+    words = [w for w in message.replace(":", " ").split() if not any(c.isdigit() for c in w)]
+    return " ".join(words[:6])
+
+
+@dataclass
+class Census:
+    accepted: list
+    refused: Counter          # reason kind -> layouts
+    multi_line: list          # refusals that were not one line (must stay empty)
+
+    @property
+    def total(self) -> int:
+        return len(self.accepted) + sum(self.refused.values())
+
+
+def census(layouts=None) -> Census:
+    """Validate every layout (default: the whole space): the accepted ones, refusals by kind."""
+    accepted, refused, multi = [], Counter(), []
+    for layout in (enumerate_layouts() if layouts is None else layouts):
+        why = refusal(layout)
+        if why is None:
+            accepted.append(layout)
+        else:
+            refused[reason_kind(why)] += 1
+            if "\n" in why:
+                multi.append((layout, why))
+    return Census(accepted, refused, multi)
+
+
+# --- sampling, for a cover without the whole space -------------------------------------------------
+
+def random_layout(rng: random.Random, fixed: dict | None = None, keep_default: float = 0.6
+                  ) -> Layout | None:
+    """A layout with `fixed` values, the others drawn (the first value, the default, with
+    probability `keep_default`: most refusals come from several non-defaults at once). None if a
+    fixed value is not possible after the draws before it."""
+    fixed = fixed or {}
+    layout: dict = {}
+    for factor in FACTORS:
+        values = factor.values(layout)
+        if factor.name in fixed:
+            if fixed[factor.name] not in (values or (None,)):
+                return None
+            layout[factor.name] = fixed[factor.name]
+        elif not values:
+            layout[factor.name] = None
+        else:
+            layout[factor.name] = (values[0] if rng.random() < keep_default
+                                   else rng.choice(values))
+    return Layout(tuple(layout[n] for n in NAMES))
