@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     from refimpl.plan.cli import add_arguments as add_plan_arguments
     add_plan_arguments(command("plan", "rank parallel layouts of a model on a cluster by "
                                "predicted memory and step time (refimpl.plan)"))
+    from refimpl.verify.matrix_run import add_arguments as add_matrix_arguments
+    add_matrix_arguments(command("matrix", "the layout matrix: layouts the CLI accepts, each run "
+                                 "against single in float64 or refused in one line "
+                                 "(refimpl.verify.layout_matrix)"))
     e = command("env", "this machine: cores, memory, GPUs, versions, backend per nproc")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -163,6 +167,9 @@ def main(argv=None) -> int:
     if args.command == "dryrun":
         from refimpl.verify.dryrun import main_from_args
         return main_from_args(args, config_from_args)
+    if args.command == "matrix":
+        from refimpl.verify.matrix_run import main as matrix_main
+        return matrix_main(args)
     if args.command == "plan":
         from refimpl.plan.cli import plan_from_args
         return plan_from_args(args)

@@ -32,7 +32,9 @@ refused by reason) and runs any strength, or all of it (refimpl.verify.matrix_ru
 """
 from __future__ import annotations
 
+import itertools
 import random
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -41,8 +43,9 @@ from refimpl.config import TrainConfig
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig
 from refimpl.parallel.pp.schedules import SCHEDULES
-from refimpl.registry import STRATEGIES, entry_of, strategy_class
+from refimpl.registry import NAIVE, STRATEGIES, entry_of, strategy_class
 from refimpl.train import validate
+from refimpl.verify.covering import constructed_cover, greedy_cover, tuples
 
 WORLDS = (2, 3, 4, 8)
 # The sizes the matrix model can take on each axis: 4 heads split by tp 1, 2, 4; 4 blocks cut into
@@ -238,9 +241,12 @@ def refusal(layout: Layout) -> str | None:
 
 
 def reason_kind(message: str) -> str:
-    """A refusal's kind, for the counts: its first words, numbers dropped."""
-    words = [w for w in message.replace(":", " ").split() if not any(c.isdigit() for c in w)]
-    return " ".join(words[:6])
+    """A refusal's kind, for the counts: its first words, with every number and quoted name
+    written as N and '...' (so "--ep 4 must divide dp x cp = 2" and "--ep 2 must divide dp x cp =
+    1" are one kind)."""
+    text = re.sub(r"'[^']*'", "'...'", message)
+    text = re.sub(r"\d+(\.\d+)?", "N", text)
+    return " ".join(text.split()[:9])
 
 
 @dataclass
@@ -268,17 +274,42 @@ def census(layouts=None) -> Census:
     return Census(accepted, refused, multi)
 
 
+def layout_of(**given) -> Layout:
+    """The layout with the `given` values and every other factor at its default (its first value,
+    or None where it does not apply)."""
+    layout: dict = {}
+    for factor in FACTORS:
+        values = factor.values(layout)
+        value = given.pop(factor.name, values[0] if values else None)
+        if value not in (values or (None,)):
+            raise ValueError(f"{factor.name}={value!r} is not one of {values} here")
+        layout[factor.name] = value
+    if given:
+        raise ValueError(f"no factor(s) {sorted(given)}")
+    return Layout(tuple(layout[n] for n in NAMES))
+
+
+# The layouts the matrix found wrong, each with what was wrong: make test runs them every time.
+REGRESSIONS: list[tuple[str, Layout]] = [
+    ("a MoE model under the bucketed dp on a pipeline reported the last stage's loss only: its "
+     "runner wrapper copied the pipeline's loss stage but not that MoE stages' losses are summed",
+     layout_of(world=2, strategy="dp", pp=2, schedule="1f1b", experts=4, balance="aux",
+               capacity_scope="sequence", micro_batches=2)),
+]
+
+
 # --- sampling, for a cover without the whole space -------------------------------------------------
 
 def random_layout(rng: random.Random, fixed: dict | None = None, keep_default: float = 0.6
                   ) -> Layout | None:
-    """A layout with `fixed` values, the others drawn (the first value, the default, with
-    probability `keep_default`: most refusals come from several non-defaults at once). None if a
-    fixed value is not possible after the draws before it."""
+    """A layout of a distinct strategy (`COVER_STRATEGIES`) with `fixed` values, the others drawn
+    (the first value, the default, with probability `keep_default`: most refusals come from
+    several non-defaults at once). None if a fixed value is not possible after the draws before
+    it."""
     fixed = fixed or {}
     layout: dict = {}
     for factor in FACTORS:
-        values = factor.values(layout)
+        values = factor.values(layout) if factor.name != "strategy" else COVER_STRATEGIES
         if factor.name in fixed:
             if fixed[factor.name] not in (values or (None,)):
                 return None
@@ -289,3 +320,157 @@ def random_layout(rng: random.Random, fixed: dict | None = None, keep_default: f
             layout[factor.name] = (values[0] if rng.random() < keep_default
                                    else rng.choice(values))
     return Layout(tuple(layout[n] for n in NAMES))
+
+
+# --- covers: every t values that occur together, in few layouts ------------------------------------
+
+# A shorthand is registry data (refimpl.registry): `--strategy pp-zbv --nproc 4 --tp 2` resolves to
+# dp-naive on tp 2 x pp 2 with the zbv schedule, the same class on the same configuration, so it
+# runs the same code as that layout spelled out. The census validates every spelling (and
+# tests/test_layout_matrix.py checks that each shorthand's verdict is its spelled-out layout's);
+# the covers run the distinct layouts: the flavours and PyTorch's twins.
+COVER_STRATEGIES = tuple(s for s, e in STRATEGIES.items()
+                         if s != "single" and not (e.axis and e.strategy == NAIVE))
+
+PRECISION = NAMES.index("precision")
+# Every value a factor takes in some layout (the domains above, over every context).
+DOMAINS: dict[str, tuple] = {
+    "world": WORLDS, "strategy": COVER_STRATEGIES,
+    "tp": AXIS_SIZES["tp"], "pp": AXIS_SIZES["pp"], "cp": AXIS_SIZES["cp"],
+    "schedule": SCHEDULES, "virtual_stages": (1, 2), "experts": (0, 4),
+    "balance": ("none", "aux", "bias"), "capacity_scope": ("batch", "sequence"),
+    "ep": AXIS_SIZES["ep"], "sequence_parallel": (False, True), "checkpointing": (False, True),
+    "micro_batches": (1, 2, 4, 8), "collectives": ("torch", "refimpl"),
+    "precision": ("float64", "bf16"),
+    "option": tuple(dict.fromkeys(v for s in STRATEGIES for v in _option_values(s))),
+}
+
+
+def vouches(values: tuple, t: int) -> set:
+    """The t-tuples a layout's run vouches for. A float64 run is held to 1e-9: every tuple it
+    holds. A bf16 run is held to bf16's 2e-2, which would pass the 3.3e-3 of a real bug: only
+    the tuples that hold its precision, so every other pairing must be seen in float64 to count."""
+    held = set(tuples(values, t))
+    if values[PRECISION] == "float64":
+        return held
+    return {tup for tup in held if any(i == PRECISION for i, _ in tup)}
+
+
+def cost(values: tuple) -> float:
+    """A layout's expected run time, in units of a plain 2-rank layout's (about half a second on
+    2 cores): ranks beyond the cores wait their turn, each micro-batch and the rebuilt
+    collectives add messages, PyTorch's twins add DTensor's dispatch. Only its ratios matter: the
+    cover takes the cheaper of two layouts that cover as much."""
+    get = dict(zip(NAMES, values)).get
+    c = {2: 1.0, 3: 1.6, 4: 2.5, 8: 8.0}[get("world")]
+    c *= 1 + 0.15 * (get("micro_batches") - 1)
+    c *= 1.7 if get("collectives") == "refimpl" else 1.0
+    c *= 2.5 if get("strategy").startswith("torch-") else 1.0
+    return c * (1.3 if get("experts") else 1.0)
+
+
+@dataclass
+class Cover:
+    strength: int
+    layouts: list            # the layouts to run
+    required: int            # the t-tuples they cover between them: every one any accepted layout
+                             # of the search vouches for
+    refusals: list           # (layout, line) of every layout the search saw refused
+
+
+def sampled_cover(strength: int = 2, *, seed: int = 0, draws: int = 20000, tries: int = 30) -> Cover:
+    """A t-wise cover found by sampling, in seconds (make test's).
+
+    Which t values can occur together: `draws` random layouts, then, for every t values of the
+    domains that no accepted layout has shown together yet, up to `tries` layouts drawn with
+    those values fixed; a combination none of them makes acceptable is taken as impossible
+    (`make test-full` checks that against the whole space). Then the layouts: AETG's construction
+    (refimpl.verify.covering.constructed_cover), each built around a combination not yet covered,
+    each other factor taking the value that completes the most uncovered combinations, kept only
+    if the launcher accepts it. Seeded: the same layouts every run, until a factor or a rule
+    changes."""
+    rng = random.Random(seed)
+    pool: dict[tuple, None] = {}
+    seen: set = set()
+    witness: dict = {}           # a t-tuple -> the first accepted layout seen holding it
+    refusals: list = []
+
+    def consider(layout: Layout | None) -> bool:
+        if layout is None:
+            return False
+        if layout.values in pool:
+            return True
+        why = refusal(layout)
+        if why is not None:
+            refusals.append((layout, why))
+            return False
+        pool[layout.values] = None
+        for tup in vouches(layout.values, strength):
+            witness.setdefault(tup, layout.values)
+        seen.update(vouches(layout.values, strength))
+        return True
+
+    for _ in range(draws):
+        consider(random_layout(rng))
+    items = [(i, v) for i, name in enumerate(NAMES) for v in DOMAINS[name]]
+    for combo in itertools.combinations(items, strength):
+        if len({i for i, _ in combo}) < strength or combo in seen:
+            continue
+        fixed = _must_hold(combo)
+        for _ in range(tries):
+            consider(random_layout(rng, fixed))
+            if combo in seen:
+                break
+
+    def build(combo, score, rng):
+        fixed = _must_hold(combo)
+        for attempt in range(4):
+            layout = _filled(fixed, score, rng, noise=0.25 * attempt)
+            if layout is not None and consider(layout):
+                return layout.values
+        return witness[combo]
+
+    chosen = constructed_cover(seen, strength, build, lambda r: vouches(r, strength), cost, rng)
+    return Cover(strength, [Layout(r) for r in chosen], len(seen), refusals)
+
+
+def _must_hold(combo: tuple) -> dict:
+    """The factor values a layout must take to vouch for `combo`: its own, and float64 unless the
+    combination names the precision (`vouches`)."""
+    fixed = {NAMES[i]: v for i, v in combo}
+    fixed.setdefault("precision", "float64")
+    return fixed
+
+
+def _filled(fixed: dict, score, rng: random.Random, noise: float) -> Layout | None:
+    """A layout with the `fixed` values and, for every other factor in order, the value that
+    completes the most uncovered combinations with the values chosen so far (`score`), the
+    default on a tie; with probability `noise` a random one instead (a retry after a refusal)."""
+    layout: dict = {}
+    items = [(NAMES.index(n), v) for n, v in fixed.items()]
+    for i, factor in enumerate(FACTORS):
+        values = factor.values(layout) if factor.name != "strategy" else COVER_STRATEGIES
+        if factor.name in fixed:
+            if fixed[factor.name] not in (values or (None,)):
+                return None
+            value = fixed[factor.name]
+        elif not values:
+            value = None
+        elif rng.random() < noise:
+            value = rng.choice(values)
+        else:
+            value = max(values, key=lambda v: (score(items, (i, v)), v == values[0], rng.random()))
+            items.append((i, value))
+        layout[factor.name] = value
+    return Layout(tuple(layout[n] for n in NAMES))
+
+
+def census_cover(strength: int, accepted: list) -> Cover:
+    """The t-wise cover chosen from every accepted layout of the space (`census(...).accepted`):
+    exact, and minutes to make (make test-full's)."""
+    rows = [layout.values for layout in accepted]
+    required: set = set()
+    for r in rows:
+        required.update(vouches(r, strength))
+    chosen = greedy_cover(rows, lambda r: vouches(r, strength), required, cost)
+    return Cover(strength, [Layout(r) for r in chosen], len(required), [])

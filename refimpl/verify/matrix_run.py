@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from refimpl import launch
 from refimpl.train import train_rank
+from refimpl.verify import layout_matrix as lm
 from refimpl.verify.equivalence import (
     FP64_TOLERANCE,
     compare_states,
@@ -239,3 +240,52 @@ def counts(outcomes: list[Outcome]) -> Counts:
         else:
             out.wrong.append(o)
     return out
+
+
+# --- python -m refimpl matrix ---------------------------------------------------------------------
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--strength", type=int, default=2,
+                        help="run a cover in which every STRENGTH factor values that can occur "
+                             "together do (2: make test's pairwise, 3: make test-full's)")
+    parser.add_argument("--all", action="store_true",
+                        help="run every accepted layout of the whole space instead (hours)")
+    parser.add_argument("--shard", default="1/1", metavar="I/N",
+                        help="with --all: the I-th of N equal parts (1-based), for several machines")
+    parser.add_argument("--count", action="store_true",
+                        help="only count the whole space: accepted, refused by reason (minutes)")
+    parser.add_argument("--list", action="store_true",
+                        help="print the layouts (and their train flags) instead of running them")
+    parser.add_argument("--world", type=int, default=None, help="only the layouts of this world size")
+
+
+def main(args) -> int:
+    """Print the counts (and every layout that is neither equal nor refused); exit 1 if any."""
+    if args.count or args.all:
+        space = lm.census()
+        print(f"{space.total} layouts: {len(space.accepted)} accepted, "
+              f"{sum(space.refused.values())} refused")
+        for why, n in space.refused.most_common():
+            print(f"  refused {n:8d}  {why}")
+        if args.count:
+            return 0
+        index, parts = (int(x) for x in args.shard.split("/"))
+        layouts = [lay for k, lay in enumerate(space.accepted) if k % parts == index - 1]
+    else:
+        layouts = lm.sampled_cover(args.strength).layouts
+    if args.world is not None:
+        layouts = [lay for lay in layouts if lay["world"] == args.world]
+    if args.list:
+        for layout in layouts:
+            print(f"{layout.name():60s}  {' '.join(layout.argv())}")
+        return 0
+    done = [0]
+
+    def progress(outcome: Outcome) -> None:
+        done[0] += 1
+        print(f"[{done[0]}/{len(layouts)}] {outcome.status:7s} {outcome.seconds:6.2f} s  "
+              f"{outcome.layout.name()}  {outcome.detail}", flush=True)
+
+    found = counts(run_layouts(layouts, on_outcome=progress))
+    print(found)
+    return 1 if found.wrong else 0
