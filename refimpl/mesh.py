@@ -34,6 +34,15 @@ class LayoutError(ValueError):
 
 AXES = ("dp", "pp", "cp", "tp")                 # grid order: outermost to innermost
 GROUP_AXES = ("dp", "pp", "cp", "tp", "dp_cp", "ep", "edp")
+# Axes whose ranks can coincide (dp_cp is dp when cp = 1 and cp when dp = 1; ep and edp are parts
+# of dp_cp) share a process group only within one family: the data-parallel sync's axes run
+# their collectives in the order one thread issues them (refimpl.comm's lane, NCCL's stream),
+# while ring attention's sends and the experts' all-to-alls run on the main thread. On one group
+# the two would interleave differently on each rank -- rebuilt from send/recv, fsdp's prefetched
+# all-gather took ring attention's K/V message (gloo: "Received data size doesn't match") -- so
+# each family gets its own group, as it would its own NCCL communicator.
+FAMILY = {"dp": "sync", "dp_cp": "sync", "edp": "sync", "cp": "cp", "ep": "ep", "pp": "pp",
+          "tp": "tp", "replica": "replica"}
 
 
 @dataclass(frozen=True)
@@ -122,8 +131,9 @@ class Mesh:
 
     Every rank creates every group, in the same order (torch.distributed.new_group is collective
     over the whole world even though only members use a group); axes of size 1 get no group.
-    Built once per run and handed to the strategy in its RunContext. Axes with the same ranks
-    share one group (dp = dp_cp when cp = 1), and so do runs (`_groups_of_this_world`).
+    Built once per run and handed to the strategy in its RunContext. Axes of one family with the
+    same ranks share one group (dp = dp_cp when cp = 1: FAMILY), and so do runs
+    (`_groups_of_this_world`).
     """
 
     def __init__(self, dims: ParallelDims, rank: int):
@@ -138,7 +148,7 @@ class Mesh:
         made = _groups_of_this_world() if distributed else {}
         for axis in GROUP_AXES + ("replica",):
             for ranks in dims.groups(axis):
-                key = tuple(ranks)
+                key = (FAMILY[axis], tuple(ranks))
                 if distributed and len(ranks) > 1 and key not in made:
                     made[key] = dist.new_group(ranks)
                 if rank in ranks:
@@ -169,12 +179,12 @@ class Mesh:
         return f"Mesh({shape or 'single'}; rank {self.rank}: {at})"
 
 
-# The groups made in this process, by member ranks, for the default group they were made in. A
-# process that trains many runs one after another (a notebook's comparison, the layout matrix: 100s
-# of runs in one launch) reuses them instead of making new ones each run: a gloo group holds three
-# threads and a socket per peer until the process ends, and destroying a run's groups instead
-# breaks DTensor, whose caches hand a later run's equal DeviceMesh the destroyed group's name. Every
-# rank runs the same runs, so every rank misses (and creates, collectively) the same groups.
+# The groups made in this process, by family and member ranks, for the default group they were
+# made in. A process that trains many runs one after another (a notebook's comparison, the layout
+# matrix: 100s of runs in one launch) reuses them instead of making new ones each run: a gloo group
+# holds three threads and a socket per peer until the process ends, and destroying a run's groups
+# instead breaks DTensor, whose caches hand a later run's equal DeviceMesh the destroyed group's
+# name. Every rank runs the same runs, so every rank misses (and creates, collectively) the same.
 _MADE: dict = {"world": None, "groups": {}}
 
 

@@ -103,11 +103,13 @@ def unshard(tensor: torch.Tensor, shard: Shard, mesh, comm) -> torch.Tensor:
 
 
 def gather_full_state_dict(local: dict[str, torch.Tensor], model: nn.Module, mesh,
-                           comm) -> dict[str, torch.Tensor]:
+                           comm, sharded: dict[str, Placement] | None = None
+                           ) -> dict[str, torch.Tensor]:
     """The reference's full state dict on every rank, from this rank's `local` state dict.
+    `sharded`: the placements, where the model's tensors no longer carry them (`placements`).
 
     Collective over every axis the model is sharded on (every rank must call it)."""
-    sharded = placements(model)
+    sharded = placements(model) if sharded is None else sharded
     full = {}
     # The same order on every rank (the all-gathers must match): an owned module's names sort by
     # its slot, which every owner shares, not by its index, which differs.

@@ -16,11 +16,13 @@ anything: on CPU ranks there is nowhere to offload from).
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from refimpl.config import Option, TrainConfig
 from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
 from refimpl.model import GPT
 from refimpl.parallel.dp.torch_ddp import require_dp_group
+from refimpl.placement import gather_full_state_dict, placements
 from refimpl.strategy import Strategy, make_optimizer
 
 
@@ -41,6 +43,9 @@ class TorchFSDP2(Strategy):
         ctx, cfg = self.ctx, self.ctx.cfg
         # Activation checkpointing before wrapping, the order torchtitan uses.
         self.model = model
+        # Where our transforms put each tensor (--tp, --cp shards): fully_shard replaces the
+        # parameters by DTensors, which do not keep the record, so it is read now.
+        self.placed = placements(model)
         kw = {"reshard_after_forward": self.reshard_after_forward, "mesh": self.device_mesh()}
         if cfg.mixed_precision == "bf16":
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
@@ -67,7 +72,11 @@ class TorchFSDP2(Strategy):
         return DeviceMesh.from_group(group, self.ctx.device.type)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.full_tensor().detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        """Each DTensor gathered over dp x cp (FSDP2's shards; buffers such as the MoE layer's
+        expert bias are not DTensors), then over the axes our transforms split it on (tp)."""
+        local = {k: v.full_tensor() if isinstance(v, DTensor) else v
+                 for k, v in self.model.state_dict().items()}
+        return gather_full_state_dict(local, self.model, self.mesh, self.comm, self.placed)
 
     def model_state(self) -> ModelStateBytes:
         params = list(self.model.parameters())
