@@ -73,7 +73,7 @@ def constructed_cover(required: set, t: int, build: Callable, covers: Callable[[
 
     failures = 0
     while todo:
-        pending = list(todo)
+        pending = sorted(todo, key=repr)      # a set's order changes with the hash seed
         best, best_gain, best_score = None, set(), 0.0
         for _ in range(candidates):
             row = build(pending[rng.randrange(len(pending))], score, rng)

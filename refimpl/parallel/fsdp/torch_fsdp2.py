@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from refimpl.config import Option, TrainConfig
+from refimpl.mesh import LayoutError
 from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
 from refimpl.model import GPT
 from refimpl.parallel.dp.torch_ddp import require_dp_group
@@ -36,6 +37,12 @@ class TorchFSDP2(Strategy):
     def validate(cls, cfg: TrainConfig) -> None:
         super().validate(cfg)
         require_dp_group(cls.name, cfg)
+        if cfg.tp > 1 and cfg.sequence_parallel:
+            # our tp transform sums those gradients over tp in hooks on the parameters
+            # (refimpl.parallel.tp.parallelize); fully_shard replaces the parameters
+            raise LayoutError(f"strategy {cfg.strategy!r} with --tp and --sequence-parallel: FSDP2 "
+                              "replaces the parameters, and with them the hooks that sum the "
+                              "LayerNorm and bias gradients over tp (use torch-fsdp2-tp, or ours)")
 
     def setup(self, model: GPT) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
