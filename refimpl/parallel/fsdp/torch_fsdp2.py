@@ -19,8 +19,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from refimpl.config import Option, TrainConfig
-from refimpl.mesh import LayoutError
 from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
+from refimpl.mesh import LayoutError
 from refimpl.model import GPT
 from refimpl.parallel.dp.torch_ddp import require_dp_group
 from refimpl.placement import gather_full_state_dict, placements
