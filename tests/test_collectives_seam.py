@@ -30,6 +30,7 @@ def seam_runs(request):
     return cfgs, train_several_on_ranks(cfgs, timeout=900)
 
 
+@pytest.mark.full     # make test: the layout matrix pairs --collectives refimpl with every strategy
 def test_refimpl_collectives_train_like_single(seam_runs):
     for cfg, result in zip(*seam_runs):
         ref = reference_run(cfg)

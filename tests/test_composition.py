@@ -1,7 +1,7 @@
-"""Composing the axes through the one loop: every pairing equals `single` (losses and final weights
+"""Composing the axes through the one loop: named pairings equal `single` (losses and final weights
 after 3 AdamW steps) -- dp x tp, dp x pp, tp x pp, pp x cp on 4 ranks with several DP flavours on
 the dp axis, sequence parallelism and activation checkpointing among them, and dp2 x tp2 x pp2 on
-8 ranks; a checkpoint (weights and AdamW's m, v) written under one layout is placed exactly by
+8 ranks (every pairing: the layout matrix, tests/test_layout_matrix.py); a checkpoint (weights and AdamW's m, v) written under one layout is placed exactly by
 another and training goes on as `single`'s does from the same state; PyTorch's composed twin
 (torch-fsdp2-tp: FSDP2 + DTensor TP, and with --pp torch.distributed.pipelining) matches ours;
 what does not compose fails before launch.
@@ -48,28 +48,30 @@ def layout(strategy, world, **kw):
                        model=SMALL, **kw)
 
 
+# The layouts the other tests here read (memory shares, PyTorch's twin, the traced MoE run, the
+# checkpoint) run in make test; each is also checked equal to single. The rest of the old
+# hand-picked list is make test-full's: the layout matrix (tests/test_layout_matrix.py) covers
+# every pairing of the axes, flavours and options on 2, 3, 4 and 8 ranks in make test.
 RUNS = {
-    4: {"zero1 dp2 x tp2": layout("zero1", 4, tp=2),
-        # its weights and moments are the checkpoint of the resharding test below
+    4: {# its weights and moments are the checkpoint of the resharding test below
         "zero3 dp2 x tp2": layout("zero3", 4, tp=2, return_optimizer_state=True),
-        "fsdp dp2 x tp2 +sp +ckpt": layout("fsdp", 4, tp=2, sequence_parallel=True,
-                                           activation_checkpointing=True),
         "zero3 dp2 x pp2": layout("zero3", 4, pp=2),
-        "fsdp dp2 x pp2 +ckpt": layout("fsdp", 4, pp=2, activation_checkpointing=True),
-        "pp-1f1b tp2 x pp2 +sp": layout("pp-1f1b", 4, tp=2, pp=2, sequence_parallel=True),
-        "zero2 pp2 x cp2": layout("zero2", 4, pp=2, cp=2),
-        "zero3 dp2 x pp2 interleaved v2": layout("zero3", 4, pp=2, schedule="interleaved",
-                                                 virtual_stages=2, micro_batches=4),
-        "zero1 dp2 x pp2 zb-h1": layout("zero1", 4, pp=2, schedule="zb-h1"),
         "torch-fsdp2-tp dp2 x tp2": layout("torch-fsdp2-tp", 4, tp=2, micro_batches=1),
-        "fsdp dp2 x tp2": layout("fsdp", 4, tp=2, micro_batches=1),
-        # tp's linears under a split schedule: W reads their own matmul (pp.zero_bubble), the
-        # row-parallel bias from its slice of the sequence under SP
-        "zero1 tp2 x pp2 zbv +sp": layout("zero1", 4, tp=2, pp=2, schedule="zbv", micro_batches=4,
-                                          sequence_parallel=True)},
-    # make test-full: 4-rank layouts a sibling above covers in make test (zero1 under pp in its
-    # zb-h1 run, the twin with SP in the 8-rank launch)
-    "4-full": {"zero1 dp2 x pp2": layout("zero1", 4, pp=2),
+        "fsdp dp2 x tp2": layout("fsdp", 4, tp=2, micro_batches=1)},
+    "4-full": {"zero1 dp2 x tp2": layout("zero1", 4, tp=2),
+               "fsdp dp2 x tp2 +sp +ckpt": layout("fsdp", 4, tp=2, sequence_parallel=True,
+                                                  activation_checkpointing=True),
+               "fsdp dp2 x pp2 +ckpt": layout("fsdp", 4, pp=2, activation_checkpointing=True),
+               "pp-1f1b tp2 x pp2 +sp": layout("pp-1f1b", 4, tp=2, pp=2, sequence_parallel=True),
+               "zero2 pp2 x cp2": layout("zero2", 4, pp=2, cp=2),
+               "zero3 dp2 x pp2 interleaved v2": layout("zero3", 4, pp=2, schedule="interleaved",
+                                                        virtual_stages=2, micro_batches=4),
+               "zero1 dp2 x pp2 zb-h1": layout("zero1", 4, pp=2, schedule="zb-h1"),
+               # tp's linears under a split schedule: W reads their own matmul (pp.zero_bubble),
+               # the row-parallel bias from its slice of the sequence under SP
+               "zero1 tp2 x pp2 zbv +sp": layout("zero1", 4, tp=2, pp=2, schedule="zbv",
+                                                 micro_batches=4, sequence_parallel=True),
+               "zero1 dp2 x pp2": layout("zero1", 4, pp=2),
                "torch-fsdp2-tp dp2 x tp2 +sp": layout("torch-fsdp2-tp", 4, tp=2, micro_batches=1,
                                                       sequence_parallel=True),
                "pp-zb tp2 x pp2": layout("pp-zb", 4, tp=2, pp=2, micro_batches=4),
@@ -77,13 +79,8 @@ RUNS = {
                                                   micro_batches=4, sequence_parallel=True),
                "ep tp2 x pp2 zb-h1, experts": moe(layout("ep", 4, tp=2, pp=2, schedule="zb-h1",
                                                          micro_batches=4), balance="aux")},
-    # One 8-rank launch in make test for every 8-rank layout it keeps (start-up is paid once):
-    # the five axes, dense and with experts, and PyTorch's composed twin.
-    8: {"zero1 dp2 x tp2 x pp2": layout("zero1", 8, tp=2, pp=2),
-        "fsdp dp2 x tp2 x pp2 +sp": layout("fsdp", 8, tp=2, pp=2, sequence_parallel=True),
-        # ring attention over tp heads under a pipeline (refimpl.compose.tp_cp; tests/test_tp_cp.py)
-        "pp-1f1b cp2 x tp2 x pp2 +sp": layout("pp-1f1b", 8, tp=2, cp=2, pp=2,
-                                              sequence_parallel=True).with_(steps=2, model=TWO_BLOCKS),
+    # One 8-rank launch in make test for the 8-rank layouts the tests below read.
+    8: {"fsdp dp2 x tp2 x pp2 +sp": layout("fsdp", 8, tp=2, pp=2, sequence_parallel=True),
         # a MoE model on dp x ep x tp x pp: experts split over tp, spread over ep inside dp, a
         # stage's aux loss in the step's (tests/test_moe_compose.py, tests/test_moe_tp_dp.py)
         # traced: test_moe_collectives_are_the_arithmetics counts its calls per axis
@@ -95,8 +92,12 @@ RUNS = {
         "torch-fsdp2-tp dp2 x tp2 x pp2 +sp": layout("torch-fsdp2-tp", 8, tp=2, pp=2,
                                                      sequence_parallel=True).with_(
                                                          steps=2, model=TWO_BLOCKS)},
-    # make test-full: the other 8-rank layouts (make test keeps one of each kind above)
-    "8-full": {"zero2 dp2 x cp2 x pp2": layout("zero2", 8, cp=2, pp=2),
+    "8-full": {"zero1 dp2 x tp2 x pp2": layout("zero1", 8, tp=2, pp=2),
+               # ring attention over tp heads under a pipeline (refimpl.compose.tp_cp)
+               "pp-1f1b cp2 x tp2 x pp2 +sp": layout("pp-1f1b", 8, tp=2, cp=2, pp=2,
+                                                     sequence_parallel=True).with_(
+                                                         steps=2, model=TWO_BLOCKS),
+               "zero2 dp2 x cp2 x pp2": layout("zero2", 8, cp=2, pp=2),
                "fsdp grad_op dp2 x tp2 x pp2 +ckpt": layout("fsdp", 8, tp=2, pp=2,
                                                             activation_checkpointing=True,
                                                             options={"sharding": "grad_op"}),

@@ -117,10 +117,15 @@ def _run_one_world(layouts: list[Layout], world: int, layout_timeout: float) -> 
 
 
 def _plain(cfg):
-    """What a layout is compared with: single with the same model, data, steps, micro-batches and
-    precision, without the layout's checkpointing or rebuilt collectives (which must not change
-    the maths, so single without them is the stricter reference)."""
-    return cfg.with_(activation_checkpointing=False, collectives="torch")
+    """What a layout is compared with: single with the same model, data, steps and precision,
+    without the layout's checkpointing or rebuilt collectives, and (in float64) on the whole
+    batch at once: none of these may change the maths, so single without them is the stricter
+    reference. Micro-batches stay where they do change it: bf16 rounds each micro-batch's
+    forward, and capacity_scope=batch fills the experts per forward (refimpl.model.moe)."""
+    moe = cfg.model
+    per_forward = cfg.dtype != "float64" or (moe.n_experts and moe.capacity_scope == "batch")
+    return cfg.with_(activation_checkpointing=False, collectives="torch",
+                     micro_batches=cfg.micro_batches if per_forward else 1)
 
 
 def _reference_key(cfg) -> str:
@@ -159,7 +164,8 @@ def _train_each(rank: int, world: int, cfgs: list, references: dict, outdir: str
             with open(Path(outdir) / "outcomes.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")
         del result
-        gc.collect()
+        if index % 16 == 15:      # the runs' reference cycles (hooks, handles), now and then
+            gc.collect()
     clock.stop()
 
 
@@ -272,7 +278,8 @@ def main(args) -> int:
         index, parts = (int(x) for x in args.shard.split("/"))
         layouts = [lay for k, lay in enumerate(space.accepted) if k % parts == index - 1]
     else:
-        layouts = lm.sampled_cover(args.strength).layouts
+        layouts = lm.sampled_cover(args.strength, strategies=lm.PAIRWISE_STRATEGIES if args.strength == 2
+                                   else lm.COVER_STRATEGIES).layouts
     if args.world is not None:
         layouts = [lay for lay in layouts if lay["world"] == args.world]
     if args.list:
