@@ -28,12 +28,20 @@ WORK = Path(tempfile.mkdtemp(prefix="refimpl-dp-tests-"))   # traces and the che
 atexit.register(shutil.rmtree, WORK, ignore_errors=True)
 
 
+# Which runs each test file reads: test_dp.py the replicating flavours, test_zero12.py the ZeRO
+# stages and the dp runs they are compared with. Each file launches only its own (the two files
+# usually land on different pytest-xdist workers, whose caches are their own).
+FAMILIES = {"dp": lambda name: not name.startswith(("zero", "torch-zero", "dp-from")),
+            "zero": lambda name: name.startswith(("zero", "torch-zero")) or name in
+            ("dp", "dp-from-zero2-checkpoint")}
+
+
 def base(world: int, strategy: str, **changes) -> TrainConfig:
     return TrainConfig(strategy=strategy, nproc=world, steps=STEPS, dtype="float64", model=SMALL,
                        global_batch=12 if world == 3 else 8, return_state=True).with_(**changes)
 
 
-def configs(world: int) -> dict[str, TrainConfig]:
+def configs(world: int, family: str) -> dict[str, TrainConfig]:
     runs = {
         "dp-naive": base(world, "dp-naive"),
         "dp": base(world, "dp", options=SMALL_BUCKETS),
@@ -57,15 +65,15 @@ def configs(world: int) -> dict[str, TrainConfig]:
             "dp-checkpointing": base(2, "dp", activation_checkpointing=True),
             "zero2-checkpointing": base(2, "zero2", activation_checkpointing=True),
         })
-    if world == 3:
+    if world == 3 and family == "zero":
         # Resharding: the full state zero2 wrote on 2 ranks starts a dp run on 3.
         runs["dp-from-zero2-checkpoint"] = base(3, "dp", init_state=zero2_checkpoint())
-    return runs
+    return {name: cfg for name, cfg in runs.items() if FAMILIES[family](name)}
 
 
 @functools.cache
-def runs_on(world: int) -> dict[str, dict]:
-    cfgs = configs(world)
+def runs_on(world: int, family: str) -> dict[str, dict]:
+    cfgs = configs(world, family)
     results = train_several_on_ranks(list(cfgs.values()), timeout=600)
     return {name: (cfgs[name], result) for name, result in zip(cfgs, results)}
 
@@ -73,7 +81,7 @@ def runs_on(world: int) -> dict[str, dict]:
 @functools.cache
 def zero2_checkpoint() -> str:
     path = WORK / "zero2-2ranks.pt"
-    torch.save(runs_on(2)["zero2"][1]["state_dict"], path)
+    torch.save(runs_on(2, "zero")["zero2"][1]["state_dict"], path)
     return str(path)
 
 

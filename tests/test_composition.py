@@ -86,13 +86,14 @@ RUNS = {
         # traced: test_moe_collectives_are_the_arithmetics counts its calls per axis
         "ep dp2 x tp2 x pp2, experts ep over dp, aux +sp": moe(layout(
             "ep", 8, tp=2, pp=2, sequence_parallel=True, profile=True,
-            trace_dir=str(WORK / "moe-5d")), balance="aux"),
-        # PyTorch's twin: FSDP2 + DTensor TP + torch.distributed.pipelining's 1F1B (2 blocks,
-        # 2 steps: DTensor's dispatch makes it the launch's slowest; more in test_torch_twin_pp.py)
-        "torch-fsdp2-tp dp2 x tp2 x pp2 +sp": layout("torch-fsdp2-tp", 8, tp=2, pp=2,
-                                                     sequence_parallel=True).with_(
-                                                         steps=2, model=TWO_BLOCKS)},
-    "8-full": {"zero1 dp2 x tp2 x pp2": layout("zero1", 8, tp=2, pp=2),
+            trace_dir=str(WORK / "moe-5d")), balance="aux")},
+    "8-full": {# PyTorch's twin: FSDP2 + DTensor TP + torch.distributed.pipelining's 1F1B (2
+               # blocks, 2 steps: DTensor's dispatch makes it the slowest 8-rank run; more in
+               # test_torch_twin_pp.py)
+               "torch-fsdp2-tp dp2 x tp2 x pp2 +sp": layout("torch-fsdp2-tp", 8, tp=2, pp=2,
+                                                            sequence_parallel=True).with_(
+                                                                steps=2, model=TWO_BLOCKS),
+               "zero1 dp2 x tp2 x pp2": layout("zero1", 8, tp=2, pp=2),
                # ring attention over tp heads under a pipeline (refimpl.compose.tp_cp)
                "pp-1f1b cp2 x tp2 x pp2 +sp": layout("pp-1f1b", 8, tp=2, cp=2, pp=2,
                                                      sequence_parallel=True).with_(
@@ -168,11 +169,12 @@ def test_pytorch_composed_twin_matches_ours():
         assert all(abs(h - quarter) < 0.1 * quarter for h in held), (result["strategy"], held)
 
 
+@pytest.mark.full
 def test_pytorch_composed_twin_with_a_pipeline_holds_an_eighth():
     """dp2 x tp2 x pp2 +sp under FSDP2 over dp, DTensor TP over tp and PyTorch's 1F1B over pp
     (torchtitan's order; equal to single above): every rank holds 1/8 of the parameters (within
     10%: FSDP2's padding, the replicated LayerNorms), as our fsdp does on the same grid."""
-    theirs = results(8)["torch-fsdp2-tp dp2 x tp2 x pp2 +sp"]
+    theirs = results("8-full")["torch-fsdp2-tp dp2 x tp2 x pp2 +sp"]
     eighth = 8 * theirs["n_params"] / 8
     held = [r["memory"]["params"] for r in theirs["per_rank"]]
     assert all(abs(h - eighth) < 0.1 * eighth for h in held), held

@@ -106,8 +106,9 @@ def test_one_rank_is_plain_causal_attention(reference):
 
 @pytest.mark.parametrize("strategy,nproc,cp,checkpointing", [
     ("dp", 2, 2, True),      # the ring runs again inside each block's recomputed forward
-    ("dp", 4, 4, False),
-    ("zero2", 4, 2, False),  # dp 2 x cp 2: ZeRO shards over all four
+    # 4 ranks: make test-full's (the layout matrix runs cp with every flavour in make test)
+    pytest.param("dp", 4, 4, False, marks=pytest.mark.full),
+    pytest.param("zero2", 4, 2, False, marks=pytest.mark.full),  # dp2 x cp2: ZeRO shards over all four
 ])
 def test_loop_with_context_parallel_equals_single(strategy, nproc, cp, checkpointing):
     """In float64 ring attention's reordered softmax sums cost ~1e-16 each: the whole model after

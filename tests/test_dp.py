@@ -21,28 +21,29 @@ pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips
 DP = ["dp-naive", "dp", "dp-micro2", "torch-ddp"]
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+# 4 ranks: make test-full's (the layout matrix runs every flavour on 2, 3, 4 and 8 ranks)
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.full)])
 @pytest.mark.parametrize("name", DP)
 def test_same_losses_and_weights_as_single(world, name):
-    assert_matches_single(*runs_on(world)[name])
+    assert_matches_single(*runs_on(world, "dp")[name])
 
 
 @pytest.mark.parametrize("name", ["torch-ddp-micro2", "dp-checkpointing"])
 def test_accumulation_and_checkpointing_variants_match_single(name):
-    assert_matches_single(*runs_on(2)[name])
+    assert_matches_single(*runs_on(2, "dp")[name])
 
 
 @pytest.mark.parametrize("name", ["dp-naive", "dp", "torch-ddp"])
 def test_two_ranks_are_bit_exact_with_single_accumulating_their_halves(name):
     # Rank r's gradient is single's r-th micro-batch gradient, bit for bit; a + b = b + a.
-    cfg, result = runs_on(2)[name]
+    cfg, result = runs_on(2, "dp")[name]
     ref = single_accumulating(2, cfg.global_batch)
     *_, exact = compare_states(result["state_dict"], ref["state_dict"])
     assert exact and result["losses"] == ref["losses"]
 
 
 def test_bf16_autocast_keeps_fp32_master_weights_and_tracks_single():
-    cfg, result = runs_on(2)["dp-bf16"]
+    cfg, result = runs_on(2, "dp")["dp-bf16"]
     ref = reference(cfg)
     assert max(abs(a - b) / b for a, b in zip(result["losses"], ref["losses"])) < 1e-2
     assert all(v.dtype == torch.float32 for v in result["state_dict"].values())
@@ -53,7 +54,7 @@ def test_bf16_autocast_keeps_fp32_master_weights_and_tracks_single():
 @pytest.mark.parametrize("name", ["dp-naive", "dp", "torch-ddp"])
 def test_replicas_hold_every_byte_of_model_state(world, name):
     # Plain DP shards nothing and pads nothing: N params, N grads, 2N Adam moments per rank.
-    cfg, result = runs_on(world)[name]
+    cfg, result = runs_on(world, "dp")[name]
     n = result["n_params"]
     e = ELEMENT[cfg.dtype]
     want = model_state_bytes(n, dp=world, zero_stage=0, param_bytes=e, grad_bytes=e,
@@ -64,8 +65,8 @@ def test_replicas_hold_every_byte_of_model_state(world, name):
 
 
 def test_checkpointing_lowers_measured_activations():
-    plain = runs_on(2)["dp"][1]["memory"][0]["activations_peak"]
-    assert runs_on(2)["dp-checkpointing"][1]["memory"][0]["activations_peak"] < plain
+    plain = runs_on(2, "dp")["dp"][1]["memory"][0]["activations_peak"]
+    assert runs_on(2, "dp")["dp-checkpointing"][1]["memory"][0]["activations_peak"] < plain
 
 
 def test_buckets_follow_reverse_parameter_order_and_cover_every_gradient():
@@ -82,7 +83,7 @@ def test_buckets_follow_reverse_parameter_order_and_cover_every_gradient():
 
 
 def test_bucketed_dp_traces_label_comm_on_every_rank_and_hide_some_of_it():
-    cfg, result = runs_on(2)["dp-profiled"]
+    cfg, result = runs_on(2, "dp")["dp-profiled"]
     df = load_trace(result["trace_dir"])
     labelled = df[(df.category == "comm") & df.name.str.startswith("comm:all_reduce")]
     assert set(labelled["rank"]) == {0, 1}

@@ -14,22 +14,23 @@ pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips
 ZERO = ["zero1", "zero2", "torch-zero1"]
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+# 4 ranks: make test-full's (the layout matrix runs every flavour on 2, 3, 4 and 8 ranks)
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.full)])
 @pytest.mark.parametrize("name", ZERO)
 def test_same_losses_and_weights_as_single(world, name):
-    assert_matches_single(*runs_on(world)[name])
+    assert_matches_single(*runs_on(world, "zero")[name])
 
 
 @pytest.mark.parametrize("name", ["zero1-flat", "zero2-flat", "zero1-offload", "zero2-offload",
                                   "zero2-checkpointing"])
 def test_variants_match_single(name):
-    assert_matches_single(*runs_on(2)[name])
+    assert_matches_single(*runs_on(2, "zero")[name])
 
 
 @pytest.mark.parametrize("name", ZERO + ["zero2-flat", "zero2-offload"])
 def test_two_ranks_are_bit_exact_with_single_accumulating_their_halves(name):
     # AdamW is elementwise: updating a flat shard is the same arithmetic as updating tensors.
-    cfg, result = runs_on(2)[name]
+    cfg, result = runs_on(2, "zero")[name]
     ref = single_accumulating(2, cfg.global_batch)
     *_, exact = compare_states(result["state_dict"], ref["state_dict"])
     assert exact and result["losses"] == ref["losses"]
@@ -39,7 +40,7 @@ def test_two_ranks_are_bit_exact_with_single_accumulating_their_halves(name):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_measured_model_state_is_the_zero_arithmetic_to_the_byte(world, stage):
     # fp32 AdamW; flat buffers padded to world * ceil(N / world)
-    cfg, result = runs_on(world)[f"zero{stage}"]
+    cfg, result = runs_on(world, "zero")[f"zero{stage}"]
     assert (result["n_params"] % world != 0) == (world == 3)     # 3 ranks exercise the padding
     e = ELEMENT[cfg.dtype]
     want = model_state_bytes(result["n_params"], dp=world, zero_stage=stage, param_bytes=e,
@@ -51,7 +52,7 @@ def test_measured_model_state_is_the_zero_arithmetic_to_the_byte(world, stage):
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_offload_leaves_only_parameters_and_stage1_gradients_on_the_device(stage):
-    cfg, result = runs_on(2)[f"zero{stage}-offload"]
+    cfg, result = runs_on(2, "zero")[f"zero{stage}-offload"]
     e = ELEMENT[cfg.dtype]
     want = model_state_bytes(result["n_params"], dp=2, zero_stage=stage, param_bytes=e,
                              grad_bytes=e if stage == 1 else 0, optimizer_bytes=0)
@@ -77,23 +78,23 @@ def test_offloaded_shard_keeps_master_and_moments_on_the_host_and_updates_identi
 
 
 def test_zero2_keeps_a_quarter_of_dp_gradients_on_four_ranks():
-    mem = {name: runs_on(4)[name][1]["memory"][0] for name in ("dp", "zero1", "zero2")}
+    mem = {name: runs_on(4, "zero")[name][1]["memory"][0] for name in ("dp", "zero1", "zero2")}
     assert mem["zero1"]["grads"] == mem["dp"]["grads"]
-    assert runs_on(4)["dp"][1]["n_params"] % 4 == 0                 # so no padding on 4 ranks
+    assert runs_on(4, "zero")["dp"][1]["n_params"] % 4 == 0                 # so no padding on 4 ranks
     assert mem["zero2"]["grads"] * 4 == mem["dp"]["grads"]
     assert mem["zero1"]["optimizer"] * 4 == mem["dp"]["optimizer"]
 
 
 def test_bf16_zero2_tracks_single():
-    cfg, result = runs_on(2)["zero2-bf16"]
+    cfg, result = runs_on(2, "zero")["zero2-bf16"]
     ref = reference(cfg)
     assert max(abs(a - b) / b for a, b in zip(result["losses"], ref["losses"])) < 1e-2
 
 
 def test_checkpoint_written_by_zero2_on_two_ranks_trains_dp_on_three():
-    cfg, result = runs_on(3)["dp-from-zero2-checkpoint"]
+    cfg, result = runs_on(3, "zero")["dp-from-zero2-checkpoint"]
     saved = torch.load(cfg.init_state)
-    *_, trained = compare_states(saved, runs_on(2)["zero2"][1]["state_dict"])
+    *_, trained = compare_states(saved, runs_on(2, "zero")["zero2"][1]["state_dict"])
     assert trained
     assert_matches_single(cfg, result)      # single starts from the same checkpoint
-    assert result["losses"][0] < runs_on(3)["dp"][1]["losses"][0]   # it did start from it
+    assert result["losses"][0] < runs_on(3, "zero")["dp"][1]["losses"][0]   # it did start from it

@@ -312,16 +312,15 @@ REGRESSIONS: list[tuple[str, Layout]] = [
 # --- sampling, for a cover without the whole space -------------------------------------------------
 
 def random_layout(rng: random.Random, fixed: dict | None = None, keep_default: float = 0.6,
-                  strategies: tuple = ()) -> Layout | None:
-    """A layout of a distinct strategy (`COVER_STRATEGIES`) with `fixed` values, the others drawn
-    (the first value, the default, with probability `keep_default`: most refusals come from
-    several non-defaults at once). None if a fixed value is not possible after the draws before
-    it."""
-    fixed = fixed or {}
+                  within: dict | None = None) -> Layout | None:
+    """A layout with `fixed` values, the others drawn (the first value, the default, with
+    probability `keep_default`: most refusals come from several non-defaults at once), the world
+    and the strategy from `within` (default: every world, a distinct strategy: COVER_STRATEGIES).
+    None if a fixed value is not possible after the draws before it."""
+    fixed, within = fixed or {}, {"strategy": COVER_STRATEGIES, **(within or {})}
     layout: dict = {}
     for factor in FACTORS:
-        values = factor.values(layout) if factor.name != "strategy" else (strategies
-                                                                          or COVER_STRATEGIES)
+        values = within[factor.name] if factor.name in within else factor.values(layout)
         if factor.name in fixed:
             if fixed[factor.name] not in (values or (None,)):
                 return None
@@ -343,11 +342,13 @@ def random_layout(rng: random.Random, fixed: dict | None = None, keep_default: f
 # the covers run the distinct layouts: the flavours and PyTorch's twins.
 COVER_STRATEGIES = tuple(s for s, e in STRATEGIES.items()
                          if s != "single" and not (e.axis and e.strategy == NAIVE))
-# make test's pairwise cover leaves out PyTorch's DTensor twins: a layout of theirs takes ~4x one of
-# ours (DTensor's dispatch), and their pairs cost make test a minute and a half. Their named
-# layouts run in make test (tests/test_tp_strategy.py, tests/test_composition.py), their pairs and
-# triples in make test-full's three-wise cover.
+# make test's pairwise cover: 2, 3 and 4 ranks, and neither of PyTorch's DTensor twins (a layout of
+# theirs takes ~4x one of ours: DTensor's dispatch). With 8 ranks and the twins the cover costs
+# make test ~3 more minutes of its 10 on 2 cores; make test-full covers every pair of them (and
+# every triple), and make test runs named 8-rank layouts (tests/test_composition.py,
+# tests/test_moe_compose.py) and the twins' (tests/test_tp_strategy.py, test_composition.py).
 PAIRWISE_STRATEGIES = tuple(s for s in COVER_STRATEGIES if s not in ("torch-tp", "torch-fsdp2-tp"))
+PAIRWISE_WORLDS = (2, 3, 4)
 
 PRECISION = NAMES.index("precision")
 # Every value a factor takes in some layout (the domains above, over every context).
@@ -401,8 +402,9 @@ class Cover:
     refusals: list           # (layout, line) of every layout the search saw refused
 
 
-def sampled_cover(strength: int = 2, *, strategies: tuple = COVER_STRATEGIES, seed: int = 0,
-                  draws: int = 20000, tries: int = 30) -> Cover:
+def sampled_cover(strength: int = 2, *, strategies: tuple = COVER_STRATEGIES,
+                  worlds: tuple = WORLDS, seed: int = 0, draws: int = 20000, tries: int = 30
+                  ) -> Cover:
     """A t-wise cover found by sampling, in seconds (make test's).
 
     Which t values can occur together: `draws` random layouts, then, for every t values of the
@@ -411,9 +413,10 @@ def sampled_cover(strength: int = 2, *, strategies: tuple = COVER_STRATEGIES, se
     (`make test-full` checks that against the whole space). Then the layouts: AETG's construction
     (refimpl.verify.covering.constructed_cover), each built around a combination not yet covered,
     each other factor taking the value that completes the most uncovered combinations, kept only
-    if the launcher accepts it. Seeded: the same layouts every run, until a factor or a rule
-    changes."""
+    if the launcher accepts it. `strategies`, `worlds`: the part of the space it covers.
+    Seeded: the same layouts every run, until a factor or a rule changes."""
     rng = random.Random(seed)
+    within = {"strategy": strategies, "world": worlds}
     pool: dict[tuple, None] = {}
     seen: set = set()
     witness: dict = {}           # a t-tuple -> the first accepted layout seen holding it
@@ -435,22 +438,22 @@ def sampled_cover(strength: int = 2, *, strategies: tuple = COVER_STRATEGIES, se
         return True
 
     for _ in range(draws):
-        consider(random_layout(rng, strategies=strategies))
-    domains = {**DOMAINS, "strategy": strategies}
+        consider(random_layout(rng, within=within))
+    domains = {**DOMAINS, **within}
     items = [(i, v) for i, name in enumerate(NAMES) for v in domains[name]]
     for combo in itertools.combinations(items, strength):
         if len({i for i, _ in combo}) < strength or combo in seen:
             continue
         fixed = _must_hold(combo)
         for _ in range(tries):
-            consider(random_layout(rng, fixed, strategies=strategies))
+            consider(random_layout(rng, fixed, within=within))
             if combo in seen:
                 break
 
     def build(combo, score, rng):
         fixed = _must_hold(combo)
         for attempt in range(4):
-            layout = _filled(fixed, score, rng, 0.25 * attempt, strategies)
+            layout = _filled(fixed, score, rng, 0.25 * attempt, within)
             if layout is not None and consider(layout):
                 return layout.values
         return witness[combo]
@@ -467,15 +470,14 @@ def _must_hold(combo: tuple) -> dict:
     return fixed
 
 
-def _filled(fixed: dict, score, rng: random.Random, noise: float, strategies: tuple
-            ) -> Layout | None:
+def _filled(fixed: dict, score, rng: random.Random, noise: float, within: dict) -> Layout | None:
     """A layout with the `fixed` values and, for every other factor in order, the value that
     completes the most uncovered combinations with the values chosen so far (`score`), the
     default on a tie; with probability `noise` a random one instead (a retry after a refusal)."""
     layout: dict = {}
     items = [(NAMES.index(n), v) for n, v in fixed.items()]
     for i, factor in enumerate(FACTORS):
-        values = factor.values(layout) if factor.name != "strategy" else strategies
+        values = within[factor.name] if factor.name in within else factor.values(layout)
         if factor.name in fixed:
             if fixed[factor.name] not in (values or (None,)):
                 return None

@@ -253,7 +253,9 @@ def counts(outcomes: list[Outcome]) -> Counts:
 def add_arguments(parser) -> None:
     parser.add_argument("--strength", type=int, default=2,
                         help="run a cover in which every STRENGTH factor values that can occur "
-                             "together do (2: make test's pairwise, 3: make test-full's)")
+                             "together do (2: pairwise, 3: three-wise, make test-full's)")
+    parser.add_argument("--quick", action="store_true",
+                        help="make test's pairwise cover: 2-4 ranks, no DTensor twins")
     parser.add_argument("--all", action="store_true",
                         help="run every accepted layout of the whole space instead (hours)")
     parser.add_argument("--shard", default="1/1", metavar="I/N",
@@ -278,8 +280,9 @@ def main(args) -> int:
         index, parts = (int(x) for x in args.shard.split("/"))
         layouts = [lay for k, lay in enumerate(space.accepted) if k % parts == index - 1]
     else:
-        layouts = lm.sampled_cover(args.strength, strategies=lm.PAIRWISE_STRATEGIES if args.strength == 2
-                                   else lm.COVER_STRATEGIES).layouts
+        part = (dict(strategies=lm.PAIRWISE_STRATEGIES, worlds=lm.PAIRWISE_WORLDS) if args.quick
+                else {})
+        layouts = lm.sampled_cover(args.strength, **part).layouts
     if args.world is not None:
         layouts = [lay for lay in layouts if lay["world"] == args.world]
     if args.list:
