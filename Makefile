@@ -61,11 +61,13 @@ test: install lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest notebooks/ tests/ --nbval-lax -q -p no:cacheprovider \
 		-n $(TEST_WORKERS) --dist loadfile -m "not full" --durations=30
 
-# The larger equivalence runs that do not fit make test's 10 minutes on 2 cores (8-rank layouts
-# beyond the one make test keeps, every pairing on 4 ranks): marked `full`, run here.
+# What does not fit make test's 10 minutes on 2 cores, marked `full`: the layout matrix's whole
+# space (every layout validated), its pairwise cover with 8 ranks and the DTensor twins and its
+# three-wise cover (about an hour), and the named equivalence lists the matrix supersedes.
+# -rP prints the matrix's counts (ran, equal, refused by reason).
 test-full: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/ -q -p no:cacheprovider \
-		-n $(TEST_WORKERS) --dist loadfile -m full
+		-n $(TEST_WORKERS) --dist loadfile -m full -rP
 
 # The tests that start no rank process and take seconds (arithmetic, schedules, the model, the
 # import layers, the planner): under a minute. A test that launches ranks must be marked `ranks`;
