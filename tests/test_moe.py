@@ -17,6 +17,10 @@ from refimpl.model.moe import (
 from refimpl.verify.equivalence import FP64_TOLERANCE, compare_states, relative_error
 from tests.moe_runs import BASE, CASES, runs_on, single
 
+# Expert parallelism on 4 ranks: make test-full's (make test runs it on 2; the layout matrix runs
+# ep 2 and 4 through the loop in make test)
+FOUR = pytest.param(4, marks=pytest.mark.full)
+
 # --- the router ------------------------------------------------------------------------------------
 
 def test_ties_go_to_the_lower_expert_index():
@@ -113,7 +117,7 @@ def _merged(per_rank: list[dict], key: str) -> dict:
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, FOUR])
 @pytest.mark.parametrize("name", list(CASES))
 def test_expert_parallel_equals_one_process(world, name):
     per_rank, ref = [r[name] for r in runs_on(world)], single(name)
@@ -129,7 +133,7 @@ def test_expert_parallel_equals_one_process(world, name):
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, FOUR])
 @pytest.mark.parametrize("name", ["top1-tight", "top2-tight-bias"])
 def test_tight_capacity_drops_the_same_tokens(world, name):
     per_rank, ref = [r[name] for r in runs_on(world)], single(name)
@@ -142,7 +146,7 @@ def test_tight_capacity_drops_the_same_tokens(world, name):
 
 
 @pytest.mark.ranks
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, FOUR])
 def test_an_expert_with_no_tokens_has_zero_gradients(world):
     per_rank, ref = [r["expert3-starved"] for r in runs_on(world)], single("expert3-starved")
     grads = _merged(per_rank, "grads")

@@ -15,6 +15,9 @@ from refimpl.parallel.tp.parallelize import tp_layout_problem
 from refimpl.placement import Shard
 from tests.tp_runs import BLOCK_CFG, B, S, checks_on
 
+# The layers on 4 ranks: make test-full's (make test runs them on 2; the layout matrix runs tp 2
+# and 4 through the loop in make test)
+FOUR = pytest.param(4, marks=pytest.mark.full)
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
 VOCAB = {2: 512, 4: 510}           # 510 on 4 ranks: the vocabulary is padded to 512 and masked
@@ -25,14 +28,14 @@ def ranks(world):
     return checks_on(world, VOCAB[world])
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, FOUR])
 def test_column_and_row_parallel_linear_equal_nn_linear(world):
     for r in ranks(world):
         for name, res in r["linear"].items():
             assert max(res["y"], res["dx"], res["dw"]) < FP32, (name, res)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, FOUR])
 def test_linear_layers_communicate_as_the_seed_says(world):
     # Seed 3.3: column parallel all-reduces X's gradient in backward; row parallel all-reduces
     # the partial outputs in forward; nothing else unless an input/output must change layout.
@@ -47,7 +50,7 @@ def test_linear_layers_communicate_as_the_seed_says(world):
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, FOUR])
 def test_parallel_mlp_attention_and_block_equal_the_reference(world, sp):
     for r in ranks(world):
         for part in ("mlp", "attn", "block"):
@@ -55,7 +58,7 @@ def test_parallel_mlp_attention_and_block_equal_the_reference(world, sp):
             assert max(res["y"], res["dx"], res["dw"]) < FP32, (part, res)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, FOUR])
 def test_block_communication_matches_seed_and_narayanan(world):
     t, sbh_bytes = world, B * S * BLOCK_CFG.d_model * 4
     blocks = ranks(world)[0]["block"]
@@ -73,7 +76,7 @@ def test_block_communication_matches_seed_and_narayanan(world):
     assert seq["messages"] == 2 * plain["messages"]     # twice the calls, each moving half
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, FOUR])
 def test_activation_bytes_per_rank_are_exactly_counted(world):
     h, a = BLOCK_CFG.d_model, BLOCK_CFG.n_heads
     for r in ranks(world):
@@ -104,7 +107,7 @@ def test_our_tp_block_against_korthikanti_table_2():
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, FOUR])
 def test_whole_model_equals_single(world, sp):
     for r in ranks(world):
         fp32, fp64 = r["model"][sp], r["model64"][sp]
@@ -115,7 +118,7 @@ def test_whole_model_equals_single(world, sp):
         assert max(fp64["loss_rel_err"], fp64["grad_rel_err"], fp64["weight_rel_err"]) < 1e-10, fp64
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, FOUR])
 def test_fp32_weights_drift_only_by_adam_amplified_round_off(world):
     # Split-K sums round differently, and AdamW's first steps move an element by ~lr·g/(|g|+eps):
     # where |g| ~ eps = 1e-8 a 1e-9 round-off difference is a visible step. Reported, bounded.
@@ -124,7 +127,7 @@ def test_fp32_weights_drift_only_by_adam_amplified_round_off(world):
             assert r["model"][sp]["weight_rel_err"] < 1e-4, r["model"][sp]["weight_rel_err"]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, FOUR])
 def test_placements_and_per_rank_parameters(world):
     r = ranks(world)[0]["model"][True]
     place = r["placements"]
@@ -143,7 +146,7 @@ def test_placements_and_per_rank_parameters(world):
                                              + (vpad - (510 if world == 4 else 512)) * 2 * d) / world
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, FOUR])
 def test_whole_model_communication_per_pass(world):
     # 4 blocks: 2 per block per pass; + embedding (forward) and lm_head input (backward);
     # + the loss's 3 per-token reductions (max, target logit, sum of exp), never the logits.
@@ -154,7 +157,7 @@ def test_whole_model_communication_per_pass(world):
     assert [c[2] for c in log if c[2] != 8 * 32 * 160 * 4] == [8 * 32 * 4] * 3
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, FOUR])
 def test_tied_embeddings_share_one_vocabulary_shard(world):
     for r in ranks(world):
         tied = r["tied"]
