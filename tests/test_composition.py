@@ -77,8 +77,10 @@ RUNS = {
                "pp-zb tp2 x pp2": layout("pp-zb", 4, tp=2, pp=2, micro_batches=4),
                "fsdp tp2 x pp2 zb-h1 +sp": layout("fsdp", 4, tp=2, pp=2, schedule="zb-h1",
                                                   micro_batches=4, sequence_parallel=True),
-               "ep tp2 x pp2 zb-h1, experts": moe(layout("ep", 4, tp=2, pp=2, schedule="zb-h1",
-                                                         micro_batches=4), balance="aux")},
+               # experts on tp2 x pp2 with no ep axis (the `ep` shorthand needs >= 2 ranks left)
+               "dp-naive tp2 x pp2 zb-h1, experts": moe(layout("dp-naive", 4, tp=2, pp=2,
+                                                               schedule="zb-h1", micro_batches=4),
+                                                        balance="aux")},
     # One 8-rank launch in make test for the 8-rank layouts the tests below read.
     8: {"fsdp dp2 x tp2 x pp2 +sp": layout("fsdp", 8, tp=2, pp=2, sequence_parallel=True),
         # a MoE model on dp x ep x tp x pp: experts split over tp, spread over ep inside dp, a
