@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from typing import Callable, Iterable, Sequence
 
 Row = tuple
@@ -91,4 +92,20 @@ def constructed_cover(required: set, t: int, build: Callable, covers: Callable[[
         failures = 0
         chosen.append(best)
         todo -= best_gain
-    return chosen
+    return without_redundant(chosen, covers, cost)
+
+
+def without_redundant(rows: list[Row], covers: Callable[[Row], set],
+                      cost: Callable[[Row], float]) -> list[Row]:
+    """`rows` less each row whose tuples the rows kept also cover, the costliest looked at
+    first: a row built early for its gain may be covered whole by the rows built after it."""
+    held = Counter()
+    for row in rows:
+        held.update(covers(row))
+    dropped = set()
+    for i in sorted(range(len(rows)), key=lambda i: -cost(rows[i])):
+        tuples_of = covers(rows[i])
+        if all(held[tup] > 1 for tup in tuples_of):
+            held.subtract(tuples_of)
+            dropped.add(i)
+    return [row for i, row in enumerate(rows) if i not in dropped]
