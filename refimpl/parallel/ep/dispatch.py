@@ -24,7 +24,8 @@ No host read: every size above is known from the batch's shape (GShard's fixed-c
 dispatch), so NCCL's stream never waits for the host. The price is the padding. Under the batch
 scope's global capacity one rank may send one expert up to B = min(C, T) rows (all of the C a
 whole batch may give it), so each all-to-all carries E * B rows where balanced routing fills
-k * T of them: E / (k * cf) times more once C >= T, i.e. with many token-holding ranks. Under
+k * T of them (T: this rank's tokens; C = k * cf * ranks * T / E): min(cf * ranks, E / k) times
+more, E / k once C >= T, i.e. with many token-holding ranks (notebook 08 §7: 2x). Under
 the sequence scope B = min(rows * C_seq, T), which is k * cf * T / E (rounded up per sequence)
 when k * cf <= E: the buffers are then k * cf * T rows, GShard's (refimpl.model.moe_slots).
 
