@@ -64,6 +64,18 @@ def test_gqa_table_llama2_70b_projection_sizes():
     assert gqa.loc[16, "ranks per K/V head"] == 2
 
 
+def test_stage_flops_counted_by_torch_are_the_formula_and_the_head_weighs_on_the_last():
+    from refimpl.model import GPTConfig
+    from refimpl.parallel.pp.compare import stage_forward_flops, stage_forward_flops_formula
+
+    cfg = GPTConfig(vocab_size=1024, seq_len=16, d_model=32, n_heads=4, n_layers=3)
+    counted = stage_forward_flops(cfg, 2, batch=2)
+    assert counted == stage_forward_flops_formula(cfg, 2, batch=2)
+    # 3 blocks over 2 stages: 2 on the first, 1 + the LM head (2·h·V a token) on the last
+    block = 2 * 16 * (2 * (4 * 32 * 32 + 2 * 32 * 128) + 4 * 16 * 32)
+    assert counted == [2 * block, block + 2 * 16 * 2 * 32 * 1024]
+
+
 def test_replay_sweep_matches_the_closed_forms_and_its_own_slots():
     sweep = bubble_sweep(4, micro_batches=(4, 8))
     assert (sweep.replayed - sweep.formula).abs().max() < 1e-12
