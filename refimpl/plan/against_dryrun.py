@@ -44,7 +44,7 @@ GRID = [
 
 
 # The seed's 70B example on 64 GPUs (notebook 09 §4 searches it; notebook 11 runs these): tp 8
-# inside a node in both, ZeRO-1 over a 4-stage pipeline (the issue's command), ZeRO-3 over half
+# inside a node in both, ZeRO-1 over a 4-stage pipeline (notebook 11's dry-run command), ZeRO-3 over half
 # as many stages with twice the data parallelism.
 SEED_70B_64 = [
     dict(strategy="zero1", nproc=64, tp=8, pp=4),
