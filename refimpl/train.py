@@ -154,8 +154,10 @@ def _train_resolved(rank: int, world_size: int, layout: Resolved) -> dict:
     return result
 
 
-def train_on_ranks(cfg: TrainConfig, timeout: float = 900.0, quiet: bool = True) -> dict:
+def train_on_ranks(cfg: TrainConfig, timeout: float = 900.0, quiet: bool = True,
+                   stall: float | None = None) -> dict:
     """Validate, launch `cfg.nproc` ranks (or run in this process for nproc == 1), and merge.
+    `stall`: refimpl.launch.run's hang watchdog (seconds all ranks wait in one call).
 
     Returns the CLI's JSON object, plus `per_rank` (each rank's raw result) and, with
     `cfg.return_state`, `state_dict` (rank 0's gathered copy).
@@ -169,7 +171,7 @@ def train_on_ranks(cfg: TrainConfig, timeout: float = 900.0, quiet: bool = True)
         per_rank = [in_this_process(train_rank, 0, 1, cfg)]   # the reference needs no group
     else:
         per_rank = launch.run(train_rank, cfg.nproc, cfg, timeout=timeout, quiet=quiet,
-                              backend=launch_backend(cfg))
+                              backend=launch_backend(cfg), stall=stall)
     return merge_results(cfg, per_rank)
 
 
