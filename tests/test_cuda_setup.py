@@ -79,3 +79,37 @@ def test_init_process_group_hands_the_device_to_torch(monkeypatch):
     (nccl_args, nccl_kwargs), (_, gloo_kwargs) = asked
     assert nccl_args == ("nccl",) and nccl_kwargs["device_id"] == torch.device("cuda", 1)
     assert "device_id" not in gloo_kwargs
+
+
+def test_the_async_lane_issues_its_work_on_the_callers_device():
+    # CPU here: the device the lane is told to use is recorded instead of set. A caller on
+    # cuda:3 (the rank's GPU) gets its collectives run with cuda:3 current on the lane's thread.
+    import threading
+
+    from refimpl.comm.work import _Lane
+
+    events, device = [], [3]
+    lane = _Lane(caller_device=lambda: device[0],
+                 use_device=lambda i: events.append(("use", i, threading.current_thread().name)))
+
+    def task():
+        events.append(("run", None, threading.current_thread().name))
+
+    lane.submit(task).wait()
+    device[0] = None                              # a process that never initialised CUDA
+    lane.submit(task).wait()
+    assert [e[:2] for e in events] == [("use", 3), ("run", None), ("run", None)]
+    assert all(name.startswith("comm-lane") for _, _, name in events)
+
+
+def test_the_lane_asks_for_the_device_only_where_cuda_is_initialised(monkeypatch):
+    # Asking torch for the current device would initialise CUDA (a context on GPU 0) in a process
+    # that never used it: the lane asks only where CUDA is already initialised.
+    from refimpl.comm import work
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: asked.append(1) or 2)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert work._caller_cuda_device() is None and asked == []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert work._caller_cuda_device() == 2
