@@ -64,7 +64,7 @@ class _ProcessWide:
             return tuple(self._open)
 
 
-_PHASES_OPEN = _ProcessWide()   # (name,) boxes, so equal names are still told apart on close
+_PHASES_OPEN = _ProcessWide()   # [name] boxes, so equal names are still told apart on close
 _LOGS_OPEN = _ProcessWide()
 
 
