@@ -295,13 +295,33 @@ def _run_this_torchrun_rank(fn, args, kwargs, backend: str):
             dist.destroy_process_group()
 
 
+def process_group_kwargs(backend: str, local_rank: int, torch_version: str | None = None) -> dict:
+    """init_process_group's extra arguments for this rank: `device_id` (the rank's GPU) for NCCL
+    ranks where torch takes it (>= 2.3), nothing on CPU (gloo) and the other backends.
+
+    Why: without it NCCL creates each communicator lazily, at the group's first collective, which
+    for the data-parallel group is inside a backward hook, on autograd's thread, timed as
+    backward; with it the world's communicator is made here, at once (a bad GPU or network fails
+    at start-up, not in step 1), and new_group splits the others from it."""
+    import torch
+
+    if backend != "nccl":
+        return {}
+    version = torch.torch_version.TorchVersion(torch_version or torch.__version__)
+    if version < (2, 3):
+        return {}
+    return {"device_id": torch.device("cuda", local_rank)}
+
+
 def init_process_group(rank: int, world_size: int, backend: str, timeout: float = 600.0) -> None:
     """Join the default process group via MASTER_ADDR/MASTER_PORT; bind a GPU under NCCL."""
     import torch
     import torch.distributed as dist
 
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(local_rank)
+    extra = process_group_kwargs(backend, local_rank)
     if backend == "staged":     # registers the backend in this process (refimpl.shared_device)
         from refimpl import shared_device  # noqa: F401
     if _CHILD_MARK in os.environ:
@@ -309,7 +329,7 @@ def init_process_group(rank: int, world_size: int, backend: str, timeout: float 
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                               world_size + 1, is_master=False, timeout=_timedelta(timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=_timedelta(timeout))
+                                timeout=_timedelta(timeout), **extra)
     elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun, whose agent hosts the store: the c10d rendezvous keeps ONE store for every
         # restart of the job, and env:// puts the ranks' keys (gloo's listening addresses, NCCL's
@@ -320,10 +340,11 @@ def init_process_group(rank: int, world_size: int, backend: str, timeout: float 
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                               world_size, is_master=False, timeout=_timedelta(timeout))
         dist.init_process_group(backend, store=dist.PrefixStore(f"refimpl/attempt{attempt}", store),
-                                rank=rank, world_size=world_size, timeout=_timedelta(timeout))
+                                rank=rank, world_size=world_size, timeout=_timedelta(timeout),
+                                **extra)
     else:  # torchrun without an agent store: env:// (rank 0 hosts a fresh store each attempt)
         dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=_timedelta(timeout))
+                                timeout=_timedelta(timeout), **extra)
 
 
 def device_for(backend: str):

@@ -27,7 +27,7 @@ from refimpl.memory import ActivationTracker
 from refimpl.mesh import Mesh
 from refimpl.model import build_model, converted, count_params, synthetic_batch
 from refimpl.model.moe import moe_step_record
-from refimpl.numerics import exact_fp32_on_cuda
+from refimpl.numerics import deterministic_needed, exact_fp32_on_cuda
 from refimpl.rank_model import RankModel
 from refimpl.registry import Resolved, resolve
 from refimpl.strategy import Strategy
@@ -64,7 +64,8 @@ def setup_rank(rank: int, world_size: int, layout: Resolved,
     (refimpl.compose.run_checkpoint) to continue, instead of init_state."""
     cfg = layout.cfg
     backend, device = _backend_and_device(cfg)
-    exact_fp32_on_cuda(device)
+    exact_fp32_on_cuda(device, deterministic_needed(device, cfg.dtype, cfg.mixed_precision,
+                                                   cfg.return_state))
     # This rank's point of the grid and one process group per axis (refimpl.mesh).
     mesh = Mesh(cfg.dims, rank)
     ctx = RunContext(rank, world_size, backend, device, cfg, mesh)
