@@ -28,10 +28,9 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from refimpl.model.moe import expert_capacity
-
 from refimpl.cost.alpha_beta import predict_seconds
 from refimpl.cost.collective_bytes import sent_per_rank
+from refimpl.model.moe import expert_capacity
 
 # The seed's qualitative columns (frequency, bottleneck), in English with the Korean beside.
 BOTTLENECK = {

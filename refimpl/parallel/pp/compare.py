@@ -25,9 +25,9 @@ import torch
 
 from refimpl.model import GPTConfig, build_model, synthetic_batch
 from refimpl.parallel.pp import measure
-from refimpl.parallel.pp.stage import build_chunks, partition
 from refimpl.parallel.pp.schedules import bubble_fraction, placement, schedule_table
 from refimpl.parallel.pp.simulate import messages, simulated_bubble
+from refimpl.parallel.pp.stage import build_chunks, partition
 
 
 def schedule_row(schedule: str, virtual_stages: int, ranks: list[dict], slots, world: int,
