@@ -316,14 +316,21 @@ def test_zero2_offload_reduces_on_the_rank_s_device():
 
 def _notebook_and_bench_paths(rank: int, world: int) -> dict:
     """The launch paths outside the training loop, on a staged world (NCCL's stream order and
-    argument rules): notebook 07's and scripts/bench_bubble.py's pipeline profile
-    (measure.run_each of profile_pipeline), scripts/bench_pp.py's rank, and notebook 01's
-    comparison with torch.distributed. Each path's error, if any, is kept and the next one runs
-    (a failed pipeline only fails its own group's stream)."""
+    argument rules), each small: notebook 07's and scripts/bench_bubble.py's pipeline profile
+    (measure.run_each of profile_pipeline), scripts/bench_pp.py's rank, notebook 01's comparison
+    with torch.distributed, its primitives and overlap demo, notebook 06's tp checks, notebook
+    09's ring-attention measure and scripts/bench_collectives.py's sweep (cost.bench). Each
+    path's error, if any, is kept and the next one runs (a failed pipeline only fails its own
+    group's stream)."""
     import argparse
 
+    from refimpl.comm.async_demo import overlap_demo
+    from refimpl.comm.primitives import run_primitives
     from refimpl.comm.versus_torch import check_and_count
+    from refimpl.cost.bench import sweep_rank
+    from refimpl.parallel.cp.measure import ring_rank
     from refimpl.parallel.pp import measure
+    from refimpl.parallel.tp.checks import all_checks
     from scripts import bench_pp
 
     out = {}
@@ -341,6 +348,12 @@ def _notebook_and_bench_paths(rank: int, world: int) -> dict:
     assert isinstance(args, argparse.Namespace)
     attempt("bench_pp", bench_pp.bench_rank, rank, world, args, ["1f1b"])
     attempt("versus_torch", check_and_count, rank, world)
+    for impl in ("torch", "refimpl"):
+        attempt(f"primitives {impl}", lambda: run_primitives(rank, world, impl=impl))
+    attempt("overlap_demo", overlap_demo, rank, world, 1 << 12)
+    attempt("tp checks", lambda: all_checks(rank, world, models=("fp64",)))
+    attempt("ring attention", ring_rank, rank, world)
+    attempt("collectives sweep", lambda: sweep_rank(rank, world, sizes=[4, 4096], warmup=1, repeats=1))
     return out
 
 
@@ -389,3 +402,11 @@ def test_notebook_01s_comparison_keeps_nccl_s_argument_rules(staged_launch):
     assert not any(isinstance(g, str) for g in got), got
     rows = [row for r in got for row in r[0]]
     assert rows and all(row["equal"] for row in rows), [row for row in rows if not row["equal"]]
+
+
+def test_every_other_notebook_and_bench_helper_runs_under_nccl_s_rules(staged_launch):
+    """The helpers without a check of their own above: each ran to the end on the staged world."""
+    others = ["primitives torch", "primitives refimpl", "overlap_demo", "tp checks", "ring attention",
+              "collectives sweep"]
+    failed = {name: r[name] for r in staged_launch for name in others if isinstance(r[name], str)}
+    assert failed == {}, failed
