@@ -17,6 +17,11 @@
   (refimpl.staged_stream), so a posting order that would hang on NCCL hangs in these runs too,
   and fails at the stream's timeout naming the blocked operation: the pipeline's old one-ahead
   posting does (`test_the_strict_stream_hangs_the_old_posting...`), every run below does not.
+  Not only the training loop: the notebooks' own helpers and the bench scripts' ranks run on a
+  staged world too (`staged_launch`); the pipeline helper of notebook 07 hung there before.
+* **NCCL's argument rules.** The staged backend also refuses a non-contiguous tensor, a dtype
+  NCCL has no type for and a reduce op it lacks (refimpl.shared_device), so every run here keeps
+  them; notebook 01's comparison handed torch a transposed tensor before.
 * **The rank's device.** On a GPU server torch's default device stays the CPU while a rank computes
   on cuda:k, so a factory call without `device=` makes a CPU tensor NCCL refuses. Under
   REFIMPL_DEVICE_AUDIT every rank records such calls made from refimpl's code
@@ -53,6 +58,9 @@ RUNS = {
         "pp-interleaved-zb v2 m2": cfg("pp-interleaved-zb", 2, 2, pp=2, virtual_stages=2),
         "ring attention cp2": cfg("dp-naive", 2, 1, cp=2),
         "zero2, rebuilt collectives": cfg("zero2", 2, collectives="refimpl"),
+        # the buckets reduced during backward, the shard on the host (on one device here: the
+        # host-vs-device check is test_zero2_offload_reduces_on_the_rank_s_device's)
+        "zero2 offload": cfg("zero2", 2, options={"offload": True}),
         "dp": cfg("dp", 2), "zero3": cfg("zero3", 2), "fsdp": cfg("fsdp", 2),
         "tp + sp": cfg("tp", 2, tp=2, sequence_parallel=True),
         "ep, 4 experts": cfg("ep", 2, 1, experts=4),    # m = 1: capacity is per micro-batch
