@@ -13,15 +13,15 @@ same as on CPU ranks); what the harness adds is that every strategy, schedule an
 multi-rank on CUDA tensors (scripts/gpu_check.sh runs it), where a tensor left on the default
 device, a `.cpu()` inside a step or a device mismatch in a send shows up.
 
-NCCL's argument rules, enforced on every call (`_check`, `_reduce_op`), so a call NCCL would
+NCCL's argument rules, enforced on every call (`StagedGloo._check`), so a call NCCL would
 refuse fails here on CPU ranks too, with the rule it breaks (gloo forgives each of them):
   * every tensor on the rank's device (NCCL: "Tensors must be CUDA and dense");
-  * every tensor contiguous (ProcessGroupNCCL: "Tensors must be contiguous" for collectives; for a
-    send or receive it only warns and leaves matching the two sides' layouts to the caller, which
-    the project's rule forbids outright);
+  * every tensor contiguous (ProcessGroupNCCL: "Tensors must be contiguous" for a collective's
+    input; for a send or receive it only warns and leaves matching the two sides' layouts to the
+    caller, and a list of outputs it copies into: here both are refused, the project's rule);
   * a dtype NCCL has (`NCCL_DTYPES`: no int16, uint16, uint32 or uint64), a reduce op it has (no
-    BAND, BOR or BXOR), no AVG of bool, and of complex tensors only SUM and AVG (ProcessGroupNCCL
-    reduces them as real pairs, which is only right for those).
+    BAND, BOR or BXOR), no AVG of bool, and of complex tensors only SUM, AVG and PREMUL_SUM
+    (ProcessGroupNCCL reduces them as pairs of reals, which is only right for those).
 
 Semantics kept from NCCL, and where they differ:
   * every operation on a group -- a collective, a send, a receive, or a batch of sends and
@@ -153,7 +153,7 @@ class StagedGloo(dist.ProcessGroup):
             raise RuntimeError(f"{op}: ReduceOp.{name}, which NCCL does not have (NCCL would refuse it)")
         if name == "AVG" and any(t.dtype == torch.bool for t in tensors):
             raise RuntimeError(f"{op}: ReduceOp.AVG of bool tensors (NCCL would refuse it)")
-        if name not in ("SUM", "AVG") and any(t.is_complex() for t in tensors):
+        if name not in ("SUM", "AVG", "PREMUL_SUM") and any(t.is_complex() for t in tensors):
             raise RuntimeError(f"{op}: ReduceOp.{name} of complex tensors (NCCL would refuse it)")
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:

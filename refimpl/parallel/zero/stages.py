@@ -265,8 +265,7 @@ class StreamingReduce:
     feeding a bucket has been accumulated, the bucket is copied into a fresh buffer, reduced
     (async) to its owner, and every parameter whose buckets have all left drops its .grad. The
     owner adds the summed bucket into its gradient shard (on the host under offload) when the
-    reduce completes; at most two
-    buckets are in flight, so the buffers in flight stay bounded too.
+    reduce completes; at most two buckets are in flight, so the buffers in flight stay bounded too.
     """
 
     def __init__(self, layout: FlatParams, cap_bytes: float, cuts: list[int], reduce,
