@@ -359,7 +359,7 @@ def _notebook_and_bench_paths(rank: int, world: int) -> dict:
     for impl in ("torch", "refimpl"):
         attempt(f"primitives {impl}", lambda: run_primitives(rank, world, impl=impl))
     attempt("overlap_demo", overlap_demo, rank, world, 1 << 12)
-    attempt("tp checks", lambda: all_checks(rank, world, models=("fp64",)))
+    attempt("tp checks", lambda: all_checks(rank, world, models=()))   # layers; the models cost seconds
     attempt("ring attention", ring_rank, rank, world)
     attempt("collectives sweep", lambda: sweep_rank(rank, world, sizes=[4, 4096], warmup=1, repeats=1))
     return out
