@@ -330,8 +330,6 @@ def _notebook_and_bench_paths(rank: int, world: int) -> dict:
     09's ring-attention measure and scripts/bench_collectives.py's sweep (cost.bench). Each
     path's error, if any, is kept and the next one runs (a failed pipeline only fails its own
     group's stream)."""
-    import argparse
-
     from refimpl.comm.async_demo import overlap_demo
     from refimpl.comm.primitives import run_primitives
     from refimpl.comm.versus_torch import check_and_count
@@ -353,7 +351,6 @@ def _notebook_and_bench_paths(rank: int, world: int) -> dict:
     attempt("profile_pipeline", measure.run_each, rank, world, measure.profile_pipeline, calls)
     args = bench_pp.parse(["--schedules", "1f1b", "--rounds", "1", "--steps", "2", "--layers", "2",
                            "--d-model", "32", "--global-batch", "8", "--seq-len", "16"])
-    assert isinstance(args, argparse.Namespace)
     attempt("bench_pp", bench_pp.bench_rank, rank, world, args, ["1f1b"])
     attempt("versus_torch", check_and_count, rank, world)
     for impl in ("torch", "refimpl"):
