@@ -53,13 +53,14 @@ def _exit_code(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def serve() -> None:
-    # No PR_SET_PDEATHSIG here: Linux sends it when the *thread* that started us exits, and the
-    # launcher may start us from a short-lived thread (a progress bar's worker). We leave when the
-    # launcher's end of our stdin closes instead, which happens however the launcher dies.
-    # The expensive imports, paid once for every rank forked: torch (~2 s of CPU), and the parts
-    # a rank pulls in lazily, of which torch._dynamo (imported by the first optimizer) is another
-    # ~2.5 s. Nothing here runs an operation, starts a thread pool or touches a GPU.
+def warm_imports() -> None:
+    """The expensive imports, paid once for every rank forked: torch (~2 s of CPU), and the parts
+    a rank pulls in lazily, of which torch._dynamo (imported by the first optimizer) is another
+    ~2.5 s. Nothing here runs an operation, starts a thread pool or touches a GPU: a process that
+    has initialised CUDA cannot fork a child that uses CUDA, nor one that has only asked how many
+    GPUs there are (`torch.cuda.is_available()` calls cudaGetDeviceCount, which initialises the
+    driver), and gloo ranks on a GPU machine are forked from here. tests/test_cuda_setup.py runs
+    this function with CUDA's entry points watched."""
     import cloudpickle  # noqa: F401
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401
@@ -69,6 +70,18 @@ def serve() -> None:
     import torch.profiler  # noqa: F401
 
     import refimpl.train  # noqa: F401  (the launcher restarts us when refimpl's sources change)
+
+
+def serve() -> None:
+    # No PR_SET_PDEATHSIG here: Linux sends it when the *thread* that started us exits, and the
+    # launcher may start us from a short-lived thread (a progress bar's worker). We leave when the
+    # launcher's end of our stdin closes instead, which happens however the launcher dies.
+    warm_imports()
+    import torch
+
+    if torch.cuda.is_initialized():
+        # Never fork from here then: the launcher hears no "ready" and starts fresh interpreters.
+        sys.exit("the rank zygote initialised CUDA while importing; it must not fork")
     # Everything imported so far lives as long as the ranks do: out of the collector's sight, a
     # rank's gc.collect() (before it leaves its process group) scans only what the rank made,
     # ~0.17 s less per rank (and no copy-on-write of the frozen pages when the collector runs).

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import refimpl.comm as refimpl_comm
 from refimpl import faults
+from refimpl.comm.torch_names import torch_collectives
 from refimpl.mesh import LayoutError, Mesh, ParallelDims
 from refimpl.model import GPTConfig
 
@@ -149,8 +149,9 @@ class RunContext:
     @property
     def comm(self):
         """The collectives every strategy calls: torch.distributed's, or (--collectives refimpl)
-        refimpl.comm's, rebuilt from send/recv with the same signatures and in-place semantics."""
-        return refimpl_comm if self.cfg.collectives == "refimpl" else dist
+        refimpl.comm's, rebuilt from send/recv with the same signatures and in-place semantics.
+        torch's under its current names (refimpl.comm.torch_names: no deprecation warnings)."""
+        return refimpl_comm if self.cfg.collectives == "refimpl" else torch_collectives
 
     @property
     def param_dtype(self) -> torch.dtype:

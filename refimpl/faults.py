@@ -1,4 +1,4 @@
-"""Bugs on purpose: six faults that real implementations shipped, to learn the tools on.
+"""Bugs on purpose: eight faults that real implementations shipped, to learn the tools on.
 
 `--set fault=<name>` (TrainConfig.fault) injects one. Each is a line at the place the real bug
 lived, guarded by `injected(cfg, name)`; notebook 10 runs each, shows the symptom a user would
@@ -23,13 +23,22 @@ FAULTS = {
     "vocab-unmasked": ("tp's cross-entropy does not mask the padded vocabulary rows",
                        "a vocabulary that does not divide by tp (Megatron-LM #1754)"),
     "pp-loss-scaled-twice": ("the pipeline backpropagates loss / m / m; the loss it reports is right",
-                             "gradients scaled twice, invisible in the loss (torchtitan PR #800)"),
+                             "gradients scaled by the micro-batch count once too often: torchtitan "
+                             "#1733 (PP's scale_grads under gradient accumulation; fix PR #1732)"),
     "p2p-misordered": ("stage 0's first backward waits for the last micro-batch's gradient",
                        "a send/recv pair posted in mismatched order: a hang (PyTorch #118369)"),
     "rank-dies": ("rank 1 is killed (SIGKILL) in the middle of step 1",
                   "a lost GPU or node: its peers fail on a closed connection"),
     "zero1-unsynced": ("zero1 steps each rank's shard with that rank's own, unreduced gradients",
                        "an optimizer shard stepped before its gradients were reduced"),
+    "sp-norm-unsummed": ("under sequence parallelism the LayerNorms' weight gradients are not summed "
+                         "over tp: each tp rank steps them with its own tokens' part",
+                         "SP's LayerNorm gradients left partial (Megatron-LM #1446: final_layernorm "
+                         "gradients differ across tp ranks under TP + SP)"),
+    "expert-grad-over-dp": ("an expert's gradient is all-reduced over dp with the other ranks' "
+                            "(different) experts, instead of over the ranks holding the same expert",
+                            "expert gradients reduced over the wrong group (DeepSpeed #5618: ZeRO "
+                            "with expert parallelism, expert gradients ep times too large)"),
 }
 
 
@@ -52,6 +61,11 @@ def check(cfg) -> None:
         "rank-dies": (cfg.nproc > 1 and cfg.steps > 1, "--nproc > 1 and --steps > 1"),
         "zero1-unsynced": (cfg.strategy == "zero1" and cfg.nproc > cfg.tp * cfg.cp * cfg.pp,
                            "--strategy zero1 with dp > 1"),
+        "sp-norm-unsummed": (cfg.tp > 1 and cfg.sequence_parallel, "--tp > 1 and --sequence-parallel"),
+        "expert-grad-over-dp": (cfg.model.n_experts > 0 and cfg.strategy in ("ep", "dp-naive")
+                                and cfg.nproc > cfg.tp * cfg.cp * cfg.pp,
+                                "a MoE model (n_experts > 0) under --strategy ep (or dp-naive with "
+                                "--ep) with dp > 1"),
     }
     ok, layout = needs[name]
     if not ok:

@@ -120,6 +120,18 @@ def stuck_calls(records: list[dict]) -> list[dict]:
     return [r for r in records if r["state"] == "in"]
 
 
+def waiting_in(folder: str | Path, ranks: list[int]) -> tuple | None:
+    """Each rank's innermost unfinished call, as (rank, seq) pairs, or None if any of `ranks` is
+    in none: the launcher's stall watchdog sees a hang when this stays the same long enough."""
+    calls = []
+    for rank in ranks:
+        stuck = stuck_calls(read(folder, rank))
+        if not stuck:
+            return None
+        calls.append((rank, stuck[-1]["seq"]))
+    return tuple(calls)
+
+
 def describe(call: dict) -> str:
     """'recv-wait from rank 0 tag 5 (1024 B, in pp:F1)' / 'all_reduce on group [0, 2] (4 B)'."""
     text = call["op"]

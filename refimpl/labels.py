@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextvars
 import re
+import threading
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,6 +35,49 @@ COMM_LABEL = re.compile(r"^comm:(?P<op>[\w\-]+)(?: (?P<bytes>\d+)B)?$")
 _PHASE: contextvars.ContextVar[str | None] = contextvars.ContextVar("refimpl_phase", default=None)
 
 
+class _ProcessWide:
+    """What is open anywhere in this process (one rank), innermost last, for threads whose own
+    context holds nothing: autograd runs backward on its own device thread on CUDA, which inherits
+    no ContextVar from the thread that opened the phase and the logs, so without this a backward
+    all-reduce would be counted nowhere and its phase be None (issue 35). A thread's own context
+    wins where it has something (the caller's thread; an async collective, which copies its
+    caller's context, refimpl.comm.work)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._open: list = []
+
+    def push(self, item) -> None:
+        with self._lock:
+            self._open.append(item)
+
+    def pop(self, item) -> None:
+        # by identity, not the last: two threads may close theirs in any order
+        with self._lock:
+            for i in range(len(self._open) - 1, -1, -1):
+                if self._open[i] is item:
+                    del self._open[i]
+                    return
+
+    def get(self) -> tuple:
+        with self._lock:
+            return tuple(self._open)
+
+
+_PHASES_OPEN = _ProcessWide()   # [name] boxes, so equal names are still told apart on close
+_LOGS_OPEN = _ProcessWide()
+
+
+def current_phase() -> str | None:
+    """The innermost phase open on this thread, else anywhere in this process (while the flight
+    recorder is on: phases are tracked only then)."""
+    here = _PHASE.get()
+    if here is not None:
+        return here
+    anywhere = _PHASES_OPEN.get()
+    return anywhere[-1][0] if anywhere else None
+
+
 def phase(name: str):
     """Label a phase of a step (forward, backward, optimizer, or any compute you name)."""
     from torch.profiler import record_function
@@ -45,17 +89,20 @@ def phase(name: str):
 
 @contextmanager
 def _with_phase(span, name: str):
-    token = _PHASE.set(name)
+    token, box = _PHASE.set(name), [name]
+    _PHASES_OPEN.push(box)
     try:
         with span:
             yield
     finally:
+        _PHASES_OPEN.pop(box)
         _PHASE.reset(token)
 
 
-# The logs open in this context, innermost last. A ContextVar, not a module global: each thread and
-# each asynchronous collective (which copies its caller's context) sees the logs open where it was
-# called, and nothing leaks between unrelated code.
+# The logs open in this context, innermost last. A ContextVar first: each thread and each
+# asynchronous collective (which copies its caller's context) sees the logs open where it was
+# called. A thread whose context has none (autograd's device thread) sees those open anywhere in
+# the process (_ProcessWide): a CommLog is what this rank communicated while it was open.
 _OPEN_LOGS: contextvars.ContextVar[tuple] = contextvars.ContextVar("refimpl_comm_logs", default=())
 
 
@@ -75,9 +122,11 @@ class CommLog:
 
     def __enter__(self) -> "CommLog":
         self._token = _OPEN_LOGS.set(_OPEN_LOGS.get() + (self,))
+        _LOGS_OPEN.push(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        _LOGS_OPEN.pop(self)
         _OPEN_LOGS.reset(self._token)
 
     def select(self, op: str | None = None, pass_: str | None = None) -> list[dict]:
@@ -92,9 +141,10 @@ class CommLog:
 
 
 def open_logs() -> tuple:
-    """The logs open here. Code whose backward may run on another thread (autograd's device
-    threads on GPU) keeps the tuple its forward saw and hands it to `comm_span(logs=...)`."""
-    return _OPEN_LOGS.get()
+    """The logs open in this thread's context, else those open anywhere in this process (the
+    thread is autograd's device thread running a backward, or another helper thread of the rank).
+    Code that knows the logs its forward saw may still hand them to `comm_span(logs=...)`."""
+    return _OPEN_LOGS.get() or _LOGS_OPEN.get()
 
 
 def comm_span(op: str, nbytes: int | None = None, *, world: int | None = None,
@@ -115,7 +165,7 @@ def comm_span(op: str, nbytes: int | None = None, *, world: int | None = None,
     if not flight_recorder.active():
         return span
     return flight_recorder.entered(op, None if nbytes is None else int(nbytes), group, peer, tag,
-                                   phase or _PHASE.get(), inner=span)
+                                   phase or current_phase(), inner=span)
 
 
 def categorize(name: str) -> str:

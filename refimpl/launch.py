@@ -17,8 +17,11 @@ The contract (DESIGN.md):
     and two launches can never race for one;
   * NCCL with `cuda:LOCAL_RANK` when the machine has >= world_size GPUs, gloo on CPU otherwise;
   * a rank that raises makes `run` raise `RankFailedError` naming the rank, with its traceback;
-  * a hang ends at `timeout` with every rank killed; no rank outlives the call (each child also
-    asks the kernel to kill it if its parent dies, so an interrupted notebook kernel leaks nothing);
+  * a hang ends at `timeout` with every rank killed, or sooner with `stall`: once every rank
+    still running has sat that long in the same unfinished communication call (its flight
+    recorder's innermost entered call unchanged: a watchdog that starts counting only when the
+    ranks are all waiting on each other, so a slow start cannot trip it); no rank outlives the
+    call (each child also asks the kernel to kill it if its parent dies, so an interrupted notebook kernel leaks nothing);
     the error names, per rank still running, the communication call it waits in and the call its
     peer waits in (each rank's flight recorder: refimpl/flight_recorder.py);
   * under torchrun (RANK / WORLD_SIZE in the environment) `run` calls `fn` for this rank only.
@@ -46,11 +49,14 @@ _CHILD_MARK = "REFIMPL_RANK_CHILD"
 
 
 class RankFailedError(RuntimeError):
-    """One rank raised; `rank` says which and `child_traceback` is what it printed."""
+    """One rank raised; `rank` says which and `child_traceback` is what it printed. `others`: the
+    other ranks that had also failed by then, each with how ("traceback", "killed by signal 9",
+    "exit code 1"): the consequences the launcher did not name."""
 
-    def __init__(self, rank: int, child_traceback: str):
+    def __init__(self, rank: int, child_traceback: str, others: dict | None = None):
         self.rank = rank
         self.child_traceback = child_traceback
+        self.others = others or {}
         super().__init__(f"rank {rank} failed:\n{child_traceback}")
 
 
@@ -85,17 +91,21 @@ def under_torchrun() -> bool:
 
 def run(fn: Callable[..., Any], world_size: int = 2, *args, backend: str = "auto",
         timeout: float = 600.0, quiet: bool = False, flight_recorder_on: bool | None = None,
-        **kwargs) -> list:
+        stall: float | None = None, **kwargs) -> list:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return results in rank order.
 
     `quiet=True` drops what the ranks printed; otherwise it is echoed after they finish, each
     line prefixed with its rank. `flight_recorder_on`: record each rank's communication calls for
     the hang report (default: on, unless REFIMPL_FLIGHT_RECORDER=0 in this environment).
+    `stall` (seconds; needs the flight recorder): call it a hang as soon as every running rank has
+    waited that long inside the same communication call, without waiting for `timeout`.
     """
     if under_torchrun():
         return [_run_this_torchrun_rank(fn, args, kwargs, backend)]
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if stall is not None and (stall <= 0 or flight_recorder_on is False):
+        raise ValueError("stall needs a positive number of seconds and the flight recorder on")
 
     import torch.distributed as dist
 
@@ -116,7 +126,7 @@ def run(fn: Callable[..., Any], world_size: int = 2, *args, backend: str = "auto
         ranks = [_start_rank(r, world_size, backend, store.port, payload, tmp, timeout, recorder)
                  for r in range(world_size)]
         try:
-            _wait_all(ranks, tmp, timeout, recorder)
+            _wait_all(ranks, tmp, timeout, recorder, stall)
         finally:
             _kill_all(ranks)  # no-op for ranks that already exited
             if not quiet:
@@ -166,9 +176,11 @@ def _start_rank(rank: int, world_size: int, backend: str, port: int, payload: Pa
     return _Rank(rank, proc, out, err)
 
 
-def _wait_all(ranks: list[_Rank], tmp: Path, timeout: float, recorder: Path | None = None) -> None:
+def _wait_all(ranks: list[_Rank], tmp: Path, timeout: float, recorder: Path | None = None,
+              stall: float | None = None) -> None:
     deadline = time.monotonic() + timeout
     pending = {r.rank: r for r in ranks}
+    waiting, since, next_look = None, 0.0, 0.0
     while pending:
         for rank, r in list(pending.items()):
             code = r.proc.poll()
@@ -177,8 +189,21 @@ def _wait_all(ranks: list[_Rank], tmp: Path, timeout: float, recorder: Path | No
             del pending[rank]
             if code != 0:
                 first = _first_failure(ranks, tmp, default=r)
-                raise RankFailedError(first.rank, _failure_text(first, tmp, first.proc.poll()))
-        if time.monotonic() > deadline:
+                others = {x.rank: _how_it_failed(x, tmp) for x in ranks
+                          if x is not first and x.proc.poll() not in (None, 0)}
+                raise RankFailedError(first.rank, _failure_text(first, tmp, first.proc.poll()), others)
+        now = time.monotonic()
+        if stall is not None and recorder is not None and now >= next_look:
+            next_look = now + 0.25            # a look reads each running rank's 16 KiB ring
+            calls = flight_recorder.waiting_in(recorder, sorted(pending))
+            if calls != waiting:              # someone moved on (or not everyone waits yet)
+                waiting, since = calls, now
+            elif calls is not None and now - since >= stall:
+                raise LaunchTimeoutError(
+                    f"ranks {sorted(pending)} each waited {stall:g} s in the same communication "
+                    f"call; killed all {len(ranks)} ranks\n"
+                    + flight_recorder.hang_report(recorder, sorted(pending)))
+        if now > deadline:
             where = ("\n" + flight_recorder.hang_report(recorder, sorted(pending))
                      if recorder is not None else "")
             raise LaunchTimeoutError(
@@ -208,6 +233,13 @@ def _first_failure(ranks: list[_Rank], tmp: Path, default: _Rank, grace: float =
     if not written:
         return default
     return ranks[min(written)[1]]
+
+
+def _how_it_failed(r: _Rank, tmp: Path) -> str:
+    if (tmp / f"error{r.rank}.txt").exists():
+        return "traceback"
+    code = r.proc.poll()
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
 
 def _failure_text(r: _Rank, tmp: Path, code: int) -> str:
@@ -263,13 +295,33 @@ def _run_this_torchrun_rank(fn, args, kwargs, backend: str):
             dist.destroy_process_group()
 
 
+def process_group_kwargs(backend: str, local_rank: int, torch_version: str | None = None) -> dict:
+    """init_process_group's extra arguments for this rank: `device_id` (the rank's GPU) for NCCL
+    ranks where torch takes it (>= 2.3), nothing on CPU (gloo) and the other backends.
+
+    Why: without it NCCL creates each communicator lazily, at the group's first collective, which
+    for the data-parallel group is inside a backward hook, on autograd's thread, timed as
+    backward; with it the world's communicator is made here, at once (a bad GPU or network fails
+    at start-up, not in step 1), and new_group splits the others from it."""
+    import torch
+
+    if backend != "nccl":
+        return {}
+    version = torch.torch_version.TorchVersion(torch_version or torch.__version__)
+    if version < (2, 3):
+        return {}
+    return {"device_id": torch.device("cuda", local_rank)}
+
+
 def init_process_group(rank: int, world_size: int, backend: str, timeout: float = 600.0) -> None:
     """Join the default process group via MASTER_ADDR/MASTER_PORT; bind a GPU under NCCL."""
     import torch
     import torch.distributed as dist
 
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(local_rank)
+    extra = process_group_kwargs(backend, local_rank)
     if backend == "staged":     # registers the backend in this process (refimpl.shared_device)
         from refimpl import shared_device  # noqa: F401
     if _CHILD_MARK in os.environ:
@@ -277,7 +329,7 @@ def init_process_group(rank: int, world_size: int, backend: str, timeout: float 
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                               world_size + 1, is_master=False, timeout=_timedelta(timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=_timedelta(timeout))
+                                timeout=_timedelta(timeout), **extra)
     elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun, whose agent hosts the store: the c10d rendezvous keeps ONE store for every
         # restart of the job, and env:// puts the ranks' keys (gloo's listening addresses, NCCL's
@@ -288,10 +340,11 @@ def init_process_group(rank: int, world_size: int, backend: str, timeout: float 
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                               world_size, is_master=False, timeout=_timedelta(timeout))
         dist.init_process_group(backend, store=dist.PrefixStore(f"refimpl/attempt{attempt}", store),
-                                rank=rank, world_size=world_size, timeout=_timedelta(timeout))
+                                rank=rank, world_size=world_size, timeout=_timedelta(timeout),
+                                **extra)
     else:  # torchrun without an agent store: env:// (rank 0 hosts a fresh store each attempt)
         dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=_timedelta(timeout))
+                                timeout=_timedelta(timeout), **extra)
 
 
 def device_for(backend: str):

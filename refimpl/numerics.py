@@ -9,7 +9,10 @@ So on CUDA:
 
   * TF32 off for matmuls and cuDNN (fp32_precision = "ieee"; on older torch the allow_tf32 flags);
   * deterministic algorithms where PyTorch has them (`use_deterministic_algorithms(True,
-    warn_only=True)`: an op with no deterministic kernel warns instead of failing);
+    warn_only=True)`: an op with no deterministic kernel warns instead of failing), but only for
+    a run that an equivalence check compares (`deterministic_needed`): deterministic kernels are
+    slower (embedding backward and index_add lose their atomics), so a bf16 run, a benchmark or
+    a profile with them on would report a biased step time and MFU;
   * cuBLAS told to use a fixed workspace (CUBLAS_WORKSPACE_CONFIG), which its deterministic mode
     needs; it takes effect only if set before cuBLAS starts, so launch sets it for every rank too.
 
@@ -30,8 +33,21 @@ import torch
 CUBLAS_WORKSPACE = ":4096:8"
 
 
-def exact_fp32_on_cuda(device: torch.device) -> bool:
-    """Apply the settings above when `device` is a GPU; return whether it did."""
+def deterministic_needed(device, dtype: str, mixed_precision: str, return_state: bool) -> bool:
+    """Does a run need deterministic kernels? Only on CUDA, and only when its result is compared:
+    float64 runs (the equivalence proof) and fp32 runs that hand back their state to be compared
+    with `single` (refimpl.verify.equivalence sets return_state on both sides; some layouts are
+    claimed bit for bit). bf16 is compared at 2e-2 and never called exact; a run that returns no
+    state (training, a benchmark, a profile) is timed, not compared."""
+    if torch.device(device).type != "cuda" or mixed_precision == "bf16":
+        return False
+    return dtype == "float64" or return_state
+
+
+def exact_fp32_on_cuda(device: torch.device, deterministic: bool = False) -> bool:
+    """Apply the settings above when `device` is a GPU, deterministic kernels only if asked
+    (`deterministic_needed`); return whether it did. Both ways: the settings are process-wide,
+    and one process may run a compared configuration and then a timed one."""
     if torch.device(device).type != "cuda":
         return False
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
@@ -44,8 +60,8 @@ def exact_fp32_on_cuda(device: torch.device) -> bool:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = deterministic
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
     return True
 
 

@@ -13,6 +13,16 @@ same as on CPU ranks); what the harness adds is that every strategy, schedule an
 multi-rank on CUDA tensors (scripts/gpu_check.sh runs it), where a tensor left on the default
 device, a `.cpu()` inside a step or a device mismatch in a send shows up.
 
+NCCL's argument rules, enforced on every call (`StagedGloo._check`), so a call NCCL would
+refuse fails here on CPU ranks too, with the rule it breaks (gloo forgives each of them):
+  * every tensor on the rank's device (NCCL: "Tensors must be CUDA and dense");
+  * every tensor contiguous (ProcessGroupNCCL: "Tensors must be contiguous" for a collective's
+    input; for a send or receive it only warns and leaves matching the two sides' layouts to the
+    caller, and a list of outputs it copies into: here both are refused, the project's rule);
+  * a dtype NCCL has (`NCCL_DTYPES`: no int16, uint16, uint32 or uint64), a reduce op it has (no
+    BAND, BOR or BXOR), no AVG of bool, and of complex tensors only SUM, AVG and PREMUL_SUM
+    (ProcessGroupNCCL reduces them as pairs of reals, which is only right for those).
+
 Semantics kept from NCCL, and where they differ:
   * every operation on a group -- a collective, a send, a receive, or a batch of sends and
     receives (torch's batch_isend_irecv, which refimpl.comm.p2p.post uses: `p2p_group`) --
@@ -47,6 +57,11 @@ from refimpl.staged_stream import Stream, Unit
 
 ENV = "REFIMPL_SHARED_DEVICE"
 BACKEND = "staged"
+
+# The dtypes ProcessGroupNCCL maps to an NCCL type (bool as uint8; complex as pairs of reals).
+NCCL_DTYPES = {torch.int8, torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+               torch.float32, torch.float64, torch.bool, torch.complex64, torch.complex128,
+               torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
 
 
 def shared_device() -> torch.device | None:
@@ -118,18 +133,35 @@ class StagedGloo(dist.ProcessGroup):
         return dist.distributed_c10d._world.pg_names[self]
 
     # -- staging --------------------------------------------------------------------------------
-    def _check(self, tensors, op: str) -> None:
+    def _check(self, tensors, op: str, opts=None) -> None:
+        """NCCL's argument rules (the module docstring); `opts` carries a reduce op, if any."""
         for t in tensors:
             if t.device != self.device:
                 raise RuntimeError(f"{op}: a tensor on {t.device}, but this rank's device is "
                                    f"{self.device} (NCCL would refuse it)")
+            if not t.is_contiguous():
+                raise RuntimeError(f"{op}: a non-contiguous tensor (shape {tuple(t.shape)}, strides "
+                                   f"{t.stride()}): NCCL would refuse it ('Tensors must be contiguous')")
+            if t.dtype not in NCCL_DTYPES:
+                raise RuntimeError(f"{op}: dtype {t.dtype}, which NCCL has no type for "
+                                   "(NCCL would refuse it)")
+        reduce_op = getattr(opts, "reduceOp", None)
+        if reduce_op is None:
+            return
+        name = str(reduce_op.op).split(".")[-1]           # RedOpType.SUM -> SUM
+        if name in ("BAND", "BOR", "BXOR"):
+            raise RuntimeError(f"{op}: ReduceOp.{name}, which NCCL does not have (NCCL would refuse it)")
+        if name == "AVG" and any(t.dtype == torch.bool for t in tensors):
+            raise RuntimeError(f"{op}: ReduceOp.AVG of bool tensors (NCCL would refuse it)")
+        if name not in ("SUM", "AVG", "PREMUL_SUM") and any(t.is_complex() for t in tensors):
+            raise RuntimeError(f"{op}: ReduceOp.{name} of complex tensors (NCCL would refuse it)")
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.device.type == "cpu" else t.detach().to("cpu")
 
-    def _run(self, op: str, outputs: list, inputs: list, call) -> dist.Work:
+    def _run(self, op: str, outputs: list, inputs: list, call, opts=None) -> dist.Work:
         """Check, stage the inputs, run `call(host_outputs, host_inputs)` on gloo, copy back."""
-        self._check(outputs + inputs, op)
+        self._check(outputs + inputs, op, opts)
         host_in = [self._host(t) for t in inputs]
         host_of = {id(t): h for t, h in zip(inputs, host_in)}
         host_out = [host_of.get(id(t)) if id(t) in host_of else self._host(t) for t in outputs]
@@ -142,71 +174,72 @@ class StagedGloo(dist.ProcessGroup):
     # -- collectives ----------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
-        return self._run("all_reduce", tensors, tensors, lambda o, i: self.inner.allreduce(o, opts))
+        return self._run("all_reduce", tensors, tensors, lambda o, i: self.inner.allreduce(o, opts),
+                         opts=opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or dist.AllreduceCoalescedOptions()
         return self._run("all_reduce_coalesced", tensors, tensors,
-                         lambda o, i: self.inner.allreduce_coalesced(o, opts))
+                         lambda o, i: self.inner.allreduce_coalesced(o, opts), opts=opts)
 
     def broadcast(self, tensors, opts=None):
         opts = opts or dist.BroadcastOptions()
-        return self._run("broadcast", tensors, tensors, lambda o, i: self.inner.broadcast(o, opts))
+        return self._run("broadcast", tensors, tensors, lambda o, i: self.inner.broadcast(o, opts), opts=opts)
 
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
-        return self._run("reduce", tensors, tensors, lambda o, i: self.inner.reduce(o, opts))
+        return self._run("reduce", tensors, tensors, lambda o, i: self.inner.reduce(o, opts), opts=opts)
 
     def gather(self, output_lists, inputs, opts=None):
         opts = opts or dist.GatherOptions()
         flat = [t for out in output_lists for t in out]
         return self._run("gather", flat, inputs, lambda o, i: self.inner.gather(
-            _lists(o, len(output_lists)), i, opts))
+            _lists(o, len(output_lists)), i, opts), opts=opts)
 
     def scatter(self, outputs, input_lists, opts=None):
         opts = opts or dist.ScatterOptions()
         flat = [t for lst in input_lists for t in lst]
         return self._run("scatter", outputs, flat, lambda o, i: self.inner.scatter(
-            o, _lists(i, len(input_lists)), opts))
+            o, _lists(i, len(input_lists)), opts), opts=opts)
 
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts or dist.AllgatherOptions()
         flat = [t for out in output_lists for t in out]
         return self._run("all_gather", flat, inputs, lambda o, i: self.inner.allgather(
-            _lists(o, len(output_lists)), i, opts))
+            _lists(o, len(output_lists)), i, opts), opts=opts)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         flat = [t for lst in input_lists for t in lst]
         return self._run("reduce_scatter", outputs, flat, lambda o, i: self.inner.reduce_scatter(
-            o, _lists(i, len(input_lists)), opts))
+            o, _lists(i, len(input_lists)), opts), opts=opts)
 
     # torch 2.13 calls the *_single names, older releases the _base ones: both are provided.
     def all_gather_single(self, output, input, opts=None):
         opts = opts or dist.AllgatherOptions()
         return self._run("all_gather_into_tensor", [output], [input],
-                         lambda o, i: self.inner._allgather_base(o[0], i[0], opts))
+                         lambda o, i: self.inner._allgather_base(o[0], i[0], opts), opts=opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.AllgatherOptions()
         return self._run("all_gather_into_tensor_coalesced", outputs, inputs,
-                         lambda o, i: _each(self.inner._allgather_base, o, i, opts))
+                         lambda o, i: _each(self.inner._allgather_base, o, i, opts), opts=opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         return self._run("reduce_scatter_tensor", [output], [input],
-                         lambda o, i: self.inner._reduce_scatter_base(o[0], i[0], opts))
+                         lambda o, i: self.inner._reduce_scatter_base(o[0], i[0], opts), opts=opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         return self._run("reduce_scatter_tensor_coalesced", outputs, inputs,
-                         lambda o, i: _each(self.inner._reduce_scatter_base, o, i, opts))
+                         lambda o, i: _each(self.inner._reduce_scatter_base, o, i, opts), opts=opts)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         opts = opts or dist.AllToAllOptions()
         return self._run("all_to_all_single", [output], [input],
                          lambda o, i: self.inner.alltoall_base(o[0], i[0], output_split_sizes,
-                                                               input_split_sizes, opts))
+                                                               input_split_sizes, opts), opts=opts)
 
     _allgather_base = all_gather_single
     allgather_into_tensor_coalesced = all_gather_single_coalesced
@@ -218,12 +251,12 @@ class StagedGloo(dist.ProcessGroup):
         opts = opts or dist.AllgatherOptions()
         flat = [t for out in output_lists for t in out]
         return self._run("all_gather_coalesced", flat, inputs, lambda o, i: self.inner.allgather_coalesced(
-            _lists(o, len(output_lists)), i, opts))
+            _lists(o, len(output_lists)), i, opts), opts=opts)
 
     def alltoall(self, outputs, inputs, opts=None):
         opts = opts or dist.AllToAllOptions()
         return self._run("all_to_all", outputs, inputs,
-                         lambda o, i: self.inner.alltoall(o, i, opts))
+                         lambda o, i: self.inner.alltoall(o, i, opts), opts=opts)
 
     def barrier(self, opts=None):
         opts = opts or dist.BarrierOptions()

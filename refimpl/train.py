@@ -27,7 +27,7 @@ from refimpl.memory import ActivationTracker
 from refimpl.mesh import Mesh
 from refimpl.model import build_model, converted, count_params, synthetic_batch
 from refimpl.model.moe import moe_step_record
-from refimpl.numerics import exact_fp32_on_cuda
+from refimpl.numerics import deterministic_needed, exact_fp32_on_cuda
 from refimpl.rank_model import RankModel
 from refimpl.registry import Resolved, resolve
 from refimpl.strategy import Strategy
@@ -64,7 +64,8 @@ def setup_rank(rank: int, world_size: int, layout: Resolved,
     (refimpl.compose.run_checkpoint) to continue, instead of init_state."""
     cfg = layout.cfg
     backend, device = _backend_and_device(cfg)
-    exact_fp32_on_cuda(device)
+    exact_fp32_on_cuda(device, deterministic_needed(device, cfg.dtype, cfg.mixed_precision,
+                                                   cfg.return_state))
     # This rank's point of the grid and one process group per axis (refimpl.mesh).
     mesh = Mesh(cfg.dims, rank)
     ctx = RunContext(rank, world_size, backend, device, cfg, mesh)
@@ -154,8 +155,10 @@ def _train_resolved(rank: int, world_size: int, layout: Resolved) -> dict:
     return result
 
 
-def train_on_ranks(cfg: TrainConfig, timeout: float = 900.0, quiet: bool = True) -> dict:
+def train_on_ranks(cfg: TrainConfig, timeout: float = 900.0, quiet: bool = True,
+                   stall: float | None = None) -> dict:
     """Validate, launch `cfg.nproc` ranks (or run in this process for nproc == 1), and merge.
+    `stall`: refimpl.launch.run's hang watchdog (seconds all ranks wait in one call).
 
     Returns the CLI's JSON object, plus `per_rank` (each rank's raw result) and, with
     `cfg.return_state`, `state_dict` (rank 0's gathered copy).
@@ -169,7 +172,7 @@ def train_on_ranks(cfg: TrainConfig, timeout: float = 900.0, quiet: bool = True)
         per_rank = [in_this_process(train_rank, 0, 1, cfg)]   # the reference needs no group
     else:
         per_rank = launch.run(train_rank, cfg.nproc, cfg, timeout=timeout, quiet=quiet,
-                              backend=launch_backend(cfg))
+                              backend=launch_backend(cfg), stall=stall)
     return merge_results(cfg, per_rank)
 
 

@@ -24,11 +24,10 @@ import time
 
 import torch.distributed as dist
 
-from refimpl.launch import run
+from refimpl.launch import device_for, run
 from refimpl.model import GPTConfig, build_model, synthetic_batch
 from refimpl.parallel.pp.runner import run_schedule
 from refimpl.parallel.pp.schedules import bubble_fraction, chunks_per_rank, placement, schedule_table
-from refimpl.parallel.pp.simulate import inbox
 from refimpl.parallel.pp.stage import build_chunks
 from refimpl.parallel.pp.torch_pp import TWIN_SCHEDULES, TorchPipeline, check_torch_layout
 
@@ -58,22 +57,23 @@ def bench_rank(rank, world, args, schedules):
     CPU seconds)], last loss)}."""
     group = dist.new_group(list(range(world)))
     cfg = GPTConfig(n_layers=args.layers, d_model=args.d_model, seq_len=args.seq_len)
+    device = device_for(dist.get_backend())     # the rank's GPU under NCCL: it refuses CPU tensors
     out = {}
     for _ in range(args.rounds):
         for schedule in schedules:
             v, where = chunks_of(schedule, args), placement(schedule)
             for side in ("ours", "torch"):
-                chunks = build_chunks(build_model(cfg, 0), world, rank, v, where=where)
+                chunks = build_chunks(build_model(cfg, 0).to(device), world, rank, v, where=where)
                 if side == "torch":
-                    pipe = TorchPipeline(chunks, group, world, schedule, args.micro_batches)
+                    pipe = TorchPipeline(chunks, group, world, schedule, args.micro_batches, device=device)
                     step = pipe.step
                 else:
                     table = schedule_table(world, args.micro_batches, schedule, v)
-                    step = lambda b, row=table[rank], chunks=chunks, order=inbox(table, rank, where): run_schedule(
-                        chunks, row, b.micro_batches(args.micro_batches), group, where=where, inbox=order)
+                    step = lambda b, table=table, chunks=chunks: run_schedule(
+                        chunks, table, b.micro_batches(args.micro_batches), group, where=where)
                 times, loss = [], None
                 for s in range(args.steps):
-                    batch = synthetic_batch(cfg, args.global_batch, args.seq_len, 0, s)
+                    batch = synthetic_batch(cfg, args.global_batch, args.seq_len, 0, s).to(device)
                     dist.barrier(group)
                     start, cpu = time.perf_counter(), time.thread_time()
                     loss = step(batch)
@@ -82,7 +82,8 @@ def bench_rank(rank, world, args, schedules):
                     for c in chunks:
                         c.zero_grad(set_to_none=True)
                 prev = out.get((schedule, side), ([], None))[0]
-                out[(schedule, side)] = (prev + times[1:], loss)
+                # a float, read after the timed steps: a device tensor would travel back to the launcher
+                out[(schedule, side)] = (prev + times[1:], None if loss is None else float(loss))
     return out
 
 

@@ -196,9 +196,9 @@ def test_each_parameter_is_accumulated_once_per_micro_batch_of_its_chunk(schedul
     """Read off the table row (B's, or W's under a split schedule; dualpipev's F&B pairs split):
     every chunk runs every micro-batch's backward once, so m accumulations each."""
     m = 4 if schedule != "dualpipev" else 8
-    row = schedule_table(2, m, schedule, v)[0]
+    table = schedule_table(2, m, schedule, v)
     chunks = build_chunks(build_model(SMALL, 0), 2, 0, v, where="v" if v == 2 and schedule != "interleaved"
                           else "loop")
-    counts = PipelineStageModel(chunks, row, None, schedule, loss_stage=1).gradient_accumulations()
+    counts = PipelineStageModel(chunks, table, 0, None, schedule, loss_stage=1).gradient_accumulations()
     assert sorted(counts) == sorted(n for c in chunks for n, _ in c.named_parameters())
     assert set(counts.values()) == {m}

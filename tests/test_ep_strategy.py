@@ -5,6 +5,7 @@ import functools
 import pytest
 
 from refimpl.config import TrainConfig
+from refimpl.cost.strategy_cost import ep_buffer_bytes
 from refimpl.model import GPTConfig
 from refimpl.parallel.ep.load import all_to_all_frame, dropped_by_step, expert_frame, rank_frame
 from refimpl.registry import resolve
@@ -75,10 +76,18 @@ def test_each_rank_processes_the_tokens_routed_to_its_experts(world, name):
 
 
 @pytest.mark.parametrize("world,name", [(2, "loose"), (4, "loose"), (4, "ep2-loose")])
-def test_all_to_all_bytes_counted_per_step_are_the_rows_that_crossed_ranks(world, name):
+def test_all_to_all_bytes_on_the_wire_are_whole_buffers_holding_the_rows_that_crossed_ranks(world, name):
     traffic = all_to_all_frame(runs_on(world)[name], MODEL.d_model, bytes_per_value=8)  # float64
     assert len(traffic) == world * CASES[world][name].steps
-    assert (traffic.sent_bytes == traffic.from_routing).all() and traffic.sent_bytes.min() > 0
+    # the wire carries the whole [E, B] buffers, predicted from the shapes alone; the routed rows
+    # (from the routing records) are a part of them, the rest padding
+    cfg = CASES[world][name]
+    tokens = cfg.global_batch * cfg.seq_len
+    want = ep_buffer_bytes(tokens // world, world, MODEL.n_experts, LOOSE["top_k"],
+                           LOOSE["capacity_factor"], MODEL.d_model, MODEL.n_layers,
+                           resolve(cfg).cfg.dims.ep, bytes_per_value=8)["sent_per_rank"]
+    assert (traffic.sent_bytes == want).all()
+    assert (traffic.routed_bytes > 0).all() and (traffic.padding_bytes > 0).all()
 
 
 @pytest.mark.parametrize("args,words", [

@@ -68,10 +68,11 @@ def _train_guarded(rank, world_size, cfgs):
     """train_rank for each configuration, recording collectives issued without a group."""
     import torch.distributed as dist
 
+    from refimpl.comm.torch_names import current_name
     from refimpl.train import train_rank
 
     ungrouped = []
-    for name in GUARDED:
+    for name in map(current_name, GUARDED):   # the names the installed torch's calls go through
         original = getattr(dist, name)
 
         def guarded(*args, _original=original, _name=name, **kwargs):

@@ -165,14 +165,16 @@ def test_bytes_counted_are_the_rows_sent_to_other_ranks():
     for rank, r in enumerate(per_rank):
         # refimpl.comm counted every byte it sent; the MoE layer counted its own all-to-alls:
         # the whole fixed-size buffers (padding included), the same every step (shapes only).
-        wire = [b["wire"] for b in r["bytes"]]
+        wire = [b["sent"] for b in r["bytes"]]
         assert r["counted"]["sent"]["all_to_all"] == sum(wire) + _count_bytes(r, world)
-        assert len(set(wire)) == 1 and wire[0] > sum(b["dispatch"] + b["combine"] for b in r["bytes"][:1])
+        routed = [b["routed_dispatch"] + b["routed_combine"] for b in r["bytes"]]
+        assert len(set(wire)) == 1 and wire[0] > routed[0]
+        assert [b["padding"] for b in r["bytes"]] == [w - x for w, x in zip(wire, routed)]
     # Every row a rank dispatches to a remote expert comes back to it in the combine (forward),
     # and backward sends both again, reversed: over the ranks, dispatch bytes = combine bytes.
     for step in range(len(per_rank[0]["bytes"])):
         sent = [r["bytes"][step] for r in per_rank]
-        assert sum(b["dispatch"] for b in sent) == sum(b["combine"] for b in sent) > 0
+        assert sum(b["routed_dispatch"] for b in sent) == sum(b["routed_combine"] for b in sent) > 0
         # A rank's combine returns what its experts got from the other rank; its dispatch sends
         # what the other rank's experts got from it: rows x d x 8 bytes (float64), forward and
         # backward.
@@ -180,7 +182,7 @@ def test_bytes_counted_are_the_rows_sent_to_other_ranks():
             other = 1 - rank
             got = sum(int(layer[other].sum()) for layer in per_rank[rank]["received"][step])
             gave = sum(int(layer[rank].sum()) for layer in per_rank[other]["received"][step])
-            assert (b["combine"], b["dispatch"]) == (2 * got * d * 8, 2 * gave * d * 8)
+            assert (b["routed_combine"], b["routed_dispatch"]) == (2 * got * d * 8, 2 * gave * d * 8)
 
 
 def _count_bytes(r: dict, world: int) -> int:
@@ -259,3 +261,14 @@ def test_ep_traffic_row_four_all_to_alls_per_layer_of_k_t_rows():
     (op, message, calls), = row["calls"]
     assert (op, message, calls) == ("all_to_all", 2 * 100 * 8 * 4, 12)
     assert row["sent_per_rank"] == 12 * message * 3 / 4      # (ep-1)/ep of the rows leave the rank
+
+
+def test_ep_buffer_bytes_whole_buffers_of_min_c_t_rows_per_expert():
+    from refimpl.cost.strategy_cost import ep_buffer_bytes
+
+    # 2 ranks of 100 tokens, E = 4, k = 2, cf = 2: C = ceil(2*200/4*2) = 200, B = min(200, 100)
+    got = ep_buffer_bytes(100, 2, 4, 2, 2.0, hidden=8, n_layers=3, ep=2, bytes_per_value=4)
+    assert (got["capacity"], got["rows per expert (B)"], got["buffer rows"]) == (200, 100, 400)
+    assert got["sent_per_rank"] == 12 * 200 * 8 * 4          # half of 400 rows leave, 12 calls
+    # cf = 0.5: C = 50 < T_rank, B = C
+    assert ep_buffer_bytes(100, 2, 4, 2, 0.5, 8, 3, 2)["rows per expert (B)"] == 50

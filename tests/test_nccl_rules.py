@@ -17,6 +17,11 @@
   (refimpl.staged_stream), so a posting order that would hang on NCCL hangs in these runs too,
   and fails at the stream's timeout naming the blocked operation: the pipeline's old one-ahead
   posting does (`test_the_strict_stream_hangs_the_old_posting...`), every run below does not.
+  Not only the training loop: the notebooks' own helpers and the bench scripts' ranks run on a
+  staged world too (`staged_launch`); the pipeline helper of notebook 07 hung there before.
+* **NCCL's argument rules.** The staged backend also refuses a non-contiguous tensor, a dtype
+  NCCL has no type for and a reduce op it lacks (refimpl.shared_device), so every run here keeps
+  them; notebook 01's comparison handed torch a transposed tensor before.
 * **The rank's device.** On a GPU server torch's default device stays the CPU while a rank computes
   on cuda:k, so a factory call without `device=` makes a CPU tensor NCCL refuses. Under
   REFIMPL_DEVICE_AUDIT every rank records such calls made from refimpl's code
@@ -53,6 +58,9 @@ RUNS = {
         "pp-interleaved-zb v2 m2": cfg("pp-interleaved-zb", 2, 2, pp=2, virtual_stages=2),
         "ring attention cp2": cfg("dp-naive", 2, 1, cp=2),
         "zero2, rebuilt collectives": cfg("zero2", 2, collectives="refimpl"),
+        # the buckets reduced during backward, the shard on the host (on one device here: the
+        # host-vs-device check is test_zero2_offload_reduces_on_the_rank_s_device's)
+        "zero2 offload": cfg("zero2", 2, options={"offload": True}),
         "dp": cfg("dp", 2), "zero3": cfg("zero3", 2), "fsdp": cfg("fsdp", 2),
         "tp + sp": cfg("tp", 2, tp=2, sequence_parallel=True),
         "ep, 4 experts": cfg("ep", 2, 1, experts=4),    # m = 1: capacity is per micro-batch
@@ -184,9 +192,10 @@ def test_the_staged_backend_refuses_a_tensor_off_the_rank_s_device():
 
 def _both_plans_on_the_strict_stream(rank: int, world: int) -> dict:
     """One rank of 1F1B on 2 stages (m = 4) on a staged group, under its stream order: the runner's
-    global order (nccl_order.rank_order), then the old one-ahead posting (order=None: receives of
-    this entry and the next posted before the entry, each send as its action ends). The launch is
-    a gloo one (`_on_gloo_ranks`); the group is the staged backend's."""
+    own choice for the backend (links.posting: the global order, nccl_order.rank_order), then the
+    old one-ahead posting (REFIMPL_PP_POST=ahead: receives of this entry and the next posted before
+    the entry, each send as its action ends). The launch is a gloo one (`_on_gloo_ranks`); the
+    group is the staged backend's."""
     import time
 
     import torch
@@ -194,9 +203,7 @@ def _both_plans_on_the_strict_stream(rank: int, world: int) -> dict:
 
     from refimpl import shared_device  # noqa: F401  (registers the staged backend in this rank)
     from refimpl.model import build_model, lm_loss, synthetic_batch
-    from refimpl.parallel.pp.nccl_order import rank_order
     from refimpl.parallel.pp.runner import run_schedule, schedule_table
-    from refimpl.parallel.pp.simulate import inbox
     from refimpl.parallel.pp.stage import build_chunks
 
     out, group = {}, dist.new_group([0, 1], backend="staged")
@@ -219,19 +226,21 @@ def _both_plans_on_the_strict_stream(rank: int, world: int) -> dict:
     chunks = build_chunks(build_model(cfg, 0).double().to(device), 2, rank)
     batch = synthetic_batch(cfg, 8, cfg.seq_len, 0, 0).to(device)
     micro, table = batch.micro_batches(4), schedule_table(2, 4, "1f1b")
-    loss = run_schedule(chunks, table[rank], micro, group, inbox=inbox(table, rank, "loop"),
-                        order=rank_order(table, rank, "loop"))
+    loss = run_schedule(chunks, table, micro, group)
     if rank == 1:
         reference = build_model(cfg, 0).double().to(device)
         out["loss"], out["single"] = loss.item(), lm_loss(reference(batch.inputs), batch.targets).item()
     dist.barrier(group)
     group.stream.timeout = 2.0      # from here no wait is legitimately longer (a tiny model's F/B)
     start = time.monotonic()
+    os.environ["REFIMPL_PP_POST"] = "ahead"
     try:
-        run_schedule(chunks, table[rank], micro, group, inbox=inbox(table, rank, "loop"), order=None)
+        run_schedule(chunks, table, micro, group)
         out["old plan"] = "finished"
     except RuntimeError as e:
         out["old plan"] = str(e)
+    finally:
+        del os.environ["REFIMPL_PP_POST"]
     print(f"rank {rank}: the old plan failed after {time.monotonic() - start:.1f} s")
     return out
 
@@ -252,3 +261,157 @@ def test_the_strict_stream_hangs_the_old_posting_and_runs_the_global_order(gloo_
         message = got["old plan"]
         assert f"rank {rank} (group rank {rank}) blocked in {blocked}" in message, message
         assert message.split("waiting behind it: ")[1].startswith(f"['{behind}"), message
+
+
+def test_the_staged_backend_refuses_what_nccl_refuses():
+    """NCCL's argument rules beyond the device (refimpl.shared_device): contiguous tensors, a dtype
+    NCCL has, a reduce op NCCL has. gloo accepts each of these calls."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from refimpl.shared_device import StagedGloo
+
+    group = StagedGloo(torch.distributed.HashStore(), 0, 1, timedelta(seconds=30), torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="non-contiguous.*Tensors must be contiguous"):
+        group.allreduce([torch.ones(3, 2).t()])
+    with pytest.raises(RuntimeError, match="non-contiguous"):
+        group.send([torch.ones(3, 2).t()], 0)
+    with pytest.raises(RuntimeError, match="dtype torch.int16"):
+        group.broadcast([torch.ones(3, dtype=torch.int16)])
+    band = dist.AllreduceOptions()
+    band.reduceOp = dist.ReduceOp.BAND
+    with pytest.raises(RuntimeError, match="ReduceOp.BAND"):
+        group.allreduce([torch.ones(3, dtype=torch.int64)], band)
+    x = torch.ones(3, 2).t().contiguous()
+    group.allreduce([x]).wait()                         # the same values, contiguous: accepted
+    assert x.tolist() == [[1.0] * 3] * 2
+
+
+def test_zero2_offload_reduces_on_the_rank_s_device():
+    """ZeRO-2 with offload (issue 35): the gradient shard is the host master's gradient, and each
+    bucket must still be reduced on the rank's device, then moved to the host. A CPU-only machine
+    has one device for both, so the host stands on `meta` here (the values are not the point,
+    where each tensor lives is): a bucket made on the shard's device reaches the staged backend
+    on meta and is refused, as NCCL refuses a host tensor."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from refimpl.parallel.dp.flat_param import FlatParams
+    from refimpl.parallel.zero.stages import StreamingReduce
+    from refimpl.shared_device import StagedGloo
+
+    group = StagedGloo(torch.distributed.HashStore(), 0, 1, timedelta(seconds=30), torch.device("cpu"))
+    params = [torch.nn.Parameter(torch.ones(5)), torch.nn.Parameter(torch.ones(7))]
+    layout = FlatParams(list(zip("ab", params)), world_size=1)
+    host_grad_shard = torch.zeros(layout.shard_numel, device="meta")    # offload's master.grad
+    reduced = []
+
+    def reduce_to_owner(bucket, buf):
+        reduced.append(buf.device)
+        return group.reduce([buf], dist.ReduceOptions())
+
+    stream = StreamingReduce(layout, 5 * 4, [], reduce_to_owner, host_grad_shard, 0)  # 2 buckets
+    stream.start()
+    (2 * params[0].sum() + 3 * params[1].sum()).backward()
+    stream.wait()
+    assert reduced == [torch.device("cpu")] * 2, reduced
+    assert all(p.grad is None for p in params)           # freed once its bucket left
+
+
+def _notebook_and_bench_paths(rank: int, world: int) -> dict:
+    """The launch paths outside the training loop, on a staged world (NCCL's stream order and
+    argument rules), each small: notebook 07's and scripts/bench_bubble.py's pipeline profile
+    (measure.run_each of profile_pipeline), scripts/bench_pp.py's rank, notebook 01's comparison
+    with torch.distributed, its primitives and overlap demo, notebook 06's tp checks, notebook
+    09's ring-attention measure and scripts/bench_collectives.py's sweep (cost.bench). Each
+    path's error, if any, is kept and the next one runs (a failed pipeline only fails its own
+    group's stream)."""
+    from refimpl.comm.async_demo import overlap_demo
+    from refimpl.comm.primitives import run_primitives
+    from refimpl.comm.versus_torch import check_and_count
+    from refimpl.cost.bench import sweep_rank
+    from refimpl.parallel.cp.measure import ring_rank
+    from refimpl.parallel.pp import measure
+    from refimpl.parallel.tp.checks import all_checks
+    from scripts import bench_pp
+
+    out = {}
+
+    def attempt(name, fn, *args):
+        try:
+            out[name] = fn(*args)
+        except RuntimeError as e:
+            out[name] = f"error: {e}"
+
+    calls = [((SMALL, s, 4), {"steps": 1, "global_batch": 8}) for s in ("1f1b", "gpipe")]
+    attempt("profile_pipeline", measure.run_each, rank, world, measure.profile_pipeline, calls)
+    args = bench_pp.parse(["--schedules", "1f1b", "--rounds", "1", "--steps", "2", "--layers", "2",
+                           "--d-model", "32", "--global-batch", "8", "--seq-len", "16"])
+    attempt("bench_pp", bench_pp.bench_rank, rank, world, args, ["1f1b"])
+    attempt("versus_torch", check_and_count, rank, world)
+    for impl in ("torch", "refimpl"):
+        attempt(f"primitives {impl}", lambda: run_primitives(rank, world, impl=impl))
+    attempt("overlap_demo", overlap_demo, rank, world, 1 << 12)
+    attempt("tp checks", lambda: all_checks(rank, world, models=()))   # layers; the models cost seconds
+    attempt("ring attention", ring_rank, rank, world)
+    attempt("collectives sweep", lambda: sweep_rank(rank, world, sizes=[4, 4096], warmup=1, repeats=1))
+    return out
+
+
+@pytest.fixture(scope="module")
+def staged_launch():
+    from refimpl.launch import run
+
+    saved = os.environ.get("REFIMPL_STAGED_TIMEOUT")
+    os.environ["REFIMPL_STAGED_TIMEOUT"] = "30"     # a tiny model's waits are far shorter
+    try:
+        return run(_notebook_and_bench_paths, 2, backend="staged", quiet=True, timeout=240)
+    finally:
+        if saved is None:
+            os.environ.pop("REFIMPL_STAGED_TIMEOUT")
+        else:
+            os.environ["REFIMPL_STAGED_TIMEOUT"] = saved
+
+
+def test_notebook_07s_pipeline_helper_runs_in_nccl_s_stream_order(staged_launch):
+    """pp.measure.profile_pipeline (notebook 07, scripts/bench_bubble.py) on the staged backend:
+    before issue 35 it posted receives one entry ahead and hung there, as it would on NCCL."""
+    import torch
+
+    from refimpl.model import build_model, lm_loss, synthetic_batch
+
+    got = [r["profile_pipeline"] for r in staged_launch]
+    assert not any(isinstance(g, str) for g in got), got
+    batch = synthetic_batch(SMALL, 8, SMALL.seq_len, 0, 0)
+    with torch.no_grad():
+        single = lm_loss(build_model(SMALL, 0)(batch.inputs), batch.targets).item()
+    for schedule, last in zip(("1f1b", "gpipe"), got[1]):
+        assert abs(float(last["loss"]) - single) <= 1e-5 * abs(single), (schedule, last["loss"], single)
+
+
+def test_bench_pp_runs_in_nccl_s_stream_order(staged_launch):
+    got = [r["bench_pp"] for r in staged_launch]
+    assert not any(isinstance(g, str) for g in got), got
+    losses = {side: got[1][("1f1b", side)][1] for side in ("ours", "torch")}
+    assert abs(losses["ours"] - losses["torch"]) <= 1e-5 * abs(losses["torch"]), losses
+
+
+def test_notebook_01s_comparison_keeps_nccl_s_argument_rules(staged_launch):
+    """versus_torch (notebook 01) on the staged backend: before issue 35 it handed torch's
+    all-reduce a transposed tensor, which ProcessGroupNCCL refuses."""
+    got = [r["versus_torch"] for r in staged_launch]
+    assert not any(isinstance(g, str) for g in got), got
+    rows = [row for r in got for row in r[0]]
+    assert rows and all(row["equal"] for row in rows), [row for row in rows if not row["equal"]]
+
+
+def test_every_other_notebook_and_bench_helper_runs_under_nccl_s_rules(staged_launch):
+    """The helpers without a check of their own above: each ran to the end on the staged world."""
+    others = ["primitives torch", "primitives refimpl", "overlap_demo", "tp checks", "ring attention",
+              "collectives sweep"]
+    failed = {name: r[name] for r in staged_launch for name in others if isinstance(r[name], str)}
+    assert failed == {}, failed

@@ -36,6 +36,46 @@ def test_prediction_table_is_the_ring_formula():
     assert row["predicted comm s/step"] == pytest.approx(row["bytes/rank/step"] / 1e9)
 
 
+def test_prediction_table_with_the_embedding_and_head_all_reduces():
+    # refimpl's whole TP GPT: 4 per layer, the embedding's (forward), the LM head's input gradient
+    assert tp_comm.residual_all_reduces_per_step(4) == 18
+    plain, ends = (tp_comm.prediction_table(4, 8, 160, 1e-5, 1e9, 4, tps=(2,), seq_lens=(32,),
+                                            with_ends=w).iloc[0] for w in (False, True))
+    assert ends["bytes/rank/step"] == plain["bytes/rank/step"] * 18 / 16
+    assert ends["predicted comm s/step"] == pytest.approx(plain["predicted comm s/step"] * 18 / 16)
+
+
+def test_placement_table_and_published_layers():
+    # GPT-3 175B (Brown et al. 2020, Table 2.1) and Llama 2 7B (Touvron et al. 2023) from the presets
+    assert tp_comm.layer_of("gpt3-175b") == tp_comm.LayerShape(1, 2048, 12288)
+    assert tp_comm.layer_of("7b") == tp_comm.LayerShape(1, 4096, 4096)
+    table = tp_comm.placement_table({"x": tp_comm.layer_of("7b")}, tps=(2, 8)).set_index("tp")
+    r = table.loc[8, "NVLink comm/compute"]
+    assert r == tp_comm.comm_to_compute(tp_comm.layer_of("7b"), 8, "h100-sxm", within_node=True)
+    assert table.loc[8, "speed-up over 1 GPU, NVLink"] == pytest.approx(8 / (1 + r))
+
+
+def test_gqa_table_llama2_70b_projection_sizes():
+    # Llama 2 70B: h = 8192, 64 query heads, 8 K/V heads of 128 (its k_proj and v_proj are
+    # 8192 x 1024 each, bf16: 16 MiB each, 32 MiB both, on one rank)
+    gqa = tp_comm.gqa_table(8192, 64, 8, tps=(1, 8, 16))
+    assert gqa.loc[1, "K,V weight MiB / rank"] == 32 and gqa.loc[1, "Q weight MiB / rank"] == 128
+    assert gqa.loc[16, "K,V weight MiB / rank"] == gqa.loc[8, "K,V weight MiB / rank"] == 4
+    assert gqa.loc[16, "ranks per K/V head"] == 2
+
+
+def test_stage_flops_counted_by_torch_are_the_formula_and_the_head_weighs_on_the_last():
+    from refimpl.model import GPTConfig
+    from refimpl.parallel.pp.compare import stage_forward_flops, stage_forward_flops_formula
+
+    cfg = GPTConfig(vocab_size=1024, seq_len=16, d_model=32, n_heads=4, n_layers=3)
+    counted = stage_forward_flops(cfg, 2, batch=2)
+    assert counted == stage_forward_flops_formula(cfg, 2, batch=2)
+    # 3 blocks over 2 stages: 2 on the first, 1 + the LM head (2·h·V a token) on the last
+    block = 2 * 16 * (2 * (4 * 32 * 32 + 2 * 32 * 128) + 4 * 16 * 32)
+    assert counted == [2 * block, block + 2 * 16 * 2 * 32 * 1024]
+
+
 def test_replay_sweep_matches_the_closed_forms_and_its_own_slots():
     sweep = bubble_sweep(4, micro_batches=(4, 8))
     assert (sweep.replayed - sweep.formula).abs().max() < 1e-12

@@ -21,7 +21,6 @@ from refimpl.parallel.pp.schedules import (
     placement,
     schedule_table,
 )
-from refimpl.parallel.pp.simulate import inbox
 from refimpl.parallel.pp.stage import build_chunks, partition
 from refimpl.parallel.pp.zero_bubble import WeightGradRecord, record_weight_grads
 
@@ -65,7 +64,7 @@ def pipeline_rank(rank, world, cases):
         chunks = build_chunks(build_model(config(n_layers), SEED), world, rank, v, where=where)
         micro = synthetic_batch(config(n_layers), BATCH, SEQ, SEED, 0).micro_batches(m)
         table = schedule_table(world, m, schedule, v)
-        loss = run_schedule(chunks, table[rank], micro, group, where=where, inbox=inbox(table, rank, where))
+        loss = run_schedule(chunks, table, micro, group, where=where)
         grads = {n: p.grad for c in chunks for n, p in c.named_parameters()}
         out[(schedule, m, v, n_layers)] = (loss, grads)
     return out
@@ -103,7 +102,7 @@ def test_one_stage_with_two_chunks_passes_tensors_locally(schedule):
     v = 2 if schedule.startswith("interleaved") else chunks_per_rank(schedule)
     chunks = build_chunks(build_model(config(4), SEED), 1, 0, v, where=placement(schedule))
     micro = synthetic_batch(config(4), BATCH, SEQ, SEED, 0).micro_batches(2)
-    loss = run_schedule(chunks, schedule_table(1, 2, schedule, v)[0], micro, None, where=placement(schedule))
+    loss = run_schedule(chunks, schedule_table(1, 2, schedule, v), micro, None, where=placement(schedule))
     ref_loss, ref_grads = reference(2, 4)
     assert float(loss) == pytest.approx(ref_loss, rel=1e-6)
     for c in chunks:

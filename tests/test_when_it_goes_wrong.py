@@ -44,6 +44,15 @@ def test_hang_report_names_each_stuck_call_and_its_peer(tmp_path, monkeypatch):
                          "all_reduce on the world (64 B, in forward)")
 
 
+def test_waiting_in_is_each_ranks_innermost_call_or_none(tmp_path, monkeypatch):
+    """The launcher's stall watchdog: a hang is when this stays the same; a rank in no call resets it."""
+    _ring(tmp_path, 0, [("all_reduce", None, None, True), ("recv", 1, 5, False)], monkeypatch)
+    _ring(tmp_path, 1, [("recv", 0, 9, False)], monkeypatch)
+    _ring(tmp_path, 2, [("all_reduce", None, None, True)], monkeypatch)
+    assert flight_recorder.waiting_in(tmp_path, [0, 1]) == ((0, 1), (1, 0))   # (rank, call's seq)
+    assert flight_recorder.waiting_in(tmp_path, [0, 1, 2]) is None           # rank 2 is computing
+
+
 def test_ring_keeps_the_last_calls_when_it_wraps(tmp_path, monkeypatch):
     n = flight_recorder.SLOTS + 10
     _ring(tmp_path, 0, [("send", 1, i, True) for i in range(n)], monkeypatch)

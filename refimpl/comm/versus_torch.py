@@ -5,8 +5,9 @@ it returns one row per (collective, case) with this rank's largest absolute diff
 `refimpl.comm.<name>` and `torch.distributed.<name>`. Inputs are small integers stored as floats,
 so sums are exact in any order and "equal" can mean bit-for-bit, whatever order the ring or tree
 combines in. The cases are the ones that break naive implementations: sizes that do not divide by
-the world size, sizes smaller than it, a non-contiguous tensor, uneven all-to-all splits, every
-root, and a subgroup whose members are not ranks 0..k-1.
+the world size, sizes smaller than it, a non-contiguous tensor (ours only: torch's side gets a
+contiguous copy, as NCCL requires), uneven all-to-all splits, every root, and a subgroup whose
+members are not ranks 0..k-1.
 """
 from __future__ import annotations
 
@@ -72,9 +73,11 @@ def _all_reduce_cases_of(rows, numel, seed, n, algorithm, name):
     comm.all_reduce(a, op=ReduceOp.AVG, algorithm=algorithm)
     dist.all_reduce(b)
     _row(rows, name, f"avg numel={numel}", a, b / n)
-    # a non-contiguous view (a transposed matrix) and an integer dtype
+    # a non-contiguous view (a transposed matrix) and an integer dtype. Ours takes the view as
+    # it is; torch's gets a contiguous copy of the same values: ProcessGroupNCCL refuses a
+    # non-contiguous tensor ("Tensors must be contiguous"), gloo forgives it (issue 35).
     m = _ints((3, numel), seed + 2).t()
-    a, b = m.clone().t().t(), m.clone()  # a: same strides as m (non-contiguous)
+    a, b = m.clone().t().t(), m.contiguous()  # a: same strides as m (non-contiguous)
     comm.all_reduce(a, algorithm=algorithm)
     dist.all_reduce(b)
     _row(rows, name, f"transposed {tuple(m.shape)}", a, b)

@@ -44,20 +44,47 @@ class Work:
         return self._future
 
 
-class _Lane:
-    """One FIFO worker thread, started on first use."""
+def _caller_cuda_device() -> int | None:
+    """The CUDA device the calling thread works on; None where this process has not initialised
+    CUDA (no tensor is on a GPU then, and asking would create a context on GPU 0)."""
+    import torch
 
-    def __init__(self):
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+
+def _use_cuda_device(index: int) -> None:
+    import torch
+
+    torch.cuda.set_device(index)
+
+
+class _Lane:
+    """One FIFO worker thread, started on first use.
+
+    A CUDA device is current per thread, and a new thread starts on cuda:0: the lane would
+    allocate its buffers and launch its kernels on GPU 0 on every rank. So each task first makes
+    current the device its caller was on (the rank's: init_process_group set it on the main
+    thread, autograd's device thread runs on its device)."""
+
+    def __init__(self, caller_device=_caller_cuda_device, use_device=_use_cuda_device):
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._last: Future | None = None
+        self._caller_device, self._use_device = caller_device, use_device
 
     def submit(self, task) -> Work:
         ctx = contextvars.copy_context()  # the caller's open CommLogs follow the task
+        device = self._caller_device()
+
+        def run():
+            if device is not None:
+                self._use_device(device)
+            return ctx.run(task)
+
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm-lane")
-            self._last = self._executor.submit(ctx.run, task)
+            self._last = self._executor.submit(run)
             return Work(self._last)
 
     def drain(self) -> None:

@@ -84,7 +84,7 @@ def model_parallel(model: nn.Module, ctx) -> RankModel:
     loss_fn, seq_split = lm_loss, 1
     if mesh.size("tp") > 1:
         parallelize_tp(model, mesh.group("tp"), sequence_parallel=cfg.sequence_parallel,
-                       comm=ctx.comm)
+                       comm=ctx.comm, sum_norm_grads=not injected(cfg, "sp-norm-unsummed"))
         # reads the vocabulary-split logits; the fault vocab-unmasked leaves the padding in
         loss_fn = tp_loss_for(model.lm_head, mask_padding=not injected(cfg, "vocab-unmasked"))
         seq_split = mesh.size("tp") if cfg.sequence_parallel else 1

@@ -17,6 +17,11 @@ Two fractions are assumptions, not datasheet numbers, and are stated here once:
 Latencies (alpha) are orders of magnitude of NCCL's small-message times, also assumptions.
 `cpu_preset` replaces every one of these by a measurement on this machine
 (refimpl.cost.this_machine.measure_cpu_preset).
+
+Memory is in one unit for every device: the capacity the driver reports, `nvidia-smi`'s
+memory.total in MiB (MIB below). The datasheets' "80GB" and "141GB" are labels, not byte counts:
+an A100 80GB reports 81920 MiB (80 GiB exactly), an H100 SXM 80GB 81559 MiB (79.6 GiB), an H200
+141GB 143771 MiB (140.4 GiB; read as 141e9 bytes it would be 131 GiB, 9 GiB short of the card).
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from refimpl.memory import GiB
 
 GEMM_FRACTION = 0.75
 LINK_FRACTION = 0.8
+MIB = 2 ** 20
 MEMORY_HEADROOM = 0.9   # fits if predicted bytes <= 90% of capacity: CUDA context, NCCL buffers,
                         # allocator fragmentation and temporary buffers take the rest
 
@@ -35,7 +41,7 @@ MEMORY_HEADROOM = 0.9   # fits if predicted bytes <= 90% of capacity: CUDA conte
 class Hardware:
     name: str
     peak_flops: float              # dense bf16 (or the measured matmul rate), FLOP/s
-    memory_bytes: float            # HBM capacity
+    memory_bytes: float            # HBM capacity as the driver reports it (bytes; see MIB)
     memory_bandwidth: float        # HBM bytes/s: the rate memory-bound ops and the optimizer run at
     intra_bandwidth: float         # one direction, bytes/s, GPU <-> GPU inside a node (NVLink)
     inter_bandwidth: float         # one direction, bytes/s, per GPU across nodes (InfiniBand)
@@ -68,18 +74,18 @@ class Hardware:
 GPUS = {
     # https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf
     # A100 80GB SXM: BF16 tensor core 312 TFLOPS (dense), HBM2e 2,039 GB/s, NVLink 600 GB/s;
-    # DGX A100: 8x ConnectX-6 200 Gb/s HDR InfiniBand, one per GPU.
-    "a100-80gb": Hardware("a100-80gb", 312e12, 80 * GiB, 2.039e12, nvlink_bytes_per_s(12), gbit(200),
+    # DGX A100: 8x ConnectX-6 200 Gb/s HDR InfiniBand, one per GPU. nvidia-smi: 81920 MiB.
+    "a100-80gb": Hardware("a100-80gb", 312e12, 81920 * MIB, 2.039e12, nvlink_bytes_per_s(12), gbit(200),
                           source="NVIDIA A100 datasheet; DGX A100 datasheet"),
     # https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet
     # H100 SXM: BF16 1,979 TFLOPS with sparsity = 989 dense, HBM3 3.35 TB/s, NVLink 900 GB/s;
-    # DGX H100: 8x ConnectX-7 400 Gb/s NDR, one per GPU.
-    "h100-sxm": Hardware("h100-sxm", 989e12, 80 * GiB, 3.35e12, nvlink_bytes_per_s(18), gbit(400),
+    # DGX H100: 8x ConnectX-7 400 Gb/s NDR, one per GPU. nvidia-smi: 81559 MiB.
+    "h100-sxm": Hardware("h100-sxm", 989e12, 81559 * MIB, 3.35e12, nvlink_bytes_per_s(18), gbit(400),
                          source="NVIDIA H100 datasheet; DGX H100 datasheet"),
     # https://www.nvidia.com/en-us/data-center/h200/
     # H200 SXM: BF16 1,979 TFLOPS with sparsity = 989 dense, 141 GB HBM3e at 4.8 TB/s,
-    # NVLink 900 GB/s; DGX H200: 8x ConnectX-7 400 Gb/s.
-    "h200": Hardware("h200", 989e12, 141e9, 4.8e12, nvlink_bytes_per_s(18), gbit(400),
+    # NVLink 900 GB/s; DGX H200: 8x ConnectX-7 400 Gb/s. nvidia-smi: 143771 MiB.
+    "h200": Hardware("h200", 989e12, 143771 * MIB, 4.8e12, nvlink_bytes_per_s(18), gbit(400),
                      source="NVIDIA H200 datasheet; DGX H200 datasheet"),
 }
 

@@ -30,6 +30,7 @@ import pandas as pd
 
 from refimpl.cost.alpha_beta import predict_seconds
 from refimpl.cost.collective_bytes import sent_per_rank
+from refimpl.model.moe import expert_capacity
 
 # The seed's qualitative columns (frequency, bottleneck), in English with the Korean beside.
 BOTTLENECK = {
@@ -138,3 +139,25 @@ def ep_traffic(tokens_per_rank: int, hidden: int, n_layers: int, top_k: int, ep:
             "frequency": "4 per MoE layer per micro-batch",
             "calls": [("all_to_all", message, calls)],
             "sent_per_rank": calls * sent_per_rank("all_to_all", ep, message)}
+
+
+def ep_buffer_bytes(tokens_per_rank: int, token_ranks: int, n_experts: int, top_k: int,
+                    capacity_factor: float, hidden: int, n_layers: int, ep: int,
+                    bytes_per_value: int = 4) -> dict:
+    """What refimpl's fixed-size dispatch puts on the wire per rank and step (batch capacity scope).
+
+    Each all-to-all sends the whole [E, B] buffer, B = min(C, T_rank) rows per expert (C =
+    ceil(k*T/E * cf) over the T tokens of all `token_ranks`; refimpl.model.moe_slots: an expert
+    takes at most C in all, at most one row per token from one rank), of which (ep-1)/ep goes to
+    other ranks; 4 all-to-alls per MoE layer and step (dispatch, combine, both reversed in
+    backward). `buffer rows` against k*T_rank real rows at most: the rest is padding. Each rank's
+    experts then run on fixed buffers too, min(C, ep*B) rows per expert whatever they received
+    (refimpl.parallel.ep.dispatch: `room`): `expert rows / rank`.
+    """
+    capacity = expert_capacity(token_ranks * tokens_per_rank, n_experts, top_k, capacity_factor)
+    bound = min(capacity, tokens_per_rank)
+    rows = n_experts * bound
+    per_call = rows * (ep - 1) // ep * hidden * bytes_per_value
+    return {"capacity": capacity, "rows per expert (B)": bound, "buffer rows": rows,
+            "routed rows at most": top_k * tokens_per_rank, "sent_per_rank": 4 * n_layers * per_call,
+            "expert rows / rank": n_experts // ep * min(capacity, ep * bound)}

@@ -26,12 +26,17 @@ link fraction; Hardware.matmul_rate: the GEMM fraction of the peak), the one rat
 09 (refimpl.plan.composition.placement_rule) both print.
 
 Overlap. Nothing in refimpl runs a TP collective under compute: each sits on the critical path of
-its layer, so a layer takes compute·(1 + r) for a ratio r. Megatron-LM overlaps the backward's
-input-gradient all-reduce with the weight-gradient GEMM (Korthikanti et al. 2022, §4.2.2's
-all-gather / reduce-scatter with the column layer's dW), and PyTorch's async-TP splits the
-all-gather + matmul into chunks so each chunk's transfer runs under the previous chunk's GEMM
-(torch.distributed._symmetric_memory, "micro-pipelining"). `layer_time_over_compute` is what a
-share of overlap would buy: at best the layer takes max(compute, comm).
+its layer, so a layer takes compute·(1 + r) for a ratio r. Megatron-LM overlaps in the backward of
+a column-parallel layer (megatron/core/tensor_parallel/layers.py,
+LinearWithGradAccumulationAndAsyncCommunication.backward; Korthikanti et al. 2022, §4.2.2), each
+collective under the GEMM that does not need its result: under SP the all-gather of the layer's
+s/t input (the LayerNorm output) runs under the input-gradient GEMM dY·W (the weight gradient
+dW = dYᵀ·X needs the gathered X, so it waits), and the reduce-scatter of that input gradient runs
+under the weight-gradient GEMM; without SP the all-reduce of the input gradient runs under the
+weight-gradient GEMM. PyTorch's async-TP splits the all-gather + matmul into chunks so each
+chunk's transfer runs under the previous chunk's GEMM (torch.distributed._symmetric_memory,
+"micro-pipelining"). `layer_time_over_compute` is what a share of overlap would buy: at best the
+layer takes max(compute, comm).
 """
 from __future__ import annotations
 
@@ -41,11 +46,19 @@ import pandas as pd
 
 from refimpl.cost.alpha_beta import ring_seconds
 from refimpl.cost.hardware import Hardware, get_hardware
+from refimpl.model.presets import get_model
 
 
 def bytes_per_layer(b: int, s: int, h: int, t: int, dtype_bytes: int = 2) -> float:
     """Bytes one rank sends per layer per micro-batch, forward + backward (Narayanan 2021)."""
     return 8 * b * s * h * (t - 1) / t * dtype_bytes
+
+
+def residual_all_reduces_per_step(n_layers: int) -> int:
+    """All-reduces of the b·s·h residual stream in one step of refimpl's whole TP GPT (no SP):
+    4 per layer (Megatron's f and g, forward and backward), plus the vocabulary-parallel embedding's
+    sum of its rows (forward) and the column-parallel LM head's input gradient (backward)."""
+    return 4 * n_layers + 2
 
 
 def calls_per_layer(sequence_parallel: bool = False) -> dict:
@@ -108,14 +121,49 @@ def pp_boundary_bytes(b: int, s: int, h: int, dtype_bytes: int = 2) -> float:
 
 
 def prediction_table(n_layers: int, batch: int, hidden: int, alpha_hop: float, link: float,
-                     dtype_bytes: int, tps=(2, 4, 8), seq_lens=(64, 128, 256, 512, 1024, 2048)):
+                     dtype_bytes: int, tps=(2, 4, 8), seq_lens=(64, 128, 256, 512, 1024, 2048),
+                     with_ends: bool = False):
     """Per step, one rank's TP bytes and predicted seconds at each (tp, seq_len): the α-β ring
-    model with a fitted hop latency and link rate (notebook 06 §7)."""
-    return pd.DataFrame([{"tp": t, "seq_len": s,
-                          "bytes/rank/step": n_layers * bytes_per_layer(batch, s, hidden, t, dtype_bytes),
-                          "predicted comm s/step": n_layers * comm_seconds_per_layer(
-                              LayerShape(batch, s, hidden, dtype_bytes), t, alpha_hop, link)}
-                         for t in tps for s in seq_lens])
+    model with a fitted hop latency and link rate (notebook 06 §7). `with_ends`: count the
+    embedding's and the LM head's all-reduce too (`residual_all_reduces_per_step`), as a whole
+    model's step makes them; without, the layers' 4 per layer alone."""
+    calls = residual_all_reduces_per_step(n_layers) if with_ends else 4 * n_layers
+    rows = []
+    for t in tps:
+        for s in seq_lens:
+            message = batch * s * hidden * dtype_bytes
+            rows.append({"tp": t, "seq_len": s,
+                         "bytes/rank/step": calls * bytes_per_layer(batch, s, hidden, t, dtype_bytes) / 4,
+                         "predicted comm s/step": calls * ring_seconds("all_reduce", message, t, alpha_hop, link)})
+    return pd.DataFrame(rows)
+
+
+def speed_up_over_one_gpu(ratio: float, t: int, overlapped: float = 0.0) -> float:
+    """One layer's throughput on t GPUs over one GPU's: t / (layer time / compute)."""
+    return t / layer_time_over_compute(ratio, overlapped)
+
+
+def placement_table(shapes: dict, tps=(2, 4, 8), gpu: str | Hardware = "h100-sxm") -> pd.DataFrame:
+    """Per named LayerShape and tp: comm/compute inside a node (NVLink) and across nodes
+    (InfiniBand), the layer's time over its compute without overlap, and the speed-up over one
+    GPU on either link (notebook 06 §8: the seed's placement rule as arithmetic)."""
+    rows = []
+    for name, shape in shapes.items():
+        for t in tps:
+            row = {"layer": name, "tp": t}
+            for link, inside in (("NVLink", True), ("InfiniBand", False)):
+                row[f"{link} comm/compute"] = comm_to_compute(shape, t, gpu, within_node=inside)
+            row["layer time / compute, NVLink, no overlap"] = layer_time_over_compute(row["NVLink comm/compute"])
+            for link in ("NVLink", "InfiniBand"):
+                row[f"speed-up over 1 GPU, {link}"] = speed_up_over_one_gpu(row[f"{link} comm/compute"], t)
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def layer_of(model: str, micro_batch: int = 1) -> LayerShape:
+    """A published model's layer (refimpl.model.presets) at its own context length, bf16."""
+    shape, _ = get_model(model)
+    return LayerShape(micro_batch, shape.seq_len, shape.d_model)
 
 
 def kv_heads_per_rank(n_kv_heads: int, t: int) -> tuple[int, int]:
@@ -130,3 +178,19 @@ def kv_heads_per_rank(n_kv_heads: int, t: int) -> tuple[int, int]:
     if t % n_kv_heads:
         raise ValueError(f"tp = {t} is not a multiple of the {n_kv_heads} KV heads")
     return 1, t // n_kv_heads
+
+
+def gqa_table(d_model: int, n_heads: int, n_kv_heads: int, tps=(2, 4, 8, 16),
+              dtype_bytes: int = 2) -> pd.DataFrame:
+    """Grouped-query attention's projections per TP rank: query heads and K/V heads each rank
+    holds (`kv_heads_per_rank`), and the bytes of its W_Q slice and of its W_K + W_V slices (each
+    head an h × head_dim block), indexed by tp."""
+    head_dim = d_model // n_heads
+    rows = []
+    for t in tps:
+        kv, sharing = kv_heads_per_rank(n_kv_heads, t)
+        rows.append({"tp": t, "query heads / rank": n_heads // t, "K/V heads / rank": kv,
+                     "ranks per K/V head": sharing,
+                     "K,V weight MiB / rank": 2 * d_model * head_dim * kv * dtype_bytes / 2**20,
+                     "Q weight MiB / rank": d_model * head_dim * (n_heads // t) * dtype_bytes / 2**20})
+    return pd.DataFrame(rows).set_index("tp")

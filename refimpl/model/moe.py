@@ -155,12 +155,14 @@ def switch_aux_loss(probs: torch.Tensor, routed: torch.Tensor, alpha: float) -> 
 
 @dataclass
 class Traffic:
-    """Bytes of routed rows this rank sent to other ranks, per all-to-all kind, since the last
-    reset (an expert-parallel dispatch counts them, on the device; a local one sends nothing).
-    The padding of the fixed-size buffers is not counted: `wire` has every byte sent."""
-    dispatch: int = 0
-    combine: int = 0
-    wire: int = 0      # bytes of the whole buffers sent to other ranks, padding included
+    """What this rank's expert-parallel all-to-alls sent to other ranks since the last reset (a
+    local dispatch sends nothing). `sent`: every byte on the wire, the fixed-size buffers whole,
+    padding included (known from the shapes). `routed_dispatch`, `routed_combine`: the bytes of
+    real rows among them, per all-to-all kind (device tensors, counted without a host read).
+    What the wire carries beyond the routed rows is padding (`all_to_all_bytes`)."""
+    sent: int = 0
+    routed_dispatch: int = 0
+    routed_combine: int = 0
 
 
 class LocalExperts:
@@ -322,16 +324,18 @@ def moe_step_record(model: nn.Module) -> dict | None:
 
 
 def all_to_all_bytes(model: nn.Module, reset: bool = True) -> dict[str, int]:
-    """Bytes of routed rows this rank sent to other ranks in dispatch and combine all-to-alls
-    (forward and backward) since the last reset, summed over the MoE layers (zero for local
-    experts), and `wire`: every byte those all-to-alls sent to other ranks, padding included."""
+    """Bytes this rank's expert-parallel all-to-alls (dispatch and combine, forward and backward)
+    sent to other ranks since the last reset, summed over the MoE layers (zero for local experts):
+    `sent`, everything on the wire; `routed_dispatch` + `routed_combine`, the real rows among
+    them; `padding`, the rest (the empty slots of the fixed-size buffers, refimpl.model.moe_slots)."""
     total = Traffic()
     for layer in moe_layers(model):
         t = layer.dispatch.traffic
-        total.dispatch += t.dispatch
-        total.combine += t.combine
-        total.wire += t.wire
+        total.sent += t.sent
+        total.routed_dispatch += t.routed_dispatch
+        total.routed_combine += t.routed_combine
         if reset:   # in place: a pending backward still holds this object
-            t.dispatch = t.combine = t.wire = 0
-    # dispatch and combine are device tensors (rows counted without a host read): read here
-    return {"dispatch": int(total.dispatch), "combine": int(total.combine), "wire": total.wire}
+            t.sent = t.routed_dispatch = t.routed_combine = 0
+    # the routed counts are device tensors (rows counted without a host read): read here
+    routed = {"routed_dispatch": int(total.routed_dispatch), "routed_combine": int(total.routed_combine)}
+    return {"sent": total.sent, **routed, "padding": total.sent - sum(routed.values())}

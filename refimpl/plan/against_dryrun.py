@@ -44,7 +44,7 @@ GRID = [
 
 
 # The seed's 70B example on 64 GPUs (notebook 09 §4 searches it; notebook 11 runs these): tp 8
-# inside a node in both, ZeRO-1 over a 4-stage pipeline (the issue's command), ZeRO-3 over half
+# inside a node in both, ZeRO-1 over a 4-stage pipeline (notebook 11's dry-run command), ZeRO-3 over half
 # as many stages with twice the data parallelism.
 SEED_70B_64 = [
     dict(strategy="zero1", nproc=64, tp=8, pp=4),
@@ -74,6 +74,11 @@ def compare(preset: str, cfg: TrainConfig, rank: int = 0) -> dict:
         row[f"{category}_ran"] = ran["memory"][category]
         row[f"{category}_plan"] = predicted[key]
         row[f"{category}_err"] = predicted[key] / ran["memory"][category] - 1
+    # what the same layout would need in bf16 mixed precision (refimpl.plan.memory.PRECISIONS:
+    # bf16 weights and activations, fp32 gradients, fp32 master weights and moments): the
+    # planner's figure only, since refimpl's loop trains in fp32 or fp64 and has no bf16 run to check
+    row["peak_plan_bf16"] = predict_memory(shape, layout_of(cfg), cfg.global_batch, precision="bf16",
+                                           activations="refimpl")["memory_bytes"]
     row["comm"] = ran["comm"]
     return row
 
@@ -96,11 +101,14 @@ def compare_again(preset: str, layout: dict, table: pd.DataFrame) -> dict:
 def will_it_fit(row: dict, gpu: str) -> dict:
     """Does the layout of a `compare` row fit on `gpu` (refimpl.cost.hardware)? Its usable memory
     is the planner's own rule, MEMORY_HEADROOM of the capacity (the CUDA context, NCCL's buffers
-    and the allocator's slack take the rest); the dry run's peak and the planner's each answer."""
+    and the allocator's slack take the rest); the dry run's peak and the planner's each answer,
+    and the planner alone for bf16 mixed precision (no run of it to compare)."""
     hw = get_hardware(gpu)
     usable = MEMORY_HEADROOM * hw.memory_bytes
     return {"gpu": hw.name, "capacity_bytes": hw.memory_bytes, "usable_bytes": usable,
             "dry_run_bytes": row["peak_ran"], "planner_bytes": row["peak_plan"],
             "planner_error": row["peak_err"],
             "fits_by_dry_run": bool(row["peak_ran"] <= usable),
-            "fits_by_planner": bool(row["peak_plan"] <= usable)}
+            "fits_by_planner": bool(row["peak_plan"] <= usable),
+            "planner_bf16_bytes": row["peak_plan_bf16"],
+            "fits_in_bf16_by_planner": bool(row["peak_plan_bf16"] <= usable)}

@@ -12,7 +12,13 @@ CUPTI) as events of category `kernel` (and `gpu_memcpy` / `gpu_memset`), each ca
   * a kernel is communication if it is NCCL's (`ncclDevKernel_AllReduce_Sum_f32_RING_LL`,
     `ncclKernel_...`), compute otherwise (memcpy and memset count as the GPU being busy);
   * its label is the innermost of our CPU ranges (phase or `comm:<op>`) that was open on the
-    launching thread at the launch, found through the correlation id;
+    launching thread at the launch, found through the correlation id; if that thread had none of
+    our ranges open, the innermost phase open on the rank's other threads at that moment. Why:
+    on CUDA, autograd runs backward on its own device thread, so `phase("backward")` and the
+    `pp:B`/`pp:W` ranges are open on the main thread while every backward kernel is launched from
+    another (a real DDP trace, tests/data/hta_nccl, launches most of its kernels so). A
+    `comm:<op>` range never claims another thread's kernels: a collective's kernels are launched
+    by the thread that issues it;
   * its step is the step the launch happened in (the loop synchronizes the GPU before a step
     ends, so every kernel also runs inside its step's window).
 
@@ -24,6 +30,8 @@ from __future__ import annotations
 
 import bisect
 import re
+
+from refimpl.labels import categorize
 
 GPU_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
@@ -56,10 +64,10 @@ def label_kernels(kernels: list[dict], launches: dict, labelled: list[tuple]) ->
     several NCCL kernels under one `comm:<op>` range). A kernel whose launch is not in the trace
     (CUPTI dropped it) keeps label None.
     """
-    by_thread: dict = {}
-    for i, (tid, s, e, name) in enumerate(sorted(labelled, key=lambda r: r[1])):
-        by_thread.setdefault(tid, []).append((s, e, name, i))
-    starts = {tid: [r[0] for r in ranges] for tid, ranges in by_thread.items()}
+    ordered = sorted(labelled, key=lambda r: r[1])
+    ranges = [(tid, s, e, name, i, categorize(name) == "comm") for i, (tid, s, e, name)
+              in enumerate(ordered)]
+    index = _ThreadIndex(ranges)
     for k in kernels:
         launch = launches.get(k.get("correlation"))
         k["label"], k["label_id"], k["launch_us"] = None, None, None
@@ -67,19 +75,17 @@ def label_kernels(kernels: list[dict], launches: dict, labelled: list[tuple]) ->
             continue
         tid, ts = launch
         k["launch_us"] = ts
-        ranges = by_thread.get(tid, [])
         # innermost open range = the latest-starting one that still covers ts
-        for i in range(bisect.bisect_right(starts.get(tid, []), ts) - 1, -1, -1):
-            s, e, name, label_id = ranges[i]
-            if s <= ts < e:
-                k["label"], k["label_id"] = name, label_id
-                break
+        for _, _, _, name, label_id, _ in reversed(index.covering(tid, ts)):
+            k["label"], k["label_id"] = name, label_id
+            break
 
 
 def gpu_spans(kernels: list[dict], launches: dict, ranges: list[tuple]) -> dict[int, tuple[float, float]]:
     """The GPU time of CPU ranges: index -> (first start, last end) of the kernels launched while
-    the range was open on its thread (nested ranges each count their kernels; a range that
-    launched none is absent).
+    the range was open on its thread, or on a thread with none of these ranges open (autograd's
+    device thread: _ThreadIndex) (nested ranges each count their kernels; a range that launched
+    none is absent).
 
     ranges: (thread, start, end, comm) per CPU range. A communication range spans all its kernels;
     any other range (a phase, a pipeline action `pp:F3`) only its compute kernels, because an NCCL
@@ -89,22 +95,42 @@ def gpu_spans(kernels: list[dict], launches: dict, ranges: list[tuple]) -> dict[
     stream (tests/test_gpu_trace.py checks the two agree on a real trace), but only for ranges it
     chose to annotate.
     """
-    by_thread: dict = {}
-    for i, (tid, s, e, comm) in enumerate(ranges):
-        by_thread.setdefault(tid, []).append((s, e, comm, i))
+    index = _ThreadIndex([(tid, s, e, None, i, comm) for i, (tid, s, e, comm) in enumerate(ranges)])
     spans: dict[int, tuple[float, float]] = {}
     for k in kernels:
         launch = launches.get(k.get("correlation"))
         if launch is None:
             continue
-        tid, ts = launch
         start, end = k["start_us"], k["start_us"] + k["dur_us"]
         is_comm = k["category"] == "gpu_comm"
-        for s, e, comm, i in by_thread.get(tid, []):
-            if s <= ts < e and (comm or not is_comm):
+        for _, _, _, _, i, comm in index.covering(*launch):
+            if comm or not is_comm:
                 old = spans.get(i, (start, end))
                 spans[i] = (min(old[0], start), max(old[1], end))
     return spans
+
+
+class _ThreadIndex:
+    """Which of a rank's CPU ranges a launch at (thread, ts) falls in: those open on the launching
+    thread; if none is open there (autograd's device thread, see the module docstring), the
+    non-communication ranges open on the rank's other threads. Rows are (thread, start, end,
+    name, index, comm); `covering` returns the matches in order of start."""
+
+    def __init__(self, rows: list[tuple]):
+        self.rows = sorted(rows, key=lambda r: r[1])
+        self.by_thread: dict = {}
+        for r in self.rows:
+            self.by_thread.setdefault(r[0], []).append(r)
+        self.starts = {tid: [r[1] for r in rs] for tid, rs in self.by_thread.items()}
+        self.all_starts = [r[1] for r in self.rows]
+
+    def covering(self, tid, ts: float) -> list[tuple]:
+        own = self.by_thread.get(tid, [])
+        found = [r for r in own[:bisect.bisect_right(self.starts.get(tid, []), ts)] if ts < r[2]]
+        if found:
+            return found
+        return [r for r in self.rows[:bisect.bisect_right(self.all_starts, ts)]
+                if ts < r[2] and r[0] != tid and not r[5]]
 
 
 def split_busy_time(compute: list[tuple], comm: list[tuple], windows: list[tuple]) -> dict:

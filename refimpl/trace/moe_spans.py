@@ -36,3 +36,19 @@ def _container(phases: pd.DataFrame, r) -> str | None:
     if same.empty:
         return None
     return same.sort_values("dur_us").name.iloc[0]   # the innermost range
+
+
+def time_per_rank(spans: pd.DataFrame) -> pd.DataFrame:
+    """Per rank, the mean milliseconds per profiled step spent computing its experts
+    (`moe:experts`) and inside the MoE's data all-to-alls (every `comm:all_to_all` of more than
+    the count exchange's few bytes). Under gloo a rank that reaches an all-to-all first waits
+    inside it for the others: a rank with less work shows it as all-to-all time. On CUDA the
+    labels' kernel time (gpu_dur_us) is read instead, as the CPU range only times the launch."""
+    stepped = spans[spans.step.notna()].copy()
+    if "gpu_dur_us" in stepped and stepped.gpu_dur_us.notna().any():
+        stepped["dur_us"] = stepped.gpu_dur_us
+    experts = stepped[stepped.name == "moe:experts"]
+    a2a = stepped[stepped.name.str.startswith("comm:all_to_all") & (stepped.bytes > 1024)]
+    steps = stepped.groupby("rank").step.nunique()
+    return pd.DataFrame({"experts ms / step": experts.groupby("rank").dur_us.sum() / steps / 1e3,
+                         "all-to-all ms / step": a2a.groupby("rank").dur_us.sum() / steps / 1e3})

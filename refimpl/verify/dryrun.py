@@ -46,6 +46,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from refimpl.comm.torch_names import current_name
 from refimpl.config import TrainConfig
 from refimpl.memory import ActivationTracker
 from refimpl.memory.live import LiveBytes
@@ -191,7 +192,10 @@ def recording_collectives(mesh):
     ep_ranks = tuple(mesh.ranks("ep")) if "ep" in mesh._ranks else ()
     out = {"bytes": defaultdict(lambda: defaultdict(int)),
            "calls": defaultdict(lambda: defaultdict(int))}
-    originals = {name: getattr(dist, name) for name in MESSAGE_ARG}
+    # each call is counted under refimpl's name of the op, whichever name the installed torch
+    # gives it (refimpl.comm.torch_names: reduce_scatter_single is reduce_scatter_tensor)
+    current = {name: current_name(name) for name in MESSAGE_ARG}
+    originals = {current[name]: getattr(dist, current[name]) for name in MESSAGE_ARG}
 
     def wrap(name, fn):
         @functools.wraps(fn)
@@ -213,8 +217,8 @@ def recording_collectives(mesh):
             return fn(*args, **kwargs)
         return counted
 
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
+    for name in MESSAGE_ARG:
+        setattr(dist, current[name], wrap(name, originals[current[name]]))
     try:
         yield out
     finally:

@@ -65,6 +65,13 @@ def residual_all_reduces(trace: pd.DataFrame, message_bytes: int, rank: int = 0)
     return calls.groupby("step").size()
 
 
+def largest_all_reduce(trace: pd.DataFrame, rank: int = 0) -> int:
+    """The biggest all-reduce message rank `rank` made in its profiled steps, read off the trace's
+    labels (comm:all_reduce <bytes>B): in a TP step, the residual stream's b·s·h activation."""
+    calls = trace[(trace["rank"] == rank) & trace.step.notna() & (trace.op == "all_reduce")]
+    return int(calls.bytes.max()) if len(calls) else 0
+
+
 def measure(models: list[GPTConfig], *, tp: int = 2, steps: int = 3, global_batch: int = 8,
             group: str = "06_tensor_parallel/small-models") -> pd.DataFrame:
     """One row per model: single's and tp's step times and the speed-up (no profiler: it costs a
@@ -87,6 +94,7 @@ def measure(models: list[GPTConfig], *, tp: int = 2, steps: int = 3, global_batc
                      "speed-up": single["step_time_s"] / tp_run["step_time_s"],
                      "residual all-reduces / step": int(calls.min()) if len(calls) else 0,
                      "all-reduce message (B)": message,
+                     "largest all-reduce traced (B)": largest_all_reduce(trace),
                      "comm ms / step": times.comm_us / 1e3, "compute ms / step": times.compute_us / 1e3,
                      "comm share measured": share(times.comm_us, times.compute_us)})
     return pd.DataFrame(rows).set_index("d_model")

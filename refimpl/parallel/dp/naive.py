@@ -32,6 +32,8 @@ class NaiveDataParallel(Strategy):
         for name, p in self.model.named_parameters():
             # over dp x cp; an expert's over edp, the ranks holding the same expert (--ep)
             group = self.mesh.group(data_parallel_axis(p))
+            if injected(self.ctx.cfg, "expert-grad-over-dp"):
+                group = self.mesh.group("dp_cp")   # the fault: experts summed with other experts
             if group is None:
                 continue
             if injected(self.ctx.cfg, "skip-grad-sync") and name.startswith(last):

@@ -24,14 +24,17 @@ No host read: every size above is known from the batch's shape (GShard's fixed-c
 dispatch), so NCCL's stream never waits for the host. The price is the padding. Under the batch
 scope's global capacity one rank may send one expert up to B = min(C, T) rows (all of the C a
 whole batch may give it), so each all-to-all carries E * B rows where balanced routing fills
-k * T of them: E / (k * cf) times more once C >= T, i.e. with many token-holding ranks. Under
+k * T of them (T: this rank's tokens; C = k * cf * ranks * T / E): min(cf * ranks, E / k) times
+more, E / k once C >= T, i.e. with many token-holding ranks (notebook 08 §7: 2x). Under
 the sequence scope B = min(rows * C_seq, T), which is k * cf * T / E (rounded up per sequence)
 when k * cf <= E: the buffers are then k * cf * T rows, GShard's (refimpl.model.moe_slots).
 
-Backward runs the two all-to-alls in reverse (`AllToAll`, as Megatron's _AllToAll). Bytes: the
-counters count the routed rows this rank sends to *other* ranks x d x bytes per value in each
-all-to-all (balanced routing: (ep-1)/ep of its k*T rows, notebook 02's all-to-all volume), as
-device tensors read after the step (`all_to_all_bytes`); `Traffic.wire` has the padded bytes.
+Backward runs the two all-to-alls in reverse (`AllToAll`, as Megatron's _AllToAll). Bytes
+(`Traffic`, read after the step by refimpl.model.moe.all_to_all_bytes): `sent` counts what goes on
+the wire, every peer's whole piece of the [E, B] buffer ((ep-1)/ep of E * B rows x d x bytes per
+value per all-to-all, padding included: the number the comm span carries); beside it the routed
+rows this rank sends to *other* ranks (balanced routing: (ep-1)/ep of its k*T rows, notebook 02's
+all-to-all volume), device tensors counted without a host read. The difference is padding.
 
 Non-expert parameters stay replicated (data-parallel over the same ranks); expert parameters are
 not: they must be synchronised only over the ranks holding the *same* experts (the mesh's "edp"
@@ -53,7 +56,7 @@ from refimpl.placement import Owned, Shard, placement_of, set_placement
 class AllToAll(torch.autograd.Function):
     """all_to_all_single with equal splits as an autograd op: backward sends the gradients back
     along the same edges. `rows` (forward, backward): device tensors, the routed rows this rank
-    sends to other ranks in each pass, for the byte counter (the padding carries nothing)."""
+    sends to other ranks in each pass (the real rows among the buffer's, for `Traffic`)."""
 
     @staticmethod
     def forward(ctx, x, group, comm, traffic, kind, rows):
@@ -74,8 +77,9 @@ def _exchange(x, group, comm, traffic, kind, routed_rows):
     n = dist.get_world_size(group)
     row_bytes = x[:1].numel() * x.element_size()
     wire = x.shape[0] // n * (n - 1) * row_bytes           # every peer's equal piece but mine
-    setattr(traffic, kind, getattr(traffic, kind) + routed_rows * row_bytes)
-    traffic.wire += wire
+    routed = f"routed_{kind}"
+    setattr(traffic, routed, getattr(traffic, routed) + routed_rows * row_bytes)
+    traffic.sent += wire                                   # what the wire carries, padding too
     with comm_span("all_to_all", wire):
         comm.all_to_all_single(out, x.contiguous(), group=group)
     return out

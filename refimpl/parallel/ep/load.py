@@ -81,9 +81,11 @@ def skew_router(model, strength: float = 3.0, seed: int = 1) -> None:
 
 
 def all_to_all_frame(result: dict, hidden: int, bytes_per_value: int = 4) -> pd.DataFrame:
-    """(rank, step, sent_bytes, from_routing): the bytes each rank's MoE all-to-alls sent per step
-    (counted by the layer), and the same number rebuilt from routing alone: each row that went
-    to another rank's expert or came back from one, twice (forward, then backward).
+    """(rank, step, sent_bytes, routed_bytes, padding_bytes): per step, what each rank's MoE
+    all-to-alls put on the wire to other ranks (counted by the layer: the whole fixed-size
+    buffers), how much of it is real rows, rebuilt from the routing records alone (each row that
+    went to another rank's expert or came back from one, twice: forward, then backward), and the
+    rest, padding.
 
     Assumes the `ep` strategy's grid (no tp/pp/cp): ep groups are chunks of consecutive ranks."""
     per_rank = result["per_rank"]
@@ -95,8 +97,8 @@ def all_to_all_frame(result: dict, hidden: int, bytes_per_value: int = 4) -> pd.
             came = sum(sum(row) for layer in rec["received"] for s, row in enumerate(layer) if s != me)
             went = sum(sum(layer[me]) for p in range(ep) if p != me
                        for layer in per_rank[base + p]["moe"][step]["received"])
-            rows.append({"rank": rank, "step": step,
-                         "sent_bytes": rec["all_to_all_bytes"]["dispatch"]
-                         + rec["all_to_all_bytes"]["combine"],
-                         "from_routing": 2 * (came + went) * hidden * bytes_per_value})
+            sent = rec["all_to_all_bytes"]["sent"]
+            routed = 2 * (came + went) * hidden * bytes_per_value
+            rows.append({"rank": rank, "step": step, "sent_bytes": sent, "routed_bytes": routed,
+                         "padding_bytes": sent - routed})
     return pd.DataFrame(rows)

@@ -2,10 +2,10 @@
 
 refimpl.parallel.pp.runner drives the schedule; this holds its messages. A message's tag names
 (kind, micro-batch, piece); piece k lives on rank_of(k). Three ways to post (the runner's docstring
-says why): on gloo every receive of the step at its start (`post_whole_step`); elsewhere (NCCL, the
-staged backend) every send and receive one at a time in the step's one global order
-(`Links.post_through`, refimpl.parallel.pp.nccl_order); without that order, receives one entry
-ahead in each sender's order.
+says why; `posting` chooses by backend): on gloo every receive of the step at its start; elsewhere
+(NCCL, the staged backend) every send and receive one at a time in the step's one global order
+(`Links.post_through`, refimpl.parallel.pp.nccl_order); under REFIMPL_PP_POST=ahead, receives one
+entry ahead in each sender's order.
 """
 from __future__ import annotations
 
@@ -133,22 +133,32 @@ class Links:
 
 
 
-def post_whole_step(group) -> bool:
-    """Post every receive of the step before its first action (gloo), not one entry ahead.
-    On gloo, posting a receive takes the link's lock, which a send in flight on the same link
-    holds: in the middle of a step one post measured 4.6 ms (a `comm:irecv` span in a zbv trace;
-    scripts/bench_bubble.py), paid by the rank before its next action, a bubble no schedule has.
-    At the step's start the links are idle and a post costs microseconds. The buffers then exist
-    for the whole step: one [b, s, d] tensor per incoming message, m per neighbour and direction,
-    against the activations a stage keeps (many such tensors per layer per micro-batch in flight).
-    Elsewhere (NCCL, the staged backend) every send and receive is posted one at a time in the
-    global order (nccl_order.rank_order). REFIMPL_PP_POST=ahead forces the old plan, receives one
-    entry ahead, on any backend (`posts_ahead`): on gloo the bubble before this change
-    (scripts/bench_bubble.py --post ahead), under the staged backend the hang NCCL's order gives
-    it (tests/test_nccl_rules.py)."""
+def posting(group) -> str:
+    """How this rank posts the step's sends and receives on `group`: the one choice per backend,
+    made here and not by the runner's callers (a caller that forgot to ask for the ordered
+    posting hung every schedule under NCCL: issue 35).
+
+      "whole-step"  gloo: every receive of the step before its first action. On gloo, posting a
+                    receive takes the link's lock, which a send in flight on the same link holds:
+                    in the middle of a step one post measured 4.6 ms (a `comm:irecv` span in a zbv
+                    trace; scripts/bench_bubble.py), paid by the rank before its next action, a
+                    bubble no schedule has. At the step's start the links are idle and a post
+                    costs microseconds. The buffers then exist for the whole step: one [b, s, d]
+                    tensor per incoming message, m per neighbour and direction, against the
+                    activations a stage keeps (many such tensors per layer per micro-batch in flight).
+      "ordered"     any other backend (NCCL, the staged backend that stands in for it): every send
+                    and receive posted one at a time in the step's global order
+                    (nccl_order.rank_order), the only posting of the three NCCL cannot hang.
+      "ahead"       REFIMPL_PP_POST=ahead (`posts_ahead`), on any backend: the old plan, receives one
+                    entry ahead: on gloo the bubble before whole-step (scripts/bench_bubble.py
+                    --post ahead), under the staged backend the hang NCCL's order gives it
+                    (tests/test_nccl_rules.py).
+      "local"       no group (one stage): every message stays on the rank."""
+    if group is None:
+        return "local"
     if posts_ahead():
-        return False
-    return group is not None and dist.get_backend(group) == "gloo"
+        return "ahead"
+    return "whole-step" if dist.get_backend(group) == "gloo" else "ordered"
 
 
 def posts_ahead() -> bool:

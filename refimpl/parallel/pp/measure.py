@@ -40,7 +40,7 @@ from refimpl.parallel.pp.schedules import (
     rank_of,
     schedule_table,
 )
-from refimpl.parallel.pp.simulate import TimedAction, dependencies, idle_fraction, inbox, simulate
+from refimpl.parallel.pp.simulate import TimedAction, dependencies, idle_fraction, simulate
 from refimpl.parallel.pp.stage import build_chunks
 from refimpl.trace.capture import StepProfiler
 
@@ -58,7 +58,6 @@ def profile_pipeline(rank: int, world: int, cfg: GPTConfig, schedule: str, micro
     chunks = build_chunks(build_model(cfg, seed).to(device), world, rank, v, where=where)
     params = [p for c in chunks for p in c.parameters()]
     table = schedule_table(world, micro_batches, schedule, v)
-    row, order = table[rank], inbox(table, rank, where)
     times, peaks, loss = [], [], None
     with StepProfiler(trace_dir, rank, steps, device=device) as prof:
         for step in range(steps):
@@ -67,7 +66,7 @@ def profile_pipeline(rank: int, world: int, cfg: GPTConfig, schedule: str, micro
             dist.barrier(group)     # start every rank's step together: the bubble is then the schedule's
             start = time.perf_counter()
             with ActivationTracker(exclude=params) as tracker:
-                loss = run_schedule(chunks, row, micro, group, where=where, inbox=order)
+                loss = run_schedule(chunks, table, micro, group, where=where)
             dist.barrier(group)
             times.append(time.perf_counter() - start)
             peaks.append(tracker.peak)

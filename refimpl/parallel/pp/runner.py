@@ -2,7 +2,7 @@
 
     chunks = build_chunks(build_model(cfg, seed), stages=p, stage=rank, virtual_stages=v)
     table = schedule_table(p, m, "1f1b")                  # refimpl.parallel.pp.schedules
-    loss = run_schedule(chunks, table[rank], batch.micro_batches(m), group)   # last stage: the loss
+    loss = run_schedule(chunks, table, batch.micro_batches(m), group)   # last stage: the loss
 
 Seed 000, sec. 3.4: each stage runs its layers on the micro-batches it receives from the previous
 stage (activations, [b, s, d]) and sends back the gradient of those activations. The runner does not
@@ -23,7 +23,7 @@ table `schedule_table` makes: see `check_table`) finishes here too. With blockin
 steady state would hang: stage s sending an activation forward while stage s+1 sends a gradient back,
 each waiting for the other to receive. Receives are posted ahead (`irecv`), so the next
 micro-batch's data arrives while this one computes: on gloo all of a step's before its first action
-(`links.post_whole_step` says why); elsewhere as below.
+(`links.posting` says why); elsewhere as below.
 
 What that argument assumes, and NCCL does not give. It takes every posted operation to progress
 on its own, as on gloo. NCCL runs the operations between two ranks in the order they were posted,
@@ -34,7 +34,9 @@ before F1's send, while stage 1 waits for F1 before sending B0's gradient). Off 
 the staged backend that stands in for it here) the runner therefore posts every send and receive
 of the step one at a time in one global order, the time each message is produced in the table's
 replay (`nccl_order.global_order`, whose docstring has the argument); `nccl_order.replay` checks
-every schedule on 2-4 stages under NCCL's rules. Not yet run on several GPUs.
+every schedule on 2-4 stages under NCCL's rules. Not yet run on several GPUs. The runner picks the
+posting from the group's backend itself (`links.posting`) and derives the order from the whole
+table it is given, so no caller can run NCCL with gloo's posting by leaving an argument out.
 
 Why the messages pair right. NCCL ignores tags: between two ranks it pairs the k-th send with the
 k-th receive posted. Interleaved and the V schedules (rank r's two chunks talk to the same
@@ -59,13 +61,16 @@ message overlap as a pair does.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import lru_cache
 
 import torch
+import torch.distributed as dist
 
 from refimpl.labels import phase
 from refimpl.model import Batch, lm_loss
 from refimpl.model.moe import moe_aux_loss
-from refimpl.parallel.pp.links import ACTIVATION, GRADIENT, Links, post_whole_step, posts_ahead
+from refimpl.parallel.pp.links import ACTIVATION, GRADIENT, Links, posting
+from refimpl.parallel.pp.nccl_order import rank_order
 
 # schedule_table and bubble_fraction: DESIGN's contract names them here (refimpl.parallel.pp.runner).
 from refimpl.parallel.pp.schedules import (  # noqa: F401
@@ -76,25 +81,28 @@ from refimpl.parallel.pp.schedules import (  # noqa: F401
     rank_of,
     schedule_table,
 )
+from refimpl.parallel.pp.simulate import inbox as table_inbox
 from refimpl.parallel.pp.stage import StageChunk
 from refimpl.parallel.pp.zero_bubble import WeightGradRecord, record_weight_grads
 
 
-def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch], group, *,
+def run_schedule(chunks: list[StageChunk], table: list[list[str]], micro: list[Batch], group, *,
                  divisor: int = 1, autocast=nullcontext, loss_fn=lm_loss, where: str = "loop",
-                 inbox: dict | None = None, fault: str | None = None,
-                 order: list | None = None) -> torch.Tensor | None:
-    """Run this rank's `actions` (one row of a schedule table) on `micro`, accumulating gradients
+                 fault: str | None = None) -> torch.Tensor | None:
+    """Run this rank's row of `table` (the whole schedule table, schedules.schedule_table: row r
+    is pp group rank r's) on `micro`, accumulating gradients
     into the chunks' parameters. Returns the mean loss over the micro-batches (each scaled by 1/m,
     then summed; a float64 0-d tensor on the device) on the rank that holds the last piece, None
     elsewhere; with MoE layers, every rank's return adds its chunks' aux losses (1/m each), and
     the step sums the ranks' returns over pp. Gradients are those of
     loss / `divisor` (refimpl.step's convention: W for data-parallel replicas that sum).
     `loss_fn(logits, targets)`: the last piece's loss (tensor parallelism's reads split logits).
-    `where`: the placement of the chunks (schedules.placement); `inbox`: simulate.inbox of the whole
-    table for this rank, the order in which to post receives (without it: this row's order).
+    `where`: the placement of the chunks (schedules.placement). The posting order (the module
+    docstring) is the backend's (`links.posting`), read off the whole table here, not passed in.
     `fault`: pp-loss-scaled-twice or p2p-misordered inject their bug (refimpl.faults)."""
     m = len(micro)
+    rank = 0 if group is None else dist.get_rank(group)
+    actions = table[rank]
     entries = [parse_entry(e) for e in actions]
     split = any(a.kind == "W" for e in entries for a in e)
 
@@ -102,13 +110,13 @@ def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch
         rows, seq = micro[mb].inputs.shape   # sequence parallelism: s/t tokens between stages
         return (rows, seq // chunks[0].seq_split, chunks[0].d_model)
 
-    whole_step = post_whole_step(group)
+    how = posting(group)
+    inbox, order = _plan(tuple(map(tuple, table)), rank, where, how == "ordered")
     links = Links(group, len(chunks), m, like=next(chunks[0].parameters(), None), where=where,
-                  inbox=inbox, shape=shape,
-                  order=None if whole_step or group is None or posts_ahead() else order)
+                  inbox=inbox, shape=shape, order=order)
     saved, records, total = {}, {}, None
     parsed = [(i, a) for i, e in enumerate(entries) for a in e]
-    if whole_step:
+    if how == "whole-step":
         for _, a in parsed:
             links.post_recv(a)
     for i, a in parsed:
@@ -164,6 +172,15 @@ def run_schedule(chunks: list[StageChunk], actions: list[str], micro: list[Batch
     return total
 
 
+@lru_cache(maxsize=64)
+def _plan(table: tuple, rank: int, where: str, ordered: bool) -> tuple[dict, list | None]:
+    """This rank's receive order per sender (simulate.inbox) and, when `ordered`, its sends and
+    receives in the step's one order (nccl_order.rank_order): pure functions of the table, so
+    computed once per table, not every step (the links copy them, never change them)."""
+    rows = [list(row) for row in table]
+    return table_inbox(rows, rank, where), rank_order(rows, rank, where) if ordered else None
+
+
 def _backward(out, grad, x, embeds, split: bool, aux=None):
     """B: the gradient of this piece's input x (None on the first piece, whose input is token ids).
     Without `split` this is the whole backward (weights too); with it, only the input gradient.
@@ -187,8 +204,7 @@ def pipeline_forward_backward(stage, micro: list[Batch], *, divisor: int = 1,
     """The step runner's pipeline branch (refimpl.step.forward_backward's contract): run this
     rank's row of the table on `micro`; returns the mean loss over the micro-batches as a float64
     0-d tensor on the last stage, zero elsewhere (global_mean_loss broadcasts it over pp)."""
-    loss = run_schedule(stage.chunks, stage.actions, micro, stage.group, divisor=divisor,
-                        autocast=autocast, loss_fn=loss_fn, where=stage.where, inbox=stage.inbox,
-                        fault=fault, order=stage.order)
+    loss = run_schedule(stage.chunks, stage.table, micro, stage.group, divisor=divisor,
+                        autocast=autocast, loss_fn=loss_fn, where=stage.where, fault=fault)
     device = micro[0].inputs.device
     return torch.zeros((), dtype=torch.float64, device=device) if loss is None else loss

@@ -18,7 +18,6 @@ import torch.nn as nn
 
 from refimpl.mesh import LayoutError
 from refimpl.model import GPT
-from refimpl.parallel.pp.nccl_order import rank_order
 from refimpl.parallel.pp.schedules import (
     chunks_per_rank,
     parse_entry,
@@ -27,7 +26,6 @@ from refimpl.parallel.pp.schedules import (
     placement,
     schedule_table,
 )
-from refimpl.parallel.pp.simulate import inbox
 
 
 def partition(n_blocks: int, pieces: int) -> list[range]:
@@ -93,8 +91,8 @@ class PipelineStageModel(nn.Module):
     `refimpl.parallel.pp.runner.pipeline_forward_backward` instead (the transforms hand it to the
     step as `RankModel.pipeline`)."""
 
-    def __init__(self, chunks: list[StageChunk], actions: list[str], group, schedule: str,
-                 loss_stage: int, inbox: dict | None = None, order: list | None = None):
+    def __init__(self, chunks: list[StageChunk], table: list[list[str]], stage: int, group,
+                 schedule: str, loss_stage: int):
         super().__init__()
         self.embed = next((c.embed for c in chunks if c.embed is not None), None)
         self.blocks = nn.ModuleDict({k: b for c in chunks for k, b in c.blocks.items()})
@@ -102,9 +100,9 @@ class PipelineStageModel(nn.Module):
         self.final_norm = last.final_norm if last else None
         self.lm_head = last.lm_head if last else None
         self.chunks = list(chunks)       # a plain list: the modules are registered once, above
-        self.actions, self.group, self.schedule = actions, group, schedule
-        self.where, self.inbox = placement(schedule), inbox   # the runner's placement, receive order
-        self.order = order          # this rank's sends and receives in the step's one order (NCCL)
+        # the whole table, not this rank's row alone: the runner derives its posting order from it
+        self.table, self.actions = table, table[stage]
+        self.group, self.schedule, self.where = group, schedule, placement(schedule)
         self.loss_stage = loss_stage      # the stage holding the last piece (RankModel.pipeline)
 
     def gradient_accumulations(self) -> dict[str, int]:
@@ -133,6 +131,5 @@ def split_for_pipeline(model: GPT, ctx, seq_split: int = 1) -> PipelineStageMode
     v, where = chunks_per_rank(schedule, cfg.virtual_stages), placement(schedule)
     chunks = build_chunks(model, p, stage, v, seq_split, where)
     table = schedule_table(p, cfg.micro_batches, schedule, v)
-    return PipelineStageModel(chunks, table[stage], mesh.group("pp"), schedule,
-                              0 if where == "v" else p - 1,   # a V ends on rank 0
-                              inbox(table, stage, where), rank_order(table, stage, where))
+    return PipelineStageModel(chunks, table, stage, mesh.group("pp"), schedule,
+                              0 if where == "v" else p - 1)   # a V ends on rank 0

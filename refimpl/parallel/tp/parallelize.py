@@ -59,9 +59,11 @@ def tp_layout_problem(cfg, tp: int, seq_len: int | None = None,
 
 
 def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False,
-                   comm=None) -> nn.Module:
+                   comm=None, sum_norm_grads: bool = True) -> nn.Module:
     """Replace the reference GPT's layers by this rank's tensor-parallel ones (in place).
-    `comm`: the collectives module (torch.distributed by default, refimpl.comm for the rebuilt ones)."""
+    `comm`: the collectives module (torch.distributed by default, refimpl.comm for the rebuilt ones).
+    `sum_norm_grads=False` is notebook 10's fault `sp-norm-unsummed` (refimpl.faults): under SP
+    the LayerNorms' gradients then stay partial, one rank's tokens each."""
     comm = comm or dist
     t = group_size(group)
     problem = tp_layout_problem(model.cfg, t)
@@ -87,8 +89,9 @@ def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False,
                                                      pad=True, comm=comm)
     if tied:   # same vocabulary split, same padding: the two modules can share one shard
         model.lm_head.weight = model.embed.tok.weight
+    norms = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
     for p in model.parameters():
-        if is_sequence_partial(p):
+        if is_sequence_partial(p) and (sum_norm_grads or id(p) not in norms):
             p.register_hook(lambda grad: all_reduce_grad_logged(grad, group, comm))
     return model
 

@@ -264,8 +264,8 @@ class StreamingReduce:
     (refimpl.parallel.dp.grad_buckets.assign_buckets), so each has one owner. When the last gradient
     feeding a bucket has been accumulated, the bucket is copied into a fresh buffer, reduced
     (async) to its owner, and every parameter whose buckets have all left drops its .grad. The
-    owner adds the summed bucket into its gradient shard when the reduce completes; at most two
-    buckets are in flight, so the buffers in flight stay bounded too.
+    owner adds the summed bucket into its gradient shard (on the host under offload) when the
+    reduce completes; at most two buckets are in flight, so the buffers in flight stay bounded too.
     """
 
     def __init__(self, layout: FlatParams, cap_bytes: float, cuts: list[int], reduce,
@@ -295,8 +295,11 @@ class StreamingReduce:
             self._next += 1
 
     def _launch(self, bucket) -> None:
+        # On the gradients' device, not the shard's: under offload the shard is the host master's
+        # gradient, and NCCL refuses a host tensor. The owner moves its summed bucket to the host
+        # in _finish (issue 35).
         buf = torch.zeros(bucket.numel, dtype=self.grad_shard.dtype,   # zeros: the padding
-                          device=self.grad_shard.device)
+                          device=self.layout.params[0].device)
         for i in bucket.params:
             slot, p = self.layout.slots[i], self.layout.params[i]
             lo, hi = max(bucket.start, slot.offset), min(bucket.end, slot.offset + slot.numel)
