@@ -52,14 +52,18 @@ env: install
 # xdist workers (TEST_WORKERS): a multi-rank test leaves cores idle while its ranks wait on each
 # other (three workers were no faster on 2 cores: 653 s against 638 s, and one launch failed).
 # --dist loadfile keeps each module on one worker (its launch-once caches run once) and each
-# notebook whole in one kernel. Tests and notebooks in one session, so neither worker
-# idles while another finishes the last module of one half before the second half starts. The
-# notebooks first: the longest modules (07, 09) then start early and the short test files fill the
-# end, instead of one worker running 09 alone while the other waits.
+# notebook whole in one kernel. Tests and notebooks in one session, so neither worker idles while
+# the other finishes. The longest modules first, in the order given (--no-loadscope-reorder:
+# xdist's default order is by number of tests, which put the layout matrix's two modules, a few
+# tests of 2-3 minutes each, last, one worker running the 4-rank one alone for minutes while the
+# other had nothing left: 770 s against 601 s), then the notebooks, then the short test files.
+LONGEST := tests/test_layout_matrix_4.py tests/test_layout_matrix.py \
+	notebooks/07_pipeline_parallel.ipynb notebooks/09_composition.ipynb
 TEST_WORKERS ?= 2
 test: install lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest notebooks/ tests/ --nbval-lax -q -p no:cacheprovider \
-		-n $(TEST_WORKERS) --dist loadfile -m "not full" --durations=30
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(LONGEST) notebooks/ tests/ --nbval-lax -q \
+		-p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		-m "not full" --durations=30
 
 # What does not fit make test's 10 minutes on 2 cores, marked `full`: the layout matrix's whole
 # space (every layout validated), its pairwise cover with 8 ranks and the DTensor twins and its
