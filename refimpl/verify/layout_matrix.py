@@ -337,7 +337,9 @@ def searched_layout(rng: random.Random, fixed: dict, accept: Callable[[Layout], 
                     within: dict | None = None, weight: Callable[[int, object], float] | None = None,
                     leaves: int = 12, nodes: int = 400) -> Layout | None:
     """An accepted layout with the `fixed` values, searched depth first with the free factors'
-    values in random order (the default first, as in `random_layout`, with probability 0.6).
+    values in random order: weighted by `weight(factor index, value)` where given (sampled_cover
+    weighs the values seen accepted beside the fixed ones), else the default first with
+    probability 0.6, as in `random_layout`.
     Where a fixed value is not possible after the values before it (virtual_stages=2 needs a
     pipeline with an interleaved schedule), it backs up to the previous free factor instead of
     starting over; a complete layout the launcher refuses (`accept` is False: dualpipev with too
