@@ -19,6 +19,8 @@ import contextvars
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
+import torch
+
 from refimpl.comm.counter import op_scope
 from refimpl.comm.p2p import GroupView
 from refimpl.labels import comm_span
@@ -47,14 +49,10 @@ class Work:
 def _caller_cuda_device() -> int | None:
     """The CUDA device the calling thread works on; None where this process has not initialised
     CUDA (no tensor is on a GPU then, and asking would create a context on GPU 0)."""
-    import torch
-
     return torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
 
 def _use_cuda_device(index: int) -> None:
-    import torch
-
     torch.cuda.set_device(index)
 
 
