@@ -50,8 +50,7 @@ def cpu_strategy(zero_stage: int, pp: int) -> str:
 def runs_here(lay: Layout) -> bool:
     """Is this layout in the CPU table? The loop runs every layout `validate` accepts, tp x cp too
     (tests/test_tp_cp.py); the table leaves tp x cp out only to bound the measured launches of
-    tests/test_plan_cpu.py and notebook 09 (its 16 layouts on 4 ranks, measured once: predicted
-    memory 3-8% under the measured, inside the 15% gate)."""
+    tests/test_plan_cpu.py and notebook 09."""
     return not (lay.tp > 1 and lay.cp > 1)
 
 
@@ -202,8 +201,10 @@ def measure_cpu_layouts(table: pd.DataFrame, world_size: int = 4, cfg: GPTConfig
                         rounds: int = 1) -> pd.DataFrame:
     """Run every row on `world_size` ranks, in one launch, `rounds` times interleaved, and add
     what was measured: measured_step_time_s (median over rounds of the slowest rank's steps after
-    the first; refimpl.verify.step_time; NaN with steps=1) and measured_memory_bytes (the largest
-    rank's params + grads + optimizer + activation peak, the same in every round)."""
+    the first; refimpl.verify.step_time; NaN with steps=1), measured_memory_bytes (the largest
+    rank's params + grads + optimizer + activation peak, the same in every round), and its parts:
+    measured_state_bytes (each rank's params + grads + optimizer, rank order) and
+    measured_activation_bytes (the largest rank's activation peak)."""
 
     cfg = cfg or GPTConfig()
     variants = {i: train_config(row, world_size, cfg, global_batch, seq_len, steps)
@@ -214,8 +215,13 @@ def measure_cpu_layouts(table: pd.DataFrame, world_size: int = 4, cfg: GPTConfig
         last = dict(zip(variants, train_several_on_ranks(list(variants.values()))))
         times = {i: float("nan") for i in variants}
     memory = {i: max(r["total"] for r in result["memory"]) for i, result in last.items()}
+    states = {i: tuple(r["params"] + r["grads"] + r["optimizer"] for r in result["memory"])
+              for i, result in last.items()}
+    activations = {i: max(r["activations_peak"] for r in result["memory"]) for i, result in last.items()}
     return table.assign(measured_step_time_s=pd.Series(times),
-                        measured_memory_bytes=pd.Series(memory))
+                        measured_memory_bytes=pd.Series(memory),
+                        measured_state_bytes=pd.Series(states),
+                        measured_activation_bytes=pd.Series(activations))
 
 
 def one_layout_per_grid(table: pd.DataFrame) -> pd.DataFrame:
