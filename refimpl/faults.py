@@ -11,6 +11,11 @@ run is a mistake, so the layout check refuses it elsewhere, before any rank star
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import stat
+import time
+from pathlib import Path
 
 from refimpl.mesh import LayoutError
 
@@ -27,8 +32,9 @@ FAULTS = {
                              "#1733 (PP's scale_grads under gradient accumulation; fix PR #1732)"),
     "p2p-misordered": ("stage 0's first backward waits for the last micro-batch's gradient",
                        "a send/recv pair posted in mismatched order: a hang (PyTorch #118369)"),
-    "rank-dies": ("rank 1 is killed (SIGKILL) in the middle of step 1",
-                  "a lost GPU or node: its peers fail on a closed connection"),
+    "rank-dies": ("rank 1 loses its links at the start of step 1, then, once its peers have "
+                  "failed, is killed (SIGKILL)",
+                  "a lost node: its peers fail on a closed connection before it is gone"),
     "zero1-unsynced": ("zero1 steps each rank's shard with that rank's own, unreduced gradients",
                        "an optimizer shard stepped before its gradients were reduced"),
     "sp-norm-unsummed": ("under sequence parallelism the LayerNorms' weight gradients are not summed "
@@ -78,3 +84,29 @@ def _one_f_one_b(cfg) -> bool:
 
 def injected(cfg, name: str) -> bool:
     return cfg.fault == name
+
+
+def lose_this_rank(rank: int, world_size: int, linger_s: float = 1.5, wait_s: float = 60.0) -> None:
+    """The `rank-dies` fault, as a node is lost: its links first, then the process.
+
+    Every socket of the rank is shut down (as a dead NIC would leave them: destroying the process
+    group is not enough, the strategy's subgroups keep their connections open), so each peer's
+    next collective fails on a closed connection and the peer exits with a traceback; once every peer's traceback is written (the launcher's
+    REFIMPL_OUTDIR; at most `wait_s`), and `linger_s` later, the rank is killed by SIGKILL (the
+    OOM killer, a dead node), writing none. It is then the last rank to exit, not the first, and
+    the launcher must still name it: the cause, not the first exit (refimpl.launch)."""
+    for fd in (int(name) for name in os.listdir("/proc/self/fd")):
+        try:
+            if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                with socket.socket(fileno=os.dup(fd)) as link:
+                    link.getpeername()      # connected ones only: a listener's death aborts gloo
+                    link.shutdown(socket.SHUT_RDWR)
+        except OSError:     # gone already, or not a connected socket
+            pass
+    outdir = os.environ.get("REFIMPL_OUTDIR")
+    peers = [Path(outdir, f"error{r}.txt") for r in range(world_size) if r != rank] if outdir else []
+    deadline = time.monotonic() + wait_s
+    while not all(p.exists() for p in peers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(linger_s)
+    os.kill(os.getpid(), signal.SIGKILL)

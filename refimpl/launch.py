@@ -51,12 +51,15 @@ _CHILD_MARK = "REFIMPL_RANK_CHILD"
 class RankFailedError(RuntimeError):
     """One rank raised; `rank` says which and `child_traceback` is what it printed. `others`: the
     other ranks that had also failed by then, each with how ("traceback", "killed by signal 9",
-    "exit code 1"): the consequences the launcher did not name."""
+    "exit code 1"): the consequences the launcher did not name. `exit_order`: the ranks that had
+    exited, in the order the launcher saw them go (the named rank need not be the first)."""
 
-    def __init__(self, rank: int, child_traceback: str, others: dict | None = None):
+    def __init__(self, rank: int, child_traceback: str, others: dict | None = None,
+                 exit_order: list[int] | None = None):
         self.rank = rank
         self.child_traceback = child_traceback
         self.others = others or {}
+        self.exit_order = exit_order or []   # the ranks in the order the launcher saw them exit
         super().__init__(f"rank {rank} failed:\n{child_traceback}")
 
 
@@ -180,6 +183,7 @@ def _wait_all(ranks: list[_Rank], tmp: Path, timeout: float, recorder: Path | No
               stall: float | None = None) -> None:
     deadline = time.monotonic() + timeout
     pending = {r.rank: r for r in ranks}
+    exited: list[int] = []
     waiting, since, next_look = None, 0.0, 0.0
     while pending:
         for rank, r in list(pending.items()):
@@ -187,11 +191,14 @@ def _wait_all(ranks: list[_Rank], tmp: Path, timeout: float, recorder: Path | No
             if code is None:
                 continue
             del pending[rank]
+            exited.append(rank)
             if code != 0:
+                _wait_for_the_rest(ranks, exited)
                 first = _first_failure(ranks, tmp, default=r)
                 others = {x.rank: _how_it_failed(x, tmp) for x in ranks
                           if x is not first and x.proc.poll() not in (None, 0)}
-                raise RankFailedError(first.rank, _failure_text(first, tmp, first.proc.poll()), others)
+                raise RankFailedError(first.rank, _failure_text(first, tmp, first.proc.poll()), others,
+                                      exit_order=exited)
         now = time.monotonic()
         if stall is not None and recorder is not None and now >= next_look:
             next_look = now + 0.25            # a look reads each running rank's 16 KiB ring
@@ -212,15 +219,25 @@ def _wait_all(ranks: list[_Rank], tmp: Path, timeout: float, recorder: Path | No
         time.sleep(0.02)
 
 
-def _first_failure(ranks: list[_Rank], tmp: Path, default: _Rank, grace: float = 1.0) -> _Rank:
-    """The rank that failed first, not merely the first one polled.
+def _wait_for_the_rest(ranks: list[_Rank], exited: list[int], grace: float = 3.0) -> None:
+    """After a rank failed: up to `grace` seconds for every other rank to exit too, each appended
+    to `exited` as it goes. The cause is not always the first to exit: a node whose network went
+    first, then the node itself, leaves its peers failing on the closed connection before it is
+    killed; a fixed wait of 1 s named a peer whenever the death came later than that. Peers that fail at once end the wait at once."""
+    deadline = time.monotonic() + grace
+    while len(exited) < len(ranks) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        exited.extend(r.rank for r in ranks if r.rank not in exited and r.proc.poll() is not None)
+
+
+def _first_failure(ranks: list[_Rank], tmp: Path, default: _Rank) -> _Rank:
+    """The rank that failed first by cause, not merely the first one polled or the first to exit.
 
     When one rank dies, its peers soon fail too ("connection closed by peer"); the root cause is
-    the earliest traceback. Give the others a moment to write theirs, then pick by timestamp --
-    unless a rank was killed by a signal (the OOM killer, a lost device, kill -9): it wrote no
-    traceback, and the peers' tracebacks are its consequence.
+    the earliest traceback (the others had _wait_for_the_rest to write theirs) -- unless a rank
+    was killed by a signal (the OOM killer, a lost device, kill -9): it wrote no traceback, and the
+    peers' tracebacks are its consequence, whether they came before its death or after.
     """
-    time.sleep(grace)
     # A rank killed by a signal (kill -9, the OOM killer, a segfault) leaves no traceback, and its
     # peers' "connection closed" tracebacks come after its death: it is the cause. (Nothing of
     # ours has signalled any rank yet: _kill_all runs after this.)

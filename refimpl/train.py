@@ -10,8 +10,6 @@ strategy (refimpl.strategy.Strategy) owns placement, the step and gathering the 
 from __future__ import annotations
 
 import gc
-import os
-import signal
 import statistics
 import time
 
@@ -22,7 +20,7 @@ from refimpl.compose import run_checkpoint
 from refimpl.compose.optim_reshard import full_optimizer_state, load_optimizer_state, validate_optimizer_state
 from refimpl.compose.transforms import model_parallel, validate_model_parallel
 from refimpl.config import RunContext, TrainConfig
-from refimpl.faults import injected
+from refimpl.faults import injected, lose_this_rank
 from refimpl.memory import ActivationTracker
 from refimpl.mesh import Mesh
 from refimpl.model import build_model, converted, count_params, synthetic_batch
@@ -117,7 +115,7 @@ def _train_resolved(rank: int, world_size: int, layout: Resolved) -> dict:
             _sync(ctx)
             start = time.perf_counter()
             if injected(cfg, "rank-dies") and step == 1 and rank == 1:
-                os.kill(os.getpid(), signal.SIGKILL)    # the fault: a lost rank, mid-run
+                lose_this_rank(rank, world_size)        # the fault: a lost node, mid-run
             with tracker:
                 loss = strategy.train_step(batch)
             _sync(ctx)

@@ -62,6 +62,28 @@ def test_a_failing_rank_is_reported_with_its_number_and_traceback_and_others_kil
     assert "rank 1" in str(info.value)
 
 
+def _lose_rank_one_after_its_peer(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    from refimpl.faults import lose_this_rank
+
+    if rank == 1:   # its links go first; it is killed 1.5 s after rank 0's traceback
+        lose_this_rank(rank, world_size)
+    dist.all_reduce(torch.ones(1))     # fails on the closed connection
+    time.sleep(60)
+
+
+def test_the_rank_killed_by_a_signal_is_named_even_when_its_peer_exited_first():
+    # The cause is the rank killed by SIGKILL, although rank 0 exited first and more than the
+    # old fixed second before it (that launcher named rank 0, the first traceback).
+    with pytest.raises(RankFailedError) as info:
+        run(_lose_rank_one_after_its_peer, 2, quiet=True)
+    assert info.value.rank == 1 and "killed by signal 9" in str(info.value), str(info.value)[:300]
+    assert info.value.exit_order == [0, 1]
+    assert info.value.others == {0: "traceback"}
+
+
 def _write_pid_and_hang(rank, world_size, folder):
     with open(os.path.join(folder, f"pid{rank}"), "w") as f:
         f.write(str(os.getpid()))
