@@ -288,3 +288,17 @@ def test_the_global_order_is_each_senders_order_and_each_receivers_posting_order
         assert sorted(order) == sorted((a, b, msg) for (a, b), msgs in sent.items() for msg in msgs)
         for (a, b), msgs in sent.items():
             assert [msg for src, dst, msg in order if (src, dst) == (a, b)] == msgs, (schedule, p, m)
+
+
+def test_micro_batch_latency_on_gpipe_by_hand():
+    from refimpl.parallel.pp.replay import micro_batch_latency, replay
+
+    # GPipe, 2 stages, 2 micro-batches, F = 1, B = 2. Rank 0: F0 [0,1], F1 [1,2]; rank 1: F0 [1,2],
+    # F1 [2,3], B0 [3,5], B1 [5,7]; rank 0: B0 [5,7] (after rank 1's B0), B1 [7,9].
+    # Micro-batch 0: 0 -> 7, latency 7, own work 1+1+2+2 = 6, waiting 1 (rank 1 runs F1 before
+    # B0); micro-batch 1: 1 -> 9, latency 8, waiting 2 (rank 1's B0, then rank 0's B0).
+    got = micro_batch_latency(replay(2, 2, "gpipe"))
+    assert got.latency.tolist() == [7.0, 8.0] and got.work.tolist() == [6.0, 6.0]
+    assert got.waiting.tolist() == [1.0, 2.0] and got.start.tolist() == [0.0, 1.0]
+    # one stage under 1F1B (F0 B0 F1 B1): no pipeline, nothing added to a micro-batch's own work
+    assert micro_batch_latency(replay(1, 2, "1f1b")).waiting.tolist() == [0.0, 0.0]

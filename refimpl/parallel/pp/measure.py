@@ -163,13 +163,18 @@ def replayed_steps(slots, stages: int, micro_batches: int, schedule: str, virtua
     table = schedule_table(stages, micro_batches, schedule, virtual_stages)
     out = []
     for step, g in slots.groupby("step"):
-        own = {(r.rank, r.action): r.end - r.start for r in g.itertuples()}
-        replayed = simulate(table, F=0, B=0, W=0, per_rank=mean_durations(g), where=placement(schedule),
-                            per_action=own, **(costs or {}))
         out.append({"step": step, "measured": idle_fraction(
             [TimedAction(r.rank, r.action, r.start, r.end) for r in g.itertuples()]),
-            "replayed": idle_fraction(replayed)})
+            "replayed": idle_fraction(replay_step(g, table, schedule, costs))})
     return out
+
+
+def replay_step(step_slots, table, schedule: str, costs: dict | None = None) -> list[TimedAction]:
+    """One profiled step's table replayed with each action's own measured duration (and `costs`:
+    measured_costs): where the run and the replay then differ, it is by the gaps alone."""
+    own = {(r.rank, r.action): r.end - r.start for r in step_slots.itertuples()}
+    return simulate(table, F=0, B=0, W=0, per_rank=mean_durations(step_slots), where=placement(schedule),
+                    per_action=own, **(costs or {}))
 
 
 def measured_costs(slots, stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1) -> dict:

@@ -5,11 +5,14 @@ B = 2 per stage, a chunk 1/v of that; ZB-H1 F = B = W = 1: Qi et al. 2023 §2.2)
 action. `bubble_sweep` puts, for each (m, schedule), the replayed idle share beside
 `bubble_fraction`, and the replayed bubble over ideal beside `bubble_over_ideal` (Narayanan et al.
 2021's normalisation): each closed form against a quantity measured on the replay.
+`micro_batch_latency` reads, off any timeline (replayed or traced), how long each micro-batch takes
+from its first forward to its last backward: the latency the seed (§3.4) says pipelining adds.
 """
 from __future__ import annotations
 
 import pandas as pd
 
+from refimpl.parallel.pp.actions import parse_entry
 from refimpl.parallel.pp.schedules import bubble_fraction, bubble_over_ideal, schedule_table
 from refimpl.parallel.pp.simulate import idle_fraction, simulate
 
@@ -64,3 +67,30 @@ def imbalanced_step(stages: int, micro_batches: int, slow_stage: int, factor: fl
     per_rank = [{"F": factor, "B": 2 * factor} if r == slow_stage else {"F": 1, "B": 2} for r in range(stages)]
     slots = simulate(schedule_table(stages, micro_batches, schedule), per_rank=per_rank)
     return {"span": max(s.end for s in slots) - min(s.start for s in slots), "idle": idle_fraction(slots)}
+
+
+def micro_batch_latency(slots) -> pd.DataFrame:
+    """One row per micro-batch of a timeline (simulate's TimedActions or a frame with rank, action,
+    start, end: replay_frame, measure.action_slots for one step): `start`, its first forward's
+    start on any stage; `end`, its last backward's end; `latency`, end - start; `work`, the time
+    its own F and B actions ran; `waiting`, the rest: the hops between stages and the time its
+    stages spent on other micro-batches in between. Seed 000 §3.4: each micro-batch passes the
+    stages one after another, so a pipeline adds latency to every micro-batch. A weight-gradient
+    W (zero bubble) is left out: deferred to fill a bubble, it holds nothing up. An overlapped
+    pair (dualpipev's "F5.0&B1.1") counts for both of its micro-batches."""
+    rows = slots.itertuples() if isinstance(slots, pd.DataFrame) else slots
+    per = {}
+    for s in rows:
+        for a in parse_entry(s.action):
+            if a.kind == "W":
+                continue
+            mb = per.setdefault(a.micro_batch, {"start": float("inf"), "end": float("-inf"), "work": 0.0})
+            if a.kind == "F":
+                mb["start"] = min(mb["start"], s.start)
+            else:
+                mb["end"] = max(mb["end"], s.end)
+            mb["work"] += s.end - s.start
+    out = pd.DataFrame.from_dict(per, orient="index").sort_index().rename_axis("micro_batch")
+    out["latency"] = out.end - out.start
+    out["waiting"] = out.latency - out.work
+    return out[["start", "end", "latency", "work", "waiting"]]
