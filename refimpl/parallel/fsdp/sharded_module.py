@@ -190,9 +190,10 @@ class FullyShard(nn.Module):
             this()._before_forward(i)
             # Under autocast (the loop's --mixed-precision) autocast picks each op's dtype: the
             # residual stream stays fp32. Otherwise a bf16 weight needs bf16 inputs.
-            if compute_dtype is not None and not torch.is_autocast_enabled(device_type):
-                return tuple(a.to(compute_dtype) if torch.is_tensor(a) and a.is_floating_point()
-                             else a for a in args)
+            cast = [torch.is_tensor(a) and a.is_floating_point() and a.dtype != compute_dtype
+                    for a in args]
+            if compute_dtype is not None and any(cast) and not _autocasting(device_type):
+                return tuple(a.to(compute_dtype) if c else a for a, c in zip(args, cast))
 
         first.register_forward_pre_hook(before)
         last.register_forward_hook(lambda module, args, out: this()._after_forward(i, out))
@@ -303,6 +304,10 @@ def _tensors(out) -> list[torch.Tensor]:
     if isinstance(out, dict):
         return [t for o in out.values() for t in _tensors(o)]
     return []
+
+
+def _autocasting(device_type: str) -> bool:
+    return device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type)
 
 
 def _weak(obj):
