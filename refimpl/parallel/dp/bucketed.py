@@ -19,6 +19,9 @@ parameters are counted ready at their last accumulation of the step (the last B 
 the last W under a split schedule: refimpl.parallel.pp.stage's `gradient_accumulations`), so each
 stage's buckets leave during its cool-down, while its remaining backwards still compute.
 
+The mechanism is refimpl.parallel.dp.DataParallel, the wrapper for any nn.Module, around this
+rank's GPT with the loop's options (summed rather than averaged gradients, no broadcast).
+
 Options: bucket_mb (MiB). The default tiny model (5.6 MB of fp32 gradients) fits one 25 MiB bucket,
 so nothing overlaps; try --set bucket_mb=0.25 to see several buckets leave during backward.
 """
