@@ -83,11 +83,11 @@ def rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t[rank * n:(rank + 1) * n]
 
 
-def plain_run(case: str, dtype, device, steps: int = STEPS):
+def plain_run(case: str, dtype, device, steps: int = STEPS, grouped: bool = False):
     """The reference: one process, the whole batch, the plain optimizer."""
     model = build(case, 0, dtype, device)
     _, loss_fn, opt_cls, kw, _ = CASES[case]
-    opt = opt_cls(model.parameters(), **kw)
+    opt = in_two_groups(opt_cls, model, kw) if grouped else opt_cls(model.parameters(), **kw)
     losses = []
     for x, y in batches(case, dtype, device, steps):
         loss = loss_fn(model(x), y)
@@ -176,17 +176,28 @@ def ref_model_initial(case, dtype, device) -> dict:
     return build(case, 0, dtype, device).state_dict()
 
 
+def in_two_groups(make, model: nn.Module, kw: dict):
+    """`make(params, **kw)` over all but the last child's parameters, then add_param_group with
+    the last child's at half the learning rate."""
+    last = {id(p) for p in list(model.children())[-1].parameters()}
+    opt = make([p for p in model.parameters() if id(p) not in last], **kw)
+    opt.add_param_group({"params": [p for p in model.parameters() if id(p) in last],
+                         "lr": kw["lr"] / 2})
+    return opt
+
+
 def check_sharded_optimizer(rank, world, case, dtype, device, *, twin=False):
-    ref_model, ref_opt, ref_losses = plain_run(case, dtype, device)
+    ref_model, ref_opt, ref_losses = plain_run(case, dtype, device, grouped=True)
     model = build(case, 0, dtype, device)
     _, _, opt_cls, kw, _ = CASES[case]
     if twin:
         wrapped = DDP(model, find_unused_parameters=bool(UNUSED[case]))
-        opt = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=opt_cls, **kw)
+        opt = in_two_groups(lambda ps, **k: ZeroRedundancyOptimizer(ps, optimizer_class=opt_cls, **k),
+                            model, kw)
         finish = lambda: None    # noqa: E731
     else:
         wrapped = DataParallel(model)
-        opt = ShardedOptimizer(wrapped.parameters(), opt_cls, **kw)
+        opt = in_two_groups(lambda ps, **k: ShardedOptimizer(ps, opt_cls, **k), model, kw)
         finish = wrapped.finish_gradient_synchronization
     frozen_before = {n: ref_model_initial(case, dtype, device)[n] for n in FROZEN[case]}
     losses = train(case, wrapped, opt, rank, world, dtype, device, finish=finish)
@@ -217,12 +228,12 @@ def state_elements(states) -> int:
 
 def resume_on(group, rank, world, case, dtype, device, model, whole_state) -> float:
     """One more step on `world` ranks from the saved state, against plain training's 4th step."""
-    ref_model, _, _ = plain_run(case, dtype, device, steps=STEPS + 1)
+    ref_model, _, _ = plain_run(case, dtype, device, steps=STEPS + 1, grouped=True)
     again = build(case, 0, dtype, device)
     again.load_state_dict(model.state_dict())
     _, loss_fn, opt_cls, kw, _ = CASES[case]
     wrapped = DataParallel(again, group=group)
-    opt = ShardedOptimizer(wrapped.parameters(), opt_cls, group=group, **kw)
+    opt = in_two_groups(lambda ps, **k: ShardedOptimizer(ps, opt_cls, group=group, **k), again, kw)
     opt.load_state_dict(whole_state)
     x, y = batches(case, dtype, device, STEPS + 1)[-1]    # the next global batch of the stream
     loss_fn(wrapped(rows(x, rank, world)), rows(y, rank, world)).backward()

@@ -39,11 +39,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """`optimizer_cls(**defaults)` over this rank's partition of `params`, over `group`
     (default: the whole world). See the module docstring."""
 
-    def __init__(self, params, optimizer_cls, *, group=None, comm=dist, **defaults):
+    def __init__(self, params, optimizer_cls, *, group=None, **defaults):
         who = "ShardedOptimizer"
         self.group = resolve_group(group, who)
         self.rank, self.world_size = dist.get_rank(self.group), group_size(self.group)
-        self.comm, self.optimizer_cls = comm, optimizer_cls
+        self.optimizer_cls = optimizer_cls
         self.owner: dict[int, int] = {}          # id(parameter) -> its owner's rank in the group
         self._load = [0] * self.world_size       # elements each rank owns
         self.local: torch.optim.Optimizer | None = None
@@ -90,7 +90,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if id(p) in self.owner and self.world_size > 1:
                 src = dist.get_global_rank(self.group, self.owner[id(p)])
                 with comm_span("broadcast", p.nbytes):
-                    self.comm.broadcast(p.data, src=src, group=self.group)
+                    dist.broadcast(p.data, src=src, group=self.group)
         return loss
 
     def state_dict(self) -> dict:
