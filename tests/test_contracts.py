@@ -125,3 +125,32 @@ def test_plan_returns_layouts_fastest_first():
             "step_time_s", "fits"} <= set(df.columns)
     assert df.fits.iloc[0] and df[df.fits].step_time_s.is_monotonic_increasing
     assert (df.dp * df.tp * df.pp * df.cp == 16).all()
+
+
+def test_module_level_wrappers_have_designs_signatures():
+    # Behaviour: tests/test_wrappers.py (each against plain training, with PyTorch's twins).
+    from refimpl.parallel.dp import DataParallel
+    from refimpl.parallel.fsdp import FullyShard
+    from refimpl.parallel.zero import ShardedOptimizer
+
+    def head(cls, n):   # the contract's leading parameters: (name, kind, default)
+        return [(p.name, p.kind.name, p.default) for p in
+                list(inspect.signature(cls.__init__).parameters.values())[1:n + 1]]
+
+    empty = inspect.Parameter.empty
+    assert head(DataParallel, 3) == [("module", "POSITIONAL_OR_KEYWORD", empty),
+                                     ("group", "KEYWORD_ONLY", None), ("bucket_mb", "KEYWORD_ONLY", 25.0)]
+    assert head(FullyShard, 4) == [("module", "POSITIONAL_OR_KEYWORD", empty),
+                                   ("group", "KEYWORD_ONLY", None),
+                                   ("compute_dtype", "KEYWORD_ONLY", None), ("units", "KEYWORD_ONLY", None)]
+    sig = inspect.signature(ShardedOptimizer.__init__).parameters
+    assert [(n, p.kind.name) for n, p in list(sig.items())[1:4]] == [
+        ("params", "POSITIONAL_OR_KEYWORD"), ("optimizer_cls", "POSITIONAL_OR_KEYWORD"),
+        ("group", "KEYWORD_ONLY")] and sig["defaults"].kind.name == "VAR_KEYWORD"
+    assert issubclass(DataParallel, torch.nn.Module) and issubclass(FullyShard, torch.nn.Module)
+    assert issubclass(ShardedOptimizer, torch.optim.Optimizer)
+    for cls, methods in ((DataParallel, ("finish_gradient_synchronization", "no_sync")),
+                         (FullyShard, ("finish_gradient_synchronization", "full_state_dict")),
+                         (ShardedOptimizer, ("step", "zero_grad", "add_param_group", "state_dict",
+                                             "load_state_dict"))):
+        assert all(callable(getattr(cls, m)) for m in methods)

@@ -96,8 +96,11 @@ class _Done:
         return True
 
 
-def all_reduce_sum(bucket: Bucket, grads: torch.Tensor, *, group, comm=dist):
-    """Every rank of `group` gets the bucket's summed gradient (async)."""
+def all_reduce_sum(bucket: Bucket, grads: torch.Tensor, *, group, comm=dist, divisor: int = 1):
+    """Every rank of `group` gets the bucket's summed gradient (async); divided first by
+    `divisor` where the caller wants the mean and did not scale the loss (DataParallel, as DDP)."""
+    if divisor != 1:
+        grads.div_(divisor)
     if group is None:
         return _Done()
     with comm_span("all_reduce", grads.nbytes):
@@ -138,6 +141,7 @@ class GradBuckets:
         self._sync = False
         self._left: list[int] | None = None             # accumulations still to come (a pipeline)
         self._next = 0                                  # the next bucket to launch, in order
+        self._ready = [False] * len(layout.slots)       # gradients in, this synchronised backward
         # No reference cycles through the parameters' hooks (so `reduce` should not be a bound
         # method of an object holding this one, and the hooks hold `self` weakly): a cycle is
         # freed only by the garbage collector, possibly at interpreter exit, and destroying a
@@ -145,24 +149,40 @@ class GradBuckets:
         this = weakref.ref(self)
         self._handles = [p.register_post_accumulate_grad_hook(
             lambda _p, i=i: this()._on_gradient_ready(i)) for i, p in enumerate(layout.params)]
+        # Before autograd accumulates: a .grad that zero_grad() set to None is bound to its
+        # (zeroed) view again, so the gradient still lands in the bucket.
+        self._handles += [p.register_hook(lambda _g, i=i: this()._rebind(i))
+                          for i, p in enumerate(layout.params)]
 
     def attach(self, flat_grad: torch.Tensor) -> None:
         """Point every parameter's .grad into `flat_grad`, where autograd will accumulate."""
         self.flat_grad = flat_grad
         self.layout.bind_grads(flat_grad)
 
+    def _rebind(self, i: int) -> None:
+        p = self.layout.params[i]
+        if p.grad is None:
+            slot = self.layout.slots[i]
+            view = self.flat_grad[slot.offset:slot.offset + slot.numel]
+            p.grad = view.zero_().view(slot.shape)
+
     @contextlib.contextmanager
     def micro_step(self, sync: bool, accumulations: list[int] | None = None):
         """Wrap each micro-step's backward; with sync=False gradients only accumulate (no_sync).
         `accumulations[i]`: how many times parameter i's gradient is accumulated inside this
         micro-step (a pipeline's whole step; default: once); it is ready at the last."""
+        self.arm(sync, accumulations)
+        yield
+
+    def arm(self, sync: bool, accumulations: list[int] | None = None) -> None:
+        """What the next backward does (micro_step's work, for callers without a context)."""
         self._sync = sync
         self._left = None if accumulations is None else list(accumulations)
         if sync:
             self._next = 0
+            self._ready = [False] * len(self.layout.slots)
             for b in self.buckets:
                 b.pending, b.work = len(b.params), None
-        yield
 
     def _on_gradient_ready(self, i: int) -> None:
         if not self._sync:
@@ -171,23 +191,36 @@ class GradBuckets:
             self._left[i] -= 1
             if self._left[i]:
                 return                                  # more backwards will add to it
+        if self._ready[i]:
+            raise RuntimeError(f"the gradient of {self.layout.slots[i].name} arrived twice in one "
+                               "synchronised backward (finish the synchronisation after each)")
+        self._ready[i] = True
         for b in self._buckets_of[i]:
             b.pending -= 1
+        self._launch(lambda b: b.pending == 0)
+
+    def _launch(self, ready) -> None:
         # Launch in bucket order only: every rank must issue the same collectives in the same order.
-        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+        while self._next < len(self.buckets) and ready(self.buckets[self._next]):
             b = self.buckets[self._next]
             b.work = self.reduce(b, self.flat_grad[b.start:b.end])
             self._next += 1
 
     def wait(self) -> None:
-        """Block until every bucket's collective has completed (before the optimizer reads them)."""
-        if self._next < len(self.buckets):
-            missing = [self.layout.slots[i].name for i in self.buckets[self._next].params]
-            raise RuntimeError(f"bucket {self._next} was never launched: parameter(s) {missing} "
-                               f"got no gradient (unused parameters are not supported)")
+        """Block until every bucket's collective has completed (before the optimizer reads them).
+
+        A parameter this backward did not reach (unused by the forward) holds the zero its view
+        was left at (or what earlier no_sync backwards accumulated): the buckets not launched yet
+        leave now, in order, so every rank still issues the same collectives."""
+        if self._sync:
+            for i, p in enumerate(self.layout.params):
+                if not self._ready[i]:
+                    self._rebind(i)
+            self._launch(lambda b: True)
         with comm_span("wait"):
             for b in self.buckets:
-                b.work.wait()
-                b.work = None
+                if b.work is not None:
+                    b.work.wait()
+                    b.work = None
         self._sync = False
 

@@ -38,12 +38,13 @@ class ShardedUnit:
 
     def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter]], group, rank: int,
                  world_size: int, device: torch.device, compute_dtype: torch.dtype,
-                 master_device: torch.device, comm=dist):
+                 master_device: torch.device, comm=dist, average: bool = False):
         self.name = name
         # `group` is the dp x cp axis of the mesh; `rank`/`world_size` this rank's place in it.
         # `comm` is torch.distributed or refimpl.comm (--collectives refimpl): same signatures.
         self.group, self.rank, self.world_size, self.comm = group, rank, world_size, comm
         self.device, self.compute_dtype = device, compute_dtype
+        self.average = average                 # divide the summed gradient by the world size
         self.flat = FlatParams(named_params, world_size)
         with torch.no_grad():
             whole = self.flat.flatten([p.detach() for p in self.flat.params], device=device)
@@ -153,8 +154,13 @@ class ShardedUnit:
             if async_op:
                 with comm_span("wait"):
                     work.wait()
-            # Each rank's loss was already scaled by 1/ranks before backward, so the sum over
-            # ranks is the global mean gradient (no per-element division, which is inexact).
+            # The training loop scaled each rank's loss by 1/ranks before backward, so the sum
+            # over ranks is the global mean gradient (no per-element division, which is
+            # inexact); a learner's loop did not (FullyShard's average=True): divide here.
+            if self.average:
+                shard.div_(self.world_size)
+            if self.master.grad is None:       # zero_grad(set_to_none=True) since the last step
+                self.master.grad = torch.zeros_like(self.master)
             self.master.grad.add_(shard.to(self.master.device))
             send.untyped_storage().resize_(0)   # free the full-size gradient now, not at GC
 

@@ -9,8 +9,9 @@ and its gradients are reduce-scattered when its backward ends -- Ψ + Ψ + Ψ = 
 plain DP's 2Ψ (§7.2.2). `zero3` is the plain version: nothing is prefetched, every gather waits,
 so the trace shows the communication exposed; `fsdp` (fsdp.py) adds the overlap.
 
-The mechanism of one unit is in `sharded_unit.py`; this file cuts the reference GPT into units and
-hooks them into its forward and backward, under a `ShardingPolicy`:
+The mechanism of one unit is in `sharded_unit.py`; the schedule below is `FullyShard`'s
+(`sharded_module.py`, the wrapper a learner puts around a model of their own); this file cuts the
+reference GPT into units and wraps it, under a `ShardingPolicy`:
 
   forward   pre-hook of unit i:  wait for / gather its parameters; [prefetch] start gathering i+1
             post-hook of unit i: [reshard_after_forward] free them; hook the unit's output so we
@@ -38,7 +39,6 @@ of the block, gathered, freed and reduce-scattered together with the first).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -47,18 +47,11 @@ from refimpl.config import Option, TrainConfig
 from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
 from refimpl.mesh import LayoutError
 from refimpl.model import GPT
-from refimpl.parallel.fsdp.sharded_unit import ShardedUnit
+from refimpl.parallel.fsdp.sharded_module import FullyShard, ShardingPolicy
 from refimpl.placement import data_parallel_axis, gather_full_state_dict
 from refimpl.strategy import Strategy, make_optimizer
 
-
-@dataclass(frozen=True)
-class ShardingPolicy:
-    reshard_after_forward: bool = True   # ZeRO-3 / FULL_SHARD; False: SHARD_GRAD_OP (≈ ZeRO-2)
-    keep_last_unit: bool = False         # don't free the unit whose backward comes first (FSDP2's
-                                         # root heuristic: it would be gathered again at once)
-    prefetch: bool = False               # gather the next unit while this one computes
-    async_reduce: bool = False           # reduce-scatter in the background of the next backward
+__all__ = ["FullySharded", "Zero3", "ShardingPolicy", "gpt_units"]
 
 
 def gpt_units(model: GPT) -> list[tuple[str, list]]:
@@ -97,104 +90,30 @@ class FullySharded(Strategy):
 
     def setup(self, model: GPT) -> None:
         ctx, cfg, mesh = self.ctx, self.ctx.cfg, self.mesh
-        self.pol = self.policy(cfg)
         self.model = model
         self.offload = bool(self.option("offload"))
-        master_device = torch.device("cpu") if self.offload else ctx.device
         # Each unit of the policy is sharded over the ranks holding the same copy of it: dp x cp,
         # except a MoE block's experts under --ep, which get a ShardedUnit of their own over
         # "edp" (refimpl.placement.data_parallel_axis), gathered and reduced with their block.
-        self.units: list[ShardedUnit] = []         # every flat shard, in schedule order
-        self.at: list[list[ShardedUnit]] = []      # the shards of each unit of the schedule
-        for name, modules in gpt_units(self.model):
-            by_axis: dict[str, list] = {}
-            for prefix, m in modules:
-                for n, p in m.named_parameters():
-                    by_axis.setdefault(data_parallel_axis(p), []).append((f"{prefix}.{n}", p))
-            parts = [ShardedUnit(name if axis == "dp_cp" else f"{name}.experts", named,
-                                 mesh.group(axis), mesh.index(axis), mesh.size(axis), ctx.device,
-                                 ctx.compute_dtype, master_device, comm=self.comm)
-                     for axis, named in by_axis.items()]
-            self._install_hooks(len(self.at), parts, modules[0][1], modules[-1][1])
-            self.at.append(parts)
-            self.units += parts
+        # The gradients are summed, not averaged: each rank's loss was divided by W.
+        self.fs = FullyShard(model, units=gpt_units(model), compute_dtype=ctx.compute_dtype,
+                             policy=self.policy(cfg), average=False,
+                             reduce_over=lambda p: mesh.group(data_parallel_axis(p)),
+                             master_device=torch.device("cpu") if self.offload else ctx.device,
+                             comm=self.comm)
+        self.units = self.fs.units                 # every flat shard, in schedule order
         self.optimizer = make_optimizer([u.master for u in self.units], cfg)
-        self._pending_reduce: list = []
-
-    # --- the schedule -----------------------------------------------------------------------------
-
-    def _install_hooks(self, i: int, parts: list[ShardedUnit], first, last) -> None:
-        first.register_forward_pre_hook(lambda module, args: self._before_forward(i))
-        last.register_forward_hook(lambda module, args, out: self._after_forward(i, out))
-        for unit in parts:
-            for p in unit.flat.params:   # prepare_grads: before the gradient is accumulated
-                p.register_hook(lambda grad, unit=unit: unit.prepare_grads())
-                p.register_post_accumulate_grad_hook(
-                    lambda param, unit=unit: self._grad_ready(i, unit))
-
-    def _before_forward(self, i: int) -> None:
-        for unit in self.at[i]:
-            unit.wait_gather()
-        if self.pol.prefetch and i + 1 < len(self.at):
-            for unit in self.at[i + 1]:
-                unit.gather(async_op=True)    # overlaps with unit i's compute
-
-    def _after_forward(self, i: int, out: torch.Tensor) -> None:
-        backward_follows = torch.is_grad_enabled() and out.requires_grad
-        keep = self.pol.keep_last_unit and i == len(self.at) - 1
-        if not backward_follows or (self.pol.reshard_after_forward and not keep):
-            for unit in self.at[i]:
-                unit.reshard()
-        if backward_follows:
-            out.register_hook(lambda grad: self._before_backward(i))
-
-    def _before_backward(self, i: int) -> None:
-        for unit in self.at[i]:
-            unit.wait_gather()
-            unit.expect_grads()
-        if self.pol.prefetch and i > 0:
-            for unit in self.at[i - 1]:
-                unit.gather(async_op=True)    # overlaps with unit i's backward
-
-    def _grad_ready(self, i: int, unit: ShardedUnit) -> None:
-        unit.grads_left -= 1
-        unit.delivered += 1
-        # every part of the block (dense, and its experts under --ep) has a whole set in
-        if any(part.delivered < len(part.flat.params) for part in self.at[i]):
-            return
-        for part in self.at[i]:
-            part.delivered -= len(part.flat.params)
-        # A whole set is in: one backward's gradient of every parameter (or one W's, under a split
-        # schedule, with the B's of later micro-batches perhaps still expecting theirs). The
-        # backward is over (every op that needed the weights has run: W needs none), so free the
-        # parameters first, then reduce.
-        # At most one reduce-scatter stays in flight: the previous unit's has had this unit's
-        # whole backward to finish, and waiting for it here frees its full-size gradient buffer
-        # before another is sent.
-        for part in self.at[i]:
-            part.reshard()
-        self._finish_reduces()
-        for part in self.at[i]:    # dense over dp x cp, then experts over edp: every rank alike
-            self._pending_reduce.append(part.reduce_scatter(async_op=self.pol.async_reduce))
-
-    def _finish_reduces(self) -> None:
-        for finish in self._pending_reduce:
-            finish()
-        self._pending_reduce.clear()
 
     # --- the runner's hooks (refimpl.strategy.Strategy.train_step) ----------------------------------
 
     @contextlib.contextmanager
     def micro_step(self, is_last: bool):
         yield
-        self._finish_reduces()          # every unit's reduce-scatter of this backward is done
+        self.fs.finish_gradient_synchronization()   # every unit's reduce-scatter of this backward
 
     def sync_gradients(self) -> None:
         # A pipeline's schedule runs its backwards without micro_step: the last reduce is here.
-        self._finish_reduces()
-        unfinished = [u.name for u in self.units if u.grads_left or u.gathered]
-        if unfinished:
-            raise RuntimeError(f"units {unfinished} did not finish their backward")
+        self.fs.finish_gradient_synchronization()
 
     def optimizer_step(self) -> None:
         self.optimizer.step()

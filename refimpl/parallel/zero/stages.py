@@ -26,6 +26,15 @@ all-gather = 2Ψ. Stages 1 and 2 both reduce-scatter the gradients (Ψ) and all-
 parameters (Ψ): 2Ψ, DP's volume. The two stages differ only in what they keep, not in what they
 send. (All-reducing in stage 1 would also work, but would move 3Ψ for nothing.)
 
+Why not `ShardedOptimizer` (refimpl.parallel.zero.sharded_optimizer, ZeRO-1 for a learner's own
+model and optimizer)? It partitions whole tensors, greedily by size, and broadcasts each updated
+tensor from its owner: any optimizer works, but a rank's share is only roughly 1/N (no share is
+smaller than the largest tensor: the GPT's embedding or lm_head) and the gradients must be
+all-reduced in full. The stages
+here cut one flat buffer into equal shards -- exactly ceil(Ψ/N) elements per rank, the bytes
+`model_state_bytes` predicts, a reduce-scatter instead of an all-reduce -- which only an
+elementwise optimizer (AdamW) can step. Two layouts, each written once.
+
 Options:
   bucket_mb (25)   with overlap, gradients leave in buckets from hooks during backward
                    (refimpl.parallel.dp.grad_buckets), cut at shard boundaries, each one reduced to
