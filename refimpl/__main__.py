@@ -57,6 +57,15 @@ def train_flags() -> argparse.ArgumentParser:
     f.add_argument("--top-k", type=int, default=GPTConfig.top_k, help="experts per token (MoE)")
     f.add_argument("--capacity-factor", type=float, default=GPTConfig.capacity_factor,
                    help="MoE expert capacity = ceil(top_k x tokens / experts x factor)")
+    f.add_argument("--arch", default=GPTConfig.arch,
+                   help="gpt (GPT-2's block) or llama (RMSNorm, SwiGLU, rotary, grouped-query "
+                        "attention; with --experts, Mixtral's block)")
+    f.add_argument("--kv-heads", type=int, default=0,
+                   help="--arch llama: key/value heads of grouped-query attention (0: --heads)")
+    f.add_argument("--ffn-hidden", type=int, default=0,
+                   help="--arch llama: SwiGLU's width (0: 2/3 of 4 x d-model, rounded up to 32)")
+    f.add_argument("--rope-theta", type=float, default=GPTConfig.rope_theta,
+                   help="--arch llama: the rotary embeddings' base")
     grid = f.add_argument_group("the rank grid (refimpl.mesh): dp = nproc / (pp x cp x tp)")
     grid.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     grid.add_argument("--sequence-parallel", action="store_true",
@@ -135,8 +144,9 @@ def config_from_args(args):
     try:
         model = replace(GPTConfig(), n_layers=args.layers, d_model=args.d_model,
                         n_heads=args.heads, vocab_size=args.vocab, n_experts=args.experts,
-                        top_k=args.top_k,
-                        capacity_factor=args.capacity_factor, **moe)
+                        top_k=args.top_k, capacity_factor=args.capacity_factor,
+                        arch=args.arch, n_kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden,
+                        rope_theta=args.rope_theta, **moe)
     except ValueError as e:
         raise LayoutError(str(e)) from None
     return TrainConfig(strategy=args.strategy, nproc=nproc, steps=args.steps,

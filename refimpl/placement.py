@@ -6,7 +6,8 @@ A transform that slices or moves a parameter says so once, with `set_placement`:
     replicated             every rank of the axis holds the whole tensor (the default: DP)
     Shard(axis, dim, full) this rank holds its part of dim `dim`, cut evenly over `axis`'s group;
                            `full` is the reference size of that dim (a padded vocabulary is
-                           longer on the ranks than in the reference, and is cut back)
+                           longer on the ranks than in the reference, and is cut back);
+                           `repeats` > 1: each part on that many consecutive ranks
     Owned(axis, segment,   the whole tensor of one of `count` equal modules (an expert), held by
           index, count,    one rank of `axis`'s group: the others hold other indices under the
           within)          same names but for `<segment>.<index>` (expert parallelism); `within`:
@@ -37,6 +38,9 @@ class Shard:
     axis: str          # a mesh axis: "tp", "ep", ...
     dim: int           # the tensor dimension cut over that axis
     full: int          # the reference's size of that dimension
+    # each part held by `repeats` consecutive ranks of the axis: grouped-query attention's K/V
+    # heads when there are fewer of them than tp ranks (refimpl.parallel.tp.layers)
+    repeats: int = 1
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,7 @@ def unshard(tensor: torch.Tensor, shard: Shard, mesh, comm) -> torch.Tensor:
         parts = [torch.empty_like(tensor) for _ in range(group_size)]
         with comm_span("all_gather", tensor.nbytes * group_size):
             comm.all_gather(parts, tensor.contiguous(), group=mesh.group(shard.axis))
-        tensor = torch.cat(parts, dim=shard.dim)
+        tensor = torch.cat(parts[::shard.repeats], dim=shard.dim)
     return tensor.narrow(shard.dim, 0, shard.full)
 
 

@@ -95,12 +95,12 @@ def _this_ranks_slice(full: torch.Tensor, shape, shard, mesh) -> torch.Tensor:
         shard = shard.within
     if shard is None:
         return full
-    size, n = shape[shard.dim], mesh.size(shard.axis)
+    size, n = shape[shard.dim], mesh.size(shard.axis) // shard.repeats
     pad = size * n - full.shape[shard.dim]
     if pad:
         widths = [0, 0] * (full.dim() - 1 - shard.dim) + [0, pad]
         full = F.pad(full, widths)
-    return full.narrow(shard.dim, mesh.index(shard.axis) * size, size)
+    return full.narrow(shard.dim, mesh.index(shard.axis) // shard.repeats * size, size)
 
 
 def load_optimizer_state(strategy, saved: dict) -> None:

@@ -1,7 +1,11 @@
 """The reference model, which no parallelism changes the maths of.
 
-    config.py                 GPTConfig: the shape (dense, or experts when n_experts > 0)
-    layers.py                 causal self-attention, the MLP
+    config.py                 GPTConfig: the shape (dense, or experts when n_experts > 0; arch)
+    parts.py                  which norm, attention and MLP a "gpt" or a "llama" block has
+    layers.py                 GPT-2's causal self-attention and GELU MLP
+    rmsnorm, rotary, gqa,     Llama's RMSNorm, rotary positions, grouped-query attention,
+      swiglu                  SwiGLU MLP (Mixtral's experts too)
+    hf.py                     Hugging Face checkpoints in and out (Llama, Mixtral)
     moe.py                    the mixture-of-experts MLP: router, top-k, capacity, balancing
     gpt.py                    blocks, the GPT, its deterministic init, the loss
     activation_checkpointing  recompute each block in backward

@@ -1,7 +1,14 @@
-"""The reference model's shape: `GPTConfig` (dense, or a mixture of experts when n_experts > 0)."""
+"""The reference model's shape: `GPTConfig` (dense, or a mixture of experts when n_experts > 0).
+
+`arch` picks the block's parts (refimpl.model.parts): "gpt", GPT-2's (LayerNorm, a GELU MLP of
+mlp_ratio·h, multi-head attention, learned positions), or "llama", Llama's (RMSNorm, a SwiGLU MLP
+of ffn_hidden, grouped-query attention with n_kv_heads, rotary positions, no biases); with
+n_experts > 0 the latter is Mixtral's block (SwiGLU experts)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+ARCHS = ("gpt", "llama")
 
 
 @dataclass(frozen=True)
@@ -23,6 +30,12 @@ class GPTConfig:
     aux_alpha: float = 0.01         # Switch's alpha
     bias_gamma: float = 0.001       # DeepSeek-V3's bias update speed
     capacity_scope: str = "batch"   # capacity and aux f_i per forward ("batch") or per "sequence"
+    # the architecture (refimpl.model.parts); the fields below it are Llama's only
+    arch: str = "gpt"
+    n_kv_heads: int = 0             # grouped-query attention's key/value heads; 0: n_heads
+    ffn_hidden: int = 0             # SwiGLU's width w; 0: 2/3 of mlp_ratio·h, rounded up to 32
+    rope_theta: float = 10000.0     # rotary base (Llama 2: 1e4; Llama 3: 5e5; Mixtral: 1e6)
+    norm_eps: float = 1e-5          # RMSNorm's epsilon
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio"):
@@ -30,10 +43,36 @@ class GPTConfig:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.arch not in ARCHS:
+            raise ValueError(f"--arch must be one of {', '.join(ARCHS)} (got {self.arch!r})")
+        if self.arch == "gpt" and (self.n_kv_heads or self.ffn_hidden):
+            raise ValueError("--kv-heads and --ffn-hidden need --arch llama (GPT-2's block has "
+                             "multi-head attention and a mlp_ratio·h MLP)")
+        if self.arch == "llama":
+            if not 0 <= self.n_kv_heads <= self.n_heads or self.n_heads % self.kv_heads:
+                raise ValueError(f"--kv-heads {self.n_kv_heads} must divide n_heads = {self.n_heads} "
+                                 "(each key/value head serves a group of query heads)")
+            if self.head_dim % 2:
+                raise ValueError(f"head_dim = d_model / n_heads = {self.head_dim} must be even: "
+                                 "rotary embeddings rotate pairs of channels")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (grouped-query attention); n_heads for multi-head attention."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def swiglu_hidden(self) -> int:
+        """SwiGLU's width: ffn_hidden, or 2/3 of the GELU MLP's mlp_ratio·h (three matrices of
+        2/3 the width keep two matrices' parameters, Shazeer 2020 §2), rounded up to a multiple
+        of 32 as Llama rounds to 256 (so tp = 2, 4, 8 ... split it evenly)."""
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return 32 * -(-2 * self.mlp_ratio * self.d_model // (3 * 32))
 
     def to_dict(self) -> dict:
         return asdict(self)

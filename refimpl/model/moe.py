@@ -63,7 +63,6 @@ import torch.nn as nn
 
 from refimpl.labels import phase
 from refimpl.model.config import GPTConfig
-from refimpl.model.layers import MLP
 from refimpl.model.moe_layout import BALANCE, SCOPES, batch_scope_problem, validate_moe  # noqa: F401
 from refimpl.model.moe_sequence import (
     WholeSequences,
@@ -72,6 +71,7 @@ from refimpl.model.moe_sequence import (
     sequence_tokens,
 )
 from refimpl.model.moe_slots import destinations, one_hot, pack, unpack
+from refimpl.model.parts import feed_forward
 
 
 class _Recompute:
@@ -208,7 +208,8 @@ class MoEMLP(nn.Module):
         self.cfg = cfg
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
-        self.experts = nn.ModuleDict({str(e): MLP(cfg) for e in range(cfg.n_experts)})
+        # each expert the dense feed-forward layer's shape: GELU MLPs, or Mixtral's SwiGLUs
+        self.experts = nn.ModuleDict({str(e): feed_forward(cfg) for e in range(cfg.n_experts)})
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
         self.dispatch = LocalExperts()
         self.sequences = WholeSequences()   # cp replaces it (parallel.ep.counts.ChunkedSequences)

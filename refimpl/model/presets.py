@@ -40,6 +40,8 @@ class ModelShape:
     def n_params(self) -> float:
         if self.n_experts:
             return self.dense_params + self.expert_params
+        if self.block == "llama":   # counted exactly: attention, norms, and the SwiGLU MLP
+            return self.dense_params + self.n_layers * self.one_expert_params
         l, h, v, s = self.n_layers, self.d_model, self.vocab_size, self.seq_len
         head = 0 if self.tied_embeddings else v * h
         return 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h)) + head
@@ -90,7 +92,10 @@ class ModelShape:
 
     @property
     def layer_params(self) -> float:
-        """One block: 12h² weights + 13h biases and LayerNorm parameters."""
+        """One block: 12h² weights + 13h biases and LayerNorm parameters; a dense Llama block:
+        Q, O (h² each), K, V (h x kv width each), SwiGLU's three h x w, two RMSNorm gains."""
+        if self.block == "llama" and not self.n_experts:
+            return self.layer_dense_params + self.one_expert_params
         return 12 * self.d_model ** 2 + 13 * self.d_model
 
     def to_dict(self) -> dict:
@@ -107,6 +112,20 @@ MODELS = {
     # Llama 2 7B in the same form (Touvron et al. 2023: 32 layers, d_model 4096, 32 heads, 4k
     # context, the same 4M-token batches).
     "7b": (ModelShape(32, 4096, 32, 32000, 4096, tied_embeddings=False), 1024),
+    # The Llama family as released (each model's config.json on the Hugging Face Hub; Touvron et
+    # al. 2023 "Llama 2", Table 1 and §2.2; Llama Team 2024 "The Llama 3 Herd of Models",
+    # Table 3): RMSNorm, SwiGLU of width ffn_hidden, grouped-query attention with kv_heads, rotary
+    # positions, untied output layer. Their parameter counts equal transformers' for the same
+    # configs (tests/test_llama_hf.py): 6.74B, 69.0B, 8.03B, 70.6B. Batches: Llama 2's 4M tokens;
+    # Llama 3's 8B and 70B, like the 405B below, are taken at 16M tokens = 2048 sequences of 8192.
+    "llama2-7b": (ModelShape(32, 4096, 32, 32000, 4096, tied_embeddings=False, ffn_hidden=11008,
+                             block="llama"), 1024),
+    "llama2-70b": (ModelShape(80, 8192, 64, 32000, 4096, tied_embeddings=False, ffn_hidden=28672,
+                              kv_heads=8, block="llama"), 1024),
+    "llama3-8b": (ModelShape(32, 4096, 32, 128256, 8192, tied_embeddings=False, ffn_hidden=14336,
+                             kv_heads=8, block="llama"), 2048),
+    "llama3-70b": (ModelShape(80, 8192, 64, 128256, 8192, tied_embeddings=False,
+                              ffn_hidden=28672, kv_heads=8, block="llama"), 2048),
     # GPT-3 175B (Brown et al. 2020, Table 2.1): 96 layers, d_model 12288, 96 heads, 2048 context,
     # 3.2M-token batches = 1536 sequences; Megatron's 51200-entry vocabulary.
     "gpt3-175b": (ModelShape(96, 12288, 96, 51200, 2048), 1536),

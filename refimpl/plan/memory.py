@@ -35,8 +35,8 @@ def stage_params(shape: ModelShape, lay: Layout) -> float:
     one too when pp = 1 (the dry run found it missing: 2 % of a 7B model's states)."""
     blocks = shape.n_layers // lay.pp * shape.layer_params
     head = 0 if shape.tied_embeddings or lay.pp > 1 else shape.vocab_size * shape.d_model
-    return ((blocks + shape.vocab_size * shape.d_model + head) / lay.tp
-            + shape.seq_len * shape.d_model)
+    positions = 0 if shape.block == "llama" else shape.seq_len * shape.d_model   # rotary: no table
+    return (blocks + shape.vocab_size * shape.d_model + head) / lay.tp + positions
 
 
 def layer_activation_bytes(shape, lay, batch, act_bytes, recompute, activations="korthikanti") -> float:

@@ -5,8 +5,8 @@ dX = dY A^T (B: the previous stage is waiting for it) and dA = X^T dY (W: nobody
 ZB-H1 runs B at once and defers W into time that would otherwise be bubble.
 
 How it is done here (our own approach, not PyTorch's `stage_backward_input/weight`):
-  * during the forward of a micro-batch, a forward hook on every Linear, LayerNorm and Embedding of
-    the chunk (and tensor parallelism's column/row-parallel linears, through their
+  * during the forward of a micro-batch, a forward hook on every Linear, LayerNorm, RMSNorm and
+    Embedding of the chunk (and tensor parallelism's column/row-parallel linears, through their
     `observe_matmul`, which sees the matmul's own input under sequence parallelism) records
     (module, its input X) and hooks the module's output so that, when the
     gradient dY reaches it, dY is kept too;
@@ -46,6 +46,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from refimpl.model.moe import MoEMLP
+from refimpl.model.rmsnorm import RMSNorm
+
+# The layers W has a formula for (weight_grads); a chunk holding a parameter of any other kind is
+# refused (`_check_covered`): B skips every weight product, so such a parameter's gradient would
+# silently stay zero.
+WEIGHT_LAYERS = (nn.Linear, nn.LayerNorm, RMSNorm, nn.Embedding)
 
 
 class WeightGradRecord:
@@ -105,7 +111,8 @@ def record_weight_grads(chunk: nn.Module, record: WeightGradRecord):
     where the first piece keeps the split (module docstring), the embeddings' outputs (their dY)."""
     embed_outputs = []
     layers = [(name, m) for name, m in chunk.named_modules()
-              if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding)) or hasattr(m, "observe_matmul")]
+              if isinstance(m, WEIGHT_LAYERS) or hasattr(m, "observe_matmul")]
+    _check_covered(chunk, [m for _, m in layers])
     if any(isinstance(m, nn.Embedding) for _, m in layers) and not any(
             isinstance(m, MoEMLP) for m in chunk.modules()) and not any(
             p._backward_hooks for p in chunk.parameters()):
@@ -155,6 +162,16 @@ def record_weight_grads(chunk: nn.Module, record: WeightGradRecord):
             m.observe_matmul = None
 
 
+def _check_covered(chunk: nn.Module, layers: list[nn.Module]) -> None:
+    """Every trainable parameter of the chunk belongs to a layer W has a formula for."""
+    covered = {id(p) for m in layers for p in m.parameters(recurse=False)}
+    for name, p in chunk.named_parameters():
+        if p.requires_grad and id(p) not in covered:
+            owner = chunk.get_submodule(name.rpartition(".")[0]) if "." in name else chunk
+            raise ValueError(f"zero bubble's W has no weight-gradient formula for {name} "
+                             f"({type(owner).__name__}): add one to weight_grads")
+
+
 def weight_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
     """The gradients of `module`'s weight (and bias, when it has one) from its input X and its
     output's gradient dY, in the master dtype (under autocast X or dY may be bf16)."""
@@ -172,6 +189,11 @@ def weight_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> list[t
             x_hat = F.layer_norm(x, module.normalized_shape, eps=module.eps)        # recomputed
             dims = tuple(range(dy.dim() - len(module.normalized_shape)))
             return [(dy * x_hat).sum(dims), dy.sum(dims)]
+        if isinstance(module, RMSNorm):
+            # y = g · x̂, x̂ = x / rms(x) recomputed as the forward computes it: dg = Σ dY x̂
+            wide = x.to(torch.promote_types(x.dtype, torch.float32))
+            x_hat = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + module.eps)).to(dtype)
+            return [(dy * x_hat).reshape(-1, dy.shape[-1]).sum(0)]
         # nn.Embedding: each row of the table receives the dY of every position that read it.
         table = torch.zeros(module.weight.shape, dtype=dtype, device=dy.device)
         return [table.index_add_(0, x.reshape(-1), dy.reshape(-1, dy.shape[-1]))]

@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from refimpl.model.moe import MoEMLP
-from refimpl.parallel.tp.layers import ParallelMLP
+from refimpl.parallel.tp.layers import parallel_feed_forward
 from refimpl.parallel.tp.mappings import gather_sequence, split_sequence
 
 
@@ -52,7 +52,7 @@ def parallelize_moe(moe: MoEMLP, group, sequence_parallel: bool = False, comm=No
     under sequence parallelism, gather the layer's tokens before it and split them after."""
     comm = comm or dist
     for key in list(moe.experts.keys()):
-        expert = ParallelMLP.from_mlp(moe.experts[key], group, sequence_parallel=False, comm=comm)
+        expert = parallel_feed_forward(moe.experts[key], group, sequence_parallel=False, comm=comm)
         expert.label = f"{label}.experts.{key}"
         moe.experts[key] = expert
     if sequence_parallel:

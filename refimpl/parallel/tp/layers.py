@@ -34,7 +34,10 @@ import torch.nn.functional as F
 
 from refimpl.labels import phase
 from refimpl.model import attention
+from refimpl.model.gqa import grouped_attention
+from refimpl.model.swiglu import SwiGLU
 from refimpl.parallel.tp.mappings import (
+    all_reduce_grad_logged,
     copy_to_region,
     gather_from_sequence,
     gather_last_dim,
@@ -237,3 +240,125 @@ class ParallelSelfAttention(nn.Module):
         with phase(self.label):
             x = enter_region(x, self.group, self.sequence_parallel, self.comm)
             return self.o(attention(self.q(x), self.k(x), self.v(x), self.n_heads))
+
+
+class ParallelSwiGLU(nn.Module):
+    """Y = (SiLU(X·W_gate) ⊙ X·W_up)·W_down (Llama's MLP, Mixtral's experts): W_gate and W_up
+    column-parallel, so rank r holds the same w/t channels of both and the product ⊙ is local;
+    W_down row-parallel. X enters the region once for the two column layers (one all-reduce of
+    its gradient, as attention's Q, K, V)."""
+
+    def __init__(self, gate: ColumnParallelLinear, up: ColumnParallelLinear,
+                 down: RowParallelLinear, group, sequence_parallel: bool, comm=None):
+        super().__init__()
+        self.gate, self.up, self.down = gate, up, down
+        self.group, self.sequence_parallel, self.comm = group, sequence_parallel, comm or dist
+        self.label = "tp:mlp"
+
+    @classmethod
+    def from_swiglu(cls, mlp: SwiGLU, group=None, sequence_parallel: bool = False,
+                    comm=None) -> "ParallelSwiGLU":
+        gate, up = (ColumnParallelLinear.from_linear(lin, group, input_in_region=True, comm=comm)
+                    for lin in (mlp.gate, mlp.up))
+        down = RowParallelLinear.from_linear(mlp.down, group, sequence_parallel=sequence_parallel,
+                                             comm=comm)
+        return cls(gate, up, down, default_group(group), sequence_parallel, comm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with phase(self.label):
+            x = enter_region(x, self.group, self.sequence_parallel, self.comm)
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def parallel_feed_forward(mlp: nn.Module, group=None, sequence_parallel: bool = False,
+                          comm=None) -> nn.Module:
+    """The tensor-parallel form of a dense feed-forward layer (GELU MLP or SwiGLU)."""
+    if isinstance(mlp, SwiGLU):
+        return ParallelSwiGLU.from_swiglu(mlp, group, sequence_parallel, comm)
+    return ParallelMLP.from_mlp(mlp, group, sequence_parallel, comm)
+
+
+def kv_split(n_kv_heads: int, t: int) -> tuple[int, int]:
+    """(KV heads a rank holds, ranks that hold each): kv/t heads each when t divides them;
+    otherwise one head, the one its query heads read, on t/kv consecutive ranks (Megatron's
+    replication of K/V heads when tp exceeds the groups). refimpl.cost.tp_comm.kv_heads_per_rank
+    is the same rule for the arithmetic."""
+    if n_kv_heads % t == 0:
+        return n_kv_heads // t, 1
+    if t % n_kv_heads:
+        raise ValueError(f"--tp {t} must divide the {n_kv_heads} key/value heads or be a "
+                         "multiple of them")
+    return 1, t // n_kv_heads
+
+
+def _shared_kv(linear: nn.Linear, group, repeats: int, comm) -> ColumnParallelLinear:
+    """K or V when fewer heads than ranks: this rank's one head (head r // repeats), whose
+    gradient each of its `repeats` ranks computes from its own query heads only: the true one
+    is their sum, taken in backward over the tp group (the other heads' rows zero)."""
+    t, r = group_size(group), group_rank(group)
+    head_rows = linear.out_features // (t // repeats)
+    head = r // repeats
+    weight = linear.weight.detach()[head * head_rows:(head + 1) * head_rows].clone()
+    layer = ColumnParallelLinear(weight, None, group, out_full=linear.out_features,
+                                 gather_output=False, sequence_parallel=False,
+                                 input_in_region=True, comm=comm)
+    set_placement(layer.weight, Shard("tp", 0, linear.out_features, repeats=repeats))
+
+    def sum_over_sharers(grad: torch.Tensor) -> torch.Tensor:
+        rows = grad.new_zeros((linear.out_features, grad.shape[1]))
+        rows[head * head_rows:(head + 1) * head_rows] = grad
+        summed = all_reduce_grad_logged(rows, group, comm or dist)
+        return summed[head * head_rows:(head + 1) * head_rows]
+
+    layer.weight.register_hook(sum_over_sharers)
+    return layer
+
+
+class ParallelGroupedAttention(nn.Module):
+    """Grouped-query attention split by heads (refimpl.model.gqa): W_Q column-parallel (a/t query
+    heads each), W_K and W_V by key/value heads when t divides them, each rank's one shared head
+    otherwise (`kv_split`); W_O row-parallel. Rank r's query heads read only the key/value heads
+    it holds: query heads are grouped consecutively, so the first a/t of them read the first
+    kv/t key/value heads, or head r // (t/kv) when t/kv ranks share it."""
+
+    def __init__(self, q, k, v, o, n_heads_local: int, n_kv_local: int, theta: float, group,
+                 sequence_parallel: bool, comm=None):
+        super().__init__()
+        self.q, self.k, self.v, self.o = q, k, v, o
+        self.n_heads, self.n_kv_heads, self.theta = n_heads_local, n_kv_local, theta
+        self.group, self.sequence_parallel, self.comm = group, sequence_parallel, comm or dist
+        self.label = "tp:attn"
+
+    @classmethod
+    def from_attention(cls, attn: nn.Module, group=None, sequence_parallel: bool = False,
+                       comm=None) -> "ParallelGroupedAttention":
+        group = default_group(group)
+        t = group_size(group)
+        if attn.n_heads % t:
+            raise ValueError(f"{attn.n_heads} heads do not divide by tensor-parallel size {t}")
+        kv_local, repeats = kv_split(attn.n_kv_heads, t)
+        q = ColumnParallelLinear.from_linear(attn.q, group, input_in_region=True, comm=comm)
+        if repeats == 1:
+            k, v = (ColumnParallelLinear.from_linear(lin, group, input_in_region=True, comm=comm)
+                    for lin in (attn.k, attn.v))
+        else:
+            k, v = (_shared_kv(lin, group, repeats, comm) for lin in (attn.k, attn.v))
+        o = RowParallelLinear.from_linear(attn.o, group, sequence_parallel=sequence_parallel,
+                                          comm=comm)
+        return cls(q, k, v, o, attn.n_heads // t, kv_local, attn.theta, group,
+                   sequence_parallel, comm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with phase(self.label):
+            x = enter_region(x, self.group, self.sequence_parallel, self.comm)
+            positions = torch.arange(x.shape[1], device=x.device)   # every token, once gathered
+            return self.o(grouped_attention(self.q(x), self.k(x), self.v(x), self.n_heads,
+                                            self.n_kv_heads, positions, self.theta))
+
+
+def parallel_attention(attn: nn.Module, group=None, sequence_parallel: bool = False,
+                       comm=None) -> nn.Module:
+    """The tensor-parallel form of a block's attention (multi-head or grouped-query)."""
+    if hasattr(attn, "n_kv_heads"):
+        return ParallelGroupedAttention.from_attention(attn, group, sequence_parallel, comm)
+    return ParallelSelfAttention.from_attention(attn, group, sequence_parallel, comm)

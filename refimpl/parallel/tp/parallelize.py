@@ -7,11 +7,14 @@
 
 What changes (refimpl.parallel.tp.layers, tp.vocab):
     embed                 VocabParallelEmbedding (token table split by id; positions replicated)
-    blocks[i].attn        ParallelSelfAttention  (q, k, v column-parallel by heads, o row-parallel)
-    blocks[i].mlp         ParallelMLP            (up column-parallel, down row-parallel); an MoE
-                          layer keeps its router whole and splits each expert so (tp/experts.py)
+    blocks[i].attn        ParallelSelfAttention  (q, k, v column-parallel by heads, o row-parallel);
+                          Llama's ParallelGroupedAttention (k, v by key/value heads, or each
+                          rank's one shared head when there are fewer than tp)
+    blocks[i].mlp         ParallelMLP            (up column-parallel, down row-parallel); Llama's
+                          ParallelSwiGLU (gate, up column-parallel); an MoE layer keeps its
+                          router whole and splits each expert so (tp/experts.py)
     lm_head               ColumnParallelLinear over the (padded) vocabulary; logits stay split
-    ln1, ln2, final_norm  unchanged and replicated
+    ln1, ln2, final_norm  unchanged and replicated (LayerNorm or RMSNorm)
 The Block and GPT forwards are the reference's, untouched: under sequence parallelism the residual
 stream between the layers simply holds s/t tokens per rank, which LayerNorm (per token) and the
 residual additions (elementwise) do not notice.
@@ -34,8 +37,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from refimpl.model.moe import MoEMLP
+from refimpl.model.rmsnorm import RMSNorm
 from refimpl.parallel.tp.experts import parallelize_moe
-from refimpl.parallel.tp.layers import ColumnParallelLinear, ParallelMLP, ParallelSelfAttention
+from refimpl.parallel.tp.layers import (
+    ColumnParallelLinear,
+    kv_split,
+    parallel_attention,
+    parallel_feed_forward,
+)
 from refimpl.parallel.tp.mappings import (
     all_reduce_grad_logged,
     group_size,
@@ -51,8 +60,14 @@ def tp_layout_problem(cfg, tp: int, seq_len: int | None = None,
     """One line naming the constraint a model config breaks for this tp, or None if it fits."""
     if cfg.n_heads % tp:
         return f"--tp {tp} must divide the number of attention heads ({cfg.n_heads})"
-    if (cfg.mlp_ratio * cfg.d_model) % tp:   # implied by the heads for a 4h MLP; kept for others
-        return f"--tp {tp} must divide the MLP width ({cfg.mlp_ratio * cfg.d_model})"
+    width = cfg.swiglu_hidden if cfg.arch == "llama" else cfg.mlp_ratio * cfg.d_model
+    if width % tp:   # implied by the heads for a 4h MLP; not for SwiGLU's ffn_hidden
+        return f"--tp {tp} must divide the MLP width ({width})"
+    if cfg.arch == "llama":
+        try:
+            kv_split(cfg.kv_heads, tp)
+        except ValueError as e:
+            return str(e)
     if sequence_parallel and seq_len is not None and seq_len % tp:
         return f"--sequence-parallel needs --seq-len ({seq_len}) divisible by --tp {tp}"
     return None
@@ -73,13 +88,13 @@ def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False,
     tied = model.cfg.tie_embeddings
     model.embed = VocabParallelEmbedding.from_embedding(model.embed, group, sp, comm)
     for i, block in enumerate(model.blocks):
-        block.attn = ParallelSelfAttention.from_attention(block.attn, group, sp, comm)
+        block.attn = parallel_attention(block.attn, group, sp, comm)
         # forward ranges "tp:blocks.<i>.attn" / ".mlp" around each layer's collectives in a trace
         block.attn.label = f"tp:blocks.{i}.attn"
         if isinstance(block.mlp, MoEMLP):    # every expert split over tp (tp/experts.py)
             parallelize_moe(block.mlp, group, sp, comm, label=f"tp:blocks.{i}.mlp")
         else:
-            block.mlp = ParallelMLP.from_mlp(block.mlp, group, sp, comm)
+            block.mlp = parallel_feed_forward(block.mlp, group, sp, comm)
             block.mlp.label = f"tp:blocks.{i}.mlp"
         for norm in (block.ln1, block.ln2):
             _mark_norm(norm, sp)
@@ -89,7 +104,8 @@ def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False,
                                                      pad=True, comm=comm)
     if tied:   # same vocabulary split, same padding: the two modules can share one shard
         model.lm_head.weight = model.embed.tok.weight
-    norms = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
+    norms = {id(p) for m in model.modules() if isinstance(m, (nn.LayerNorm, RMSNorm))
+             for p in m.parameters()}
     for p in model.parameters():
         if is_sequence_partial(p) and (sum_norm_grads or id(p) not in norms):
             p.register_hook(lambda grad: all_reduce_grad_logged(grad, group, comm))

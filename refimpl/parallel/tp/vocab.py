@@ -39,27 +39,28 @@ class VocabParallelEmbedding(nn.Module):
     (so the table's gradient is partial over the sequence and is summed over tp, see tp.parallelize).
     """
 
-    def __init__(self, tok_local: torch.Tensor, pos: torch.Tensor, vocab_size: int, group,
+    def __init__(self, tok_local: torch.Tensor, pos: torch.Tensor | None, vocab_size: int, group,
                  sequence_parallel: bool, comm=None):
         super().__init__()
         self.group, self.sequence_parallel, self.comm = group, sequence_parallel, comm or dist
         self.vocab_size = vocab_size
         self.tok = nn.Embedding(*tok_local.shape, _weight=tok_local)
-        self.pos = nn.Embedding(*pos.shape, _weight=pos)
+        # Llama's model has no position table (rotary positions, inside attention)
+        self.pos = nn.Embedding(*pos.shape, _weight=pos) if pos is not None else None
         self.start = group_rank(group) * tok_local.shape[0]
         # Positions of the tokens `idx` holds, as a function (length, device) -> ids: None is
         # 0 .. s-1; context parallelism (refimpl.compose.tp_cp) sets this rank's global ones.
         self.position_ids = None
         set_placement(self.tok.weight, Shard("tp", 0, vocab_size))
-        if sequence_parallel:
+        if sequence_parallel and self.pos is not None:
             mark_sequence_partial(self.pos.weight)
 
     @classmethod
     def from_embedding(cls, embed: nn.Module, group=None, sequence_parallel: bool = False,
                        comm=None) -> "VocabParallelEmbedding":
         tok = _rows(embed.tok.weight.detach(), group, pad_to_multiple=True)
-        return cls(tok, embed.pos.weight.detach().clone(), embed.tok.num_embeddings, group,
-                   sequence_parallel, comm)
+        pos = embed.pos.weight.detach().clone() if embed.pos is not None else None
+        return cls(tok, pos, embed.tok.num_embeddings, group, sequence_parallel, comm)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         local = idx - self.start
@@ -67,6 +68,8 @@ class VocabParallelEmbedding(nn.Module):
         rows = self.tok(local.masked_fill(foreign, 0)).masked_fill(foreign.unsqueeze(-1), 0.0)
         # the sum of one-hot contributions: exactly one rank's row is non-zero
         x = exit_region(rows, self.group, self.sequence_parallel, self.comm)
+        if self.pos is None:
+            return x
         s_local = x.shape[1]
         where = (torch.arange(idx.shape[1], device=idx.device) if self.position_ids is None
                  else self.position_ids(idx.shape[1], idx.device))

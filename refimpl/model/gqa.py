@@ -1,0 +1,56 @@
+"""Grouped-query attention (Ainslie et al. 2023, "GQA"): Llama's attention, with rotary positions.
+
+n_heads query heads share n_kv_heads key/value heads, n_heads / n_kv_heads queries to a group:
+query head j reads key/value head j // (n_heads / n_kv_heads). n_kv_heads = n_heads is multi-head
+attention, 1 is multi-query attention (Shazeer 2019). W_K and W_V are n_kv_heads·d_head wide
+instead of h: fewer parameters, and a KV cache n_heads / n_kv_heads times smaller. No biases.
+
+Written out like refimpl's multi-head attention (refimpl.model.layers.attention): the s x s
+scores are the activation term notebook 00 measures.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from refimpl.model.config import GPTConfig
+from refimpl.model.rotary import rotary_tables, rotate
+
+
+class GroupedQueryAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        d, hd = cfg.d_model, cfg.head_dim
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.kv_heads
+        self.theta = cfg.rope_theta
+        self.q = nn.Linear(d, self.n_heads * hd, bias=False)
+        self.k = nn.Linear(d, self.n_kv_heads * hd, bias=False)
+        self.v = nn.Linear(d, self.n_kv_heads * hd, bias=False)
+        self.o = nn.Linear(self.n_heads * hd, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1], device=x.device)
+        return self.o(grouped_attention(self.q(x), self.k(x), self.v(x), self.n_heads,
+                                        self.n_kv_heads, positions, self.theta))
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int,
+                      n_kv_heads: int, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Causal attention on [batch, seq, heads·head_dim] queries and [batch, seq, kv_heads·head_dim]
+    keys and values, the tokens at `positions` (their rotary angles). `n_heads`, `n_kv_heads`:
+    the heads in these tensors (a tensor-parallel rank's share)."""
+    b, s, width = q.shape
+    hd = width // n_heads
+    q = q.view(b, s, n_heads, hd).transpose(1, 2)
+    k, v = (t.view(b, s, n_kv_heads, hd).transpose(1, 2) for t in (k, v))
+    cos, sin = rotary_tables(positions, hd, theta, q.dtype)
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    # each key/value head serves its group of consecutive query heads
+    group = n_heads // n_kv_heads
+    k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
+    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
+    return (probs @ v).transpose(1, 2).reshape(b, s, width)

@@ -1,0 +1,39 @@
+"""The parts of a block by architecture (GPTConfig.arch): one place that says which norm,
+attention and feed-forward layer a "gpt" or a "llama" block is made of.
+
+    part              gpt (GPT-2)                       llama (Llama 2/3, Mixtral)
+    norm              LayerNorm (gain and bias)         RMSNorm (gain), refimpl.model.rmsnorm
+    attention         multi-head, biases on q, v, o     grouped-query, rotary, no biases
+    feed-forward      GELU MLP: up, down (mlp_ratio·h)  SwiGLU: gate, up, down (ffn_hidden)
+    positions         learned table (embed.pos)         rotary, inside attention
+    experts (E > 0)   E GELU MLPs                       E SwiGLUs (Mixtral)
+
+Parameter names stay the same where the role is the same (ln1, attn.q/k/v/o, mlp.up/down,
+final_norm, lm_head), so every transform that finds a weight by its role finds Llama's too.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from refimpl.model.config import GPTConfig
+from refimpl.model.gqa import GroupedQueryAttention
+from refimpl.model.layers import MLP, CausalSelfAttention
+from refimpl.model.rmsnorm import RMSNorm
+from refimpl.model.swiglu import SwiGLU
+
+
+def norm(cfg: GPTConfig) -> nn.Module:
+    return RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.arch == "llama" else nn.LayerNorm(cfg.d_model)
+
+
+def self_attention(cfg: GPTConfig) -> nn.Module:
+    return GroupedQueryAttention(cfg) if cfg.arch == "llama" else CausalSelfAttention(cfg)
+
+
+def feed_forward(cfg: GPTConfig) -> nn.Module:
+    """The dense MLP, and the shape of each expert of a mixture."""
+    return SwiGLU(cfg.d_model, cfg.swiglu_hidden) if cfg.arch == "llama" else MLP(cfg)
+
+
+def learned_positions(cfg: GPTConfig) -> bool:
+    return cfg.arch == "gpt"

@@ -1,0 +1,186 @@
+"""refimpl's Llama and Mixtral against a reference no one here wrote: Hugging Face transformers'
+LlamaForCausalLM and MixtralForCausalLM, with the same weights, in float64.
+
+Same logits, same loss, same gradients (relative error <= 1e-10), on small configs built here
+(nothing is downloaded); and the checkpoint round trip both ways through `save_pretrained`'s
+folder format (refimpl.model.hf).
+
+One thing of transformers' is changed for the float64 comparison, and the tests say so:
+transformers computes RMSNorm's statistic and Mixtral's router softmax in float32 whatever the
+model's dtype (right for bf16, a downcast in float64), so `float64_casts` swaps those two
+forwards for the same formulas without the cast. The rotary angles need no swap: refimpl computes
+them in float32 as transformers does (refimpl.model.rotary). `test_as_shipped` runs transformers
+untouched and finds the difference at float32's size, which is what the swap accounts for.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch  # noqa: E402
+from refimpl.model.hf import config_from_hf, hf_config, load_hf, save_hf  # noqa: E402
+
+LLAMA = GPTConfig(arch="llama", vocab_size=96, seq_len=16, d_model=32, n_heads=4, n_kv_heads=2,
+                  n_layers=2, ffn_hidden=48, rope_theta=500000.0, norm_eps=1e-6)
+# dropless (capacity E/k: nothing overflows, as in Mixtral), no balance loss (see refimpl.model.hf)
+MIXTRAL = GPTConfig(arch="llama", vocab_size=96, seq_len=16, d_model=32, n_heads=4, n_kv_heads=1,
+                    n_layers=2, ffn_hidden=40, n_experts=4, top_k=2, capacity_factor=2.0,
+                    balance="none", rope_theta=1e6)
+
+
+@contextlib.contextmanager
+def float64_casts():
+    """transformers' RMSNorm and Mixtral router without their float32 casts (see the docstring)."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.mixtral import modeling_mixtral
+
+    def rms_forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    def router_forward(self, x):
+        x = x.reshape(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(x, self.weight)
+        top, index = torch.topk(logits.softmax(dim=-1), self.top_k, dim=-1)
+        return logits, top / top.sum(dim=-1, keepdim=True), index
+
+    swaps = [(modeling_llama.LlamaRMSNorm, "forward", rms_forward),
+             (modeling_mixtral.MixtralRMSNorm, "forward", rms_forward),
+             (modeling_mixtral.MixtralTopKRouter, "forward", router_forward)]
+    saved = [(cls, name, getattr(cls, name)) for cls, name, _ in swaps]
+    try:
+        for cls, name, fn in swaps:
+            setattr(cls, name, fn)
+        yield
+    finally:
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
+
+
+# transformers' default expert kernel (grouped_mm) takes no float64: its loop over experts does
+_EAGER_EXPERTS = {"experts_implementation": "eager"}
+
+
+def _hf_model(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float64, attn_implementation="sdpa", **_EAGER_EXPERTS).eval()
+
+
+def _ours_and_theirs(cfg, tmp_path):
+    ours = build_model(cfg, seed=3).to(torch.float64)
+    return ours, _hf_model(save_hf(ours, cfg, tmp_path / "ckpt"))
+
+
+def _relative(a, b):
+    return float((a - b).detach().norm() / b.detach().norm())
+
+
+def _compare(ours, theirs, cfg):
+    batch = synthetic_batch(cfg, 4, cfg.seq_len, seed=5, step=0)
+    ours_logits = ours(batch.inputs)
+    theirs_logits = theirs(input_ids=batch.inputs).logits
+    lm_loss(ours_logits, batch.targets).backward()
+    lm_loss(theirs_logits, batch.targets).backward()
+    from refimpl.model.hf import hub_name
+    grads = {hub_name(n): p.grad for n, p in ours.named_parameters()}
+    errors = {n: _relative(grads[n], p.grad) for n, p in theirs.named_parameters()
+              if n in grads}
+    return _relative(ours_logits, theirs_logits), errors
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, MIXTRAL], ids=["llama", "mixtral"])
+def test_logits_loss_and_gradients_equal_transformers_in_float64(cfg, tmp_path):
+    ours, theirs = _ours_and_theirs(cfg, tmp_path)
+    if cfg.n_experts:   # transformers fuses each layer's experts into gate_up_proj / down_proj
+        compared = _compare_fused(ours, theirs, cfg)
+    else:
+        with float64_casts():
+            compared = _compare(ours, theirs, cfg)
+    logits_error, grad_errors = compared
+    assert logits_error <= 1e-10, logits_error
+    assert len(grad_errors) >= 9 * cfg.n_layers // (2 if cfg.n_experts else 1)
+    worst = max(grad_errors, key=grad_errors.get)
+    assert grad_errors[worst] <= 1e-10, (worst, grad_errors[worst])
+
+
+def _compare_fused(ours, theirs, cfg):
+    """Mixtral: compare the fused expert tensors' gradients with refimpl's per-expert ones."""
+    with float64_casts():
+        logits_error, errors = _compare(ours, theirs, cfg)
+    named = dict(theirs.named_parameters())
+    for i in range(cfg.n_layers):
+        experts = ours.blocks[i].mlp.experts
+        ours_gate_up = torch.stack([torch.cat([experts[str(e)].gate.weight.grad,
+                                               experts[str(e)].up.weight.grad])
+                                    for e in range(cfg.n_experts)])
+        ours_down = torch.stack([experts[str(e)].down.weight.grad for e in range(cfg.n_experts)])
+        prefix = f"model.layers.{i}.mlp.experts."
+        errors[prefix + "gate_up_proj"] = _relative(ours_gate_up, named[prefix + "gate_up_proj"].grad)
+        errors[prefix + "down_proj"] = _relative(ours_down, named[prefix + "down_proj"].grad)
+    return logits_error, errors
+
+
+def test_as_shipped_the_difference_is_float32s(tmp_path):
+    # transformers untouched: its float32 RMSNorm makes the logits differ at float32's size,
+    # far above float64's 1e-16 and far below a wrong formula's O(1).
+    ours, theirs = _ours_and_theirs(LLAMA, tmp_path)
+    batch = synthetic_batch(LLAMA, 2, LLAMA.seq_len, seed=5, step=0)
+    error = _relative(ours(batch.inputs), theirs(input_ids=batch.inputs).logits)
+    assert 1e-12 < error < 1e-5, error
+
+
+def test_a_checkpoint_transformers_wrote_loads_and_goes_back(tmp_path):
+    # transformers builds and saves its own random Mixtral; refimpl loads it, gives its logits,
+    # writes it back, and transformers reloads exactly the tensors it wrote.
+    config = transformers.MixtralConfig(**{k: v for k, v in hf_config(MIXTRAL).items()
+                                           if k not in ("architectures", "model_type")})
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(config).to(torch.float64).save_pretrained(tmp_path / "theirs")
+    original = _hf_model(tmp_path / "theirs")     # sdpa attention, eager experts, as below
+    ours, cfg = load_hf(tmp_path / "theirs")
+    assert cfg == config_from_hf(hf_config(MIXTRAL)) and cfg.capacity_factor == cfg.n_experts / cfg.top_k
+    batch = synthetic_batch(cfg, 2, cfg.seq_len, seed=1, step=0)
+    with torch.no_grad(), float64_casts():
+        assert _relative(ours(batch.inputs), original(input_ids=batch.inputs).logits) <= 1e-10
+    reloaded = _hf_model(save_hf(ours, cfg, tmp_path / "back"))
+    before, after = original.state_dict(), reloaded.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_parameter_counts_equal_transformers():
+    # refimpl's model and transformers' for the same config count the same parameters
+    from refimpl.model import count_params
+    for cfg, cls in [(LLAMA, transformers.LlamaForCausalLM), (MIXTRAL, transformers.MixtralForCausalLM)]:
+        config = getattr(transformers, cls.__name__.replace("ForCausalLM", "Config"))(
+            **{k: v for k, v in hf_config(cfg).items() if k not in ("architectures", "model_type")})
+        with torch.device("meta"):
+            theirs = sum(p.numel() for p in cls(config).parameters())
+            ours = count_params(build_model(cfg, seed=0))
+        assert ours == theirs, (cfg, ours, theirs)
+
+
+@pytest.mark.parametrize("name", ["llama2-7b", "llama2-70b", "llama3-8b", "llama3-70b",
+                                  "mixtral-8x7b", "mixtral-8x22b"])
+def test_preset_counts_equal_transformers(name):
+    # the planner's presets (refimpl.model.presets) against transformers' own count of the same
+    # published config, to the parameter (models built on the meta device: no memory)
+    from refimpl.model.presets import MODELS
+    shape, _ = MODELS[name]
+    common = dict(vocab_size=shape.vocab_size, hidden_size=shape.d_model,
+                  intermediate_size=shape.mlp_width, num_hidden_layers=shape.n_layers,
+                  num_attention_heads=shape.n_heads,
+                  num_key_value_heads=shape.kv_heads or shape.n_heads,
+                  tie_word_embeddings=shape.tied_embeddings)
+    if shape.n_experts:
+        config, cls = (transformers.MixtralConfig(num_local_experts=shape.n_experts,
+                                                  num_experts_per_tok=shape.top_k, **common),
+                       transformers.MixtralForCausalLM)
+    else:
+        config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    with torch.device("meta"):
+        theirs = sum(p.numel() for p in cls(config).parameters())
+    assert shape.n_params == theirs, (name, shape.n_params, theirs)
