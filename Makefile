@@ -126,8 +126,9 @@ e2e: install
 	$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/python -m pip install -q playwright
 	$(BIN)/python scripts/e2e_browser.py --screenshot /tmp/plugin.png $(E2E_ARGS)
 
-# One command on a GPU server (works on CPU too, skipping the GPU parts): tests, notebooks that fit,
-# a CUDA-profiled step, bf16/fp32 steps, CUDA memory vs the arithmetic; prints one markdown table.
+# One command on a GPU server, under 9 minutes (works on CPU too, skipping the GPU parts): issue
+# 35's defects, CUDA memory vs the arithmetic, a CUDA-profiled step, fp32/bf16 steps, ranks sharing
+# the GPU, then notebooks and tests as time allows; one markdown table, in a fresh folder per run.
 # It uses whatever python has torch (PYTHON=...); see scripts/gpu_check.sh.
 gpu-check:
 	PYTHON=$(PYTHON) bash scripts/gpu_check.sh

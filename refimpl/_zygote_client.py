@@ -97,13 +97,16 @@ _CURRENT: Zygote | None = None
 
 
 def for_backend(backend: str) -> Zygote | None:
-    """The zygote for CPU ranks (gloo), started on first use and again whenever the launcher's
-    environment or refimpl's sources changed (a forked rank must see the environment and the code a
-    fresh one would: the zygote has refimpl imported). None where
-    ranks start as fresh interpreters instead: NCCL ranks (CUDA after fork was never run here, so
-    GPU ranks keep the path known to work), non-Linux systems, and REFIMPL_LAUNCH=spawn."""
+    """The zygote for CPU ranks (gloo, and the staged backend with every rank on the CPU), started
+    on first use and again whenever the launcher's environment or refimpl's sources changed (a
+    forked rank must see the environment and the code a fresh one would: the zygote has refimpl
+    imported). None where ranks start as fresh interpreters instead: GPU ranks, NCCL's or the
+    staged backend's on a shared cuda device (CUDA after fork was never run here, so they keep the
+    path known to work), non-Linux systems, and REFIMPL_LAUNCH=spawn."""
     global _CURRENT
-    if backend != "gloo" or not sys.platform.startswith("linux") or \
+    on_cpu = backend == "gloo" or (
+        backend == "staged" and os.environ.get("REFIMPL_SHARED_DEVICE", "cpu").startswith("cpu"))
+    if not on_cpu or not sys.platform.startswith("linux") or \
             os.environ.get("REFIMPL_LAUNCH", "fork") == "spawn":
         return None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

@@ -6,10 +6,10 @@ Why not `torch.multiprocessing.spawn`? A learner's function usually lives in a n
 plain pickle cannot ship to a fresh interpreter; we serialise it with cloudpickle instead. And each
 rank must have OMP_NUM_THREADS=1 in its environment *before* torch is imported (on a 2-core
 laptop, 4 ranks that each spin up a full thread pool ran 12x slower). NCCL ranks start as fresh
-`python -m refimpl._rank` processes. CPU (gloo) ranks are forked from a zygote
-(refimpl/_zygote.py): one interpreter, started on first use with one thread configured, that has
-imported torch once; forking it saves the ~2 s of CPU that importing torch costs every rank
-(a 4-rank launch went from ~4 s to ~0.5 s on 2 cores). The zygote lives as long as this process
+`python -m refimpl._rank` processes. CPU ranks (gloo's, and the staged backend's on the CPU) are
+forked from a zygote (refimpl/_zygote.py): one interpreter, started on first use with one thread
+configured, that has imported torch once; forking it saves the ~2 s of CPU that importing torch
+costs every rank (a 4-rank launch went from ~4 s to ~0.5 s on 2 cores). The zygote lives as long as this process
 and is killed with it; REFIMPL_LAUNCH=spawn starts every rank fresh instead.
 
 The contract (DESIGN.md):

@@ -15,7 +15,9 @@ device, a `.cpu()` inside a step or a device mismatch in a send shows up.
 
 NCCL's argument rules, enforced on every call (`StagedGloo._check`), so a call NCCL would
 refuse fails here on CPU ranks too, with the rule it breaks (gloo forgives each of them):
-  * every tensor on the rank's device (NCCL: "Tensors must be CUDA and dense");
+  * every tensor on the rank's device (NCCL: "Tensors must be CUDA and dense"), DTensor's
+    collectives too: FSDP2's host shards under CPUOffloadPolicy handed to `full_tensor()` are
+    refused (tests/test_nccl_rules.py, `_fsdp2_offload_gather`);
   * every tensor contiguous (ProcessGroupNCCL: "Tensors must be contiguous" for a collective's
     input; for a send or receive it only warns and leaves matching the two sides' layouts to the
     caller, and a list of outputs it copies into: here both are refused, the project's rule);

@@ -1,11 +1,15 @@
-"""The figures of the GPU check (scripts/gpu_check.sh runs this, then the tests and notebooks).
+"""The figures of the GPU check, and its one table (scripts/gpu_check.sh runs both).
 
-    python scripts/gpu_check.py figures OUT_DIR     measure; write OUT_DIR/figures.json (+ timeline)
-    python scripts/gpu_check.py table OUT_DIR       print ONE markdown table of everything in OUT_DIR
+    python scripts/gpu_check.py figures DIR NAME PART...   measure PART... (memory, steps, ...);
+                                                           write DIR/figures-NAME.json after each
+    python scripts/gpu_check.py table DIR                  print ONE markdown table of DIR
 
 Every figure is one row: (section, figure, value, note). A part that needs a GPU prints a
 "skipped: no GPU" row on a CPU machine instead of failing, so the script is tested on CPU too. A
-part that raises is recorded as "FAILED: <error>" and the others still run.
+part that raises is recorded as "FAILED: <error>" and the others still run. The shell script runs
+the parts in stages of their own, each under its own timeout, and records each stage's outcome in
+DIR/status.txt (section, stage, outcome, and the file of its rows, if any); the table is those
+lines in order, each followed by its figures (a JSON list) or its tests (a JUnit XML file).
 """
 from __future__ import annotations
 
@@ -21,26 +25,33 @@ sys.path.insert(0, str(REPO))
 NO_GPU = "skipped: no GPU"
 
 
-def figures(out: Path) -> list[dict]:
+PARTS = ("machine", "numerics", "ceilings", "memory", "steps", "profiled_step", "nccl_step",
+         "equivalence", "hta")
+
+
+def figures(out: Path, name: str, parts: list[str]) -> list[dict]:
     import torch
 
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        sys.exit(f"unknown part(s) {unknown}: the parts are {', '.join(PARTS)}")
     rows: list[dict] = []
     gpu = torch.cuda.is_available()
+    path = out / f"figures-{name}.json"
 
     def add(section, figure, value, note=""):
         rows.append({"section": section, "figure": figure, "value": value, "note": note})
 
-    parts = [_machine, _numerics, _ceilings, _memory, _steps, _profiled_step, _nccl_step,
-             _equivalence, _hta]
     for part in parts:
         t0 = time.perf_counter()
         try:
-            part(add, gpu, out)
+            globals()[f"_{part}"](add, gpu, out)
         except Exception as e:  # recorded, and the remaining parts still run
-            add(part.__name__.strip("_"), "FAILED", f"{type(e).__name__}: {e}".splitlines()[0][:200])
+            add(part, "FAILED", f"{type(e).__name__}: {e}".splitlines()[0][:200])
             traceback.print_exc()
-        print(f"[gpu_check] {part.__name__.strip('_')}: {time.perf_counter() - t0:.1f} s", flush=True)
-    (out / "figures.json").write_text(json.dumps(rows, indent=1, default=str))
+        print(f"[gpu_check] {part}: {time.perf_counter() - t0:.1f} s", flush=True)
+        # after each part: a stage stopped by its timeout keeps the rows of the parts it finished
+        path.write_text(json.dumps(rows, indent=1, default=str))
     return rows
 
 
@@ -157,8 +168,21 @@ def _profiled_step(add, gpu, out):
             f"{len(kernels)} ({labelled:.0%} matched to a CPU label)",
             "by label: " + ", ".join(f"{k} {v}" for k, v in
                                      kernels.label.fillna("-").value_counts().head(4).items()))
+        # Issue 35's defect 4: autograd launches backward's kernels from its own device thread,
+        # while the backward phase is open on the main thread. Every kernel launched while a
+        # backward range is open (on any thread) must carry a label, and most of them "backward".
+        phases = df[(df.name == "backward") & df.step.notna()]
+        inside = kernels[[any(p.start_us <= k < p.start_us + p.dur_us for p in phases.itertuples())
+                          for k in kernels.launch_us]]
+        add("profiled step", "kernels launched inside backward",
+            f"{len(inside)} in {len(phases)} backward range(s): "
+            f"{inside.label.notna().mean() if len(inside) else 0:.0%} labelled, "
+            f"{(inside.label == 'backward').mean() if len(inside) else 0:.0%} 'backward'",
+            "FAILED: some unlabelled" if len(inside) and inside.label.isna().any() else
+            ("FAILED: none found" if not len(inside) else "every one labelled (issue 35)"))
     else:
         add("profiled step", "GPU kernels in the profiled steps", NO_GPU)
+        add("profiled step", "kernels launched inside backward", NO_GPU)
     fig = plots.rank_timeline(df[df.step == df.step.dropna().min()], title=f"single on {device}")
     lanes = sorted({y for t in fig.data for y in t.y})
     fig.write_html(out / "rank_timeline.html", include_plotlyjs=True)
@@ -235,14 +259,42 @@ def _hta(add, gpu, out):
         for r in theirs.itertuples()))
 
 
+def _junit_rows(path: Path, section: str) -> list[dict]:
+    """One row per test case of a JUnit XML file (pytest --junitxml): passed, FAILED or skipped."""
+    import xml.etree.ElementTree as ET
+
+    rows = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = case.get("name", "?")
+        outcome, note = "passed", ""
+        for child in case:
+            message = (child.get("message") or "").strip()
+            first = message.splitlines()[0][:160] if message else ""
+            if child.tag in ("failure", "error"):
+                outcome, note = "FAILED", first
+            elif child.tag == "skipped":
+                outcome, note = "skipped", first
+        rows.append({"section": section, "figure": f"  {name}", "value": outcome,
+                     "note": note or f"{float(case.get('time', 0)):.1f} s"})
+    return rows
+
+
 def table(out: Path) -> str:
-    """figures.json + the tests' and notebooks' lines (status.txt) as one markdown table."""
-    rows = json.loads((out / "figures.json").read_text()) if (out / "figures.json").exists() else []
+    """status.txt's lines in order, each followed by the rows of the file it names, if any."""
     status = (out / "status.txt").read_text().splitlines() if (out / "status.txt").exists() else []
+    rows = []
     for line in status:
-        section, _, rest = line.partition("\t")
-        figure, _, value = rest.partition("\t")
+        section, figure, value, attached = (line.split("\t") + ["", "", "", ""])[:4]
         rows.append({"section": section, "figure": figure, "value": value, "note": ""})
+        path = out / attached if attached else None
+        if path is None or not path.is_file():
+            continue
+        try:
+            rows += (json.loads(path.read_text()) if path.suffix == ".json"
+                     else _junit_rows(path, section))
+        except Exception as e:   # a file cut short by a timeout: say so, keep the rest
+            rows.append({"section": section, "figure": attached, "value": f"unreadable: {e}",
+                         "note": ""})
     lines = ["| section | figure | value | note |", "|---|---|---|---|"]
     for r in rows:
         cells = [str(r[k]).replace("|", "\\|").replace("\n", " ") for k in
@@ -255,7 +307,7 @@ if __name__ == "__main__":
     cmd, out_dir = sys.argv[1], Path(sys.argv[2])
     out_dir.mkdir(parents=True, exist_ok=True)
     if cmd == "figures":
-        figures(out_dir)
+        figures(out_dir, sys.argv[3], sys.argv[4:])
     elif cmd == "table":
         print(table(out_dir))
     else:

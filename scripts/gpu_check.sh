@@ -1,118 +1,179 @@
 #!/usr/bin/env bash
-# The GPU check: one command, under 8 minutes, on a bare GPU machine with only its own torch.
+# The GPU check: one command, under 9 minutes, on a bare GPU machine with only its own torch.
 #
 #   bash scripts/gpu_check.sh              (or: make gpu-check)
 #
 # Environment knobs:
 #   PYTHON=python3       the interpreter that has torch (a GPU image's CUDA build)
 #   WHEELS=wheels        folder of the wheels in scripts/gpu_wheels.txt (make gpu-wheels fetches
-#                        them); installed with --no-deps into $DEPS, put first on PYTHONPATH.
+#                        them); installed with --no-deps into $DIR/deps, put first on PYTHONPATH.
 #                        Not needed where those packages import already.
-#   OUT=/tmp/gpu-check   where figures, traces and logs go
-#   BUDGET_TESTS=180 BUDGET_NOTEBOOK=100   seconds per stage (the whole check stays < 8 min)
+#   GPU_CHECK_DIR=...    where figures, traces, logs and table.md go: a fresh folder of this run's
+#                        own (default /tmp/gpu-check/<UTC time>-<pid>); one that holds files is refused
+#   BUDGET=540           seconds of wall time for the whole check, the table included: no stage
+#   STOP=500             starts after STOP seconds, and each is cut at BUDGET - 15 (the table's)
 #   NOTEBOOKS="00_memory_arithmetic 01_collectives"   notebooks run under nbval
 #
-# Runs: the machine (refimpl env), the figures (scripts/gpu_check.py: ceilings, CUDA memory vs
-# the arithmetic, fp32 and bf16 steps, a CUDA-profiled step with kernels in the rank timeline,
-# the 2-rank equivalence), 2-4 ranks sharing the one GPU (refimpl.shared_device), the test suite (pytest -x -n 4 where pytest-xdist exists, under a time
-# budget), the notebooks that fit, then prints ONE markdown table. On a CPU machine the GPU parts
-# print "skipped: no GPU". On one GPU, NCCL (one GPU per rank) cannot run >= 2 ranks: the suite's
-# multi-rank runs stay on gloo (CPU) and the table says so; the shared-GPU stage runs the NCCL-rules
-# layouts on cuda:0 through the staged backend instead. Exit status: 0 when nothing FAILED.
+# The stages, ordered so the most is learned first; each under its own timeout, each one row of the
+# table (ok, FAILED, TIMED OUT, or not run when the budget is spent):
+#   machine    refimpl env, the numerics settings
+#   (a) issue 35's defects: the rank's CUDA setup (tests/test_cuda_setup.py), labels and bytes of a
+#       backward on autograd's thread (tests/test_backward_thread.py), and from
+#       tests/test_nccl_rules.py the pipeline's posting order under the strict stream, notebook
+#       01's contiguous comparison, zero2 offload's buckets and torch-fsdp2 offload's gather on the
+#       rank's device (on the GPU: every rank on cuda:0 through the staged backend)
+#   (b) CUDA memory against the arithmetic (scripts/gpu_check.py memory)
+#   (c) a CUDA-profiled step: kernels labelled, backward's too (profiled_step)
+#   (d) fp32 and bf16 steps (steps)
+#   (e) several ranks on the one GPU (REFIMPL_SHARED_DEVICE=cuda:0): all of tests/test_nccl_rules.py
+#   then the copy ceilings, NCCL (>= 2 GPUs), the 2-rank equivalence, HTA; the GPU-facing tests;
+#   (f) the notebooks, then the test suite with whatever time is left (-x, under xdist).
+# On a CPU machine the GPU parts print "skipped: no GPU". On one GPU, NCCL (one GPU per rank)
+# cannot run >= 2 ranks: the suite's multi-rank runs stay on gloo (CPU) and the table says so.
+# The table is printed however the check ends (a stage failing or timing out, Ctrl-C, a TERM):
+# the EXIT trap prints it. Exit status: 0 when nothing FAILED, was INTERRUPTED or TIMED OUT
+# (the suite's timeout excepted: it has the time left, whatever that is).
 set -u
 cd "$(dirname "$0")/.."
 REPO=$PWD
 PYTHON=${PYTHON:-python3}
-OUT=${OUT:-/tmp/gpu-check}
-DEPS=${DEPS:-$OUT/deps}
-BUDGET_TESTS=${BUDGET_TESTS:-180}
-BUDGET_NOTEBOOK=${BUDGET_NOTEBOOK:-100}
+BUDGET=${BUDGET:-540}
+STOP=${STOP:-500}
 NOTEBOOKS=${NOTEBOOKS-"00_memory_arithmetic 01_collectives"}
-mkdir -p "$OUT"
-: > "$OUT/status.txt"
+DIR=${GPU_CHECK_DIR:-/tmp/gpu-check/$(date -u +%Y%m%dT%H%M%SZ)-$$}
+if [ -d "$DIR" ] && [ -n "$(ls -A "$DIR" 2>/dev/null)" ]; then
+  echo "gpu_check: GPU_CHECK_DIR=$DIR already holds files (a previous run's): give a fresh folder" >&2
+  exit 2
+fi
+mkdir -p "$DIR/logs" || exit 2
+: > "$DIR/status.txt"
 START=$SECONDS
-say() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$OUT/status.txt"; echo "[gpu_check] $1: $2: $3"; }
+CURRENT=""          # the stage in flight, named in the table if the check is stopped inside it
+STAGE_PID=""        # its timeout process, stopped (with the stage) if the check is
+
+say() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "${4:-}" >> "$DIR/status.txt"; echo "[gpu_check] $1: $2: $3"; }
+
+finish() {
+  trap - EXIT INT TERM
+  if [ -n "$STAGE_PID" ]; then kill -TERM "$STAGE_PID" 2>/dev/null; wait "$STAGE_PID" 2>/dev/null; fi
+  if [ -n "$CURRENT" ]; then say "${CURRENT%%|*}" "${CURRENT#*|}" "INTERRUPTED (the check was stopped inside it)"; fi
+  say total "wall time" "$((SECONDS - START)) s (budget ${BUDGET} s)"
+  {
+    echo
+    echo "## refimpl GPU check"
+    echo
+    "$PYTHON" scripts/gpu_check.py table "$DIR" 2>"$DIR/logs/table.log" ||
+      awk -F'\t' 'BEGIN {print "| section | figure | value |"; print "|---|---|---|"}
+                  {print "| " $1 " | " $2 " | " $3 " |"}' "$DIR/status.txt"
+    echo
+    echo "(files: $DIR: table.md, env.json, figures-*.json, rank_timeline.html, cuda_memory.csv, logs/)"
+  } | tee "$DIR/table.md"
+  # the suite's own TIMED OUT is its budget, not a fault; any other stage's is
+  if grep -qE "FAILED|INTERRUPTED" "$DIR/status.txt" "$DIR"/figures-*.json 2>/dev/null ||
+     grep -v "^(f) suite" "$DIR/status.txt" | grep -q "TIMED OUT"; then
+    exit 1
+  fi
+  exit 0
+}
+trap finish EXIT
+trap 'exit 130' INT TERM
+
+# stage SECTION NAME CAP ATTACH -- command...: run it under min(CAP, what the budget leaves), its
+# output in logs/, its outcome one row. ATTACH: the file of its rows (figures JSON, JUnit XML), or -.
+stage() {
+  local section=$1 name=$2 cap=$3 attach=$4; shift 5
+  local elapsed=$((SECONDS - START))
+  if [ "$elapsed" -ge "$STOP" ]; then
+    say "$section" "$name" "not run: ${elapsed} s spent, no stage starts after ${STOP} s"; return
+  fi
+  local left=$((BUDGET - 15 - elapsed)) t0=$SECONDS rc line
+  local limit=$((cap < left ? cap : left))
+  local log="$DIR/logs/$(echo "$section-$name" | tr -c 'A-Za-z0-9_.\n-' '_' | cut -c1-80).log"
+  [ "$attach" = "-" ] && attach=""
+  CURRENT="$section|$name"
+  # in the background, waited for: a signal to this script then runs its trap at once, rather
+  # than once the stage has ended
+  timeout -k 5 "$limit" "$@" >"$log" 2>&1 &
+  STAGE_PID=$!
+  wait $STAGE_PID
+  rc=$?
+  CURRENT="" STAGE_PID=""
+  line=$(grep -E "[0-9]+ (passed|failed|error)" "$log" | tail -1)
+  case $rc in
+    0) say "$section" "$name" "ok in $((SECONDS - t0)) s${line:+: $line}" "$attach" ;;
+    124|137)
+      local reached
+      reached=$(grep -o '\[ *[0-9]*%\]' "$log" | tail -1)
+      say "$section" "$name" "TIMED OUT after ${limit} s${reached:+ at $reached}${line:+: $line} (see ${log#$DIR/})" "$attach" ;;
+    *) say "$section" "$name" "FAILED (exit $rc) in $((SECONDS - t0)) s${line:+: $line} (see ${log#$DIR/})" "$attach" ;;
+  esac
+}
+
+PYTEST=(env OMP_NUM_THREADS=1 "$PYTHON" -m pytest -q -p no:cacheprovider)
 
 if [ -n "${WHEELS:-}" ]; then
-  "$PYTHON" -m pip install -q --no-index --find-links "$WHEELS" --no-deps --target "$DEPS" \
-    -r scripts/gpu_wheels.txt >"$OUT/wheels.log" 2>&1 \
-    && say setup wheels "installed $(grep -c '==' scripts/gpu_wheels.txt) from $WHEELS into $DEPS" \
-    || say setup wheels "FAILED (see $OUT/wheels.log)"
-  "$PYTHON" -m pip install -q --no-index --find-links "$WHEELS" --no-deps --target "$DEPS" \
-    -r scripts/gpu_wheels_optional.txt >>"$OUT/wheels.log" 2>&1 \
-    && say setup "optional wheels" "HolisticTraceAnalysis installed" \
-    || say setup "optional wheels" "not installed (HTA comparison skipped)"
+  stage setup wheels 90 - -- "$PYTHON" -m pip install -q --no-index --find-links "$WHEELS" --no-deps \
+    --no-compile --target "$DIR/deps" -r scripts/gpu_wheels.txt
+  stage setup "optional wheels (HTA)" 30 - -- "$PYTHON" -m pip install -q --no-index --find-links "$WHEELS" \
+    --no-deps --no-compile --target "$DIR/deps" -r scripts/gpu_wheels_optional.txt
 fi
-export PYTHONPATH="$DEPS:$REPO${PYTHONPATH:+:$PYTHONPATH}"
-export REFIMPL_PROFILES="$OUT/profiles"          # notebooks' traces go here, not into the repo
+export PYTHONPATH="$DIR/deps:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export REFIMPL_PROFILES="$DIR/profiles"          # notebooks' traces go here, not into the repo
 export MPLBACKEND=Agg
+GPU=0
+"$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null && GPU=1
+# The staged backend's device: every rank on cuda:0 on a GPU machine, the CPU elsewhere (make test's)
+SHARED=$([ $GPU = 1 ] && echo cuda:0 || echo cpu)
 
-"$PYTHON" -m refimpl env | tee "$OUT/env.txt"
+stage machine "refimpl env" 60 - -- "$PYTHON" -m refimpl env
+cp "$DIR/logs/machine-refimpl_env.log" "$DIR/env.txt" 2>/dev/null
+stage machine "figures: machine, numerics" 60 figures-machine.json -- \
+  "$PYTHON" scripts/gpu_check.py figures "$DIR" machine machine numerics
 
-# The figures (each part reports itself, a failing part is recorded and the rest still run).
-timeout 240 "$PYTHON" scripts/gpu_check.py figures "$OUT" 2>"$OUT/figures.log" \
-  || say figures "gpu_check.py" "FAILED or timed out (exit $?; see $OUT/figures.log)"
+# (a) The defects issue 35 fixed, first: they are why this check exists.
+# From test_nccl_rules, the tests of those defects and of the helpers run on a staged world (the
+# strategies' runs are stage (e)'s); the other two files whole.
+DEFECTS="test_cuda_setup or test_backward_thread or strict_stream or stream_order or argument_rules"
+DEFECTS="($DEFECTS or offload or refuses or nccl_s_rules) and not posting_order_alone"
+stage "(a) issue 35" "CUDA setup, backward's thread, NCCL rules (ranks on $SHARED, staged)" 240 junit-a.xml -- \
+  env REFIMPL_SHARED_DEVICE="$SHARED" "${PYTEST[@]}" --junitxml="$DIR/junit-a.xml" \
+  tests/test_cuda_setup.py tests/test_backward_thread.py tests/test_nccl_rules.py -k "$DEFECTS"
 
-# The GPU-facing tests first (they must run whatever the budget), then the whole suite.
-timeout 120 env OMP_NUM_THREADS=1 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_env.py \
-  tests/test_ceilings.py tests/test_cuda_memory.py tests/test_gpu_trace.py >"$OUT/tests-gpu.log" 2>&1
-rc=$?
-line=$(grep -E "passed|failed|error" "$OUT/tests-gpu.log" | tail -1)
-[ $rc -eq 0 ] && say tests "GPU-facing tests (env, ceilings, cuda_memory, gpu_trace)" "ok: $line" \
-  || say tests "GPU-facing tests (env, ceilings, cuda_memory, gpu_trace)" "FAILED (exit $rc): $line (see $OUT/tests-gpu.log)"
+# (b)-(d) The figures, one stage each (scripts/gpu_check.py).
+stage "(b) cuda memory" "memory_allocated against the arithmetic" 120 figures-memory.json -- \
+  "$PYTHON" scripts/gpu_check.py figures "$DIR" memory memory
+stage "(c) profiled step" "a CUDA-profiled step, its kernels' labels" 120 figures-profiled.json -- \
+  "$PYTHON" scripts/gpu_check.py figures "$DIR" profiled profiled_step
+stage "(d) steps" "fp32 and bf16 steps" 120 figures-steps.json -- \
+  "$PYTHON" scripts/gpu_check.py figures "$DIR" steps steps
 
-# Several ranks on the one GPU (refimpl.shared_device): every strategy, schedule and twin of
+# (e) Several ranks on the one GPU (refimpl.shared_device): every strategy, schedule and twin of
 # tests/test_nccl_rules.py on cuda:0 tensors, 2 and 4 ranks, collectives staged through gloo; a
-# tensor off the device fails the call as NCCL would. Needs a GPU: skipped on a CPU machine.
-if "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  timeout 240 env OMP_NUM_THREADS=1 REFIMPL_SHARED_DEVICE=cuda:0 "$PYTHON" -m pytest -q \
-    -p no:cacheprovider tests/test_nccl_rules.py >"$OUT/tests-shared-gpu.log" 2>&1
-  rc=$?
-  line=$(grep -E "passed|failed|error" "$OUT/tests-shared-gpu.log" | tail -1)
-  [ $rc -eq 0 ] && say tests "ranks sharing cuda:0 (test_nccl_rules, staged)" "ok: $line" \
-    || say tests "ranks sharing cuda:0 (test_nccl_rules, staged)" "FAILED (exit $rc): $line (see $OUT/tests-shared-gpu.log)"
+# tensor off the device fails the call as NCCL would. make test runs the same file on the CPU.
+if [ $GPU = 1 ]; then
+  stage "(e) shared GPU" "ranks sharing cuda:0 (test_nccl_rules, staged)" 300 - -- \
+    env REFIMPL_SHARED_DEVICE=cuda:0 "${PYTEST[@]}" tests/test_nccl_rules.py
 else
-  say tests "ranks sharing cuda:0 (test_nccl_rules, staged)" "skipped: no GPU"
+  say "(e) shared GPU" "ranks sharing cuda:0 (test_nccl_rules, staged)" \
+    "skipped: no GPU (make test runs this file with the ranks on the CPU)"
 fi
 
-# The test suite, under a budget: -x stops at the first failure, xdist spreads it over cores.
-XDIST=""
-"$PYTHON" -c "import xdist" 2>/dev/null && XDIST="-n 4 --dist loadfile"   # a module (and its launch-once caches) per worker
-timeout "$BUDGET_TESTS" env OMP_NUM_THREADS=1 "$PYTHON" -m pytest tests/ -q -x $XDIST \
-  -p no:cacheprovider --ignore=tests/test_e2e_browser.py --junitxml="$OUT/tests.xml" \
-  >"$OUT/tests.log" 2>&1
-rc=$?
-tail_line=$(grep -E "passed|failed|error" "$OUT/tests.log" | tail -1)
-if [ $rc -eq 124 ]; then
-  reached=$(grep -o '\[ *[0-9]*%\]' "$OUT/tests.log" | tail -1)
-  say tests "pytest tests/ (budget ${BUDGET_TESTS} s)" "TIMED OUT at ${reached:-0%} of the suite, no failure before it (-x)"
-elif [ $rc -eq 0 ]; then
-  say tests "pytest tests/" "ok: ${tail_line}"
-else
-  say tests "pytest tests/" "FAILED: ${tail_line} (see $OUT/tests.log)"
-fi
+stage figures "ceilings, NCCL, equivalence, HTA" 150 figures-more.json -- \
+  "$PYTHON" scripts/gpu_check.py figures "$DIR" more ceilings nccl_step equivalence hta
+stage tests "GPU-facing tests (env, ceilings, cuda_memory, gpu_trace, moe_slots)" 150 - -- \
+  "${PYTEST[@]}" tests/test_env.py tests/test_ceilings.py tests/test_cuda_memory.py \
+  tests/test_gpu_trace.py tests/test_moe_slots.py
 
-# The notebooks that fit in the time left.
+# (f) The notebooks that fit, then the suite with the time left (-x stops at the first failure;
+# xdist spreads it over cores, one module per worker for its launch-once caches).
 for nb in $NOTEBOOKS; do
-  left=$(( 420 - (SECONDS - START) ))
-  if [ $left -lt 60 ]; then say notebooks "$nb" "skipped: the 7-minute budget is spent"; continue; fi
-  budget=$(( left < BUDGET_NOTEBOOK ? left : BUDGET_NOTEBOOK ))
-  t0=$SECONDS
-  timeout "$budget" env OMP_NUM_THREADS=1 "$PYTHON" -m pytest --nbval-lax "notebooks/$nb.ipynb" -q \
-    -p no:cacheprovider >"$OUT/nb-$nb.log" 2>&1
-  rc=$?
-  case $rc in
-    0) say notebooks "$nb" "ok in $((SECONDS - t0)) s" ;;
-    124) say notebooks "$nb" "TIMED OUT after ${budget} s" ;;
-    *) say notebooks "$nb" "FAILED: $(grep -E 'passed|failed|error' "$OUT/nb-$nb.log" | tail -1) (see $OUT/nb-$nb.log)" ;;
-  esac
+  stage notebooks "$nb" 150 - -- "${PYTEST[@]}" --nbval-lax "notebooks/$nb.ipynb"
 done
-
-say total "wall time" "$((SECONDS - START)) s"
-echo
-echo "## refimpl GPU check"
-echo
-"$PYTHON" scripts/gpu_check.py table "$OUT"
-echo
-echo "(files: $OUT: env.json, figures.json, rank_timeline.html, cuda_memory.csv, d2d_copy_sweep.csv, logs)"
-! grep -q "FAILED" "$OUT/status.txt" "$OUT/figures.json" 2>/dev/null
+XDIST=""
+if "$PYTHON" -c "import xdist" 2>/dev/null; then
+  workers=$(( $(nproc) / 2 )); workers=$(( workers < 2 ? 2 : workers > 8 ? 8 : workers ))
+  XDIST="-n $workers --dist loadfile"
+fi
+stage "(f) suite" "pytest tests/ -m 'not full' -x ${XDIST}, with the time left" "$BUDGET" - -- \
+  "${PYTEST[@]}" tests/ -x $XDIST -m "not full" --ignore=tests/test_e2e_browser.py
+# the EXIT trap prints the table

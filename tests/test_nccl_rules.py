@@ -18,7 +18,12 @@
   and fails at the stream's timeout naming the blocked operation: the pipeline's old one-ahead
   posting does (`test_the_strict_stream_hangs_the_old_posting...`), every run below does not.
   Not only the training loop: the notebooks' own helpers and the bench scripts' ranks run on a
-  staged world too (`staged_launch`); the pipeline helper of notebook 07 hung there before.
+  staged world too (`staged_launch`); the pipeline helper of notebook 07 hung there before. The
+  training variants that notebooks 03-06, 08 and 09 and scripts/bench_{dp,fsdp,tp,composition}.py
+  run (bucket sizes, FSDP's modes and offload, checkpointing, MoE capacity and balancing, the
+  twins) are in RUNS. Not here: notebook 10's faults (each a wrong number or a hang on purpose,
+  on strategies RUNS has), notebook 11 and scripts/bench_plan_cpu.py's planner (its layouts are
+  compositions RUNS has), and bf16 (RUNS compare in float64).
 * **NCCL's argument rules.** The staged backend also refuses a non-contiguous tensor, a dtype
   NCCL has no type for and a reduce op it lacks (refimpl.shared_device), so every run here keeps
   them; notebook 01's comparison handed torch a transposed tensor before.
@@ -43,8 +48,8 @@ from tests.models import SMALL
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
 
-def cfg(strategy, world, m=2, *, layers=4, experts=0, **kw):
-    model = GPTConfig(**{**SMALL.to_dict(), "n_layers": layers, "n_experts": experts})
+def cfg(strategy, world, m=2, *, layers=4, experts=0, moe=None, **kw):
+    model = GPTConfig(**{**SMALL.to_dict(), "n_layers": layers, "n_experts": experts, **(moe or {})})
     return TrainConfig(strategy=strategy, nproc=world, steps=2, global_batch=8, micro_batches=m,
                        return_state=True, dtype="float64", model=model, **kw)
 
@@ -66,12 +71,31 @@ RUNS = {
         "ep, 4 experts": cfg("ep", 2, 1, experts=4),    # m = 1: capacity is per micro-batch
         # PyTorch's twins through the same backend: their collectives are staged too
         "torch-ddp": cfg("torch-ddp", 2), "torch-fsdp2": cfg("torch-fsdp2", 2),
-        "torch-tp": cfg("torch-tp", 2, tp=2), "torch-pp-1f1b m4": cfg("torch-pp-1f1b", 2, 4, pp=2)},
+        "torch-tp": cfg("torch-tp", 2, tp=2), "torch-pp-1f1b m4": cfg("torch-pp-1f1b", 2, 4, pp=2),
+        # the variants the notebooks (03-06, 08) and the bench scripts (bench_dp, bench_fsdp,
+        # bench_tp) train beyond the ones above, each once: what they send differs
+        "zero1, 1 MB buckets": cfg("zero1", 2, options={"bucket_mb": 1.0}),
+        "dp, 1 MB buckets": cfg("dp", 2, options={"bucket_mb": 1.0}),
+        "torch-zero1": cfg("torch-zero1", 2), "torch-fsdp2-gradop": cfg("torch-fsdp2-gradop", 2),
+        "fsdp grad_op": cfg("fsdp", 2, options={"sharding": "grad_op"}),
+        "fsdp overlap_reduce": cfg("fsdp", 2, options={"overlap_reduce": True}),
+        "fsdp offload": cfg("fsdp", 2, options={"offload": True}),
+        "fsdp checkpointing": cfg("fsdp", 2, activation_checkpointing=True),
+        "tp": cfg("tp", 2, tp=2), "torch-tp + sp": cfg("torch-tp", 2, tp=2, sequence_parallel=True),
+        "ep top-1, capacity 0.5": cfg("ep", 2, 1, experts=4, moe={"top_k": 1, "capacity_factor": 0.5}),
+        "ep, bias balancing": cfg("ep", 2, 1, experts=4, moe={"balance": "bias", "bias_gamma": 0.01})},
     4: {"zero1 dp2 x pp2, rebuilt collectives": cfg("zero1", 4, 2, pp=2, collectives="refimpl"),
         "pp2 x cp2": cfg("dp-naive", 4, 2, pp=2, cp=2),
         "ring over tp heads tp2 x cp2 + sp": cfg("zero1", 4, 2, tp=2, cp=2, sequence_parallel=True),
-        "pp-zbv 4 stages m4": cfg("pp-zbv", 4, 4, pp=4, layers=8)},
+        "pp-zbv 4 stages m4": cfg("pp-zbv", 4, 4, pp=4, layers=8),
+        # scripts/bench_composition.py's pair (notebook 09 too)
+        "fsdp dp2 x tp2 + sp": cfg("fsdp", 4, tp=2, sequence_parallel=True),
+        "torch-fsdp2-tp dp2 x tp2 + sp": cfg("torch-fsdp2-tp", 4, tp=2, sequence_parallel=True)},
 }
+if os.environ.get("REFIMPL_SHARED_DEVICE", "cpu").startswith("cuda"):
+    # CPUOffloadPolicy only where there is a device to offload from (torch_fsdp2.py): on the GPU
+    # check's shared cuda:0, the host shards gathered on the device (full_tensor_on)
+    RUNS[2]["torch-fsdp2 offload"] = cfg("torch-fsdp2", 2, options={"offload": True})
 # Factory calls made on the host on purpose, each for a reason (refimpl path, function):
 HOST_BY_DESIGN = {
     # the reference is built on the host from the seed (the same weights on every rank and
@@ -82,6 +106,8 @@ HOST_BY_DESIGN = {
     ("refimpl/model/data.py", "synthetic_batch"),
     # the rank grid arange(world).view(dp, pp, cp, tp): arithmetic on rank numbers, never sent
     ("refimpl/mesh.py", "grid"),
+    # the same grid for torch-fsdp2-tp's 2-D DeviceMesh, which keeps its mesh on the host
+    ("refimpl/compose/torch_fsdp2_tp.py", "dp_tp_device_mesh"),
 }
 
 
@@ -327,7 +353,8 @@ def _notebook_and_bench_paths(rank: int, world: int) -> dict:
     argument rules), each small: notebook 07's and scripts/bench_bubble.py's pipeline profile
     (measure.run_each of profile_pipeline), scripts/bench_pp.py's rank, notebook 01's comparison
     with torch.distributed, its primitives and overlap demo, notebook 06's tp checks, notebook
-    09's ring-attention measure and scripts/bench_collectives.py's sweep (cost.bench). Each
+    09's ring-attention measure, scripts/bench_collectives.py's sweep (cost.bench) and
+    torch-fsdp2's gather of offloaded shards (`_fsdp2_offload_gather`). Each
     path's error, if any, is kept and the next one runs (a failed pipeline only fails its own
     group's stream)."""
     from refimpl.comm.async_demo import overlap_demo
@@ -359,6 +386,53 @@ def _notebook_and_bench_paths(rank: int, world: int) -> dict:
     attempt("tp checks", lambda: all_checks(rank, world, models=()))   # layers; the models cost seconds
     attempt("ring attention", ring_rank, rank, world)
     attempt("collectives sweep", lambda: sweep_rank(rank, world, sizes=[4, 4096], warmup=1, repeats=1))
+    attempt("torch-fsdp2 offload gather", _fsdp2_offload_gather, rank, world)
+    return out
+
+
+def _fsdp2_offload_gather(rank: int, world: int) -> dict:
+    """torch-fsdp2's state dict under CPUOffloadPolicy: each parameter a DTensor whose local shard
+    lives in host memory while its mesh is the device's, built as FSDP2 builds it
+    (_from_local_no_grad). `full_tensor()` hands the host shard to the all-gather; `full_tensor_on`
+    (the strategy's full_state_dict) gathers on the device. On a GPU the device is the staged
+    world's (cuda:0) and the gathered values are returned; on a CPU-only machine host and device
+    are one memory, so the device stands on `meta` (a staged group of its own), as in
+    test_zero2_offload_reduces_on_the_rank_s_device: where each tensor lives is the point."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    from refimpl import shared_device
+    from refimpl.parallel.fsdp.torch_fsdp2 import full_tensor_on
+
+    group = dist.group.WORLD
+    if group.device.type == "cpu":
+        saved = os.environ.get(shared_device.ENV)
+        os.environ[shared_device.ENV] = "meta"        # read by the staged backend's group factory
+        try:
+            group = dist.new_group(list(range(world)), backend="staged")
+        finally:
+            if saved is None:
+                del os.environ[shared_device.ENV]
+            else:
+                os.environ[shared_device.ENV] = saved
+    device = group.device
+    host_shard = torch.arange(6, dtype=torch.float64).view(3, 2) + 100 * rank
+    spec = DTensorSpec(DeviceMesh.from_group(group, device.type), (Shard(0),),
+                       tensor_meta=TensorMeta(torch.Size([3 * world, 2]), (2, 1), torch.float64))
+    offloaded = _from_local_no_grad(host_shard, spec)
+    out = {}
+    try:
+        offloaded.full_tensor()
+        out["full_tensor"] = "gathered the host shards"
+    except RuntimeError as e:
+        out["full_tensor"] = str(e)
+    whole = full_tensor_on(offloaded, device)
+    out["device"], out["shape"] = str(whole.device), tuple(whole.shape)
+    out["values"] = None if device.type == "meta" else whole.cpu().tolist()
     return out
 
 
@@ -415,3 +489,20 @@ def test_every_other_notebook_and_bench_helper_runs_under_nccl_s_rules(staged_la
               "collectives sweep"]
     failed = {name: r[name] for r in staged_launch for name in others if isinstance(r[name], str)}
     assert failed == {}, failed
+
+
+def test_torch_fsdp2_offload_gathers_its_host_shards_on_the_device(staged_launch):
+    """torch-fsdp2 with offload (issue 35): FSDP2 keeps the shards in host memory, and the state
+    dict's gather handed them to the all-gather as they were, which NCCL refuses and so does the
+    staged backend; full_tensor_on moves each shard to the rank's device first. (The whole
+    strategy with offload runs in RUNS on the GPU check's shared cuda:0; on CPU ranks FSDP2 has
+    nowhere to offload from.)"""
+    got = [r["torch-fsdp2 offload gather"] for r in staged_launch]
+    assert not any(isinstance(g, str) for g in got), got
+    world = len(got)
+    for g in got:
+        assert "all_gather" in g["full_tensor"] and "a tensor on cpu" in g["full_tensor"], g
+        assert g["device"] != "cpu" and g["shape"] == (3 * world, 2), g
+        if g["values"] is not None:   # a GPU: rank r's rows are 100 r + 0..5
+            assert g["values"] == [[100 * r + 2 * i + j for j in range(2)] for r in range(world)
+                                   for i in range(3)], g

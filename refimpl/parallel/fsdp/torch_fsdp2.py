@@ -11,7 +11,8 @@ FlatParams do); the optimizer then runs on the local shards.
 
 --mixed-precision bf16 maps to MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), the
 policy our own strategies use; --set offload=true to CPUOffloadPolicy (which needs a GPU to mean
-anything: on CPU ranks there is nowhere to offload from).
+anything: on CPU ranks there is nowhere to offload from); the full state dict is then gathered on
+the device (`full_tensor_on`).
 """
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ class TorchFSDP2(Strategy):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Each DTensor gathered over dp x cp (FSDP2's shards; buffers such as the MoE layer's
         expert bias are not DTensors), then over the axes our transforms split it on (tp)."""
-        local = {k: v.full_tensor() if isinstance(v, DTensor) else v
+        device = self.ctx.device
+        local = {k: full_tensor_on(v, device) if isinstance(v, DTensor) else v
                  for k, v in self.model.state_dict().items()}
         return gather_full_state_dict(local, self.model, self.mesh, self.comm, self.placed)
 
@@ -104,6 +106,19 @@ class TorchFSDP2(Strategy):
                 gathered += [fp._unsharded_param for fp in group.fsdp_params
                              if hasattr(fp, "_unsharded_param")]
         return gathered
+
+
+def full_tensor_on(t: DTensor, device: torch.device) -> torch.Tensor:
+    """The whole of the sharded `t`, all-gathered on `device` (the rank's). Under CPUOffloadPolicy
+    FSDP2 keeps each local shard in host memory while the mesh is the GPUs', and `full_tensor()`
+    would hand the host tensors to the all-gather, which NCCL refuses ("Tensors must be CUDA and
+    dense"); FSDP2's own unshard copies the shard to the device first too. Without offload the
+    shard is on the device already and this is `full_tensor()`."""
+    local = t.to_local()
+    if local.device != device:
+        t = DTensor.from_local(local.to(device), t.device_mesh, t.placements, run_check=False,
+                               shape=t.shape, stride=t.stride())
+    return t.full_tensor()
 
 
 class TorchFSDP2GradOp(TorchFSDP2):
