@@ -12,7 +12,9 @@ combine). So the layouts are generated, not listed. A layout is one value of eve
     tp, pp, cp       the divisors of the world (dp = world / (pp·cp·tp))
     schedule         with --pp > 1 and a strategy that does not name its own: every schedule
     virtual_stages   under an interleaved schedule: 1 or 2 chunks per rank
-    experts          0 (dense) or 4 (top-2, a capacity that drops tokens)
+    arch             gpt (GPT-2's block) or llama (RMSNorm, SwiGLU, rotary, 2 key/value heads for
+                     4 query heads: split by tp 2, shared by two ranks each under tp 4)
+    experts          0 (dense) or 4 (top-2, a capacity that drops tokens; Mixtral's under llama)
     balance, capacity_scope, ep     with experts: none / aux / bias, batch / sequence, ep | world
     sequence_parallel, checkpointing, micro_batches (1, 2, 4, 8), collectives (torch, refimpl),
     precision (float64, or bf16 autocast over float32 weights)
@@ -55,6 +57,7 @@ WORLDS = (2, 3, 4, 8)
 AXIS_SIZES = {"tp": (1, 2, 4), "pp": (1, 2, 3, 4), "cp": (1, 2, 4), "ep": (1, 2, 4)}
 MATRIX_MODEL = GPTConfig(vocab_size=32, d_model=16, n_heads=4, n_layers=4)
 SEQ_LEN = 8
+LLAMA_KV_HEADS = 2     # --arch llama: grouped-query attention, 2 query heads to a key/value head
 EXPERTS = dict(top_k=2, capacity_factor=0.75)   # 4 experts, top-2: some tokens overflow each step
 GLOBAL_BATCH, STEPS = 96, 2
 
@@ -118,6 +121,7 @@ FACTORS: tuple[Factor, ...] = (
     Factor("cp", lambda lay: _grid_fits(lay, "cp")),
     Factor("schedule", _schedules),
     Factor("virtual_stages", _virtual),
+    Factor("arch", lambda _: ("gpt", "llama")),
     Factor("experts", lambda _: (0, 4)),
     Factor("balance", _moe(("none", "aux", "bias"))),
     Factor("capacity_scope", _moe(("batch", "sequence"))),
@@ -148,6 +152,8 @@ class Layout:
         if get("experts"):
             moe = dict(n_experts=get("experts"), balance=get("balance"),
                        capacity_scope=get("capacity_scope"), **EXPERTS)
+        if get("arch") == "llama":
+            moe.update(arch="llama", n_kv_heads=LLAMA_KV_HEADS)
         bf16 = get("precision") == "bf16"
         return TrainConfig(
             strategy=get("strategy"), nproc=get("world"), steps=STEPS, global_batch=GLOBAL_BATCH,
@@ -175,6 +181,8 @@ class Layout:
             out += ["--schedule", get("schedule")]
         if get("virtual_stages") not in (None, 1):
             out += ["--virtual-stages", str(get("virtual_stages"))]
+        if get("arch") == "llama":
+            out += ["--arch", "llama", "--kv-heads", str(LLAMA_KV_HEADS)]
         if get("experts"):
             out += ["--experts", str(get("experts")), "--top-k", str(EXPERTS["top_k"]),
                     "--capacity-factor", str(EXPERTS["capacity_factor"]),
@@ -197,7 +205,7 @@ class Layout:
                         if v is not None and v != QUIET.get(n, object()))
 
 
-QUIET = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "virtual_stages": 1, "experts": 0,
+QUIET = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "virtual_stages": 1, "arch": "gpt", "experts": 0,
          "sequence_parallel": False, "checkpointing": False, "micro_batches": 1,
          "collectives": "torch", "precision": "float64", "option": ()}
 
@@ -400,7 +408,7 @@ PRECISION = NAMES.index("precision")
 DOMAINS: dict[str, tuple] = {
     "world": WORLDS, "strategy": COVER_STRATEGIES,
     "tp": AXIS_SIZES["tp"], "pp": AXIS_SIZES["pp"], "cp": AXIS_SIZES["cp"],
-    "schedule": SCHEDULES, "virtual_stages": (1, 2), "experts": (0, 4),
+    "schedule": SCHEDULES, "virtual_stages": (1, 2), "arch": ("gpt", "llama"), "experts": (0, 4),
     "balance": ("none", "aux", "bias"), "capacity_scope": ("batch", "sequence"),
     "ep": AXIS_SIZES["ep"], "sequence_parallel": (False, True), "checkpointing": (False, True),
     "micro_batches": (1, 2, 4, 8), "collectives": ("torch", "refimpl"),
