@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from refimpl.labels import phase
+from refimpl.model.gqa import grouped_qkv
 from refimpl.parallel.cp.ring import positions, ring_attention
 from refimpl.parallel.tp.layers import ParallelSelfAttention, enter_region
 from refimpl.parallel.tp.vocab import VocabParallelEmbedding
@@ -56,6 +57,30 @@ class RingParallelSelfAttention(nn.Module):
             return self.o(out)
 
 
+class RingParallelGroupedAttention(nn.Module):
+    """ParallelGroupedAttention's modules (names unchanged): this tp rank's query heads and the
+    key/value heads they read, rotated by this cp rank's global positions, ringed over
+    `cp_group` (refimpl.parallel.cp.parallelize.RingGroupedAttention, on a tp rank's heads)."""
+
+    def __init__(self, attn, cp_group, rank: int, cp: int, balanced: bool = True):
+        super().__init__()
+        self.q, self.k, self.v, self.o = attn.q, attn.k, attn.v, attn.o
+        self.n_heads, self.n_kv_heads, self.theta = attn.n_heads, attn.n_kv_heads, attn.theta
+        self.label = attn.label
+        self.group, self.sequence_parallel, self.comm = attn.group, attn.sequence_parallel, attn.comm
+        self.cp_group, self.rank, self.cp, self.balanced = cp_group, rank, cp, balanced
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with phase(self.label):
+            x = enter_region(x, self.group, self.sequence_parallel, self.comm)
+            where = _cp_positions(x.shape[1], x.device, rank=self.rank, cp=self.cp,
+                                  balanced=self.balanced)
+            q, k, v = grouped_qkv(self.q(x), self.k(x), self.v(x), self.n_heads,
+                                  self.n_kv_heads, where, self.theta)
+            return self.o(ring_attention(q, k, v, self.n_heads, self.cp_group,
+                                         balanced=self.balanced))
+
+
 def _cp_positions(length: int, device, *, rank: int, cp: int, balanced: bool) -> torch.Tensor:
     """The global positions of a cp rank's `length` tokens (its two chunks of a cp·length sequence)."""
     return positions(rank, cp, length * cp, balanced=balanced, device=device)
@@ -71,7 +96,9 @@ def apply_context_parallel_over_tp(model: nn.Module, cp_group, rank: int, cp: in
                         "(refimpl.parallel.tp.parallelize_tp first)")
     model.embed.position_ids = functools.partial(_cp_positions, rank=rank, cp=cp, balanced=balanced)
     for block in model.blocks:
-        block.attn = RingParallelSelfAttention(block.attn, cp_group, balanced)
+        block.attn = (RingParallelGroupedAttention(block.attn, cp_group, rank, cp, balanced)
+                      if hasattr(block.attn, "n_kv_heads") else
+                      RingParallelSelfAttention(block.attn, cp_group, balanced))
     return model
 
 

@@ -48,9 +48,6 @@ def validate_model_parallel(cfg, strategy) -> None:
     if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):
         raise LayoutError(f"--seq-len {cfg.seq_len} must be divisible by 2 x cp = {2 * cfg.cp}: "
                           "ring attention cuts each sequence into 2·cp equal chunks")
-    if cfg.model.arch == "llama" and cfg.cp > 1:
-        raise LayoutError("--arch llama runs with cp = 1 so far: ring attention rings GPT-2's "
-                          "multi-head attention, not grouped-query attention with rotary positions")
     if cfg.model.arch == "llama" and cfg.tp > 1 and not strategy.takes_our_transforms:
         raise LayoutError(f"--arch llama with {cfg.strategy!r} and --tp: PyTorch's DTensor plan "
                           "here names GPT-2's layers (ours split grouped-query attention and SwiGLU)")

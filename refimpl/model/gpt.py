@@ -21,9 +21,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from refimpl.model import parts
 from refimpl.model.config import GPTConfig
 from refimpl.model.moe import MoEMLP, recompute_contexts
+from refimpl.model.parts import feed_forward, learned_positions, norm, self_attention
 
 
 class Block(nn.Module):
@@ -31,9 +31,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln1 = parts.norm(cfg)
-        self.attn = parts.self_attention(cfg)
-        self.ln2 = parts.norm(cfg)
+        self.ln1 = norm(cfg)
+        self.attn = self_attention(cfg)
+        self.ln2 = norm(cfg)
         self.mlp = make_mlp(cfg)
 
         # Activation checkpointing (refimpl.model.activation_checkpointing): keep only the
@@ -56,7 +56,7 @@ def make_mlp(cfg: GPTConfig) -> nn.Module:
     """The block's feed-forward layer: dense, or a mixture of experts when cfg.n_experts > 0."""
     if cfg.n_experts > 0:
         return MoEMLP(cfg)
-    return parts.feed_forward(cfg)
+    return feed_forward(cfg)
 
 
 class Embedding(nn.Module):
@@ -64,7 +64,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         # Llama has no position table: its positions are rotations inside attention
-        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model) if parts.learned_positions(cfg) else None
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model) if learned_positions(cfg) else None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if self.pos is None:
@@ -79,7 +79,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.embed = Embedding(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.final_norm = parts.norm(cfg)
+        self.final_norm = norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.tok.weight

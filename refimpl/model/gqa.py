@@ -10,12 +10,11 @@ scores are the activation term notebook 00 measures.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 
 from refimpl.model.config import GPTConfig
+from refimpl.model.layers import attention
 from refimpl.model.rotary import rotary_tables, rotate
 
 
@@ -41,16 +40,21 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads
     """Causal attention on [batch, seq, heads·head_dim] queries and [batch, seq, kv_heads·head_dim]
     keys and values, the tokens at `positions` (their rotary angles). `n_heads`, `n_kv_heads`:
     the heads in these tensors (a tensor-parallel rank's share)."""
+    return attention(*grouped_qkv(q, k, v, n_heads, n_kv_heads, positions, theta), n_heads)
+
+
+def grouped_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int, n_kv_heads: int,
+                positions: torch.Tensor, theta: float) -> tuple[torch.Tensor, ...]:
+    """Q and K rotated by their tokens' positions, K and V widened to one head per query head
+    (each key/value head serving its group of consecutive query heads): the inputs multi-head
+    attention takes, [batch, seq, n_heads·head_dim] each (refimpl.model.layers.attention, or
+    context parallelism's ring attention on a rank's slice of the sequence)."""
     b, s, width = q.shape
     hd = width // n_heads
     q = q.view(b, s, n_heads, hd).transpose(1, 2)
     k, v = (t.view(b, s, n_kv_heads, hd).transpose(1, 2) for t in (k, v))
     cos, sin = rotary_tables(positions, hd, theta, q.dtype)
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-    # each key/value head serves its group of consecutive query heads
     group = n_heads // n_kv_heads
     k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
-    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-    probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
-    return (probs @ v).transpose(1, 2).reshape(b, s, width)
+    return tuple(t.transpose(1, 2).reshape(b, s, width) for t in (q, k, v))

@@ -87,7 +87,10 @@ def moe_form(name: str, shape) -> dict:
     the batch scope refuses data parallelism with micro-batches (refimpl.model.moe_layout), which
     `default_batch` always has for pp > 1."""
     if not shape.n_experts:
-        return {}
+        # a dense Llama preset runs Llama's own block (refimpl.model.parts): SwiGLU of its width,
+        # its key/value heads, rotary positions
+        return (dict(arch="llama", n_kv_heads=shape.kv_heads, ffn_hidden=shape.mlp_width)
+                if shape.block == "llama" else {})
     ratio = round(shape.mlp_width / shape.d_model)
     if ratio < 1:
         raise LayoutError(f"--model {name}: experts of width {shape.mlp_width} < d_model "

@@ -6,8 +6,10 @@
 
 Only two things in the model see more than one token at a time, so only they change:
   * attention: each block's CausalSelfAttention becomes RingSelfAttention -- the same q, k, v, o
-    Linear modules (parameter names unchanged) around refimpl.parallel.cp.ring.ring_attention;
-  * position embeddings: a token's position is its place in the full sequence, not in the slice.
+    Linear modules (parameter names unchanged) around refimpl.parallel.cp.ring.ring_attention
+    (Llama's grouped-query attention: RingGroupedAttention);
+  * positions: a token's position is its place in the full sequence, not in the slice (the
+    position table's row, or Llama's rotary angle).
 Everything else (LayerNorm, MLP, the head, the loss) works token by token. On a tensor-parallel
 model (tp x cp) refimpl.compose.tp_cp makes the same two changes to tp's layers instead: each tp
 rank rings its own heads' K/V.
@@ -25,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from refimpl.model import GPT, Batch
+from refimpl.model.gqa import grouped_qkv
 from refimpl.parallel.cp.ring import positions, ring_attention, shard_sequence
 
 
@@ -42,6 +45,27 @@ class RingSelfAttention(nn.Module):
         return self.o(out)
 
 
+class RingGroupedAttention(nn.Module):
+    """Llama's grouped-query attention (refimpl.model.gqa) with ring attention in the middle: Q
+    and K rotated by this rank's tokens' global positions (its two chunks of each sequence),
+    then K and V widened to one head per query head before the ring. The ring therefore carries
+    n_heads / n_kv_heads times the K/V bytes a ring of the key/value heads alone would (that
+    ring, and its bytes in refimpl.cost.cp_comm, are not built here)."""
+
+    def __init__(self, attn: nn.Module, group, rank: int, cp: int, balanced: bool = True):
+        super().__init__()
+        self.q, self.k, self.v, self.o = attn.q, attn.k, attn.v, attn.o
+        self.n_heads, self.n_kv_heads, self.theta = attn.n_heads, attn.n_kv_heads, attn.theta
+        self.group, self.rank, self.cp, self.balanced = group, rank, cp, balanced
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        where = positions(self.rank, self.cp, x.shape[1] * self.cp, balanced=self.balanced,
+                          device=x.device)
+        q, k, v = grouped_qkv(self.q(x), self.k(x), self.v(x), self.n_heads, self.n_kv_heads,
+                              where, self.theta)
+        return self.o(ring_attention(q, k, v, self.n_heads, self.group, balanced=self.balanced))
+
+
 class SlicedEmbedding(nn.Module):
     """Token + position embedding for a slice of the sequence: positions of this rank's chunks."""
 
@@ -51,6 +75,8 @@ class SlicedEmbedding(nn.Module):
         self.rank, self.cp, self.balanced = rank, cp, balanced
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.pos is None:        # Llama: positions are rotations, inside attention
+            return self.tok(idx)
         full_len = idx.shape[1] * self.cp
         where = positions(self.rank, self.cp, full_len, balanced=self.balanced, device=idx.device)
         return self.tok(idx) + self.pos(where)
@@ -69,7 +95,9 @@ def apply_context_parallel(model: GPT, group, *, balanced: bool = True) -> GPT:
         return model
     model.embed = SlicedEmbedding(model.embed, rank, cp, balanced)
     for block in model.blocks:
-        block.attn = RingSelfAttention(block.attn, group, balanced)
+        block.attn = (RingGroupedAttention(block.attn, group, rank, cp, balanced)
+                      if hasattr(block.attn, "n_kv_heads") else
+                      RingSelfAttention(block.attn, group, balanced))
     return model
 
 

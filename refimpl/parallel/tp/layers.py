@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from refimpl.cost.tp_comm import kv_heads_per_rank
 from refimpl.labels import phase
 from refimpl.model import attention
 from refimpl.model.gqa import grouped_attention
@@ -278,19 +279,6 @@ def parallel_feed_forward(mlp: nn.Module, group=None, sequence_parallel: bool = 
     return ParallelMLP.from_mlp(mlp, group, sequence_parallel, comm)
 
 
-def kv_split(n_kv_heads: int, t: int) -> tuple[int, int]:
-    """(KV heads a rank holds, ranks that hold each): kv/t heads each when t divides them;
-    otherwise one head, the one its query heads read, on t/kv consecutive ranks (Megatron's
-    replication of K/V heads when tp exceeds the groups). refimpl.cost.tp_comm.kv_heads_per_rank
-    is the same rule for the arithmetic."""
-    if n_kv_heads % t == 0:
-        return n_kv_heads // t, 1
-    if t % n_kv_heads:
-        raise ValueError(f"--tp {t} must divide the {n_kv_heads} key/value heads or be a "
-                         "multiple of them")
-    return 1, t // n_kv_heads
-
-
 def _shared_kv(linear: nn.Linear, group, repeats: int, comm) -> ColumnParallelLinear:
     """K or V when fewer heads than ranks: this rank's one head (head r // repeats), whose
     gradient each of its `repeats` ranks computes from its own query heads only: the true one
@@ -317,7 +305,7 @@ def _shared_kv(linear: nn.Linear, group, repeats: int, comm) -> ColumnParallelLi
 class ParallelGroupedAttention(nn.Module):
     """Grouped-query attention split by heads (refimpl.model.gqa): W_Q column-parallel (a/t query
     heads each), W_K and W_V by key/value heads when t divides them, each rank's one shared head
-    otherwise (`kv_split`); W_O row-parallel. Rank r's query heads read only the key/value heads
+    otherwise (`kv_heads_per_rank`); W_O row-parallel. Rank r's query heads read only the key/value heads
     it holds: query heads are grouped consecutively, so the first a/t of them read the first
     kv/t key/value heads, or head r // (t/kv) when t/kv ranks share it."""
 
@@ -336,7 +324,8 @@ class ParallelGroupedAttention(nn.Module):
         t = group_size(group)
         if attn.n_heads % t:
             raise ValueError(f"{attn.n_heads} heads do not divide by tensor-parallel size {t}")
-        kv_local, repeats = kv_split(attn.n_kv_heads, t)
+        # Megatron's replication of K/V heads when tp exceeds them (refimpl.cost.tp_comm)
+        kv_local, repeats = kv_heads_per_rank(attn.n_kv_heads, t)
         q = ColumnParallelLinear.from_linear(attn.q, group, input_in_region=True, comm=comm)
         if repeats == 1:
             k, v = (ColumnParallelLinear.from_linear(lin, group, input_in_region=True, comm=comm)

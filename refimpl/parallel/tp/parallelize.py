@@ -36,12 +36,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from refimpl.cost.tp_comm import kv_heads_per_rank
 from refimpl.model.moe import MoEMLP
 from refimpl.model.rmsnorm import RMSNorm
 from refimpl.parallel.tp.experts import parallelize_moe
 from refimpl.parallel.tp.layers import (
     ColumnParallelLinear,
-    kv_split,
     parallel_attention,
     parallel_feed_forward,
 )
@@ -65,7 +65,7 @@ def tp_layout_problem(cfg, tp: int, seq_len: int | None = None,
         return f"--tp {tp} must divide the MLP width ({width})"
     if cfg.arch == "llama":
         try:
-            kv_split(cfg.kv_heads, tp)
+            kv_heads_per_rank(cfg.kv_heads, tp)
         except ValueError as e:
             return str(e)
     if sequence_parallel and seq_len is not None and seq_len % tp:
