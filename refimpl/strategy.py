@@ -43,15 +43,17 @@ from refimpl.mesh import LayoutError
 from refimpl.model import Batch
 from refimpl.placement import gather_full_state_dict
 from refimpl.rank_model import RankModel
+from refimpl.rank_values import RankValues, materialize
 from refimpl.step import forward_backward, global_mean_loss
 
 
 class Strategy:
     """One way to train the reference model on the grid `ctx.mesh`. See the module docstring.
 
-    `place(rank_model)` calls `setup(module)`, which must set `self.model` (this rank's module,
-    reference parameter names) and `self.optimizer`, then keeps `step_model(rank_model)`. The
-    step is `train_step`; override its parts, not the step."""
+    `place(rank_model, values)` gives the module its values and calls `setup(module)`, which
+    must set `self.model` (this rank's module, reference parameter names) and `self.optimizer`,
+    then keeps `step_model(rank_model)`. The step is `train_step`; override its parts, not the
+    step."""
 
     name: str = ""
     min_world_size: int = 1
@@ -96,10 +98,12 @@ class Strategy:
     def option(self, key: str):
         return self.ctx.cfg.options.get(key, self.options[key].default)
 
-    def place(self, rank_model: RankModel) -> None:
-        """Place the module the transforms handed over, and keep the rank model the step runs
-        (refimpl.train.setup_rank)."""
-        self.setup(rank_model.module)
+    def place(self, rank_model: RankModel, values: RankValues) -> None:
+        """Place the module the transforms handed over (shapes only: refimpl.rank_values), and
+        keep the rank model the step runs (refimpl.train.setup_rank). The default gives each of
+        its tensors this rank's value on the device, one at a time, then `setup`s it; a strategy
+        that shards the parameters makes only its shards instead (zero3, fsdp)."""
+        self.setup(materialize(rank_model.module, values))
         self.rank_model = self.step_model(rank_model)
 
     def setup(self, model: nn.Module) -> None:

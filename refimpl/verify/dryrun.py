@@ -128,10 +128,11 @@ def dry_run(cfg: TrainConfig, rank: int = 0, step: bool = True) -> dict:
     try:
         with torch.device("meta"), fast_meta_kernels():
             with OnMeta() as made, values_not_drawn():
-                # What the rank's device holds while it is built (the reference, the
-                # transforms, the strategy's placement), before any step: `build_peak`.
-                with LiveBytes() as building:
-                    ctx, strategy, n_params = setup_rank(rank, cfg.nproc, layout)
+                # What the rank's device holds while it is built, before any step:
+                # `build_peak`. The reference and the transforms are shapes only in a real run
+                # too (meta, refimpl.rank_values); only the strategy's placement allocates.
+                building = LiveBytes()
+                ctx, strategy, n_params = setup_rank(rank, cfg.nproc, layout, placing=building)
                 build_peak, built = building.peak, building.current
                 if not step:
                     return {"rank": rank, "world_size": cfg.nproc, "n_params": n_params,

@@ -49,6 +49,8 @@ from refimpl.mesh import LayoutError
 from refimpl.model import GPT
 from refimpl.parallel.fsdp.sharded_unit import ShardedUnit
 from refimpl.placement import data_parallel_axis, gather_full_state_dict
+from refimpl.rank_model import RankModel
+from refimpl.rank_values import RankValues, materialize
 from refimpl.strategy import Strategy, make_optimizer
 
 
@@ -95,7 +97,14 @@ class FullySharded(Strategy):
             raise LayoutError(f"strategy {cls.name!r} does not support tied embeddings (the tied "
                               "weight would belong to two units)")
 
-    def setup(self, model: GPT) -> None:
+    def place(self, rank_model: RankModel, values: RankValues) -> None:
+        # Each unit makes only this rank's shard of its parameters, one parameter at a time
+        # (ShardedUnit._own_shard): the model is never whole here, as it would be if it were
+        # materialized first (the default place). Its buffers are, as on every rank.
+        self.setup(materialize(rank_model.module, values, parameters=False), values)
+        self.rank_model = self.step_model(rank_model)
+
+    def setup(self, model: GPT, values: RankValues | None = None) -> None:
         ctx, cfg, mesh = self.ctx, self.ctx.cfg, self.mesh
         self.pol = self.policy(cfg)
         self.model = model
@@ -113,7 +122,8 @@ class FullySharded(Strategy):
                     by_axis.setdefault(data_parallel_axis(p), []).append((f"{prefix}.{n}", p))
             parts = [ShardedUnit(name if axis == "dp_cp" else f"{name}.experts", named,
                                  mesh.group(axis), mesh.index(axis), mesh.size(axis), ctx.device,
-                                 ctx.compute_dtype, master_device, comm=self.comm)
+                                 ctx.compute_dtype, master_device, comm=self.comm,
+                                 values=values)
                      for axis, named in by_axis.items()]
             self._install_hooks(len(self.at), parts, modules[0][1], modules[-1][1])
             self.at.append(parts)
