@@ -94,14 +94,19 @@ def materialize(module: nn.Module, values: RankValues, parameters: bool = True) 
 
 
 def set_data(t: torch.Tensor, value: torch.Tensor) -> None:
-    """Make `t` hold `value`, keeping the tensor object (modules, hooks and ties refer to it) and
-    its attributes (a placement, a sequence-parallel mark). `t.data = value` refuses to turn a
-    meta tensor into a real one; torch.utils.swap_tensors swaps the contents instead, and the
-    attributes with them, so they are handed over first."""
+    """Make `t` hold `value`, keeping the tensor object (modules and ties refer to it), its
+    attributes (a placement, a sequence-parallel mark) and its gradient hooks (tensor
+    parallelism's all-reduce of a sequence-partial gradient, registered on the shapes).
+    `t.data = value` refuses to turn a meta tensor into a real one; torch.utils.swap_tensors
+    swaps the contents instead, and the attributes with them, so they are handed over first.
+    The hooks stay registered on the contents swapped out: setting the hook dicts again
+    registers them on the new ones (seen: without it tp + sp's gradients were not summed)."""
     if t.device == value.device:
         t.data = value
         return
     new = nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
         else value
     new.__dict__.update(t.__dict__)
+    hooks = t._backward_hooks, t._post_accumulate_grad_hooks
     swap_tensors(t, new)
+    t._backward_hooks, t._post_accumulate_grad_hooks = hooks
