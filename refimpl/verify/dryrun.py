@@ -30,7 +30,10 @@ back is what the train CLI reports for that rank, by category -- params, grads, 
 activations_peak (autograd's saved tensors, refimpl.memory.ActivationTracker), and `peak`, the most
 bytes alive at any moment of the step (refimpl.memory.live.LiveBytes: the model states, and every
 storage an op creates, until it is freed) -- and `comm`: every collective this rank called, bytes per
-op per axis of the grid (the labels' convention, refimpl.labels: the whole message).
+op per axis of the grid (the labels' convention, refimpl.labels: the whole message). Before the
+step, `build_peak`: the most bytes alive while the strategy placed the rank's tensors (the
+reference and the transforms are shapes only, in a real run too: refimpl.rank_values), and
+`built`, what that left; a rank's peak over its life is the larger of build_peak and peak.
 
 The batch is the only thing not from the loop: `synthetic_batch` draws its noise with a
 data-dependent count, which a meta tensor cannot have, and token values change no memory figure,
