@@ -103,6 +103,7 @@ def _build_growth(rank: int, world_size: int, cfgs: list) -> list[dict]:
 
 
 @pytest.mark.ranks
+@pytest.mark.full       # ~10-20 s on 2 shared cores: a launch, three builds
 def test_a_zero3_rank_does_not_grow_by_the_whole_model():
     """Two ZeRO-3 ranks of a 51 MB model: each keeps half the parameters and half their
     gradients (the whole model's bytes, together), and while it is built its memory grows by

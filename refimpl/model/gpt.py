@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from refimpl.model.config import GPTConfig
-from refimpl.model.init import init_parameters
+from refimpl.model.init import init_parameters, values_not_drawn
 from refimpl.model.layers import MLP, CausalSelfAttention
 from refimpl.model.moe import MoEMLP, recompute_contexts
 
@@ -93,17 +93,15 @@ class GPT(nn.Module):
 def build_model(cfg: GPTConfig, seed: int, device="cpu") -> GPT:
     """The reference weights: every rank that calls this with the same seed gets the same model.
 
-    Built on `meta` first (shapes, no storage), then given its values on `device` one tensor at
-    a time (refimpl.model.init: each from its own generator, seeded by `seed` and the tensor's
-    name), so a rank that builds only its own shard (refimpl.rank_values) draws the same values
-    for it. device="meta": the shapes only, nothing drawn. The global RNG is never touched."""
-    with torch.device("meta"):
+    Each tensor's value is refimpl.model.init's (drawn from its own generator, seeded by `seed`
+    and the tensor's name), so a rank that builds only its own shard (refimpl.rank_values) draws
+    the same values for it. device="meta": the shapes only, nothing drawn. The constructors'
+    own initialisers are skipped (their values would be overwritten) and the global RNG is
+    never touched."""
+    with torch.device(device), values_not_drawn():
         model = GPT(cfg)
     if torch.device(device).type == "meta":
         return model
-    model = model.to_empty(device=device)
-    if cfg.tie_embeddings:   # to_empty makes each module a new Parameter: one again, as in GPT()
-        model.lm_head.weight = model.embed.tok.weight
     return init_parameters(model, seed)
 
 

@@ -15,6 +15,7 @@ rank draws every weight.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 import torch
@@ -22,6 +23,28 @@ import torch.nn as nn
 
 STD = 0.02
 NORMAL, ZEROS, ONES = "normal", "zeros", "ones"
+
+
+# The initialisers a model's constructors call (nn.Linear, nn.Embedding, nn.LayerNorm).
+INITIALISERS = ("normal_", "uniform_", "zeros_", "ones_", "kaiming_uniform_", "trunc_normal_")
+
+
+@contextlib.contextmanager
+def values_not_drawn():
+    """nn.init's initialisers as no-ops while a model is built on `meta`: there are no values to
+    draw (they come from `initial_value` afterwards), and the calls are not free: normal_'s meta
+    kernel is a Python decomposition whose first call imports torch._dynamo, ~2 s in every rank
+    process; the dry run (refimpl.verify.dryrun) also saves a dispatch per call. They write in
+    place, so no storage and no byte of the result changes."""
+    init = torch.nn.init
+    originals = {name: getattr(init, name) for name in INITIALISERS}
+    for name in INITIALISERS:
+        setattr(init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(init, name, fn)
 
 
 def init_rules(model: nn.Module) -> dict[str, tuple[str, str]]:
