@@ -68,6 +68,10 @@ class Strategy:
     # (refimpl.placement.data_parallel_axis: an expert's over "edp", the ranks holding the same
     # expert), so it runs a MoE model with --ep > 1; False: it would sum different experts.
     experts_over_edp: bool = False
+    # True: `setup(module, values)` writes the parameters' values itself, one parameter at a time,
+    # straight into the storage it keeps (ZeRO's flat buffer, a ZeRO-3 shard: refimpl.rank_values),
+    # instead of being handed them made (which would hold them twice, or whole, while it copies).
+    builds_own_parameters: bool = False
     # True: runs on a pipeline's stages (--pp > 1): its sync and gathering work on a stage's
     # parameters and its runner on the schedule's table (refimpl.parallel.pp.validate).
     on_a_pipeline: bool = False
@@ -102,8 +106,11 @@ class Strategy:
         """Place the module the transforms handed over (shapes only: refimpl.rank_values), and
         keep the rank model the step runs (refimpl.train.setup_rank). The default gives each of
         its tensors this rank's value on the device, one at a time, then `setup`s it; a strategy
-        that shards the parameters makes only its shards instead (zero3, fsdp)."""
-        self.setup(materialize(rank_model.module, values))
+        that `builds_own_parameters` writes them itself (zero1/2's flat buffer, zero3's shards)."""
+        if self.builds_own_parameters:   # only the buffers here; setup writes the parameters
+            self.setup(materialize(rank_model.module, values, parameters=False), values)
+        else:
+            self.setup(materialize(rank_model.module, values))
         self.rank_model = self.step_model(rank_model)
 
     def setup(self, model: nn.Module) -> None:

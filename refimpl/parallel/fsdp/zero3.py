@@ -49,8 +49,7 @@ from refimpl.mesh import LayoutError
 from refimpl.model import GPT
 from refimpl.parallel.fsdp.sharded_unit import ShardedUnit
 from refimpl.placement import data_parallel_axis, gather_full_state_dict
-from refimpl.rank_model import RankModel
-from refimpl.rank_values import RankValues, materialize
+from refimpl.rank_values import RankValues
 from refimpl.strategy import Strategy, make_optimizer
 
 
@@ -85,6 +84,9 @@ class FullySharded(Strategy):
     options = {"offload": Option(False, bool)}
     experts_over_edp = True
     on_a_pipeline = True
+    # Each unit makes only this rank's shard of its parameters, one parameter at a time
+    # (ShardedUnit._own_shard): the model is never whole on this rank.
+    builds_own_parameters = True
 
     @classmethod
     def policy(cls, cfg: TrainConfig) -> ShardingPolicy:
@@ -96,13 +98,6 @@ class FullySharded(Strategy):
         if cfg.model.tie_embeddings:
             raise LayoutError(f"strategy {cls.name!r} does not support tied embeddings (the tied "
                               "weight would belong to two units)")
-
-    def place(self, rank_model: RankModel, values: RankValues) -> None:
-        # Each unit makes only this rank's shard of its parameters, one parameter at a time
-        # (ShardedUnit._own_shard): the model is never whole here, as it would be if it were
-        # materialized first (the default place). Its buffers are, as on every rank.
-        self.setup(materialize(rank_model.module, values, parameters=False), values)
-        self.rank_model = self.step_model(rank_model)
 
     def setup(self, model: GPT, values: RankValues | None = None) -> None:
         ctx, cfg, mesh = self.ctx, self.ctx.cfg, self.mesh
