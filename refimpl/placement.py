@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 from refimpl.labels import comm_span
 
@@ -104,6 +105,22 @@ def unshard(tensor: torch.Tensor, shard: Shard, mesh, comm) -> torch.Tensor:
             comm.all_gather(parts, tensor.contiguous(), group=mesh.group(shard.axis))
         tensor = torch.cat(parts[::shard.repeats], dim=shard.dim)
     return tensor.narrow(shard.dim, 0, shard.full)
+
+
+def local_part(full: torch.Tensor, shape, where: Placement | None, mesh) -> torch.Tensor:
+    """The part of a reference-shaped tensor this rank holds, of shape `shape` (the inverse of
+    `unshard`): a Shard's slice of its dim, zero-padded as a padded vocabulary is; an owned
+    expert is under its own name on its owner, so only a Shard inside it remains to cut."""
+    if isinstance(where, Owned):
+        where = where.within
+    if where is None:
+        return full
+    size, n = shape[where.dim], mesh.size(where.axis) // where.repeats
+    pad = size * n - full.shape[where.dim]
+    if pad:
+        widths = [0, 0] * (full.dim() - 1 - where.dim) + [0, pad]
+        full = F.pad(full, widths)
+    return full.narrow(where.dim, mesh.index(where.axis) // where.repeats * size, size)
 
 
 def gather_full_state_dict(local: dict[str, torch.Tensor], model: nn.Module, mesh,

@@ -43,15 +43,17 @@ from refimpl.mesh import LayoutError
 from refimpl.model import Batch
 from refimpl.placement import gather_full_state_dict
 from refimpl.rank_model import RankModel
+from refimpl.rank_values import RankValues, materialize
 from refimpl.step import forward_backward, global_mean_loss
 
 
 class Strategy:
     """One way to train the reference model on the grid `ctx.mesh`. See the module docstring.
 
-    `place(rank_model)` calls `setup(module)`, which must set `self.model` (this rank's module,
-    reference parameter names) and `self.optimizer`, then keeps `step_model(rank_model)`. The
-    step is `train_step`; override its parts, not the step."""
+    `place(rank_model, values)` gives the module its values and calls `setup(module)`, which
+    must set `self.model` (this rank's module, reference parameter names) and `self.optimizer`,
+    then keeps `step_model(rank_model)`. The step is `train_step`; override its parts, not the
+    step."""
 
     name: str = ""
     min_world_size: int = 1
@@ -66,6 +68,10 @@ class Strategy:
     # (refimpl.placement.data_parallel_axis: an expert's over "edp", the ranks holding the same
     # expert), so it runs a MoE model with --ep > 1; False: it would sum different experts.
     experts_over_edp: bool = False
+    # True: `setup(module, values)` writes the parameters' values itself, one parameter at a time,
+    # straight into the storage it keeps (ZeRO's flat buffer, a ZeRO-3 shard: refimpl.rank_values),
+    # instead of being handed them made (which would hold them twice, or whole, while it copies).
+    builds_own_parameters: bool = False
     # True: runs on a pipeline's stages (--pp > 1): its sync and gathering work on a stage's
     # parameters and its runner on the schedule's table (refimpl.parallel.pp.validate).
     on_a_pipeline: bool = False
@@ -96,10 +102,15 @@ class Strategy:
     def option(self, key: str):
         return self.ctx.cfg.options.get(key, self.options[key].default)
 
-    def place(self, rank_model: RankModel) -> None:
-        """Place the module the transforms handed over, and keep the rank model the step runs
-        (refimpl.train.setup_rank)."""
-        self.setup(rank_model.module)
+    def place(self, rank_model: RankModel, values: RankValues) -> None:
+        """Place the module the transforms handed over (shapes only: refimpl.rank_values), and
+        keep the rank model the step runs (refimpl.train.setup_rank). The default gives each of
+        its tensors this rank's value on the device, one at a time, then `setup`s it; a strategy
+        that `builds_own_parameters` writes them itself (zero1/2's flat buffer, zero3's shards)."""
+        if self.builds_own_parameters:   # only the buffers here; setup writes the parameters
+            self.setup(materialize(rank_model.module, values, parameters=False), values)
+        else:
+            self.setup(materialize(rank_model.module, values))
         self.rank_model = self.step_model(rank_model)
 
     def setup(self, model: nn.Module) -> None:

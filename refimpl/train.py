@@ -9,6 +9,7 @@ strategy (refimpl.strategy.Strategy) owns placement, the step and gathering the 
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
@@ -27,6 +28,7 @@ from refimpl.model import build_model, converted, count_params, synthetic_batch
 from refimpl.model.moe import moe_step_record
 from refimpl.numerics import deterministic_needed, exact_fp32_on_cuda
 from refimpl.rank_model import RankModel
+from refimpl.rank_values import RankValues
 from refimpl.registry import Resolved, resolve
 from refimpl.strategy import Strategy
 from refimpl.trace.capture import StepProfiler, profiles_root
@@ -54,12 +56,14 @@ def default_trace_dir(cfg: TrainConfig) -> str:
     return str(profiles_root() / "cli" / f"{cfg.strategy}-n{cfg.nproc}")
 
 
-def setup_rank(rank: int, world_size: int, layout: Resolved,
-               resume: dict | None = None) -> tuple[RunContext, Strategy, int]:
+def setup_rank(rank: int, world_size: int, layout: Resolved, resume: dict | None = None,
+               placing=contextlib.nullcontext()) -> tuple[RunContext, Strategy, int]:
     """This rank's context, its strategy placed from the reference model (and a checkpoint, if
     any), and the reference's parameter count: everything before the first step. `layout`: the
     run's configuration resolved (refimpl.registry.resolve); `resume`: a run checkpoint
-    (refimpl.compose.run_checkpoint) to continue, instead of init_state."""
+    (refimpl.compose.run_checkpoint) to continue, instead of init_state; `placing`: a context
+    open while the strategy places the rank's tensors, the only part of this that allocates
+    (the dry run's memory counter, refimpl.verify.dryrun)."""
     cfg = layout.cfg
     backend, device = _backend_and_device(cfg)
     exact_fp32_on_cuda(device, deterministic_needed(device, cfg.dtype, cfg.mixed_precision,
@@ -68,20 +72,28 @@ def setup_rank(rank: int, world_size: int, layout: Resolved,
     mesh = Mesh(cfg.dims, rank)
     ctx = RunContext(rank, world_size, backend, device, cfg, mesh)
     torch.manual_seed(cfg.seed)
-    # --dtype float64: every copy and buffer below follows the reference's dtype.
-    reference = converted(build_model(cfg.model, cfg.seed), dtype=ctx.param_dtype)
+    # The reference as shapes only (meta): no rank holds it whole (a 7B model is 25 GiB in fp32).
+    # Each tensor a rank keeps gets its value as the strategy places it (refimpl.rank_values):
+    # the seeded init `single` starts from too, or a checkpoint's. --dtype float64: every copy
+    # and buffer below follows the reference's dtype.
+    reference = converted(build_model(cfg.model, cfg.seed, device="meta"), dtype=ctx.param_dtype)
+    state = None
     if resume is not None:
-        reference.load_state_dict(resume["weights"])
+        state = resume["weights"]
     elif cfg.init_state is not None:
         # A checkpoint is the reference's full state dict, whatever strategy and world size wrote
-        # it: every strategy places it from the reference model, so it reshards on load.
-        reference.load_state_dict(torch.load(cfg.init_state, map_location="cpu"))
+        # it: every rank places its own part of it, so it reshards on load. Memory-mapped, so a
+        # tensor is read from the file when it is placed, not all of them at once.
+        state = torch.load(cfg.init_state, map_location="cpu", mmap=True)
+    values = RankValues(reference, cfg.seed, mesh, device, state)
     n_params = count_params(reference)
     strategy = layout.strategy(ctx)
-    # The model-parallel transforms in their fixed order (refimpl.compose.transforms), then the
-    # strategy's data-parallel placement. PyTorch's DTensor twins parallelize the plain reference.
-    strategy.place(model_parallel(reference, ctx) if strategy.takes_our_transforms
-                   else RankModel(reference.to(device)))
+    # The model-parallel transforms in their fixed order (refimpl.compose.transforms), on the
+    # shapes, then the strategy's data-parallel placement, which gives them values. PyTorch's
+    # DTensor twins parallelize the plain reference: it is made whole on the device for them.
+    with placing:
+        strategy.place(model_parallel(reference, ctx) if strategy.takes_our_transforms
+                       else RankModel(reference), values)
     if resume is not None:                     # AdamW's state and the generator, as they were
         run_checkpoint.restore(strategy, resume)
     elif cfg.init_optimizer_state is not None:   # AdamW's m, v too, placed for this layout

@@ -177,3 +177,25 @@ def test_llama3_70b_runs_the_llama_block_and_meets_the_state_gate():
     for category in ("params", "grads", "optimizer"):
         assert abs(row[f"{category}_err"]) <= 0.01, (category, row[f"{category}_err"])
     print(f"peak: dry run {row['peak_ran'] / 2**30:.1f} GiB, planner error {row['peak_err']:+.1%}")
+
+
+def test_a_zero3_rank_of_7b_builds_only_its_shard():
+    """Issue 35's gate: a rank of 7B under ZeRO-3 over 8 ranks never holds, while it is built,
+    more than its shard (fp32 parameters and their gradients, the planner's figures) plus one
+    unit, the planner's unit: one transformer block's parameters, gathered in fp32
+    (refimpl.plan.moe.unit_params). Building the whole reference first (25 GiB) would exceed it
+    three times over."""
+    from refimpl.model.presets import get_model
+    from refimpl.plan.against_dryrun import layout_of
+    from refimpl.plan.moe import unit_params
+    from refimpl.plan.predict import predict_memory
+
+    cfg = default_batch(preset_config("7b", TrainConfig(strategy="zero3", nproc=8, device="cpu")))
+    mem = dry_run(cfg, rank=0, step=False)["memory"]
+    shape, _ = get_model("7b")
+    planned = predict_memory(shape, layout_of(cfg), cfg.global_batch, precision="fp32",
+                             activations="refimpl")
+    shard = planned["params_bytes"] + planned["grads_bytes"]
+    unit = 4 * unit_params(shape, layout_of(cfg))
+    assert mem["built"] == pytest.approx(shard, rel=1e-4)     # what the rank keeps
+    assert mem["build_peak"] <= shard + unit

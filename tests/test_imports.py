@@ -15,7 +15,7 @@ it, never one above:
     trace        capture, loading, summaries, kernels, merged timelines
     comm         collectives rebuilt from send/recv, the byte log
     cost         alpha-beta, bytes per collective, hardware datasheets, ceilings
-    interface    config, placement, rank_model, step, strategy: what every strategy plugs into
+    interface    config, placement, rank_model, rank_values, step, strategy: what every strategy plugs into
     parallel     one folder per parallelism (dp < zero < fsdp may share; tp, pp, cp and ep import
                  no other)
     compose      the transforms in their order, optimizer resharding, composed twins
@@ -46,7 +46,7 @@ LAYERS = [
     ("trace", ("trace",)),
     ("comm", ("comm",)),
     ("cost", ("cost",)),
-    ("interface", ("config", "placement", "rank_model", "step", "strategy")),
+    ("interface", ("config", "placement", "rank_model", "rank_values", "step", "strategy")),
     ("parallel", ("parallel",)),
     ("compose", ("compose",)),
     ("registry", ("registry",)),

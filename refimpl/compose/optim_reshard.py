@@ -21,11 +21,10 @@ and sharded the way this layout's optimizer holds them.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from refimpl.mesh import LayoutError
 from refimpl.parallel.zero.sharded_adamw import ShardedAdamW
-from refimpl.placement import Owned, gather_full_state_dict, placements
+from refimpl.placement import gather_full_state_dict, local_part, placements
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # PyTorch's twins keep DTensor moments, `ep` keeps experts' moments on their owners: weights only.
@@ -88,28 +87,13 @@ def full_optimizer_state(strategy) -> dict:
     return {"step": step, **full}
 
 
-def _this_ranks_slice(full: torch.Tensor, shape, shard, mesh) -> torch.Tensor:
-    """The part of a reference-shaped tensor this rank holds (inverse of placement.unshard). An
-    owned expert is under its own name on its owner: only a tp split inside it remains to cut."""
-    if isinstance(shard, Owned):
-        shard = shard.within
-    if shard is None:
-        return full
-    size, n = shape[shard.dim], mesh.size(shard.axis) // shard.repeats
-    pad = size * n - full.shape[shard.dim]
-    if pad:
-        widths = [0, 0] * (full.dim() - 1 - shard.dim) + [0, pad]
-        full = F.pad(full, widths)
-    return full.narrow(shard.dim, mesh.index(shard.axis) // shard.repeats * size, size)
-
-
 def load_optimizer_state(strategy, saved: dict) -> None:
     """Place a `full_optimizer_state` (from any layout) into this strategy's optimizer."""
     sharded = placements(strategy.model)
     mesh = strategy.mesh
 
     def local(m, name, shape, device, dtype):   # in the master's dtype (fp32 saved, float64 run)
-        return _this_ranks_slice(saved[m][name], shape, sharded.get(name), mesh).to(device, dtype)
+        return local_part(saved[m][name], shape, sharded.get(name), mesh).to(device, dtype)
 
     for opt, master, flat, _, index, name in _holders(strategy):
         if flat is None:

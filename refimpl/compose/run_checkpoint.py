@@ -146,7 +146,8 @@ def load_latest(directory) -> dict | None:
         path = Path(chosen[0]) if chosen[0] else None
     if path is None:
         return None
-    return torch.load(path, map_location="cpu", weights_only=False)
+    # memory-mapped: each tensor is read when a rank places its part of it (refimpl.rank_values)
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
 
 
 def restore(strategy, saved: dict) -> None:

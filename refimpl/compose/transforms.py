@@ -28,7 +28,7 @@ import torch.nn as nn
 from refimpl.compose.tp_cp import apply_context_parallel_over_tp, tp_cp_layout_problem
 from refimpl.faults import injected
 from refimpl.mesh import LayoutError
-from refimpl.model import converted, lm_loss
+from refimpl.model import lm_loss
 from refimpl.model.activation_checkpointing import checkpoint_blocks
 from refimpl.model.moe import batch_scope_problem, moe_layers, validate_moe
 from refimpl.parallel.cp.parallelize import apply_context_parallel, shard_batch
@@ -81,8 +81,10 @@ def validate_model_parallel(cfg, strategy) -> None:
 
 
 def model_parallel(model: nn.Module, ctx) -> RankModel:
-    """This rank's share of the reference model, on its device, before data parallelism."""
-    model = converted(model, device=ctx.device)
+    """This rank's share of the reference model, before data parallelism. The reference may be
+    shapes only (meta, as refimpl.train.setup_rank builds it): each transform cuts shapes as it
+    would cut values, and the strategy's placement gives the result its values, on the device
+    (refimpl.rank_values)."""
     mesh, cfg = ctx.mesh, ctx.cfg
     loss_fn, seq_split = lm_loss, 1
     if mesh.size("tp") > 1:

@@ -1,6 +1,6 @@
 """The reference model: a tiny GPT, deterministic from a seed.
 
-Every strategy in `refimpl.parallel` starts from the same `GPT(config)` built under the same seed,
+Every strategy in `refimpl.parallel` starts from the same `build_model(config, seed)`,
 and trains on the same `synthetic_batch(config, step)`, so "same losses, same weights" is a fair
 test. The model is deliberately plain (pre-norm blocks, explicit attention, GELU MLP) so that each
 weight matrix is one that a strategy can shard, slice or move by name:
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from refimpl.model.config import GPTConfig
+from refimpl.model.init import init_parameters, values_not_drawn
 from refimpl.model.moe import MoEMLP, recompute_contexts
 from refimpl.model.parts import feed_forward, learned_positions, norm, self_attention
 
@@ -83,7 +84,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.tok.weight
-        self.apply(_init_weights)
+        # The initial values are refimpl.model.init's (build_model), not the constructors'.
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)
@@ -92,19 +93,19 @@ class GPT(nn.Module):
         return self.lm_head(self.final_norm(x))
 
 
-def _init_weights(module: nn.Module) -> None:
-    # GPT-2's init: N(0, 0.02) for matrices and embeddings, zero biases, unit LayerNorm.
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, mean=0.0, std=0.02)
-    if isinstance(module, nn.Linear) and module.bias is not None:
-        nn.init.zeros_(module.bias)
+def build_model(cfg: GPTConfig, seed: int, device="cpu") -> GPT:
+    """The reference weights: every rank that calls this with the same seed gets the same model.
 
-
-def build_model(cfg: GPTConfig, seed: int) -> GPT:
-    """The reference weights: every rank that calls this with the same seed gets the same model."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return GPT(cfg)
+    Each tensor's value is refimpl.model.init's (drawn from its own generator, seeded by `seed`
+    and the tensor's name), so a rank that builds only its own shard (refimpl.rank_values) draws
+    the same values for it. device="meta": the shapes only, nothing drawn. The constructors'
+    own initialisers are skipped (their values would be overwritten) and the global RNG is
+    never touched."""
+    with torch.device(device), values_not_drawn():
+        model = GPT(cfg)
+    if torch.device(device).type == "meta":
+        return model
+    return init_parameters(model, seed)
 
 
 def converted(module: nn.Module, *, device=None, dtype=None) -> nn.Module:

@@ -30,7 +30,10 @@ back is what the train CLI reports for that rank, by category -- params, grads, 
 activations_peak (autograd's saved tensors, refimpl.memory.ActivationTracker), and `peak`, the most
 bytes alive at any moment of the step (refimpl.memory.live.LiveBytes: the model states, and every
 storage an op creates, until it is freed) -- and `comm`: every collective this rank called, bytes per
-op per axis of the grid (the labels' convention, refimpl.labels: the whole message).
+op per axis of the grid (the labels' convention, refimpl.labels: the whole message). Before the
+step, `build_peak`: the most bytes alive while the strategy placed the rank's tensors (the
+reference and the transforms are shapes only, in a real run too: refimpl.rank_values), and
+`built`, what that left; a rank's peak over its life is the larger of build_peak and peak.
 
 The batch is the only thing not from the loop: `synthetic_batch` draws its noise with a
 data-dependent count, which a meta tensor cannot have, and token values change no memory figure,
@@ -107,12 +110,15 @@ def default_batch(cfg: TrainConfig) -> TrainConfig:
     return cfg.with_(global_batch=cfg.dims.dp * cfg.pp, micro_batches=cfg.pp)
 
 
-def dry_run(cfg: TrainConfig, rank: int = 0) -> dict:
+def dry_run(cfg: TrainConfig, rank: int = 0, step: bool = True) -> dict:
     """One training step of rank `rank` of `cfg`'s layout on fake tensors and a fake process group.
 
     Returns {"rank", "world_size", "n_params", "memory": {params, grads, optimizer,
-    activations_peak, total, peak} (bytes, this rank), "comm": {axis: {op: bytes}}, "calls":
-    {axis: {op: count}}}. Raises LayoutError (one line) for a layout the real run would refuse."""
+    activations_peak, total, peak, held, build_peak, built} (bytes, this rank), "comm": {axis:
+    {op: bytes}}, "calls": {axis: {op: count}}}. `build_peak`: the most bytes alive while the
+    rank was built (refimpl.train.setup_rank), `built`: what it held then. `step=False`: only
+    build the rank (memory: build_peak and built), in a fraction of the time. Raises
+    LayoutError (one line) for a layout the real run would refuse."""
     layout = validate(cfg)
     cfg = layout.cfg            # a shorthand's axes filled in (refimpl.registry)
     if not 0 <= rank < cfg.nproc:
@@ -128,7 +134,15 @@ def dry_run(cfg: TrainConfig, rank: int = 0) -> dict:
     try:
         with torch.device("meta"), fast_meta_kernels():
             with OnMeta() as made, values_not_drawn():
-                ctx, strategy, n_params = setup_rank(rank, cfg.nproc, layout)
+                # What the rank's device holds while it is built, before any step:
+                # `build_peak`. The reference and the transforms are shapes only in a real run
+                # too (meta, refimpl.rank_values); only the strategy's placement allocates.
+                building = LiveBytes()
+                ctx, strategy, n_params = setup_rank(rank, cfg.nproc, layout, placing=building)
+                build_peak, built = building.peak, building.current
+                if not step:
+                    return {"rank": rank, "world_size": cfg.nproc, "n_params": n_params,
+                            "memory": {"build_peak": int(build_peak), "built": int(built)}}
                 ids = torch.randint(cfg.model.vocab_size, (cfg.global_batch, cfg.seq_len + 1))
                 batch = Batch(ids[:, :-1], ids[:, 1:])
                 # The train CLI's peak is a step after the first: before it, AdamW's m and v do
@@ -157,7 +171,8 @@ def dry_run(cfg: TrainConfig, rank: int = 0) -> dict:
             "memory": {"params": int(state.params), "grads": int(state.grads),
                        "optimizer": int(state.optimizer), "activations_peak": int(tracker.peak),
                        "total": int(state.total + tracker.peak), "peak": int(live.peak),
-                       "held": int(held)},   # alive as the step began: states, the batch
+                       "held": int(held),    # alive as the step began: states, the batch
+                       "build_peak": int(build_peak), "built": int(built)},
             "comm": {axis: dict(ops) for axis, ops in comm["bytes"].items()},
             "calls": {axis: dict(ops) for axis, ops in comm["calls"].items()}}
 

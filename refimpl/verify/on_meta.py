@@ -6,7 +6,6 @@ and refuses a real one beyond a host scalar.
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import weakref
 
@@ -14,26 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-# The initialisers a model's constructors call (nn.Linear, nn.Embedding, nn.LayerNorm, GPT's own).
-INITIALISERS = ("normal_", "uniform_", "zeros_", "ones_", "kaiming_uniform_", "trunc_normal_")
-
-
-@contextlib.contextmanager
-def values_not_drawn():
-    """nn.init's initialisers as no-ops while the rank is built: a meta tensor has no values to
-    draw, and each call still costs a dispatch through `OnMeta` and a meta kernel (two or three
-    per Linear, for every block of the reference, whichever stage keeps it). They write in place,
-    so no storage and no byte of the result changes."""
-    init = torch.nn.init
-    originals = {name: getattr(init, name) for name in INITIALISERS}
-    for name in INITIALISERS:
-        setattr(init, name, lambda tensor, *args, **kwargs: tensor)
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(init, name, fn)
-
+from refimpl.model.init import values_not_drawn  # noqa: F401  (lives with the model's init)
 
 # The most bytes a tensor made off `meta` may have while the rank is built: the scalars torch
 # keeps on the host (AdamW's step count), not a buffer that forgot its device.

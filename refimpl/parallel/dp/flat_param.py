@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from refimpl.rank_values import set_data
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -62,7 +64,7 @@ class FlatParams:
     def bind(self, flat: torch.Tensor) -> None:
         """Make every parameter's data a view into `flat`, so writing `flat` updates the model."""
         for p, view in zip(self.params, self.views(flat)):
-            p.data = view
+            set_data(p, view)    # a meta parameter (a rank built from shapes) becomes real here
 
     def bind_grads(self, flat_grad: torch.Tensor) -> None:
         """Make every parameter's .grad a view into `flat_grad`; autograd then accumulates there."""

@@ -75,16 +75,22 @@ class FullyShard(nn.Module):
     def __init__(self, module: nn.Module, *, group=None, compute_dtype: torch.dtype | None = None,
                  units=None, policy: ShardingPolicy = ShardingPolicy(), average: bool = True,
                  reduce_over: Callable[[nn.Parameter], object] | None = None,
-                 master_device: torch.device | None = None, comm=dist):
+                 master_device: torch.device | None = None, comm=dist,
+                 values=None, device: torch.device | None = None):
         super().__init__()
         who = "FullyShard"
         claim(module, who)
         group = resolve_group(group, who)
-        check_devices(named_state(module), group, who)
+        # `values` (refimpl.rank_values.RankValues): the parameters may be shapes only (meta), each
+        # unit's shard then made from it on `device`, never the whole unit (a rank that builds
+        # only its own shard: the zero3 and fsdp strategies)
+        check_devices([(n, t) for n, t in named_state(module)
+                       if values is None or t.device.type != "meta"], group, who)
         self.module = module
         self.policy = policy
         trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        device = trainable[0][1].device if trainable else torch.device("cpu")
+        if device is None:
+            device = trainable[0][1].device if trainable else torch.device("cpu")
         self._device_type = device.type
         # Each unit's trainable parameters; shared or unowned ones go to the root unit.
         unit_modules = resolve_units(module, units)
@@ -114,7 +120,7 @@ class FullyShard(nn.Module):
                     name if k == 0 else f"{name}.experts", part, g if size > 1 else None,
                     dist.get_rank(g) if size > 1 else 0, size, device,
                     compute_dtype or part[0][1].dtype, master_device or device, comm=comm,
-                    average=average))
+                    average=average, values=values))
             return parts
 
         self.units: list[ShardedUnit] = []      # every flat shard, in schedule order

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from refimpl.labels import comm_span
 from refimpl.parallel.dp.flat_param import FlatParams
+from refimpl.rank_values import RankValues
 
 
 class ShardedUnit:
@@ -38,7 +39,8 @@ class ShardedUnit:
 
     def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter]], group, rank: int,
                  world_size: int, device: torch.device, compute_dtype: torch.dtype,
-                 master_device: torch.device, comm=dist, average: bool = False):
+                 master_device: torch.device, comm=dist, average: bool = False,
+                 values: RankValues | None = None):
         self.name = name
         # `group` is the dp x cp axis of the mesh; `rank`/`world_size` this rank's place in it.
         # `comm` is torch.distributed or refimpl.comm (--collectives refimpl): same signatures.
@@ -46,13 +48,12 @@ class ShardedUnit:
         self.device, self.compute_dtype = device, compute_dtype
         self.average = average                 # divide the summed gradient by the world size
         self.flat = FlatParams(named_params, world_size)
-        with torch.no_grad():
-            whole = self.flat.flatten([p.detach() for p in self.flat.params], device=device)
-            # The optimizer's parameter: the master dtype (the parameters' own: fp32, or float64
-            # under --dtype float64), this rank's slice only. Its .grad is the grad shard.
-            self.master = nn.Parameter(self.flat.shard(whole, rank).clone().to(master_device))
+        # The optimizer's parameter: the master dtype (the parameters' own: fp32, or float64
+        # under --dtype float64), this rank's slice only. Its .grad is the grad shard.
+        self.master = nn.Parameter(self._own_shard(values, master_device))
         self.master.grad = torch.zeros_like(self.master)
-        # The gathered buffer, allocated once and then freed/refilled; parameters view into it.
+        # The gathered buffer, allocated once and then freed/refilled; parameters view into it
+        # (`named_params` may be meta tensors, shapes only: they become views of it here).
         self.full = self.flat.empty(compute_dtype, device)
         self.flat.bind(self.full)
         self._free_storage(self.full)
@@ -61,7 +62,22 @@ class ShardedUnit:
         self.pending_gather = None             # (work, send buffer) of an async all-gather
         self.grads_left = 0                    # countdown to "this unit's backward is done"
         self.delivered = 0                     # gradients in since its last reduce-scatter
-        del whole
+
+    @torch.no_grad()
+    def _own_shard(self, values: RankValues | None, device: torch.device) -> torch.Tensor:
+        """This rank's slice [r·S, (r+1)·S) of the unit's flat parameters, made parameter by
+        parameter: only the parameters reaching into it are read, from `values` (this rank's
+        values, refimpl.rank_values) or, when None, from the parameters themselves. The unit is
+        never whole here (issue 35: a rank builds only its own shard); the padding stays zero."""
+        shard = torch.zeros(self.flat.shard_numel, dtype=self.flat.dtype, device=device)
+        lo = self.rank * self.flat.shard_numel
+        hi = lo + self.flat.shard_numel
+        for slot, p in zip(self.flat.slots, self.flat.params):
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a < b:
+                value = p.detach() if values is None else values.local(slot.name, p)
+                shard[a - lo:b - lo].copy_(value.reshape(-1)[a - slot.offset:b - slot.offset])
+        return shard
 
     @property
     def numel(self) -> int:

@@ -49,6 +49,7 @@ from refimpl.mesh import LayoutError
 from refimpl.model import GPT
 from refimpl.parallel.fsdp.sharded_module import FullyShard, ShardingPolicy
 from refimpl.placement import data_parallel_axis, gather_full_state_dict
+from refimpl.rank_values import RankValues
 from refimpl.strategy import Strategy, make_optimizer
 
 __all__ = ["FullySharded", "Zero3", "ShardingPolicy", "gpt_units"]
@@ -76,6 +77,9 @@ class FullySharded(Strategy):
     options = {"offload": Option(False, bool)}
     experts_over_edp = True
     on_a_pipeline = True
+    # Each unit makes only this rank's shard of its parameters, one parameter at a time
+    # (ShardedUnit._own_shard): the model is never whole on this rank.
+    builds_own_parameters = True
 
     @classmethod
     def policy(cls, cfg: TrainConfig) -> ShardingPolicy:
@@ -88,7 +92,7 @@ class FullySharded(Strategy):
             raise LayoutError(f"strategy {cls.name!r} does not support tied embeddings (the tied "
                               "weight would belong to two units)")
 
-    def setup(self, model: GPT) -> None:
+    def setup(self, model: GPT, values: RankValues | None = None) -> None:
         ctx, cfg, mesh = self.ctx, self.ctx.cfg, self.mesh
         self.model = model
         self.offload = bool(self.option("offload"))
@@ -100,7 +104,7 @@ class FullySharded(Strategy):
                              policy=self.policy(cfg), average=False,
                              reduce_over=lambda p: mesh.group(data_parallel_axis(p)),
                              master_device=torch.device("cpu") if self.offload else ctx.device,
-                             comm=self.comm)
+                             comm=self.comm, values=values, device=ctx.device)
         self.units = self.fs.units                 # every flat shard, in schedule order
         self.optimizer = make_optimizer([u.master for u in self.units], cfg)
 

@@ -62,6 +62,7 @@ from refimpl.parallel.dp.flat_param import FlatParams
 from refimpl.parallel.dp.grad_buckets import GradBuckets, assign_buckets, reduce_sum_to_owner
 from refimpl.parallel.zero.sharded_adamw import ShardedAdamW
 from refimpl.placement import data_parallel_axis
+from refimpl.rank_values import RankValues
 from refimpl.strategy import Strategy
 
 MiB = 2 ** 20
@@ -81,8 +82,9 @@ class ZeroDataParallel(Strategy):
                "offload": Option(False, bool)}
     experts_over_edp = True
     on_a_pipeline = True
+    builds_own_parameters = True   # written into the flat buffer one by one (setup_shards)
 
-    def setup(self, model: GPT) -> None:
+    def setup(self, model: GPT, values: RankValues | None = None) -> None:
         self.model = model
         by_axis: dict[str, list] = {}
         for name, p in model.named_parameters():
@@ -91,18 +93,20 @@ class ZeroDataParallel(Strategy):
         for axis, named in by_axis.items():
             part = self if not self.parts else type(self)(self.ctx)
             part.model = model
-            part.setup_shards(named, axis)
+            part.setup_shards(named, axis, values)
             self.parts.append(part)
 
-    def setup_shards(self, named: list, axis: str) -> None:
+    def setup_shards(self, named: list, axis: str, values: RankValues | None = None) -> None:
         ctx, mesh = self.ctx, self.mesh
         self.axis = axis
         self.group, self.index, self.size = mesh.group(axis), mesh.index(axis), mesh.size(axis)
         self.layout = FlatParams(named, self.size)
         # Every rank keeps the full parameters (stages 1-2 do not shard them), laid out flat so
-        # that the updated shards can be all-gathered straight into the model's storage.
-        self.flat = self.layout.flatten([p.detach() for p in self.layout.params],
-                                        device=ctx.device)
+        # that the updated shards can be all-gathered straight into the model's storage. Each
+        # parameter's value is made as the buffer is filled (a generator: one at a time, on the
+        # host), so the parameters are never held twice (refimpl.rank_values).
+        made = (p.detach() if values is None else values.local(name, p) for name, p in named)
+        self.flat = self.layout.flatten(made, device=ctx.device)
         self.layout.bind(self.flat)
         self.optimizer = ShardedAdamW(self.layout.shard(self.flat, self.index), ctx.cfg,
                                       offload=bool(self.option("offload")))

@@ -1,0 +1,104 @@
+"""The reference's initial values, one parameter at a time, each from its own seeded generator.
+
+GPT-2's init (Radford et al. 2019; nanoGPT's `_init_weights`): N(0, 0.02) for every matrix and
+embedding, zero biases, unit LayerNorm (and Llama's RMSNorm) weights; every buffer starts at zero (a MoE layer's
+expert_bias, the one buffer the model has).
+
+Why one generator per parameter, seeded by (seed, the parameter's reference name), and not one
+stream drawn in construction order: a rank then makes exactly the values of the parameters it
+keeps, in any order, without building the others first. A 7B model is 25 GiB in fp32; a rank of
+ZeRO-3 over 8 keeps 1/8 of it, a pipeline stage its own blocks (refimpl.rank_values). `single`
+builds its model through the same function (`build_model`), so every layout still starts from
+the same weights, bit for bit. Megatron-LM's `_initialize_affine_weight_cpu` draws each master
+weight whole on the host and slices it in the same spirit; there the stream is shared, so every
+rank draws every weight.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import torch
+import torch.nn as nn
+
+from refimpl.model.rmsnorm import RMSNorm
+
+STD = 0.02
+NORMAL, ZEROS, ONES = "normal", "zeros", "ones"
+
+
+# The initialisers a model's constructors call (nn.Linear, nn.Embedding, nn.LayerNorm).
+INITIALISERS = ("normal_", "uniform_", "zeros_", "ones_", "kaiming_uniform_", "trunc_normal_")
+
+
+@contextlib.contextmanager
+def values_not_drawn():
+    """nn.init's initialisers as no-ops while a model is built on `meta`: there are no values to
+    draw (they come from `initial_value` afterwards), and the calls are not free: normal_'s meta
+    kernel is a Python decomposition whose first call imports torch._dynamo, ~2 s in every rank
+    process; the dry run (refimpl.verify.dryrun) also saves a dispatch per call. They write in
+    place, so no storage and no byte of the result changes."""
+    init = torch.nn.init
+    originals = {name: getattr(init, name) for name in INITIALISERS}
+    for name in INITIALISERS:
+        setattr(init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(init, name, fn)
+
+
+def init_rules(model: nn.Module) -> dict[str, tuple[str, str]]:
+    """Reference name -> (how its value is drawn, the name its generator is seeded by), for every
+    parameter under every name it has (a tied lm_head.weight draws embed.tok.weight's values)
+    and every buffer. Raises ValueError for a parameter of a module with no rule here."""
+    canonical = {id(p): name for name, p in model.named_parameters()}   # first name of a tied one
+    rules = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for local, p in module.named_parameters(recurse=False):
+            name = f"{prefix}.{local}" if prefix else local
+            rules[name] = (_kind(module, local, name), canonical[id(p)])
+    for name, _ in model.named_buffers():
+        rules[name] = (ZEROS, name)
+    return rules
+
+
+def _kind(module: nn.Module, local: str, name: str) -> str:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        return NORMAL if local == "weight" else ZEROS
+    if isinstance(module, (nn.LayerNorm, RMSNorm)):   # Llama's RMSNorm: a gain only
+        return ONES if local == "weight" else ZEROS
+    raise ValueError(f"no initial value for {name} ({type(module).__name__}.{local})")
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """The seed of one parameter's generator: 32 bits of a digest of the run's seed and the
+    name (the same on every process and Python, unlike hash()). 32, because the CPU generator's
+    Mersenne Twister keeps only the low 32 bits of its seed: seed * 2**32 + crc(name) was seen
+    to give seeds 0 and 1 the same weights."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def initial_value(rule: tuple[str, str], shape, seed: int,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One tensor's initial value on the host, whole. Drawn in fp32 and then cast, so a float64
+    run starts from the fp32 run's values, as `converted(build_model(...), dtype=...)` did."""
+    kind, key = rule
+    if kind == ZEROS:
+        return torch.zeros(shape, dtype=dtype, device="cpu")
+    if kind == ONES:
+        return torch.ones(shape, dtype=dtype, device="cpu")
+    generator = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, key))
+    drawn = torch.empty(shape, dtype=torch.float32, device="cpu")
+    return drawn.normal_(0.0, STD, generator=generator).to(dtype)
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, seed: int) -> nn.Module:
+    """Every parameter and buffer of `model` (real tensors) set to its initial value, in place."""
+    rules = init_rules(model)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        t.copy_(initial_value(rules[name], t.shape, seed, t.dtype))
+    return model

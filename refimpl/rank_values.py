@@ -1,0 +1,114 @@
+"""A rank's parameter values, one tensor at a time: a rank builds only its own shard.
+
+    reference = build_model(cfg.model, seed, device="meta")     # shapes, no storage
+    values = RankValues(reference, seed, dtype, mesh, device)   # or state=a checkpoint's
+    rank_model = model_parallel(reference, ctx)                 # still shapes only
+    materialize(rank_model.module, values)                      # or a strategy's own shards
+
+Building the whole reference on every rank and slicing it afterwards puts the whole model on
+every GPU first: at 7B, 25 GiB of fp32 weights per rank before ZeRO-3 shards anything. Here the
+reference and the model-parallel transforms work on `meta` tensors (shape, dtype, placement; no
+bytes), and each tensor a rank keeps gets its value afterwards, alone: its whole reference value
+is made on the host (the seeded init of refimpl.model.init, or the checkpoint's tensor), this
+rank's part of it cut by its placement (refimpl.placement.local_part: a tp slice, an expert it
+owns), copied to the device, and the host tensor dropped before the next one. A rank's peak is
+then what it keeps plus one tensor; ZeRO-3 and FSDP copy only their flat shard's range of each
+parameter, and make only the parameters that reach into it (refimpl.parallel.fsdp.sharded_unit).
+The values are those `single` starts from, bit for bit: it builds its model through the same
+function.
+
+On the dry run's `meta` device (refimpl.verify.dryrun) nothing is drawn: each value is an empty
+meta tensor of the rank's shape, so the bytes a real rank would place are counted and none made
+(where a strategy copies a value into storage of its own, as ZeRO's flat buffer and shards do,
+the value is counted too while it lives: at most one tensor more than the device would hold).
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.nn as nn
+from torch.utils import swap_tensors
+
+from refimpl.model.init import init_rules, initial_value
+from refimpl.placement import local_part, placement_of
+
+
+class RankValues:
+    """Where a rank's values come from. `reference`: the reference model (meta is enough);
+    `state`: a full reference state dict (a checkpoint from any layout, refimpl.compose) or None
+    for the seeded init; `device`: where the rank computes."""
+
+    def __init__(self, reference: nn.Module, seed: int, mesh, device,
+                 state: Mapping[str, torch.Tensor] | None = None):
+        self.rules = init_rules(reference)
+        self.shapes = {n: t.shape for n, t in reference.state_dict(keep_vars=True).items()}
+        self.seed, self.mesh, self.device = seed, mesh, torch.device(device)
+        if state is not None:
+            check_state(state, self.shapes)
+        self.state = state
+
+    def whole(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The reference's tensor `name`, whole, on the host."""
+        if self.state is not None:
+            return self.state[name].to(dtype)
+        return initial_value(self.rules[name], self.shapes[name], self.seed, dtype)
+
+    def local(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the reference's `name`, shaped like `like` (the rank model's
+        tensor, whose placement says which part), on the host (perhaps a view of the whole);
+        an empty meta tensor on meta."""
+        if self.device.type == "meta":
+            return torch.empty(like.shape, dtype=like.dtype, device="meta")
+        return local_part(self.whole(name, like.dtype), like.shape, placement_of(like), self.mesh)
+
+    def placed(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """`local` on the rank's device, in a contiguous tensor of its own (never a view that
+        would keep the whole host tensor, or a checkpoint's, alive)."""
+        value = self.local(name, like)
+        if self.device.type == "meta":
+            return value
+        return torch.empty(like.shape, dtype=like.dtype, device=self.device).copy_(value)
+
+
+def check_state(state: Mapping[str, torch.Tensor], shapes: Mapping[str, torch.Size]) -> None:
+    """A checkpoint must be the reference's state dict: the same names and shapes
+    (load_state_dict's strict check, made before any tensor is placed)."""
+    missing, unexpected = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint does not match the model: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+    wrong = [n for n in shapes if tuple(state[n].shape) != tuple(shapes[n])]
+    if wrong:
+        n = wrong[0]
+        raise RuntimeError(f"checkpoint's {n} has shape {tuple(state[n].shape)}, the model's "
+                           f"{tuple(shapes[n])}")
+
+
+def materialize(module: nn.Module, values: RankValues, parameters: bool = True) -> nn.Module:
+    """Give each parameter (unless `parameters` is False) and buffer of `module` its value on
+    `values.device`, one tensor at a time, in place. Names are the reference's (every transform
+    keeps them); a tied parameter is one tensor, given its value once."""
+    named = list(module.named_parameters()) if parameters else []
+    for name, t in named + list(module.named_buffers()):
+        set_data(t, values.placed(name, t))
+    return module
+
+
+def set_data(t: torch.Tensor, value: torch.Tensor) -> None:
+    """Make `t` hold `value`, keeping the tensor object (modules and ties refer to it), its
+    attributes (a placement, a sequence-parallel mark) and its gradient hooks (tensor
+    parallelism's all-reduce of a sequence-partial gradient, registered on the shapes).
+    `t.data = value` refuses to turn a meta tensor into a real one; torch.utils.swap_tensors
+    swaps the contents instead, and the attributes with them, so they are handed over first.
+    The hooks stay registered on the contents swapped out: setting the hook dicts again
+    registers them on the new ones (seen: without it tp + sp's gradients were not summed)."""
+    if t.device == value.device:
+        t.data = value
+        return
+    new = nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
+        else value
+    new.__dict__.update(t.__dict__)
+    hooks = t._backward_hooks, t._post_accumulate_grad_hooks
+    swap_tensors(t, new)
+    t._backward_hooks, t._post_accumulate_grad_hooks = hooks
