@@ -235,3 +235,33 @@ def results_table(per_rank: list[dict]):
                      "collectives": ", ".join(f"{op} ({_SHORT[p]})" for op, p, _ in results[0]["log"])})
     return pd.DataFrame(rows).rename(columns={"y": "output rel. err", "dx": "input grad rel. err",
                                               "dw": "weight grads rel. err"})
+
+
+def gqa_checks(rank: int, world: int, kv_heads=(1, 2, 4, 8)) -> list[dict]:
+    """Grouped-query attention (refimpl.model.gqa, 8 query heads of 8) split over the `world`
+    ranks of a launch, against the one-process layer, for each number of key/value heads: the K
+    rows this rank holds, the heads they are, its outputs' and gradients' errors (its K and V
+    gradients gathered whole, a shared head taken once), and the K it holds against every other
+    rank's, to see which ranks share it. Run with launch.run(gqa_checks, t)."""
+    from refimpl.parallel.tp.layers import ParallelGroupedAttention
+
+    device, group = device_for(rank), dist.group.WORLD
+    rows = []
+    for kv in kv_heads:
+        torch.manual_seed(3)
+        cfg = GPTConfig(arch="llama", d_model=64, n_heads=8, n_kv_heads=kv, seq_len=S)
+        ref = Block(cfg).attn.to(device=device, dtype=torch.float64)
+        x, dy = (torch.randn(B, S, cfg.d_model, dtype=torch.float64, device=device)
+                 for _ in range(2))
+        xr = x.clone().requires_grad_()
+        ref(xr).backward(dy)
+        tp = ParallelGroupedAttention.from_attention(ref, group)
+        xin = x.clone().requires_grad_()
+        tp(xin).backward(dy)
+        held = [torch.empty_like(tp.k.weight) for _ in range(world)]
+        dist.all_gather(held, tp.k.weight.detach().contiguous(), group=group)
+        rows.append({"kv_heads": kv, "rank": rank, "K rows held": tp.k.weight.shape[0],
+                     "ranks holding the same K": sum(torch.equal(h, tp.k.weight) for h in held),
+                     "output error": rel(tp(x), ref(x)), "dx error": rel(xin.grad, xr.grad),
+                     "weight grad error": _grad_errors(ref, tp, group)})
+    return rows
