@@ -101,6 +101,8 @@ HOST_BY_DESIGN = {
     # the reference is built on the host from the seed (the same weights on every rank and
     # device), then placed on the rank's device by compose.transforms.model_parallel
     ("refimpl/model/", "__init__"),
+    # ... and so is a block's norm, made by refimpl.model.parts for the block's __init__
+    ("refimpl/model/parts.py", "norm"),
     # the batch is made by a CPU generator (the same tokens on any device), then moved to the
     # rank's device by Strategy.local_micro_batches
     ("refimpl/model/data.py", "synthetic_batch"),

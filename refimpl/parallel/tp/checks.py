@@ -22,6 +22,7 @@ from refimpl.memory import measure_block_activations
 from refimpl.model import Block, GPTConfig, build_model, lm_loss, synthetic_batch
 from refimpl.parallel.tp.layers import (
     ColumnParallelLinear,
+    ParallelGroupedAttention,
     ParallelMLP,
     ParallelSelfAttention,
     RowParallelLinear,
@@ -243,8 +244,6 @@ def gqa_checks(rank: int, world: int, kv_heads=(1, 2, 4, 8)) -> list[dict]:
     rows this rank holds, the heads they are, its outputs' and gradients' errors (its K and V
     gradients gathered whole, a shared head taken once), and the K it holds against every other
     rank's, to see which ranks share it. Run with launch.run(gqa_checks, t)."""
-    from refimpl.parallel.tp.layers import ParallelGroupedAttention
-
     device, group = device_for(rank), dist.group.WORLD
     rows = []
     for kv in kv_heads:
