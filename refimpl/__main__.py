@@ -84,6 +84,9 @@ def train_flags() -> argparse.ArgumentParser:
                    metavar="KEY=VALUE", help="strategy option, e.g. --set bucket_mb=1 (repeatable)")
     f.add_argument("--save-state", default=None, metavar="PATH",
                    help="write the final full state dict (reference names: loads under any layout)")
+    f.add_argument("--init-hf", default=None, metavar="PATH",
+                   help="start from a Hugging Face checkpoint folder (Llama, Mixtral: config.json "
+                        "and *.safetensors); its config.json gives the model's shape")
     f.add_argument("--init-state", default=None, metavar="PATH",
                    help="start from a full state dict written by --save-state under any layout")
     f.add_argument("--save-optimizer-state", default=None, metavar="PATH",
@@ -142,12 +145,17 @@ def config_from_args(args):
     moe = {key: options.pop(key) for key in MODEL_OPTIONS if key in options}
     fault = options.pop("fault", None)     # --set fault=<name>: a bug on purpose (refimpl.faults)
     try:
-        model = replace(GPTConfig(), n_layers=args.layers, d_model=args.d_model,
-                        n_heads=args.heads, vocab_size=args.vocab, n_experts=args.experts,
-                        top_k=args.top_k, capacity_factor=args.capacity_factor,
-                        arch=args.arch, n_kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden,
-                        rope_theta=args.rope_theta, **moe)
-    except ValueError as e:
+        if args.init_hf:   # the checkpoint's config.json says the model, not the shape flags
+            from refimpl.model.hf import read_config
+            hub = read_config(args.init_hf)
+            model = replace(hub, **moe) if moe else hub
+        else:
+            model = replace(GPTConfig(), n_layers=args.layers, d_model=args.d_model,
+                            n_heads=args.heads, vocab_size=args.vocab, n_experts=args.experts,
+                            top_k=args.top_k, capacity_factor=args.capacity_factor,
+                            arch=args.arch, n_kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden,
+                            rope_theta=args.rope_theta, **moe)
+    except (ValueError, FileNotFoundError) as e:
         raise LayoutError(str(e)) from None
     return TrainConfig(strategy=args.strategy, nproc=nproc, steps=args.steps,
                        global_batch=args.global_batch, seq_len=args.seq_len, seed=args.seed,
@@ -158,7 +166,8 @@ def config_from_args(args):
                        tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
                        sequence_parallel=args.sequence_parallel, collectives=args.collectives,
                        schedule=args.schedule, virtual_stages=args.virtual_stages, fault=fault,
-                       init_state=args.init_state, return_state=bool(args.save_state),
+                       init_state=args.init_state, init_hf=args.init_hf,
+                       return_state=bool(args.save_state),
                        init_optimizer_state=args.init_optimizer_state,
                        return_optimizer_state=bool(args.save_optimizer_state),
                        checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir,

@@ -44,6 +44,7 @@ class TrainConfig:
     trace_dir: str | None = None      # where --profile writes; default profiles/cli/<strategy>-<n>
     return_state: bool = False        # include the full state dict in each rank's result
     init_state: str | None = None     # torch.save'd full state dict to start from (any strategy's)
+    init_hf: str | None = None        # a Hugging Face checkpoint folder to start from (refimpl.model.hf)
     init_optimizer_state: str | None = None   # AdamW's m, v, step in reference names (optim_reshard)
     return_optimizer_state: bool = False      # include them, gathered, in rank 0's result
     # Recovery (refimpl.compose.run_checkpoint): the whole state every K steps into the directory,

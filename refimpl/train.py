@@ -25,6 +25,7 @@ from refimpl.faults import injected, lose_this_rank
 from refimpl.memory import ActivationTracker
 from refimpl.mesh import Mesh
 from refimpl.model import build_model, converted, count_params, synthetic_batch
+from refimpl.model.hf import HubState
 from refimpl.model.moe import moe_step_record
 from refimpl.numerics import deterministic_needed, exact_fp32_on_cuda
 from refimpl.rank_model import RankModel
@@ -85,6 +86,10 @@ def setup_rank(rank: int, world_size: int, layout: Resolved, resume: dict | None
         # it: every rank places its own part of it, so it reshards on load. Memory-mapped, so a
         # tensor is read from the file when it is placed, not all of them at once.
         state = torch.load(cfg.init_state, map_location="cpu", mmap=True)
+    elif cfg.init_hf is not None:
+        # a Hugging Face folder (Llama, Mixtral): each tensor read from its safetensors file as
+        # this rank places it (refimpl.model.hf.HubState)
+        state = HubState(cfg.init_hf, reference)
     values = RankValues(reference, cfg.seed, mesh, device, state)
     n_params = count_params(reference)
     strategy = layout.strategy(ctx)

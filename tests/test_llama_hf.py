@@ -184,3 +184,43 @@ def test_preset_counts_equal_transformers(name):
     with torch.device("meta"):
         theirs = sum(p.numel() for p in cls(config).parameters())
     assert shape.n_params == theirs, (name, shape.n_params, theirs)
+
+
+@pytest.mark.ranks
+def test_a_transformers_llama_trained_by_refimpl_goes_back_to_transformers(tmp_path):
+    # transformers builds and saves a tiny random Llama; refimpl trains it 3 steps from that
+    # folder under zero1 x tp2 x pp2 (--init-hf: each rank reads the tensors it places), saves it
+    # back; transformers reloads it and gives the logits refimpl's trained model gives.
+    from dataclasses import replace
+
+    from refimpl.config import TrainConfig
+    from refimpl.model.hf import read_config
+    from refimpl.train import train_on_ranks
+
+    cfg = replace(LLAMA, n_layers=4)
+    config = transformers.LlamaConfig(**{k: v for k, v in hf_config(cfg).items()
+                                         if k not in ("architectures", "model_type")})
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).to(torch.float64).save_pretrained(tmp_path / "theirs")
+    model = read_config(tmp_path / "theirs")
+    assert model == cfg
+    run = TrainConfig(strategy="zero1", nproc=4, tp=2, pp=2, steps=3, global_batch=4,
+                      micro_batches=2, seq_len=cfg.seq_len, dtype="float64", model=model,
+                      init_hf=str(tmp_path / "theirs"), return_state=True)
+    trained = train_on_ranks(run, timeout=300)
+    start, _ = load_hf(tmp_path / "theirs")
+    ours = build_model(model, seed=0).to(torch.float64)
+    ours.load_state_dict(trained["state_dict"])
+    assert max(float((p - start.state_dict()[n]).abs().max())
+               for n, p in ours.named_parameters()) > 1e-4    # it trained: the weights moved
+    reloaded = _hf_model(save_hf(ours, model, tmp_path / "back"))
+    batch = synthetic_batch(model, 2, model.seq_len, seed=9, step=0)
+    with torch.no_grad(), float64_casts():
+        error = _relative(ours(batch.inputs), reloaded(input_ids=batch.inputs).logits)
+    assert error <= 1e-10, error
+    # and the run's first loss is that of transformers' own weights on the first batch
+    first = synthetic_batch(model, 4, model.seq_len, seed=run.seed, step=0)
+    with torch.no_grad(), float64_casts():
+        theirs = lm_loss(_hf_model(tmp_path / "theirs")(input_ids=first.inputs).logits,
+                         first.targets)
+    assert abs(trained["losses"][0] - float(theirs)) <= 1e-10

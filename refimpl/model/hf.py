@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -163,7 +164,7 @@ def load_hf(path: str | Path, dtype: torch.dtype | None = None) -> tuple[nn.Modu
     parameter: a name left over on either side is an error, not a silent random weight."""
     from safetensors import safe_open
     path = Path(path)
-    cfg = config_from_hf(json.loads((path / "config.json").read_text()))
+    cfg = read_config(path)
     with torch.device("meta"):
         model = build_model(cfg, seed=0)      # shapes only: every value comes from the files
     files = _files_of(path)
@@ -202,3 +203,42 @@ def save_hf(model: nn.Module, cfg: GPTConfig, path: str | Path) -> Path:
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+class HubState(Mapping):
+    """A Hugging Face checkpoint folder as refimpl's full state dict, read lazily: `state[name]`
+    reads that one tensor from its safetensors file (memory-mapped) when a rank places it, so a
+    rank holds one checkpoint tensor at a time (refimpl.rank_values). The buffers a Hub
+    checkpoint has not (a MoE layer's expert_bias) start at zero, as refimpl's own init has them.
+    `reference`: the model it is read into (meta is enough), for those buffers' shapes."""
+
+    def __init__(self, path: str | Path, reference: nn.Module):
+        self.path = Path(path)
+        self.files = _files_of(self.path)
+        self.hub = {name: hub_name(name) for name, _ in reference.named_parameters()}
+        self.zeros = {name: (b.shape, b.dtype) for name, b in reference.named_buffers()}
+        self.names = [n for n in self.hub if self.hub[n] in self.files] + list(self.zeros)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.zeros:
+            shape, dtype = self.zeros[name]
+            return torch.zeros(shape, dtype=dtype)
+        if name not in self.hub or self.hub[name] not in self.files:
+            raise KeyError(name)
+        from safetensors import safe_open
+        with safe_open(str(self.files[self.hub[name]]), framework="pt") as f:
+            return f.get_tensor(self.hub[name])
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def read_config(path: str | Path) -> GPTConfig:
+    """refimpl's config of the checkpoint folder `path` (its config.json)."""
+    config = Path(path) / "config.json"
+    if not config.exists():
+        raise FileNotFoundError(f"{path}: no config.json (a Hugging Face checkpoint folder has one)")
+    return config_from_hf(json.loads(config.read_text()))
