@@ -162,21 +162,21 @@ def test_bf16_is_refused_not_counted_as_fp32():
 
 
 @pytest.mark.full
-def test_llama3_70b_runs_the_llama_block_and_meets_the_state_gate():
+def test_llama3_70b_runs_the_llama_block_and_meets_the_planners_gates():
     # the dry run builds Llama 3 70B's own block (RMSNorm, SwiGLU 28672, 8 key/value heads), not a
-    # GPT-2 stand-in; the planner's model states are within 1 % of it. The peak is not gated here:
-    # the planner's activations are still GPT-2's block terms, 15 % under the Llama block's at
-    # tp8 pp4 (the dry run counts the rotated Q/K, the widened K/V and SwiGLU's four w-wide tensors).
+    # GPT-2 stand-in; the planner's model states are within 1 % of it, its peak within 10 % (its
+    # activations are the Llama block's own count, refimpl.memory.llama_block_activation_bytes)
     from refimpl.model.presets import MODELS
     from refimpl.plan.against_dryrun import compare
 
     cfg = preset_config("llama3-70b", TrainConfig(strategy="zero1", nproc=64, tp=8, pp=4))
     assert (cfg.model.arch, cfg.model.kv_heads, cfg.model.swiglu_hidden) == ("llama", 8, 28672)
     row = compare("llama3-70b", TrainConfig(strategy="zero1", nproc=64, tp=8, pp=4))
-    assert row["params_ran"] > 0 and MODELS["llama3-70b"][0].n_params == 70_553_706_496
+    assert MODELS["llama3-70b"][0].n_params == 70_553_706_496
     for category in ("params", "grads", "optimizer"):
         assert abs(row[f"{category}_err"]) <= 0.01, (category, row[f"{category}_err"])
-    print(f"peak: dry run {row['peak_ran'] / 2**30:.1f} GiB, planner error {row['peak_err']:+.1%}")
+    assert abs(row["peak_err"]) <= 0.10, row["peak_err"]
+    print(f"peak: dry run {row['peak_ran'] / 2**30:.1f} GiB, planner error {row['peak_err']:+.2%}")
 
 
 def test_a_zero3_rank_of_7b_builds_only_its_shard():

@@ -83,3 +83,20 @@ def test_activation_checkpointing_saves_measured_memory():
     full = train_on_ranks(TrainConfig(steps=1))["memory"][0]["activations_peak"]
     ckpt = train_on_ranks(TrainConfig(steps=1, activation_checkpointing=True))["memory"][0]["activations_peak"]
     assert ckpt < full / 2
+
+
+@pytest.mark.parametrize("kv_heads, dtype", [(2, torch.float32), (6, torch.float64)])
+def test_llama_block_activations_are_what_the_tracker_counts(kv_heads, dtype):
+    # refimpl.memory.llama_block_activation_bytes against the bytes autograd saves for one
+    # --arch llama block (dims chosen apart: s·b != h, w, so no two terms can stand in for each other)
+    from refimpl.memory import ActivationTracker, llama_block_activation_bytes
+    from refimpl.model import Block, GPTConfig
+
+    cfg = GPTConfig(arch="llama", d_model=48, n_heads=6, n_kv_heads=kv_heads, ffn_hidden=80,
+                    seq_len=20)
+    block = Block(cfg).to(dtype)
+    x = torch.randn(3, 20, 48, dtype=dtype, requires_grad=True)
+    with ActivationTracker(exclude=block.parameters()) as tracker:
+        block(x)
+    predicted = llama_block_activation_bytes(20, 3, 48, 6, 80, dtype_bytes=dtype.itemsize)
+    assert tracker.peak == predicted

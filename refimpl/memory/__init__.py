@@ -14,6 +14,7 @@ from refimpl.memory.arithmetic import (
     ModelStateBytes,
     activation_bytes_per_layer,
     block_activation_bytes,
+    llama_block_activation_bytes,
     model_state_bytes,
     shard_numel,
     sharded_state_bytes,
@@ -31,4 +32,4 @@ from refimpl.memory.measured import (
     tensor_bytes,
 )
 
-__all__ = ["GB", "GiB", "ModelStateBytes", "shard_numel", "model_state_bytes", "sharded_state_bytes", "zero_state_bytes", "activation_bytes_per_layer", "block_activation_bytes", "tp_block_activation_bytes", "training_flops", "training_days", "tensor_bytes", "optimizer_state_tensors", "measured_model_state", "ActivationTracker", "measure_block_activations", "measure_step_activations"]
+__all__ = ["GB", "GiB", "ModelStateBytes", "shard_numel", "model_state_bytes", "sharded_state_bytes", "zero_state_bytes", "activation_bytes_per_layer", "block_activation_bytes", "tp_block_activation_bytes", "llama_block_activation_bytes", "training_flops", "training_days", "tensor_bytes", "optimizer_state_tensors", "measured_model_state", "ActivationTracker", "measure_block_activations", "measure_step_activations"]

@@ -165,6 +165,37 @@ def tp_block_activation_bytes(seq: int, batch: int, hidden: int, heads: int, *, 
             + seq * seq + stats)
 
 
+def llama_block_activation_bytes(seq: int, batch: int, hidden: int, heads: int, ffn: int, *,
+                                 tp: int = 1, sequence_parallel: bool = False,
+                                 dtype_bytes: int = 4) -> float:
+    """What autograd saves for one --arch llama block (refimpl.model.parts: RMSNorm, grouped-query
+    attention with rotary positions, SwiGLU of width `ffn`) on one of `tp` ranks, counted tensor
+    by tensor from the block's forward (tests/test_memory.py checks the count against the
+    activation tracker):
+
+        per RMSNorm   its input x, x / rms(x), its output (the next matmuls' input): 3 s·b·h, and
+                      1/rms(x): s·b values at least fp32
+        attention     the rotated Q and K (K widened to every query head), the widened V, the
+                      attention output (W_O's input): 4 s·b·h, split by t; the softmax output
+                      a·s²·b, split by t; the s×s bool causal mask; cos and sin (s·head_dim each)
+        SwiGLU        X·W_gate, SiLU of it, X·W_up and their product: 4 s·b·w, split by t
+
+    Grouped-query attention saves no less than multi-head attention here: K and V are widened
+    to the query heads before the scores, and the widened copies are what the matmuls keep.
+    Under sequence parallelism the RMSNorm inputs, normalised values and statistics hold s/t
+    tokens, and each norm's output is saved whole, all-gathered, by the column-parallel layers it
+    feeds (as in tp_block_activation_bytes)."""
+    sbh, sb, t = seq * batch * hidden, seq * batch, tp
+    stat_bytes = max(dtype_bytes, 4)
+    if sequence_parallel:
+        norms = (2 * 2 * sbh / t + 2 * sbh) * dtype_bytes + 2 * sb / t * stat_bytes
+    else:
+        norms = 2 * 3 * sbh * dtype_bytes + 2 * sb * stat_bytes
+    split = (4 * sbh + 4 * sb * ffn) / t * dtype_bytes + heads * seq * seq * batch * dtype_bytes / t
+    rotary = 2 * seq * (hidden // heads) * dtype_bytes
+    return norms + split + seq * seq + rotary
+
+
 def training_flops(n_params: int, tokens: int, *, n_layers: int = 0, seq: int = 0,
                    hidden: int = 0) -> float:
     """FLOPs to train on `tokens` tokens: 6·N·D (2 forward + 4 backward per parameter per token;

@@ -10,7 +10,7 @@ from __future__ import annotations
 import refimpl.plan.moe as moe  # what a mixture of experts adds
 from refimpl.cost.cp_comm import ring_block_delta_bytes
 from refimpl.memory import activation_bytes_per_layer, model_state_bytes
-from refimpl.memory.arithmetic import tp_block_activation_bytes
+from refimpl.memory.arithmetic import llama_block_activation_bytes, tp_block_activation_bytes
 from refimpl.model.presets import ModelShape
 from refimpl.plan.layout import Layout
 
@@ -58,9 +58,15 @@ def dense_layer_activation_bytes(shape, lay, batch, act_bytes, recompute, activa
         s, b = shape.seq_len // lay.cp, batch
         if recompute == "full":   # the checkpointed block keeps its input (s/t of it under SP)
             return s * b * shape.d_model * act_bytes / (lay.tp if lay.sequence_parallel else 1)
-        block = tp_block_activation_bytes(s, b, shape.d_model, shape.n_heads, tp=lay.tp,
-                                          sequence_parallel=lay.sequence_parallel,
-                                          dtype_bytes=act_bytes)
+        if shape.block == "llama" and not shape.n_experts:   # Llama's own block, dense
+            block = llama_block_activation_bytes(s, b, shape.d_model, shape.n_heads,
+                                                 shape.mlp_width, tp=lay.tp,
+                                                 sequence_parallel=lay.sequence_parallel,
+                                                 dtype_bytes=act_bytes)
+        else:
+            block = tp_block_activation_bytes(s, b, shape.d_model, shape.n_heads, tp=lay.tp,
+                                              sequence_parallel=lay.sequence_parallel,
+                                              dtype_bytes=act_bytes)
         if lay.cp > 1:   # ring attention saves its output once more and a log-sum-exp per
             # query, not the probabilities nor the mask: the bytes refimpl.cost.cp_comm counts
             # for one cp rank, on this tp rank's share of the heads
