@@ -31,13 +31,17 @@ MQA = replace(LLAMA, n_kv_heads=1)   # one key/value head: under tp each rank ho
 BASE = TrainConfig(strategy="single", nproc=1, steps=2, global_batch=12, seq_len=16,
                    dtype="float64", model=LLAMA, return_state=True)
 
-ON_2 = [dict(strategy="dp"), dict(strategy="zero3"), dict(strategy="fsdp"),
-        dict(strategy="pp-zbv", pp=2), dict(strategy="pp-1f1b", pp=2, micro_batches=2),
-        dict(strategy="torch-fsdp2"), dict(strategy="tp", tp=2, sequence_parallel=True),
-        dict(strategy="tp", tp=2, model=MQA), dict(strategy="tp", tp=2, model=MIXTRAL),
-        dict(strategy="zero1", cp=2), dict(strategy="fsdp", cp=2, model=MIXTRAL),
-        dict(strategy="ep", ep=2, model=MIXTRAL), dict(strategy="zero1", model=MIXTRAL,
-                                                       activation_checkpointing=True)]
+# make test: the cases the layout matrix's cover does not hold (its llama has 2 key/value heads
+# and no other): the zero-bubble regression, one key/value head shared over tp, Mixtral under cp.
+# The rest, with 3 and 4 ranks, in make test-full (the matrix covers llama pairwise meanwhile).
+ON_2 = [dict(strategy="pp-zbv", pp=2), dict(strategy="tp", tp=2, model=MQA),
+        dict(strategy="fsdp", cp=2, model=MIXTRAL)]
+ON_2_FULL = [dict(strategy="dp"), dict(strategy="zero3"), dict(strategy="fsdp"),
+             dict(strategy="pp-1f1b", pp=2, micro_batches=2), dict(strategy="torch-fsdp2"),
+             dict(strategy="tp", tp=2, sequence_parallel=True),
+             dict(strategy="tp", tp=2, model=MIXTRAL), dict(strategy="zero1", cp=2),
+             dict(strategy="ep", ep=2, model=MIXTRAL),
+             dict(strategy="zero1", model=MIXTRAL, activation_checkpointing=True)]
 ON_3 = [dict(strategy="zero2"), dict(strategy="fsdp", model=MIXTRAL)]
 
 
@@ -50,7 +54,9 @@ def singles():
     return {m: _single(m) for m in (LLAMA, MIXTRAL, MQA)}
 
 
-@pytest.mark.parametrize("nproc, layouts", [(2, ON_2), (3, ON_3)], ids=["2 ranks", "3 ranks"])
+@pytest.mark.parametrize("nproc, layouts", [
+    (2, ON_2), pytest.param(2, ON_2_FULL, marks=pytest.mark.full),
+    pytest.param(3, ON_3, marks=pytest.mark.full)], ids=["2 ranks", "2 ranks, more", "3 ranks"])
 def test_llama_layouts_equal_single(nproc, layouts, singles):
     cfgs = [replace(BASE, nproc=nproc, **layout) for layout in layouts]
     for layout, cfg, out in zip(layouts, cfgs, train_several_on_ranks(cfgs, timeout=300)):
