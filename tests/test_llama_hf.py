@@ -15,6 +15,7 @@ untouched and finds the difference at float32's size, which is what the swap acc
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch  # noqa: E402
-from refimpl.model.hf import config_from_hf, hf_config, load_hf, save_hf  # noqa: E402
+from refimpl.model.hf import config_from_hf, hf_config, hub_name, load_hf, save_hf  # noqa: E402
 
 LLAMA = GPTConfig(arch="llama", vocab_size=96, seq_len=16, d_model=32, n_heads=4, n_kv_heads=2,
                   n_layers=2, ffn_hidden=48, rope_theta=500000.0, norm_eps=1e-6)
@@ -84,7 +85,6 @@ def _compare(ours, theirs, cfg):
     theirs_logits = theirs(input_ids=batch.inputs).logits
     lm_loss(ours_logits, batch.targets).backward()
     lm_loss(theirs_logits, batch.targets).backward()
-    from refimpl.model.hf import hub_name
     grads = {hub_name(n): p.grad for n, p in ours.named_parameters()}
     errors = {n: _relative(grads[n], p.grad) for n, p in theirs.named_parameters()
               if n in grads}
@@ -191,7 +191,6 @@ def test_a_transformers_llama_trained_by_refimpl_goes_back_to_transformers(tmp_p
     # transformers builds and saves a tiny random Llama; refimpl trains it 3 steps from that
     # folder under zero1 x tp2 x pp2 (--init-hf: each rank reads the tensors it places), saves it
     # back; transformers reloads it and gives the logits refimpl's trained model gives.
-    from dataclasses import replace
 
     from refimpl.config import TrainConfig
     from refimpl.model.hf import read_config
@@ -224,3 +223,19 @@ def test_a_transformers_llama_trained_by_refimpl_goes_back_to_transformers(tmp_p
         theirs = lm_loss(_hf_model(tmp_path / "theirs")(input_ids=first.inputs).logits,
                          first.targets)
     assert abs(trained["losses"][0] - float(theirs)) <= 1e-10
+
+
+def test_a_tied_llama_round_trips_and_a_biased_one_is_refused(tmp_path):
+    # tied: transformers stores the embedding once, lm_head reads it; a config with biases
+    # (attention_bias, as Qwen's) would lose them silently, so it is refused in one line
+    import json
+
+    cfg = replace(LLAMA, tie_embeddings=True)
+    ours = build_model(cfg, seed=1).to(torch.float64)
+    path = save_hf(ours, cfg, tmp_path / "tied")
+    back, _ = load_hf(path)
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), back.state_dict().values()))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
+    with pytest.raises(ValueError, match="no biases"):
+        load_hf(path)

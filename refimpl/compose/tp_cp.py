@@ -34,7 +34,7 @@ import torch.nn as nn
 from refimpl.labels import phase
 from refimpl.model.gqa import grouped_qkv
 from refimpl.parallel.cp.ring import positions, ring_attention
-from refimpl.parallel.tp.layers import ParallelSelfAttention, enter_region
+from refimpl.parallel.tp.layers import ParallelGroupedAttention, ParallelSelfAttention, enter_region
 from refimpl.parallel.tp.vocab import VocabParallelEmbedding
 
 
@@ -97,7 +97,7 @@ def apply_context_parallel_over_tp(model: nn.Module, cp_group, rank: int, cp: in
     model.embed.position_ids = functools.partial(_cp_positions, rank=rank, cp=cp, balanced=balanced)
     for block in model.blocks:
         block.attn = (RingParallelGroupedAttention(block.attn, cp_group, rank, cp, balanced)
-                      if hasattr(block.attn, "n_kv_heads") else
+                      if isinstance(block.attn, ParallelGroupedAttention) else
                       RingParallelSelfAttention(block.attn, cp_group, balanced))
     return model
 

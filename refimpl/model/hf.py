@@ -3,8 +3,8 @@
 A checkpoint folder, as `save_pretrained` writes it: `config.json` (the architecture) and one or
 more `*.safetensors` files (the tensors by name; `model.safetensors.index.json` says which file
 holds which tensor when there are several). Nothing here imports `transformers`: the format is
-JSON and safetensors, read and written with the `safetensors` package, so a rank can read only
-the slices it keeps (`read_tensor(..., rows=...)`).
+JSON and safetensors, read and written with the `safetensors` package, one tensor at a time
+(`HubState`: what `--init-hf` places, each rank reading the tensors it keeps).
 
 Names, refimpl's (left) and the Hub's (right; `i` a block, `e` an expert):
 
@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from refimpl.model.config import GPTConfig
 from refimpl.model.gpt import build_model
@@ -104,6 +106,8 @@ def config_from_hf(config: dict) -> GPTConfig:
     kind = config.get("model_type")
     if kind not in ("llama", "mixtral"):
         raise ValueError(f"model_type {kind!r}: refimpl reads Llama and Mixtral checkpoints")
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise ValueError("attention_bias / mlp_bias: refimpl's Llama block has no biases")
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {config['hidden_act']!r}: refimpl's SwiGLU uses silu")
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
@@ -137,7 +141,6 @@ def _files_of(path: Path) -> dict[str, Path]:
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
         return {name: path / file for name, file in weight_map.items()}
-    from safetensors import safe_open
     files = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
@@ -147,52 +150,24 @@ def _files_of(path: Path) -> dict[str, Path]:
     return files
 
 
-def read_tensor(path: str | Path, name: str, rows: slice | None = None) -> torch.Tensor:
-    """refimpl's parameter `name` from the checkpoint at `path`; `rows`: only those rows (the
-    slice a rank keeps), read from the file without the rest of the tensor."""
-    from safetensors import safe_open
-    hub, files = hub_name(name), _files_of(Path(path))
-    if hub not in files:
-        raise KeyError(f"{path}: no tensor {hub!r} (refimpl's {name!r})")
-    with safe_open(str(files[hub]), framework="pt") as f:
-        return f.get_tensor(hub) if rows is None else f.get_slice(hub)[rows]
-
-
 def load_hf(path: str | Path, dtype: torch.dtype | None = None) -> tuple[nn.Module, GPTConfig]:
     """The model and its config from a Hugging Face checkpoint folder (config.json and
-    *.safetensors). Every parameter must be in the files, and every tensor of the files a
-    parameter: a name left over on either side is an error, not a silent random weight."""
-    from safetensors import safe_open
-    path = Path(path)
+    *.safetensors), in the files' dtype unless `dtype` is given. Every parameter must be in the
+    files, and every tensor of the files a parameter (`HubState`)."""
     cfg = read_config(path)
-    with torch.device("meta"):
-        model = build_model(cfg, seed=0)      # shapes only: every value comes from the files
-    files = _files_of(path)
-    wanted = {hub_name(name): name for name, _ in model.named_parameters()}
-    extra = sorted(set(files) - set(wanted))
-    missing = sorted(set(wanted) - set(files))
-    if extra or missing:
-        raise ValueError(f"{path}: tensors not in refimpl's model {extra[:4]}, parameters not in "
-                         f"the files {missing[:4]}")
-    state = {}
-    for file in sorted(set(files.values())):
-        with safe_open(str(file), framework="pt") as f:
-            for hub in f.keys():
-                state[wanted[hub]] = f.get_tensor(hub)
-    # the model in the files' dtype unless asked otherwise (load_state_dict would cast silently)
-    stored = {t.dtype for t in state.values()}
-    if dtype is None and len(stored) > 1:
+    model = build_model(cfg, seed=0, device="meta")     # shapes only: the values are the files'
+    state = HubState(path, model)
+    tensors = {name: state[name] for name in state}
+    stored = {t.dtype for name, t in tensors.items() if name not in state.zeros}
+    if dtype is None and len(stored) > 1:   # load_state_dict would cast them silently
         raise ValueError(f"{path}: tensors of several dtypes {sorted(map(str, stored))}: pass dtype=")
     model = model.to_empty(device="cpu").to(dtype or stored.pop())
-    for name, buffer in model.named_buffers():   # MoE's expert_bias: not in a Hub checkpoint
-        buffer.zero_()
-    model.load_state_dict(state, strict=False)
+    model.load_state_dict(tensors)
     return model, cfg
 
 
 def save_hf(model: nn.Module, cfg: GPTConfig, path: str | Path) -> Path:
     """Write `model` (refimpl's parameter names) as a Hugging Face checkpoint folder."""
-    from safetensors.torch import save_file
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {hub_name(name): p.detach().to("cpu").contiguous()
@@ -215,17 +190,25 @@ class HubState(Mapping):
     def __init__(self, path: str | Path, reference: nn.Module):
         self.path = Path(path)
         self.files = _files_of(self.path)
-        self.hub = {name: hub_name(name) for name, _ in reference.named_parameters()}
+        # a tied lm_head.weight reads the embedding's tensor, as transformers stores it once
+        first = {id(p): name for name, p in reference.named_parameters()}
+        self.hub = {name: hub_name(first[id(p)])
+                    for name, p in reference.named_parameters(remove_duplicate=False)}
         self.zeros = {name: (b.shape, b.dtype) for name, b in reference.named_buffers()}
-        self.names = [n for n in self.hub if self.hub[n] in self.files] + list(self.zeros)
+        # a name left over on either side is an error, not a silent random (or dropped) weight
+        extra = sorted(set(self.files) - set(self.hub.values()))
+        missing = sorted(h for h in self.hub.values() if h not in self.files)
+        if extra or missing:
+            raise ValueError(f"{path}: tensors not in refimpl's model {extra[:4]}, parameters "
+                             f"not in the files {missing[:4]}")
+        self.names = list(self.hub) + list(self.zeros)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self.zeros:
             shape, dtype = self.zeros[name]
             return torch.zeros(shape, dtype=dtype)
-        if name not in self.hub or self.hub[name] not in self.files:
+        if name not in self.hub:
             raise KeyError(name)
-        from safetensors import safe_open
         with safe_open(str(self.files[self.hub[name]]), framework="pt") as f:
             return f.get_tensor(self.hub[name])
 

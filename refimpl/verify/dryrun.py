@@ -82,7 +82,9 @@ def preset_config(name: str, cfg: TrainConfig) -> TrainConfig:
 
 
 def moe_form(name: str, shape) -> dict:
-    """The MoE fields of GPTConfig for a preset (none for a dense one). refimpl builds its own
+    """The architecture fields of GPTConfig for a preset: none for a dense GPT-2-shaped one,
+    Llama's own block (arch, key/value heads, SwiGLU width) for a dense Llama, and for a
+    mixture of experts the MoE fields (its name says so). refimpl builds its own
     block (refimpl.model: LayerNorm, multi-head attention, GELU experts of width mlp_ratio * h),
     so a Mixtral preset (SwiGLU, grouped-query attention) runs in that form, as the 70b preset is
     Llama 2 in it: experts of width round(ffn_hidden / h) * h (Mixtral 8x7B: 16384, not 14336),

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from refimpl.model import GPT, Batch
-from refimpl.model.gqa import grouped_qkv
+from refimpl.model.gqa import GroupedQueryAttention, grouped_qkv
 from refimpl.parallel.cp.ring import positions, ring_attention, shard_sequence
 
 
@@ -96,7 +96,7 @@ def apply_context_parallel(model: GPT, group, *, balanced: bool = True) -> GPT:
     model.embed = SlicedEmbedding(model.embed, rank, cp, balanced)
     for block in model.blocks:
         block.attn = (RingGroupedAttention(block.attn, group, rank, cp, balanced)
-                      if hasattr(block.attn, "n_kv_heads") else
+                      if isinstance(block.attn, GroupedQueryAttention) else
                       RingSelfAttention(block.attn, group, balanced))
     return model
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from refimpl.cost.tp_comm import kv_heads_per_rank
 from refimpl.labels import phase
 from refimpl.model import attention
-from refimpl.model.gqa import grouped_attention
+from refimpl.model.gqa import GroupedQueryAttention, grouped_attention
 from refimpl.model.swiglu import SwiGLU
 from refimpl.parallel.tp.mappings import (
     all_reduce_grad_logged,
@@ -348,6 +348,6 @@ class ParallelGroupedAttention(nn.Module):
 def parallel_attention(attn: nn.Module, group=None, sequence_parallel: bool = False,
                        comm=None) -> nn.Module:
     """The tensor-parallel form of a block's attention (multi-head or grouped-query)."""
-    if hasattr(attn, "n_kv_heads"):
+    if isinstance(attn, GroupedQueryAttention):
         return ParallelGroupedAttention.from_attention(attn, group, sequence_parallel, comm)
     return ParallelSelfAttention.from_attention(attn, group, sequence_parallel, comm)
