@@ -105,6 +105,7 @@ tensorboard: install
 
 # Speed is a benchmark, not a test: each script compares ours with PyTorch's in one run, as ratios.
 bench: install
+	$(BIN)/python scripts/bench_table.py --reset
 	$(BIN)/python scripts/bench_collectives.py
 	$(BIN)/python scripts/bench_dp.py
 	$(BIN)/python scripts/bench_fsdp.py
@@ -113,6 +114,7 @@ bench: install
 	$(BIN)/python scripts/bench_bubble.py
 	$(BIN)/python scripts/bench_composition.py
 	$(BIN)/python scripts/bench_plan_cpu.py
+	$(BIN)/python scripts/bench_table.py
 
 # Execute every notebook and export it with its figures as offline HTML: report/index.html.
 report: install

@@ -16,6 +16,7 @@ import argparse
 import sys
 
 from refimpl.config import TrainConfig
+from refimpl.cost.ratio_log import record
 from refimpl.verify.step_time import step_times_in_rounds
 
 VARIANTS = (("fsdp", False), ("torch-fsdp2-tp", False), ("fsdp", True), ("torch-fsdp2-tp", True),
@@ -54,6 +55,8 @@ def main(argv=None) -> int:
         print(f"fsdp --tp / torch-fsdp2-tp{' (SP)' if sp else ''}: step time ratio "
               f"{median[('fsdp', sp)] / median[('torch-fsdp2-tp', sp)]:.3f}; "
               f"worst loss rel. diff {worst:.1e}")
+        record(f"fsdp --tp / torch-fsdp2-tp{' (SP)' if sp else ''} step time",
+               median[("fsdp", sp)] / median[("torch-fsdp2-tp", sp)], "<= 1.0", script="bench_composition.py")
     return 0
 
 

@@ -17,6 +17,7 @@ import argparse
 import sys
 
 from refimpl.config import TrainConfig
+from refimpl.cost.ratio_log import record
 from refimpl.verify.step_time import step_times_in_rounds
 
 PAIRS = [("dp", "torch-ddp"), ("zero1", "torch-zero1")]
@@ -62,6 +63,8 @@ def main(argv=None) -> int:
         same = last[ours]["losses"] == last[theirs]["losses"]
         print(f"{ours} / {theirs}: step time ratio {median[ours] / median[theirs]:.3f}; "
               f"losses {'identical' if same else 'differ'}")
+        record(f"{ours} / {theirs} step time", median[ours] / median[theirs],
+               "<= 1.05" if ours == "dp" else "<= 1.0", script="bench_dp.py")
     return 0
 
 

@@ -23,6 +23,7 @@ import statistics
 import pandas as pd
 
 from refimpl.config import TrainConfig
+from refimpl.cost.ratio_log import record
 from refimpl.train import train_several_on_ranks, train_several_recording_memory
 
 # (label, strategy, options, the twin it is compared with)
@@ -82,6 +83,9 @@ def main() -> None:
           f"{args.steps} steps x 2 passes (per rank: model state kept between steps; step peak "
           f"= most allocated on top during a step)")
     print(pd.DataFrame(rows).to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    for row in rows:
+        record(f"{row['strategy']} / {row['vs']} step time", row["time_ratio"], "<= 1.0", script="bench_fsdp.py")
+        record(f"{row['strategy']} / {row['vs']} peak memory", row["peak_ratio"], "<= 1.0", script="bench_fsdp.py")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import argparse
 import sys
 
 from refimpl.config import TrainConfig
+from refimpl.cost.ratio_log import record
 from refimpl.verify.step_time import step_times_in_rounds
 
 
@@ -53,6 +54,8 @@ def main(argv=None) -> int:
         worst = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], theirs["losses"]))
         print(f"tp / torch-tp{' (SP)' if sp else ''}: step time ratio "
               f"{median[('tp', sp)] / median[('torch-tp', sp)]:.3f}; worst loss rel. diff {worst:.1e}")
+        record(f"tp / torch-tp{' (SP)' if sp else ''} step time", median[("tp", sp)] / median[("torch-tp", sp)],
+               "<= 1.0", script="bench_tp.py")
     return 0
 
 
