@@ -129,12 +129,19 @@ def decomposed_ring_seconds(t: int, chunk_bytes: float, chunk_matmul_s: float, a
     assumes a transfer costs the matmul nothing (a DMA engine or a NIC moves the bytes); where the
     same cores copy the bytes and multiply (gloo on a CPU with a core per rank) it is an upper bound.
     """
-    step = alpha_hop + chunk_bytes / link
+    step = alpha_hop + chunk_bytes / link     # one ring step: α + m/B
     collective = ring_seconds("all_gather", t * chunk_bytes, t, alpha_hop, link)
     serial = collective + t * chunk_matmul_s
     overlapped = (t - 1) * max(step, chunk_matmul_s) + chunk_matmul_s
     return {"serial_s": serial, "overlapped_s": overlapped, "saving_s": serial - overlapped,
             "collective_s": collective}
+
+
+def hidden_per_ring_step(chunk_bytes: float, chunk_matmul_s: float, alpha_hop: float,
+                         link: float) -> float:
+    """What one step of a decomposed ring can hide: min(α + m/B, c), the shorter of its chunk's
+    transfer and the matmul beside it (`decomposed_ring_seconds` sums t-1 of these)."""
+    return min(alpha_hop + chunk_bytes / link, chunk_matmul_s)
 
 
 def pp_boundary_bytes(b: int, s: int, h: int, dtype_bytes: int = 2) -> float:

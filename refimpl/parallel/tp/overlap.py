@@ -47,7 +47,7 @@ def _ring_all_gather(g: GroupView, local: torch.Tensor, on_chunk, pass_: str, lo
     chunk, each while the next one travels."""
     t, r = g.size, g.rank
     nxt, prv = (r + 1) % t, (r - 1) % t
-    p = pass_[:3] if pass_ == "forward" else "bwd"
+    p = "fwd" if pass_ == "forward" else "bwd"
     here = local.contiguous()
     for k in range(t):
         j = (r - k) % t
@@ -70,7 +70,7 @@ def _ring_reduce_scatter(g: GroupView, partial_of, pass_: str, logs) -> torch.Te
     adding the running sum that arrives, and passes it on while the next chunk's matmul runs."""
     t, r = g.size, g.rank
     nxt, prv = (r + 1) % t, (r - 1) % t
-    p = pass_[:3] if pass_ == "forward" else "bwd"
+    p = "fwd" if pass_ == "forward" else "bwd"
     j = (r - 1) % t
     with phase(f"tp:ring-rs {p} matmul c{j}"):
         leaving = partial_of(j).contiguous()
