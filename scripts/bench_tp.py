@@ -31,12 +31,17 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    variants = [(name, sp) for sp in (False, True) for name in ("tp", "torch-tp")]
+    # "tp-overlap": tp with SP and --set tp_overlap=true (refimpl.parallel.tp.overlap)
+    variants = [(name, sp) for sp in (False, True) for name in ("tp", "torch-tp")] + [("tp-overlap", True)]
     base = TrainConfig(nproc=args.nproc, steps=args.steps, global_batch=args.global_batch,
                        seq_len=args.seq_len)
-    median, last = step_times_in_rounds(
-        {(name, sp): base.with_(strategy=name, sequence_parallel=sp) for name, sp in variants},
-        args.rounds)
+
+    def config(name, sp):
+        if name == "tp-overlap":
+            return base.with_(strategy="tp", sequence_parallel=True, options={"tp_overlap": True})
+        return base.with_(strategy=name, sequence_parallel=sp)
+
+    median, last = step_times_in_rounds({v: config(*v) for v in variants}, args.rounds)
 
     mib = 2 ** 20
     print(f"{args.nproc} ranks (tp = {args.nproc}), global batch {args.global_batch} x seq "
@@ -49,6 +54,10 @@ def main(argv=None) -> int:
         print(f"{name:<10} {'yes' if sp else 'no':>3} {r['losses'][-1]:>11.6f} "
               f"{mem['params'] / mib:>11.2f} {mem['activations_peak'] / mib:>9.2f} "
               f"{median[(name, sp)] * 1e3:>9.2f} ms")
+    ring, plain = last[("tp-overlap", True)], last[("tp", True)]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(ring["losses"], plain["losses"]))
+    print(f"tp_overlap / tp (SP): step time ratio "
+          f"{median[('tp-overlap', True)] / median[('tp', True)]:.3f}; worst loss rel. diff {worst:.1e}")
     for sp in (False, True):
         ours, theirs = last[("tp", sp)], last[("torch-tp", sp)]
         worst = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], theirs["losses"]))

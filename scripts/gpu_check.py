@@ -26,7 +26,7 @@ NO_GPU = "skipped: no GPU"
 
 
 PARTS = ("machine", "numerics", "ceilings", "memory", "steps", "profiled_step", "nccl_step",
-         "equivalence", "hta")
+         "equivalence", "hta", "async_tp")
 
 
 def figures(out: Path, name: str, parts: list[str]) -> list[dict]:
@@ -225,6 +225,62 @@ def _equivalence(add, gpu, out):
     add("equivalence", f"dp, 2 ranks on {machine(topology=False).where(2)}, reference on "
         f"{ranks_device(2)}", f"loss {eq.loss_rel_err:.1e}, weights {eq.weight_rel_err:.1e}",
         f"tolerance 1e-5: {'ok' if eq.ok else 'FAILED'}")
+
+
+def _async_tp_rank(rank, world):
+    """PyTorch's async TP on one rank: fused all-gather + matmul over symmetric memory, against
+    the plain all-gather then matmul (refimpl's own ring twin: refimpl.parallel.tp.overlap)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    device = torch.device("cuda", rank % torch.cuda.device_count())   # this rank's own GPU
+    torch.cuda.set_device(device)
+    group = dist.group.WORLD
+    enable_symm_mem_for_group(group.group_name)
+    torch.manual_seed(rank)
+    shard = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    gathered = torch.empty(world * 4096, 4096, device=device, dtype=torch.bfloat16)
+
+    def plain():
+        dist.all_gather_into_tensor(gathered, shard)
+        return gathered @ weight
+
+    def fused():
+        return torch.ops.symm_mem.fused_all_gather_matmul(shard, [weight], gather_dim=0,
+                                                          group_name=group.group_name)[1][0]
+
+    times = {}
+    for name, fn in (("plain", plain), ("fused", fused)):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(10):
+            y = fn()
+        torch.cuda.synchronize()
+        times[name] = (time.perf_counter() - start) / 10
+        times[f"{name}_y"] = y.float().norm().item()
+    return times
+
+
+def _async_tp(add, gpu, out):
+    """PyTorch's async TP (torch.distributed._symmetric_memory, CUDA only): it cannot run on CPU
+    ranks, so refimpl's own `--set tp_overlap=true` is the CPU form; here, with >= 2 GPUs, the
+    fused all-gather + matmul against the plain pair, in one launch over NCCL."""
+    import torch
+
+    from refimpl import launch
+
+    if not gpu or torch.cuda.device_count() < 2:
+        add("async TP", "fused all-gather + matmul, 2 ranks", "skipped: needs >= 2 GPUs (NCCL, "
+            "symmetric memory)")
+        return
+    r = launch.run(_async_tp_rank, 2, backend="nccl", timeout=300)[0]
+    same = abs(r["fused_y"] - r["plain_y"]) <= 1e-2 * abs(r["plain_y"])
+    add("async TP", "fused / plain all-gather + matmul time, 2 ranks, bf16 4096²",
+        f"{r['fused'] / r['plain']:.3f}", f"outputs agree: {'ok' if same else 'FAILED'}")
 
 
 def _hta(add, gpu, out):

@@ -158,8 +158,8 @@ else
     "skipped: no GPU (make test runs this file with the ranks on the CPU)"
 fi
 
-stage figures "ceilings, NCCL, equivalence, HTA" 150 figures-more.json -- \
-  "$PYTHON" scripts/gpu_check.py figures "$DIR" more ceilings nccl_step equivalence hta
+stage figures "ceilings, NCCL, equivalence, HTA, async TP" 150 figures-more.json -- \
+  "$PYTHON" scripts/gpu_check.py figures "$DIR" more ceilings nccl_step equivalence hta async_tp
 stage tests "GPU-facing tests (env, ceilings, cuda_memory, gpu_trace, moe_slots)" 150 - -- \
   "${PYTEST[@]}" tests/test_env.py tests/test_ceilings.py tests/test_cuda_memory.py \
   tests/test_gpu_trace.py tests/test_moe_slots.py

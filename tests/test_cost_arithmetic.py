@@ -221,3 +221,14 @@ def test_small_models_predicted_share_falls_with_width():
         assert table.loc[h, "FLOPs per byte sent"] == pytest.approx(9 * h * (1 + s / (6 * h)) / 4)
     for column in ("comm share predicted, this machine", "comm share predicted, h100-sxm"):
         assert table[column].is_monotonic_decreasing and table[column].between(0, 1).all()
+
+
+def test_decomposed_ring_hides_the_shorter_of_transfer_and_matmul():
+    from refimpl.cost.tp_comm import decomposed_ring_seconds
+
+    # 4 ranks, 1 MB chunks on a 1 GB/s link with 10 us per hop: a step's transfer is 1.01 ms
+    for matmul_s, hidden in ((2e-3, 1.01e-3), (1e-4, 1e-4)):
+        t = decomposed_ring_seconds(4, 1e6, matmul_s, 1e-5, 1e9)
+        assert abs(t["collective_s"] - 3 * 1.01e-3) < 1e-12
+        assert abs(t["saving_s"] - 3 * hidden) < 1e-12
+        assert abs(t["overlapped_s"] - (3 * max(1.01e-3, matmul_s) + matmul_s)) < 1e-12

@@ -38,7 +38,12 @@ from refimpl.parallel.ep.dispatch import parallelize_experts, share_routing_coun
 from refimpl.parallel.pp.runner import pipeline_forward_backward
 from refimpl.parallel.pp.stage import split_for_pipeline
 from refimpl.parallel.pp.validate import validate_pipeline
-from refimpl.parallel.tp.parallelize import parallelize_tp, tp_layout_problem, tp_loss_for
+from refimpl.parallel.tp.parallelize import (
+    parallelize_tp,
+    tp_layout_problem,
+    tp_loss_for,
+    tp_overlap_problem,
+)
 from refimpl.rank_model import Pipeline, RankModel
 
 
@@ -77,6 +82,9 @@ def validate_model_parallel(cfg, strategy) -> None:
                    or tp_cp_layout_problem(cfg.seq_len, cfg.tp, cfg.cp, cfg.sequence_parallel))
         if problem:
             raise LayoutError(problem)
+    problem = tp_overlap_problem(cfg)
+    if problem:
+        raise LayoutError(problem)
     validate_pipeline(cfg, strategy)
 
 
@@ -89,7 +97,8 @@ def model_parallel(model: nn.Module, ctx) -> RankModel:
     loss_fn, seq_split = lm_loss, 1
     if mesh.size("tp") > 1:
         parallelize_tp(model, mesh.group("tp"), sequence_parallel=cfg.sequence_parallel,
-                       comm=ctx.comm, sum_norm_grads=not injected(cfg, "sp-norm-unsummed"))
+                       comm=ctx.comm, sum_norm_grads=not injected(cfg, "sp-norm-unsummed"),
+                       overlap=bool(cfg.options.get("tp_overlap", False)))
         # reads the vocabulary-split logits; the fault vocab-unmasked leaves the padding in
         loss_fn = tp_loss_for(model.lm_head, mask_padding=not injected(cfg, "vocab-unmasked"))
         seq_split = mesh.size("tp") if cfg.sequence_parallel else 1

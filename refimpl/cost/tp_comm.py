@@ -25,8 +25,10 @@ nodes; `comm_to_compute` uses what a preset says is *achievable* (Hardware.link:
 link fraction; Hardware.matmul_rate: the GEMM fraction of the peak), the one ratio notebooks 06 and
 09 (refimpl.plan.composition.placement_rule) both print.
 
-Overlap. Nothing in refimpl runs a TP collective under compute: each sits on the critical path of
-its layer, so a layer takes compute·(1 + r) for a ratio r. Megatron-LM overlaps in the backward of
+Overlap. By default nothing in refimpl runs a TP collective under compute: each sits on the
+critical path of its layer, so a layer takes compute·(1 + r) for a ratio r. `--set tp_overlap=true`
+(refimpl.parallel.tp.overlap) decomposes SP's all-gather + matmul and matmul + reduce-scatter over
+the ring; `decomposed_ring_seconds` is what that can save. Megatron-LM overlaps in the backward of
 a column-parallel layer (megatron/core/tensor_parallel/layers.py,
 LinearWithGradAccumulationAndAsyncCommunication.backward; Korthikanti et al. 2022, §4.2.2), each
 collective under the GEMM that does not need its result: under SP the all-gather of the layer's
@@ -112,6 +114,34 @@ def layer_time_over_compute(ratio: float, overlapped: float = 0.0) -> float:
     if not 0.0 <= overlapped <= 1.0:
         raise ValueError(f"overlapped must be in [0, 1] (got {overlapped})")
     return 1.0 + (ratio - min(overlapped * ratio, 1.0))
+
+
+def decomposed_ring_seconds(t: int, chunk_bytes: float, chunk_matmul_s: float, alpha_hop: float,
+                            link: float) -> dict:
+    """An all-gather + matmul (or matmul + reduce-scatter) over t ranks, serial and decomposed into
+    per-chunk steps (Wang et al. 2022, ASPLOS '23, §3; refimpl.parallel.tp.overlap).
+
+    Serial: the ring collective of t chunks of m bytes, T_c = (t-1)·(α + m/B) (`ring_seconds`,
+    Patarasuk & Yuan 2009), then the t chunk matmuls, t·c. Decomposed: each of the t-1 ring steps
+    sends one chunk while one chunk's matmul runs, so a step takes max(α + m/B, c), and one matmul
+    runs alone: (t-1)·max(α + m/B, c) + c. The saving is (t-1)·min(α + m/B, c): whichever of a
+    step's transfer and its matmul is shorter is hidden, at best the whole collective. The model
+    assumes a transfer costs the matmul nothing (a DMA engine or a NIC moves the bytes); where the
+    same cores copy the bytes and multiply (gloo on a CPU with a core per rank) it is an upper bound.
+    """
+    step = alpha_hop + chunk_bytes / link     # one ring step: α + m/B
+    collective = ring_seconds("all_gather", t * chunk_bytes, t, alpha_hop, link)
+    serial = collective + t * chunk_matmul_s
+    overlapped = (t - 1) * max(step, chunk_matmul_s) + chunk_matmul_s
+    return {"serial_s": serial, "overlapped_s": overlapped, "saving_s": serial - overlapped,
+            "collective_s": collective}
+
+
+def hidden_per_ring_step(chunk_bytes: float, chunk_matmul_s: float, alpha_hop: float,
+                         link: float) -> float:
+    """What one step of a decomposed ring can hide: min(α + m/B, c), the shorter of its chunk's
+    transfer and the matmul beside it (`decomposed_ring_seconds` sums t-1 of these)."""
+    return min(alpha_hop + chunk_bytes / link, chunk_matmul_s)
 
 
 def pp_boundary_bytes(b: int, s: int, h: int, dtype_bytes: int = 2) -> float:

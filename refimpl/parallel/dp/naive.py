@@ -16,6 +16,7 @@ here). `dp` (refimpl.parallel.dp.bucketed) fixes both with buckets launched from
 """
 from __future__ import annotations
 
+from refimpl.config import Option
 from refimpl.faults import injected
 from refimpl.labels import comm_span
 from refimpl.placement import data_parallel_axis
@@ -26,6 +27,9 @@ class NaiveDataParallel(Strategy):
     name = "dp-naive"
     experts_over_edp = True
     on_a_pipeline = True
+    # The `tp` shorthand runs on this flavour, so its tensor-parallel knob lives here: under SP,
+    # each all-gather / reduce-scatter decomposed under its matmul (refimpl.parallel.tp.overlap).
+    options = {"tp_overlap": Option(False, bool)}
 
     def sync_gradients(self) -> None:
         last = f"blocks.{self.ctx.cfg.model.n_layers - 1}."

@@ -3,6 +3,7 @@ al. 2022): each rank holds 1/t of every weight matrix.
 
     mappings.py      the conjugate f/g pairs (identity/all-reduce, and SP's all-gather/reduce-scatter)
     layers.py        ColumnParallelLinear, RowParallelLinear, the parallel MLP and attention
+    overlap.py       --set tp_overlap=true: SP's all-gather / reduce-scatter decomposed under the matmuls
     vocab.py         the vocabulary-parallel embedding and cross-entropy
     parallelize.py   the transform: the reference GPT turned into this rank's TP model
     strategy.py      --strategy tp

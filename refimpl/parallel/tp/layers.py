@@ -49,6 +49,7 @@ from refimpl.parallel.tp.mappings import (
     scatter_to_sequence,
     split_last_dim,
 )
+from refimpl.parallel.tp.overlap import gather_linears, linear_reduce_scatter
 from refimpl.placement import Shard, set_placement
 
 
@@ -91,9 +92,12 @@ class ColumnParallelLinear(nn.Module):
 
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, *, out_full: int,
-                 gather_output: bool, sequence_parallel: bool, input_in_region: bool, comm=None):
+                 gather_output: bool, sequence_parallel: bool, input_in_region: bool, comm=None,
+                 overlap: bool = False):
         super().__init__()
         self.group, self.out_full, self.comm = group, out_full, comm or dist
+        # --set tp_overlap=true: the SP all-gather decomposed under the matmul (tp/overlap.py)
+        self.overlap = overlap and sequence_parallel and group_size(group) > 1
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.input_in_region = input_in_region
         self.out_local = weight.shape[0]
@@ -107,18 +111,22 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, gather_output: bool = False, *,
                     sequence_parallel: bool = False, input_in_region: bool = False,
-                    pad: bool = False, comm=None) -> "ColumnParallelLinear":
+                    pad: bool = False, comm=None, overlap: bool = False) -> "ColumnParallelLinear":
         group = default_group(group)
         w = _rows(linear.weight.detach(), group, pad)
         b = _rows(linear.bias.detach(), group, pad) if linear.bias is not None else None
         return cls(w, b, group, out_full=linear.out_features, gather_output=gather_output,
-                   sequence_parallel=sequence_parallel, input_in_region=input_in_region, comm=comm)
+                   sequence_parallel=sequence_parallel, input_in_region=input_in_region, comm=comm,
+                   overlap=overlap)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.input_in_region:
-            x = enter_region(x, self.group, self.sequence_parallel, self.comm)
-        y = F.linear(x, self.weight, self.bias)
-        if self.observe_matmul is not None:
+        if self.overlap and not self.input_in_region:
+            (y,) = gather_linears(x, [self], self.group)
+        else:
+            if not self.input_in_region:
+                x = enter_region(x, self.group, self.sequence_parallel, self.comm)
+            y = F.linear(x, self.weight, self.bias)
+        if self.observe_matmul is not None:   # never under overlap (tp_overlap refuses --pp)
             self.observe_matmul(self, x, y)
         if self.gather_output:
             y = gather_last_dim(y, self.group, self.comm)[..., :self.out_full]
@@ -141,10 +149,12 @@ class RowParallelLinear(nn.Module):
 
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group, *,
-                 input_is_parallel: bool, sequence_parallel: bool, comm=None):
+                 input_is_parallel: bool, sequence_parallel: bool, comm=None, overlap: bool = False):
         super().__init__()
         self.group, self.input_is_parallel, self.comm = group, input_is_parallel, comm or dist
         self.sequence_parallel = sequence_parallel
+        # --set tp_overlap=true: the SP reduce-scatter decomposed under the matmul (tp/overlap.py)
+        self.overlap = overlap and sequence_parallel and group_size(group) > 1
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
         set_placement(self.weight, Shard("tp", 1, weight.shape[1] * group_size(group)))
@@ -155,16 +165,20 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, input_is_parallel: bool = True, *,
-                    sequence_parallel: bool = False, comm=None) -> "RowParallelLinear":
+                    sequence_parallel: bool = False, comm=None,
+                    overlap: bool = False) -> "RowParallelLinear":
         group = default_group(group)
         w = _rows(linear.weight.detach().t(), group, pad_to_multiple=False).t().contiguous()
         b = linear.bias.detach().clone() if linear.bias is not None else None
         return cls(w, b, group, input_is_parallel=input_is_parallel,
-                   sequence_parallel=sequence_parallel, comm=comm)
+                   sequence_parallel=sequence_parallel, comm=comm, overlap=overlap)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = split_last_dim(x, self.group, self.comm)
+        if self.overlap:
+            y = linear_reduce_scatter(x, self.weight, self.group)
+            return y + self.bias if self.bias is not None else y
         partial = F.linear(x, self.weight)
         if self.observe_matmul is not None:
             self.observe_matmul(self, x, partial)
@@ -177,6 +191,17 @@ def enter_region(x: torch.Tensor, group, sequence_parallel: bool, comm=dist) -> 
     if sequence_parallel:
         return gather_from_sequence(x, group, comm)
     return copy_to_region(x, group, comm)
+
+
+def column_outputs(x: torch.Tensor, layers, group, sequence_parallel: bool, comm=dist,
+                   overlap: bool = False) -> tuple:
+    """Column-parallel `layers` (built input_in_region) fed one X that enters the region once:
+    Q, K, V or SwiGLU's gate and up. With overlap (SP only), the all-gather is decomposed under
+    their matmuls, all of them per chunk (tp/overlap.py)."""
+    if overlap and sequence_parallel and group_size(group) > 1:
+        return gather_linears(x, layers, group)
+    x = enter_region(x, group, sequence_parallel, comm)
+    return tuple(layer(x) for layer in layers)
 
 
 def exit_region(x: torch.Tensor, group, sequence_parallel: bool, comm=dist) -> torch.Tensor:
@@ -197,10 +222,12 @@ class ParallelMLP(nn.Module):
 
     @classmethod
     def from_mlp(cls, mlp: nn.Module, group=None, sequence_parallel: bool = False,
-                 comm=None) -> "ParallelMLP":
-        sp = sequence_parallel
-        return cls(ColumnParallelLinear.from_linear(mlp.up, group, sequence_parallel=sp, comm=comm),
-                   RowParallelLinear.from_linear(mlp.down, group, sequence_parallel=sp, comm=comm))
+                 comm=None, overlap: bool = False) -> "ParallelMLP":
+        sp, ov = sequence_parallel, overlap
+        return cls(ColumnParallelLinear.from_linear(mlp.up, group, sequence_parallel=sp, comm=comm,
+                                                    overlap=ov),
+                   RowParallelLinear.from_linear(mlp.down, group, sequence_parallel=sp, comm=comm,
+                                                 overlap=ov))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with phase(self.label):
@@ -216,16 +243,19 @@ class ParallelSelfAttention(nn.Module):
     matrix for the same reason): one all-reduce (or reduce-scatter under SP) of X's gradient.
     """
 
-    def __init__(self, q, k, v, o, n_heads_local: int, group, sequence_parallel: bool, comm=None):
+    def __init__(self, q, k, v, o, n_heads_local: int, group, sequence_parallel: bool, comm=None,
+                 overlap: bool = False):
         super().__init__()
         self.q, self.k, self.v, self.o = q, k, v, o
         self.n_heads = n_heads_local
         self.group, self.sequence_parallel, self.comm = group, sequence_parallel, comm or dist
+        self.overlap = overlap
         self.label = "tp:attn"         # a profiler range; parallelize_tp names the block
 
     @classmethod
     def from_attention(cls, attn: nn.Module, group=None,
-                       sequence_parallel: bool = False, comm=None) -> "ParallelSelfAttention":
+                       sequence_parallel: bool = False, comm=None,
+                       overlap: bool = False) -> "ParallelSelfAttention":
         t = group_size(group)
         if attn.n_heads % t:
             raise ValueError(f"{attn.n_heads} heads do not divide by tensor-parallel size {t}")
@@ -234,13 +264,14 @@ class ParallelSelfAttention(nn.Module):
         q, k, v = (ColumnParallelLinear.from_linear(lin, group, input_in_region=True, comm=comm)
                    for lin in (attn.q, attn.k, attn.v))
         o = RowParallelLinear.from_linear(attn.o, group, sequence_parallel=sequence_parallel,
-                                          comm=comm)
-        return cls(q, k, v, o, attn.n_heads // t, group, sequence_parallel, comm)
+                                          comm=comm, overlap=overlap)
+        return cls(q, k, v, o, attn.n_heads // t, group, sequence_parallel, comm, overlap)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with phase(self.label):
-            x = enter_region(x, self.group, self.sequence_parallel, self.comm)
-            return self.o(attention(self.q(x), self.k(x), self.v(x), self.n_heads))
+            q, k, v = column_outputs(x, (self.q, self.k, self.v), self.group,
+                                     self.sequence_parallel, self.comm, self.overlap)
+            return self.o(attention(q, k, v, self.n_heads))
 
 
 class ParallelSwiGLU(nn.Module):
@@ -250,33 +281,36 @@ class ParallelSwiGLU(nn.Module):
     its gradient, as attention's Q, K, V)."""
 
     def __init__(self, gate: ColumnParallelLinear, up: ColumnParallelLinear,
-                 down: RowParallelLinear, group, sequence_parallel: bool, comm=None):
+                 down: RowParallelLinear, group, sequence_parallel: bool, comm=None,
+                 overlap: bool = False):
         super().__init__()
         self.gate, self.up, self.down = gate, up, down
         self.group, self.sequence_parallel, self.comm = group, sequence_parallel, comm or dist
+        self.overlap = overlap
         self.label = "tp:mlp"
 
     @classmethod
     def from_swiglu(cls, mlp: SwiGLU, group=None, sequence_parallel: bool = False,
-                    comm=None) -> "ParallelSwiGLU":
+                    comm=None, overlap: bool = False) -> "ParallelSwiGLU":
         gate, up = (ColumnParallelLinear.from_linear(lin, group, input_in_region=True, comm=comm)
                     for lin in (mlp.gate, mlp.up))
         down = RowParallelLinear.from_linear(mlp.down, group, sequence_parallel=sequence_parallel,
-                                             comm=comm)
-        return cls(gate, up, down, default_group(group), sequence_parallel, comm)
+                                             comm=comm, overlap=overlap)
+        return cls(gate, up, down, default_group(group), sequence_parallel, comm, overlap)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with phase(self.label):
-            x = enter_region(x, self.group, self.sequence_parallel, self.comm)
-            return self.down(F.silu(self.gate(x)) * self.up(x))
+            gate, up = column_outputs(x, (self.gate, self.up), self.group, self.sequence_parallel,
+                                      self.comm, self.overlap)
+            return self.down(F.silu(gate) * up)
 
 
 def parallel_feed_forward(mlp: nn.Module, group=None, sequence_parallel: bool = False,
-                          comm=None) -> nn.Module:
+                          comm=None, overlap: bool = False) -> nn.Module:
     """The tensor-parallel form of a dense feed-forward layer (GELU MLP or SwiGLU)."""
     if isinstance(mlp, SwiGLU):
-        return ParallelSwiGLU.from_swiglu(mlp, group, sequence_parallel, comm)
-    return ParallelMLP.from_mlp(mlp, group, sequence_parallel, comm)
+        return ParallelSwiGLU.from_swiglu(mlp, group, sequence_parallel, comm, overlap)
+    return ParallelMLP.from_mlp(mlp, group, sequence_parallel, comm, overlap)
 
 
 def _shared_kv(linear: nn.Linear, group, repeats: int, comm) -> ColumnParallelLinear:
@@ -310,16 +344,17 @@ class ParallelGroupedAttention(nn.Module):
     kv/t key/value heads, or head r // (t/kv) when t/kv ranks share it."""
 
     def __init__(self, q, k, v, o, n_heads_local: int, n_kv_local: int, theta: float, group,
-                 sequence_parallel: bool, comm=None):
+                 sequence_parallel: bool, comm=None, overlap: bool = False):
         super().__init__()
         self.q, self.k, self.v, self.o = q, k, v, o
         self.n_heads, self.n_kv_heads, self.theta = n_heads_local, n_kv_local, theta
         self.group, self.sequence_parallel, self.comm = group, sequence_parallel, comm or dist
+        self.overlap = overlap
         self.label = "tp:attn"
 
     @classmethod
     def from_attention(cls, attn: nn.Module, group=None, sequence_parallel: bool = False,
-                       comm=None) -> "ParallelGroupedAttention":
+                       comm=None, overlap: bool = False) -> "ParallelGroupedAttention":
         group = default_group(group)
         t = group_size(group)
         if attn.n_heads % t:
@@ -333,21 +368,22 @@ class ParallelGroupedAttention(nn.Module):
         else:
             k, v = (_shared_kv(lin, group, repeats, comm) for lin in (attn.k, attn.v))
         o = RowParallelLinear.from_linear(attn.o, group, sequence_parallel=sequence_parallel,
-                                          comm=comm)
+                                          comm=comm, overlap=overlap)
         return cls(q, k, v, o, attn.n_heads // t, kv_local, attn.theta, group,
-                   sequence_parallel, comm)
+                   sequence_parallel, comm, overlap)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with phase(self.label):
-            x = enter_region(x, self.group, self.sequence_parallel, self.comm)
-            positions = torch.arange(x.shape[1], device=x.device)   # every token, once gathered
-            return self.o(grouped_attention(self.q(x), self.k(x), self.v(x), self.n_heads,
-                                            self.n_kv_heads, positions, self.theta))
+            q, k, v = column_outputs(x, (self.q, self.k, self.v), self.group,
+                                     self.sequence_parallel, self.comm, self.overlap)
+            positions = torch.arange(q.shape[1], device=x.device)   # every token, once gathered
+            return self.o(grouped_attention(q, k, v, self.n_heads, self.n_kv_heads, positions,
+                                            self.theta))
 
 
 def parallel_attention(attn: nn.Module, group=None, sequence_parallel: bool = False,
-                       comm=None) -> nn.Module:
+                       comm=None, overlap: bool = False) -> nn.Module:
     """The tensor-parallel form of a block's attention (multi-head or grouped-query)."""
     if isinstance(attn, GroupedQueryAttention):
-        return ParallelGroupedAttention.from_attention(attn, group, sequence_parallel, comm)
-    return ParallelSelfAttention.from_attention(attn, group, sequence_parallel, comm)
+        return ParallelGroupedAttention.from_attention(attn, group, sequence_parallel, comm, overlap)
+    return ParallelSelfAttention.from_attention(attn, group, sequence_parallel, comm, overlap)

@@ -73,10 +73,30 @@ def tp_layout_problem(cfg, tp: int, seq_len: int | None = None,
     return None
 
 
+def tp_overlap_problem(cfg) -> str | None:
+    """One line naming why `--set tp_overlap=true` cannot run a TrainConfig, or None. The ring
+    decomposition replaces sequence parallelism's all-gather and reduce-scatter, so it needs them;
+    the pipeline's zero-bubble W reads the gathered input the ring never builds whole
+    (ColumnParallelLinear.observe_matmul), and the custom Functions run in the input's dtype."""
+    if not cfg.options.get("tp_overlap", False):
+        return None
+    if not cfg.sequence_parallel:
+        return "--set tp_overlap=true needs --sequence-parallel (it decomposes SP's all-gather and reduce-scatter)"
+    if cfg.pp > 1:
+        return "--set tp_overlap=true does not compose with --pp yet (zero-bubble's W needs the gathered input)"
+    if cfg.cp > 1:
+        return "--set tp_overlap=true does not compose with --cp (ring attention keeps its own all-gather)"
+    if cfg.mixed_precision != "fp32":
+        return f"--set tp_overlap=true runs in the model's dtype; drop --mixed-precision {cfg.mixed_precision}"
+    return None
+
+
 def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False,
-                   comm=None, sum_norm_grads: bool = True) -> nn.Module:
+                   comm=None, sum_norm_grads: bool = True, overlap: bool = False) -> nn.Module:
     """Replace the reference GPT's layers by this rank's tensor-parallel ones (in place).
     `comm`: the collectives module (torch.distributed by default, refimpl.comm for the rebuilt ones).
+    `overlap` (`--set tp_overlap=true`, SP only): every column layer's all-gather and row layer's
+    reduce-scatter decomposed over the ring under its matmul (tp/overlap.py).
     `sum_norm_grads=False` is notebook 10's fault `sp-norm-unsummed` (refimpl.faults): under SP
     the LayerNorms' gradients then stay partial, one rank's tokens each."""
     comm = comm or dist
@@ -88,20 +108,20 @@ def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False,
     tied = model.cfg.tie_embeddings
     model.embed = VocabParallelEmbedding.from_embedding(model.embed, group, sp, comm)
     for i, block in enumerate(model.blocks):
-        block.attn = parallel_attention(block.attn, group, sp, comm)
+        block.attn = parallel_attention(block.attn, group, sp, comm, overlap)
         # forward ranges "tp:blocks.<i>.attn" / ".mlp" around each layer's collectives in a trace
         block.attn.label = f"tp:blocks.{i}.attn"
         if isinstance(block.mlp, MoEMLP):    # every expert split over tp (tp/experts.py)
             parallelize_moe(block.mlp, group, sp, comm, label=f"tp:blocks.{i}.mlp")
         else:
-            block.mlp = parallel_feed_forward(block.mlp, group, sp, comm)
+            block.mlp = parallel_feed_forward(block.mlp, group, sp, comm, overlap)
             block.mlp.label = f"tp:blocks.{i}.mlp"
         for norm in (block.ln1, block.ln2):
             _mark_norm(norm, sp)
     _mark_norm(model.final_norm, sp)
     # The output layer reads the final norm's output: full tokens (copy) or gathered ones (SP).
     model.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group, sequence_parallel=sp,
-                                                     pad=True, comm=comm)
+                                                     pad=True, comm=comm, overlap=overlap)
     if tied:   # same vocabulary split, same padding: the two modules can share one shard
         model.lm_head.weight = model.embed.tok.weight
     norms = {id(p) for m in model.modules() if isinstance(m, (nn.LayerNorm, RMSNorm))
