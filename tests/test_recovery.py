@@ -11,6 +11,7 @@ import signal
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from refimpl.compose import run_checkpoint, sharded_checkpoint
 from refimpl.config import TrainConfig
@@ -50,7 +51,14 @@ def test_resumed_under_another_layout_equals_single_and_the_uninterrupted_run(tm
     """Two steps under zero1 on 2 ranks (checkpoint at step 2), then steps 3-4 under tp 2: the
     losses of all four steps and the final weights equal single's and an uninterrupted tp 2 run's."""
     single = train_on_ranks(run_cfg())
-    train_on_ranks(run_cfg("zero1", 2, steps=2, checkpoint_every=2, checkpoint_dir=str(tmp_path)))
+    first = train_on_ranks(run_cfg("zero1", 2, steps=2, checkpoint_every=2,
+                                    checkpoint_dir=str(tmp_path)))
+    # bytes written per rank against the shard arithmetic: zero1 keeps the weights whole on both
+    # ranks (written once, by the lowest holder) and m, v in halves of the flat buffer
+    n, item = first["n_params"], 8                        # float64
+    half = -(-n // 2)                                     # ZeRO's S = ceil(N / dp)
+    assert _bytes_per_rank(tmp_path / "step-00000002") == [(n + 2 * half) * item,
+                                                           2 * (n - half) * item]
     resumed, whole = train_several_on_ranks([run_cfg("tp", 2, checkpoint_dir=str(tmp_path)),
                                              run_cfg("tp", 2)])
     assert resumed["resumed_from"] == 2
@@ -59,6 +67,15 @@ def test_resumed_under_another_layout_equals_single_and_the_uninterrupted_run(tm
         assert compare_states(run["state_dict"], single["state_dict"])[0] < GATE
     assert max_rel(resumed["losses"], whole["losses"]) < GATE
     assert compare_states(resumed["state_dict"], whole["state_dict"])[0] < GATE
+
+
+def _bytes_per_rank(path) -> list[int]:
+    """Tensor bytes of weights and moments in each rank's file (the generator state aside)."""
+    out = []
+    for r in range(2):
+        f = safe_open(str(path / sharded_checkpoint.rank_file(r)), "pt")
+        out.append(sum(f.get_tensor(k).nbytes for k in f.keys() if not k.startswith("rng/")))
+    return out
 
 
 def _killed_while(tmp_path, stage: str) -> None:

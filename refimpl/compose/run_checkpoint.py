@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -117,13 +118,39 @@ def commit(tmp: Path, final: Path, index: dict, files: list[str], timeout: float
         shutil.rmtree(final.parent / m.group(0), ignore_errors=True)
 
 
-def save(strategy, step: int, losses: list[float], directory) -> Path:
+_pending: list = []    # this rank's save in flight: [thread, error box]
+
+
+def wait() -> None:
+    """Block until this rank's save in flight (if any) is on disk; re-raise its error."""
+    while _pending:
+        thread, error = _pending.pop()
+        thread.join()
+        if error:
+            raise error[0]
+
+
+def _write(pieces, tmp, rank, final, index, world_size, error) -> None:
+    try:
+        write_file_atomically(pieces, tmp / rank_file(rank))
+        if index is not None:
+            commit(tmp, final, index, [rank_file(r) for r in range(world_size)])
+    except BaseException as e:     # raised at the next wait(), on the training thread
+        error.append(e)
+
+
+def save(strategy, step: int, losses: list[float], directory, blocking: bool = False) -> Path:
     """Every rank writes the pieces it is the first holder of to its own file in a temporary
     directory; rank 0 writes the index and renames the directory. Collective (one exchange of
     names and boxes: no tensor travels)."""
     ctx = strategy.ctx
+    wait()                      # the previous save first: one in flight at a time
     pieces, tensors = dedupe(rank_pieces(strategy), ctx.rank)
-    pieces = {k: t.detach().cpu().contiguous() for k, t in pieces.items()}
+    # copies on the host (pinned on CUDA, so the device-to-host copy is a DMA): training may
+    # change the parameters while the background thread writes these
+    pin = ctx.device.type == "cuda"
+    pieces = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t)
+              for k, t in pieces.items()}
     if ctx.rank == 0:
         pieces.update(_rng_state(ctx.device))
     token = [f"{os.getpid()}-{time.time_ns()}"]
@@ -132,12 +159,20 @@ def save(strategy, step: int, losses: list[float], directory) -> Path:
     final = checkpoint_path(directory, step)
     tmp = Path(directory) / f".{final.name}.tmp-{token[0]}"
     tmp.mkdir(parents=True, exist_ok=True)
-    write_file_atomically(pieces, tmp / rank_file(ctx.rank))
+    index = None
     if ctx.rank == 0:
         index = {"format": FORMAT, "step": step, "losses": list(losses),
                  "optimizer_step": _optimizer_step(strategy), "world_size": ctx.world_size,
                  "run": run_identity(ctx.cfg), "tensors": tensors}
-        commit(tmp, final, index, [rank_file(r) for r in range(ctx.world_size)])
+    # the disk is the background thread's: the next step does not wait for it (asynchronous
+    # save; torch.distributed.checkpoint.async_save does the same with a thread or a process)
+    error: list = []
+    thread = threading.Thread(target=_write, args=(pieces, tmp, ctx.rank, final, index,
+                                                   ctx.world_size, error), daemon=True)
+    thread.start()
+    _pending.append((thread, error))
+    if blocking:
+        wait()
     return final
 
 
