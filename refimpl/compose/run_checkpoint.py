@@ -5,23 +5,23 @@ job (torchrun --max-restarts, a Slurm requeue) continues from the last one inste
 
     python -m refimpl train --strategy zero1 --tp 2 --steps 20 --checkpoint-every 5 --checkpoint-dir D
 
-What one checkpoint holds (`capture`), all in the reference's names and full shapes, so that it loads
-under any layout (the resharding of refimpl.verify.reshard and refimpl.compose.optim_reshard):
-  weights     the full state dict (placement.gather_full_state_dict through the strategy)
-  optimizer   AdamW's m, v and step (optim_reshard.full_optimizer_state)
-  step        the data position: batches are a function of (seed, step) (model.data), so the
-              next step's batch is `synthetic_batch(..., step)` whatever the layout
-  losses      the losses so far, so the resumed run reports the whole run
-  rng         rank 0's CPU (and CUDA) generator state, set on every rank when it resumes (every
-              rank seeds the same way, so they share it)
-  run         what must match to resume (model, batch, seed, lr, dtype): a mismatch is refused
+What one checkpoint holds, as a directory step-<step>/ (refimpl.compose.sharded_checkpoint):
+  rank-NNNNN.safetensors  each rank's pieces of the weights and of AdamW's m, v it owns, in the
+              reference's names, each a box of the reference's tensor (a piece several ranks hold
+              is written once); rank 0's also holds its CPU (and CUDA) generator state, set on
+              every rank when it resumes (every rank seeds the same way, so they share it)
+  index.json  every tensor's global shape, dtype and pieces; the step (the data position:
+              batches are a function of (seed, step), refimpl.model.data), AdamW's step count,
+              the losses so far, and what must match to resume (model, batch, seed, lr, dtype)
+A resumed run under any layout reads only the boxes each rank places.
 
-Atomic by rename (`write_atomically`): the bytes go to a hidden temporary file in the same
-directory, are flushed to disk (fsync), and only then renamed to `step-00000010.pt`; rename within
-one file system is atomic (POSIX rename(2)), so a crash mid-save leaves the previous checkpoint and
-at worst a stray temporary file, never a truncated checkpoint under a checkpoint's name. Only rank
-0 writes; under several nodes, D must be a file system every node sees (the resume reads it on
-every rank's node, and rank 0 decides which step all of them load).
+Atomic by rename: the ranks write into a hidden temporary directory (each file to a temporary
+name, fsync, rename); rank 0, once every rank's file is there, writes the index and renames the
+directory to step-<step> (POSIX rename(2) is atomic within one file system), so a crash mid-save
+leaves the previous checkpoint and at worst a stray temporary directory. Asynchronous: `save`
+copies the pieces to host memory (pinned on CUDA) and a background thread writes them; the next
+save, and the end of the run, `wait` for it. Under several nodes, D must be a file system every
+node sees (every rank writes there; rank 0 decides which step all of them load).
 """
 from __future__ import annotations
 
