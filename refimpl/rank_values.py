@@ -34,6 +34,25 @@ from refimpl.model.init import init_rules, initial_value
 from refimpl.placement import local_part, placement_of
 
 
+class PartialState(Mapping):
+    """A reference state dict that can read one rank's part of a tensor without the whole
+    (a sharded checkpoint, refimpl.compose.sharded_checkpoint): `shape_of` without reading,
+    `read_part(name, shape, where, mesh)` = local_part(self[name], shape, where, mesh)."""
+
+    def shape_of(self, name: str) -> tuple:
+        raise NotImplementedError
+
+    def read_part(self, name, shape, where, mesh) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def part_of(state: Mapping, name: str, shape, where, mesh) -> torch.Tensor:
+    """This rank's part of `state[name]`, reading only that part where the state can."""
+    if isinstance(state, PartialState):
+        return state.read_part(name, shape, where, mesh)
+    return local_part(state[name], shape, where, mesh)
+
+
 class RankValues:
     """Where a rank's values come from. `reference`: the reference model (meta is enough);
     `state`: a full reference state dict (a checkpoint from any layout, refimpl.compose) or None
@@ -60,6 +79,9 @@ class RankValues:
         an empty meta tensor on meta."""
         if self.device.type == "meta":
             return torch.empty(like.shape, dtype=like.dtype, device="meta")
+        if self.state is not None:
+            return part_of(self.state, name, like.shape, placement_of(like),
+                           self.mesh).to(like.dtype)
         return local_part(self.whole(name, like.dtype), like.shape, placement_of(like), self.mesh)
 
     def placed(self, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -78,10 +100,11 @@ def check_state(state: Mapping[str, torch.Tensor], shapes: Mapping[str, torch.Si
     if missing or unexpected:
         raise RuntimeError(f"checkpoint does not match the model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}")
-    wrong = [n for n in shapes if tuple(state[n].shape) != tuple(shapes[n])]
+    shape_of = state.shape_of if isinstance(state, PartialState) else lambda n: state[n].shape
+    wrong = [n for n in shapes if tuple(shape_of(n)) != tuple(shapes[n])]
     if wrong:
         n = wrong[0]
-        raise RuntimeError(f"checkpoint's {n} has shape {tuple(state[n].shape)}, the model's "
+        raise RuntimeError(f"checkpoint's {n} has shape {tuple(shape_of(n))}, the model's "
                            f"{tuple(shapes[n])}")
 
 

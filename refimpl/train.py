@@ -145,6 +145,7 @@ def _train_resolved(rank: int, world_size: int, layout: Resolved) -> dict:
             profiler.step()
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 run_checkpoint.save(strategy, step + 1, losses, cfg.checkpoint_dir)
+    run_checkpoint.wait()       # the last save in flight is on disk before the run reports
 
     state = strategy.model_state()
     result = {

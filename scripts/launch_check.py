@@ -165,11 +165,11 @@ def restart(work: Path, steps: int = 20, every: int = 2) -> list[str]:
     agent = start(cli, out)
     killed, deadline = None, time.monotonic() + 150
     while killed is None and agent.poll() is None and time.monotonic() < deadline:
-        if any(ckpt.glob("step-*.pt")):
+        if any(ckpt.glob("step-[0-9]*[0-9]")):
             pid = rank_pid(agent.pid, 1)
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
-                killed = (pid, sorted(p.name for p in ckpt.glob("step-*.pt"))[-1])
+                killed = (pid, sorted(p.name for p in ckpt.glob("step-[0-9]*[0-9]"))[-1])
         time.sleep(0.01)
     (code,) = finish([agent], timeout=max(deadline - time.monotonic(), 1))
     got = result_of(out)

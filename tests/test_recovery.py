@@ -11,8 +11,9 @@ import signal
 
 import pytest
 import torch
+from safetensors import safe_open
 
-from refimpl.compose import run_checkpoint
+from refimpl.compose import run_checkpoint, sharded_checkpoint
 from refimpl.config import TrainConfig
 from refimpl.mesh import LayoutError
 from refimpl.train import train_on_ranks, train_several_on_ranks, validate
@@ -35,13 +36,13 @@ def max_rel(a: list[float], b: list[float]) -> float:
 def test_single_resumed_from_step_k_is_the_uninterrupted_run(tmp_path):
     whole = train_on_ranks(run_cfg(steps=3))
     first = train_on_ranks(run_cfg(steps=2, checkpoint_every=1, checkpoint_dir=str(tmp_path)))
-    assert sorted(os.listdir(tmp_path)) == ["step-00000001.pt", "step-00000002.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["step-00000001", "step-00000002"]
     resumed = train_on_ranks(run_cfg(steps=3, checkpoint_dir=str(tmp_path)))
     assert first["resumed_from"] == 0 and resumed["resumed_from"] == 2
     # the same process, the same order of sums: bit for bit, losses and weights
     assert resumed["losses"] == whole["losses"]
     assert all(torch.equal(resumed["state_dict"][k], whole["state_dict"][k]) for k in whole["state_dict"])
-    saved = torch.load(tmp_path / "step-00000002.pt", weights_only=False)
+    saved = run_checkpoint.load_latest(tmp_path)
     assert saved["optimizer"]["step"] == 2 and saved["losses"] == whole["losses"][:2]
 
 
@@ -50,7 +51,14 @@ def test_resumed_under_another_layout_equals_single_and_the_uninterrupted_run(tm
     """Two steps under zero1 on 2 ranks (checkpoint at step 2), then steps 3-4 under tp 2: the
     losses of all four steps and the final weights equal single's and an uninterrupted tp 2 run's."""
     single = train_on_ranks(run_cfg())
-    train_on_ranks(run_cfg("zero1", 2, steps=2, checkpoint_every=2, checkpoint_dir=str(tmp_path)))
+    first = train_on_ranks(run_cfg("zero1", 2, steps=2, checkpoint_every=2,
+                                    checkpoint_dir=str(tmp_path)))
+    # bytes written per rank against the shard arithmetic: zero1 keeps the weights whole on both
+    # ranks (written once, by the lowest holder) and m, v in halves of the flat buffer
+    n, item = first["n_params"], 8                        # float64
+    half = -(-n // 2)                                     # ZeRO's S = ceil(N / dp)
+    assert _bytes_per_rank(tmp_path / "step-00000002") == [(n + 2 * half) * item,
+                                                           2 * (n - half) * item]
     resumed, whole = train_several_on_ranks([run_cfg("tp", 2, checkpoint_dir=str(tmp_path)),
                                              run_cfg("tp", 2)])
     assert resumed["resumed_from"] == 2
@@ -61,25 +69,40 @@ def test_resumed_under_another_layout_equals_single_and_the_uninterrupted_run(tm
     assert compare_states(resumed["state_dict"], whole["state_dict"])[0] < GATE
 
 
+def _bytes_per_rank(path) -> list[int]:
+    """Tensor bytes of weights and moments in each rank's file (the generator state aside)."""
+    out = []
+    for r in range(2):
+        f = safe_open(str(path / sharded_checkpoint.rank_file(r)), "pt")
+        out.append(sum(f.get_tensor(k).nbytes for k in f.keys() if not k.startswith("rng/")))
+    return out
+
+
 def _killed_while(tmp_path, stage: str) -> None:
-    """A child process starts writing checkpoint 2 and is SIGKILLed mid-way: inside torch.save
-    (half the bytes written) or after the bytes, just before the rename."""
+    """A child process starts writing checkpoint 2 and is SIGKILLed mid-way: inside its rank
+    file (half the bytes written) or after every file, just before the directory's rename."""
     pid = os.fork()
     if pid == 0:     # the child: never returns to pytest
         try:
             if stage == "bytes":
-                real_save = torch.save
+                real_save = sharded_checkpoint.save_file
 
-                def half_then_die(obj, f):
-                    real_save(obj, f)
-                    f.truncate(f.tell() // 2)
-                    f.flush()
+                def half_then_die(tensors, name):
+                    real_save(tensors, name)
+                    with open(name, "rb+") as f:
+                        f.truncate(os.path.getsize(name) // 2)
                     os.kill(os.getpid(), signal.SIGKILL)
-                torch.save = half_then_die
+                sharded_checkpoint.save_file = half_then_die
             else:
                 os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
-            saved = torch.load(tmp_path / "step-00000001.pt", weights_only=False)
-            run_checkpoint.write_atomically({**saved, "step": 2}, tmp_path / "step-00000002.pt")
+            ck = sharded_checkpoint.ShardedCheckpoint(tmp_path / "step-00000001")
+            f = ck.file(sharded_checkpoint.rank_file(0))
+            tmp = tmp_path / ".step-00000002.tmp-test"
+            tmp.mkdir()
+            sharded_checkpoint.write_file_atomically({k: f.get_tensor(k) for k in f.keys()},
+                                                     tmp / sharded_checkpoint.rank_file(0))
+            run_checkpoint.commit(tmp, tmp_path / "step-00000002", {**ck.index, "step": 2},
+                                  [sharded_checkpoint.rank_file(0)])
         finally:
             os._exit(3)   # not reached when the kill landed
     _, status = os.waitpid(pid, 0)
@@ -90,9 +113,9 @@ def _killed_while(tmp_path, stage: str) -> None:
 def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_usable(tmp_path, stage):
     train_on_ranks(run_cfg(steps=1, checkpoint_every=1, checkpoint_dir=str(tmp_path)))
     _killed_while(tmp_path, stage)
-    stray = [n for n in os.listdir(tmp_path) if n.startswith(".step-00000002.pt.tmp-")]
+    stray = [n for n in os.listdir(tmp_path) if n.startswith(".step-00000002.tmp-")]
     assert len(stray) == 1                                   # the half-written bytes are there...
-    assert run_checkpoint.latest_checkpoint(tmp_path).name == "step-00000001.pt"   # ...unseen
+    assert run_checkpoint.latest_checkpoint(tmp_path).name == "step-00000001"   # ...unseen
     resumed = train_on_ranks(run_cfg(steps=2, checkpoint_dir=str(tmp_path)))
     assert resumed["resumed_from"] == 1
     assert resumed["losses"] == train_on_ranks(run_cfg(steps=2))["losses"]

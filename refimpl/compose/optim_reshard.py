@@ -24,7 +24,8 @@ import torch
 
 from refimpl.mesh import LayoutError
 from refimpl.parallel.zero.sharded_adamw import ShardedAdamW
-from refimpl.placement import gather_full_state_dict, local_part, placements
+from refimpl.placement import gather_full_state_dict, placements
+from refimpl.rank_values import part_of
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # PyTorch's twins keep DTensor moments, `ep` keeps experts' moments on their owners: weights only.
@@ -93,7 +94,7 @@ def load_optimizer_state(strategy, saved: dict) -> None:
     mesh = strategy.mesh
 
     def local(m, name, shape, device, dtype):   # in the master's dtype (fp32 saved, float64 run)
-        return local_part(saved[m][name], shape, sharded.get(name), mesh).to(device, dtype)
+        return part_of(saved[m], name, shape, sharded.get(name), mesh).to(device, dtype)
 
     for opt, master, flat, _, index, name in _holders(strategy):
         if flat is None:

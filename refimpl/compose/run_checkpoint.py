@@ -5,47 +5,53 @@ job (torchrun --max-restarts, a Slurm requeue) continues from the last one inste
 
     python -m refimpl train --strategy zero1 --tp 2 --steps 20 --checkpoint-every 5 --checkpoint-dir D
 
-What one checkpoint holds (`capture`), all in the reference's names and full shapes, so that it loads
-under any layout (the resharding of refimpl.verify.reshard and refimpl.compose.optim_reshard):
-  weights     the full state dict (placement.gather_full_state_dict through the strategy)
-  optimizer   AdamW's m, v and step (optim_reshard.full_optimizer_state)
-  step        the data position: batches are a function of (seed, step) (model.data), so the
-              next step's batch is `synthetic_batch(..., step)` whatever the layout
-  losses      the losses so far, so the resumed run reports the whole run
-  rng         rank 0's CPU (and CUDA) generator state, set on every rank when it resumes (every
-              rank seeds the same way, so they share it)
-  run         what must match to resume (model, batch, seed, lr, dtype): a mismatch is refused
+What one checkpoint holds, as a directory step-<step>/ (refimpl.compose.sharded_checkpoint):
+  rank-NNNNN.safetensors  each rank's pieces of the weights and of AdamW's m, v it owns, in the
+              reference's names, each a box of the reference's tensor (a piece several ranks hold
+              is written once); rank 0's also holds its CPU (and CUDA) generator state, set on
+              every rank when it resumes (every rank seeds the same way, so they share it)
+  index.json  every tensor's global shape, dtype and pieces; the step (the data position:
+              batches are a function of (seed, step), refimpl.model.data), AdamW's step count,
+              the losses so far, and what must match to resume (model, batch, seed, lr, dtype)
+A resumed run under any layout reads only the boxes each rank places.
 
-Atomic by rename (`write_atomically`): the bytes go to a hidden temporary file in the same
-directory, are flushed to disk (fsync), and only then renamed to `step-00000010.pt`; rename within
-one file system is atomic (POSIX rename(2)), so a crash mid-save leaves the previous checkpoint and
-at worst a stray temporary file, never a truncated checkpoint under a checkpoint's name. Only rank
-0 writes; under several nodes, D must be a file system every node sees (the resume reads it on
-every rank's node, and rank 0 decides which step all of them load).
+Atomic by rename: the ranks write into a hidden temporary directory (each file to a temporary
+name, fsync, rename); rank 0, once every rank's file is there, writes the index and renames the
+directory to step-<step> (POSIX rename(2) is atomic within one file system), so a crash mid-save
+leaves the previous checkpoint and at worst a stray temporary directory. Asynchronous: `save`
+copies the pieces to host memory (pinned on CUDA) and a background thread writes them; the next
+save, and the end of the run, `wait` for it. Under several nodes, D must be a file system every
+node sees (every rank writes there; rank 0 decides which step all of them load).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
+import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from refimpl.compose.optim_reshard import full_optimizer_state, load_optimizer_state
+from refimpl.compose.optim_reshard import _holders, load_optimizer_state
+from refimpl.compose.sharded_checkpoint import (INDEX, ShardedCheckpoint, dedupe, fsync_dir,
+                                                 rank_file, rank_pieces, write_file_atomically)
 from refimpl.mesh import LayoutError
 
-FORMAT = 1
+FORMAT = 2                                 # 2: sharded (refimpl.compose.sharded_checkpoint)
 KEEP = 2                                   # the newest two: one may be read while the next is written
-_NAME = re.compile(r"^step-(\d{8})\.pt$")  # temporaries start with "." and never match
+_NAME = re.compile(r"^step-(\d{8})$")      # temporaries start with "." and never match
 # What a resumed run must share with the run that wrote the checkpoint: the layout may change, the
 # maths may not.
 RUN_KEYS = ("global_batch", "seq_len", "seed", "lr", "weight_decay", "dtype", "mixed_precision")
 
 
 def checkpoint_path(directory, step: int) -> Path:
-    return Path(directory) / f"step-{step:08d}.pt"
+    return Path(directory) / f"step-{step:08d}"
 
 
 def latest_checkpoint(directory) -> Path | None:
@@ -67,8 +73,8 @@ def check_resumable(cfg) -> None:
     if path is None:
         return
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:   # a file under a checkpoint's name is whole (renamed), unless tampered
+        saved = json.loads((path / INDEX).read_text())
+    except Exception as e:   # a directory under a checkpoint's name is whole (renamed), unless tampered
         raise LayoutError(f"--checkpoint-dir: {path} cannot be read ({type(e).__name__})") from None
     if saved.get("format") != FORMAT:
         raise LayoutError(f"--checkpoint-dir: {path} has format {saved.get('format')}, "
@@ -76,62 +82,104 @@ def check_resumable(cfg) -> None:
     if saved["step"] > cfg.steps:
         raise LayoutError(f"--checkpoint-dir: {path.name} is at step {saved['step']}, beyond "
                           f"--steps {cfg.steps}")
-    mine = run_identity(cfg)
+    mine = json.loads(json.dumps(run_identity(cfg)))      # as JSON keeps it (tuples are lists)
     for key, value in saved["run"].items():
         if mine.get(key) != value:
             raise LayoutError(f"--checkpoint-dir: {path.name} was written with {key}={value!r}, "
                               f"this run has {key}={mine.get(key)!r} (only the layout may change)")
 
 
-def write_atomically(obj, path) -> None:
-    """torch.save to a temporary name beside `path`, fsync, rename: `path` is whole or absent."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fd = os.open(path.parent, os.O_RDONLY)   # the rename itself reaches the disk
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _rng_state(device: torch.device) -> dict:
-    state = {"cpu": torch.get_rng_state()}
+    state = {"rng/cpu": torch.get_rng_state()}
     if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
+        state["rng/cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def capture(strategy, step: int, losses: list[float]) -> dict:
-    """The run's state after `step` steps, whole. Collective: every rank calls it."""
-    cpu = {k: v.detach().cpu() for k, v in strategy.full_state_dict().items()}
-    optimizer = full_optimizer_state(strategy)
-    optimizer = {k: (v if k == "step" else {n: t.detach().cpu() for n, t in v.items()})
-                 for k, v in optimizer.items()}
-    return {"format": FORMAT, "step": step, "losses": list(losses), "weights": cpu,
-            "optimizer": optimizer, "rng": _rng_state(strategy.ctx.device),
-            "run": run_identity(strategy.ctx.cfg)}
+def commit(tmp: Path, final: Path, index: dict, files: list[str], timeout: float = 300.0) -> None:
+    """Rank 0, once every rank's file is in `tmp` (each renamed there whole): the index, then
+    the directory renamed to its checkpoint name (atomic: POSIX rename(2)) and the oldest
+    pruned. Until the rename the previous checkpoint is the newest."""
+    deadline = time.monotonic() + timeout
+    while not all((tmp / f).exists() for f in files):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"checkpoint {final.name}: not every rank's file arrived")
+        time.sleep(0.01)
+    (tmp / INDEX).write_text(json.dumps(index))
+    with open(tmp / INDEX, "rb+") as f:
+        os.fsync(f.fileno())
+    fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    for m in sorted(filter(None, map(_NAME.match, os.listdir(final.parent))),
+                    key=lambda m: int(m.group(1)))[:-KEEP]:
+        shutil.rmtree(final.parent / m.group(0), ignore_errors=True)
 
 
-def save(strategy, step: int, losses: list[float], directory) -> Path:
-    """Every rank gathers; rank 0 writes step-<step>.pt atomically and keeps the newest KEEP."""
-    state = capture(strategy, step, losses)
-    path = checkpoint_path(directory, step)
-    if strategy.ctx.rank == 0:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        write_atomically(state, path)
-        for m in sorted(filter(None, map(_NAME.match, os.listdir(directory))),
-                        key=lambda m: int(m.group(1)))[:-KEEP]:
-            (Path(directory) / m.group(0)).unlink(missing_ok=True)
-    return path
+_pending: list = []    # this rank's save in flight: [thread, error box]
+
+
+def wait() -> None:
+    """Block until this rank's save in flight (if any) is on disk; re-raise its error."""
+    while _pending:
+        thread, error = _pending.pop()
+        thread.join()
+        if error:
+            raise error[0]
+
+
+def _write(pieces, tmp, rank, final, index, world_size, error) -> None:
+    try:
+        write_file_atomically(pieces, tmp / rank_file(rank))
+        if index is not None:
+            commit(tmp, final, index, [rank_file(r) for r in range(world_size)])
+    except BaseException as e:     # raised at the next wait(), on the training thread
+        error.append(e)
+
+
+def save(strategy, step: int, losses: list[float], directory, blocking: bool = False) -> Path:
+    """Every rank writes the pieces it is the first holder of to its own file in a temporary
+    directory; rank 0 writes the index and renames the directory. Collective (one exchange of
+    names and boxes: no tensor travels)."""
+    ctx = strategy.ctx
+    wait()                      # the previous save first: one in flight at a time
+    pieces, tensors = dedupe(rank_pieces(strategy), ctx.rank)
+    # copies on the host (pinned on CUDA, so the device-to-host copy is a DMA): training may
+    # change the parameters while the background thread writes these
+    pin = ctx.device.type == "cuda"
+    pieces = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t)
+              for k, t in pieces.items()}
+    if ctx.rank == 0:
+        pieces.update(_rng_state(ctx.device))
+    token = [f"{os.getpid()}-{time.time_ns()}"]
+    if dist.is_initialized():
+        dist.broadcast_object_list(token, src=0)
+    final = checkpoint_path(directory, step)
+    tmp = Path(directory) / f".{final.name}.tmp-{token[0]}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    index = None
+    if ctx.rank == 0:
+        index = {"format": FORMAT, "step": step, "losses": list(losses),
+                 "optimizer_step": _optimizer_step(strategy), "world_size": ctx.world_size,
+                 "run": run_identity(ctx.cfg), "tensors": tensors}
+    # the disk is the background thread's: the next step does not wait for it (asynchronous
+    # save; torch.distributed.checkpoint.async_save does the same with a thread or a process)
+    error: list = []
+    thread = threading.Thread(target=_write, args=(pieces, tmp, ctx.rank, final, index,
+                                                   ctx.world_size, error), daemon=True)
+    thread.start()
+    _pending.append((thread, error))
+    if blocking:
+        wait()
+    return final
+
+
+def _optimizer_step(strategy) -> int:
+    for opt, master, *_ in _holders(strategy):
+        return int(opt.state[master]["step"])
+    return 0
 
 
 def load_latest(directory) -> dict | None:
@@ -146,8 +194,16 @@ def load_latest(directory) -> dict | None:
         path = Path(chosen[0]) if chosen[0] else None
     if path is None:
         return None
-    # memory-mapped: each tensor is read when a rank places its part of it (refimpl.rank_values)
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    # read lazily: each rank reads only the boxes it places (refimpl.compose.sharded_checkpoint)
+    ck = ShardedCheckpoint(path)
+    first = ck.file(rank_file(0))
+    rng = {"cpu": first.get_tensor("rng/cpu")}
+    if "rng/cuda" in first.keys():
+        rng["cuda"] = first.get_tensor("rng/cuda")
+    return {"step": ck.index["step"], "losses": ck.index["losses"], "weights": ck.tensors("weights"),
+            "optimizer": {"step": ck.index["optimizer_step"], "exp_avg": ck.tensors("exp_avg"),
+                          "exp_avg_sq": ck.tensors("exp_avg_sq")},
+            "rng": rng, "path": path}
 
 
 def restore(strategy, saved: dict) -> None:

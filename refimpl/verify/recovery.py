@@ -26,7 +26,7 @@ def _train_and_die(rank: int, world_size: int, cfg: TrainConfig, kill_after: int
     save = run_checkpoint.save
 
     def save_then_die(strategy, step, losses, directory):
-        path = save(strategy, step, losses, directory)
+        path = save(strategy, step, losses, directory, blocking=True)
         if rank == 0 and step == kill_after:   # rank 0 wrote it (atomically): now it is lost
             os.kill(os.getpid(), signal.SIGKILL)
         return path
