@@ -24,13 +24,13 @@ import time
 
 import torch.distributed as dist
 
+from refimpl.cost.ratio_log import record
 from refimpl.launch import device_for, run
 from refimpl.model import GPTConfig, build_model, synthetic_batch
 from refimpl.parallel.pp.runner import run_schedule
 from refimpl.parallel.pp.schedules import bubble_fraction, chunks_per_rank, placement, schedule_table
 from refimpl.parallel.pp.stage import build_chunks
 from refimpl.parallel.pp.torch_pp import TWIN_SCHEDULES, TorchPipeline, check_torch_layout
-from refimpl.cost.ratio_log import record
 
 
 def chunks_of(schedule, args) -> int:

@@ -38,8 +38,15 @@ import torch
 import torch.distributed as dist
 
 from refimpl.compose.optim_reshard import _holders, load_optimizer_state
-from refimpl.compose.sharded_checkpoint import (INDEX, ShardedCheckpoint, dedupe, fsync_dir,
-                                                 rank_file, rank_pieces, write_file_atomically)
+from refimpl.compose.sharded_checkpoint import (
+    INDEX,
+    ShardedCheckpoint,
+    dedupe,
+    fsync_dir,
+    rank_file,
+    rank_pieces,
+    write_file_atomically,
+)
 from refimpl.mesh import LayoutError
 
 FORMAT = 2                                 # 2: sharded (refimpl.compose.sharded_checkpoint)

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from refimpl.compose.optim_reshard import MOMENTS, _holders
 from refimpl.compose.shard_boxes import flat_range_boxes, full_shape_of, intersect, part_box
-from refimpl.placement import Owned, Shard, placements
+from refimpl.placement import Owned, placements
 from refimpl.rank_values import PartialState
 
 INDEX = "index.json"
