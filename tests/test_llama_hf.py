@@ -163,7 +163,7 @@ def test_parameter_counts_equal_transformers():
         assert ours == theirs, (cfg, ours, theirs)
 
 
-@pytest.mark.parametrize("name", ["llama2-7b", "llama2-70b", "llama3-8b", "llama3-70b",
+@pytest.mark.parametrize("name", ["llama2-7b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3-405b",
                                   "mixtral-8x7b", "mixtral-8x22b"])
 def test_preset_counts_equal_transformers(name):
     # the planner's presets (refimpl.model.presets) against transformers' own count of the same

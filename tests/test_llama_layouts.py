@@ -1,8 +1,9 @@
 """--arch llama (and Mixtral, with --experts) under the layouts refimpl's parallelisms give it:
 each equal to `single` in float64 (every step's loss and every weight within 1e-9), one launch
-per world size; the one not built (PyTorch's DTensor TP plan on Llama) is refused before launch
-in one line. Context parallelism rotates each rank's tokens by their global positions. Tensor parallelism splits grouped-query attention by key/value
-heads, or, with fewer of them than tp ranks, gives each rank the one its query heads read and sums
+per world size, PyTorch's DTensor TP twin (torch-tp, a Llama plan) among them; the one not built
+(that plan with fewer key/value heads than tp ranks) is refused before launch in one line.
+Context parallelism rotates each rank's tokens by their global positions. Tensor parallelism
+splits grouped-query attention by key/value heads, or, with fewer of them than tp ranks, gives each rank the one its query heads read and sums
 that head's gradient over the ranks sharing it (refimpl.parallel.tp.layers).
 
 The case that needed a change: zero bubble's W (refimpl.parallel.pp.zero_bubble) had no formula
@@ -35,8 +36,9 @@ BASE = TrainConfig(strategy="single", nproc=1, steps=2, global_batch=12, seq_len
 # and no other): the zero-bubble regression, one key/value head shared over tp, Mixtral under cp.
 # The rest, with 3 and 4 ranks, in make test-full (the matrix covers llama pairwise meanwhile).
 ON_2 = [dict(strategy="pp-zbv", pp=2), dict(strategy="tp", tp=2, model=MQA),
-        dict(strategy="fsdp", cp=2, model=MIXTRAL)]
-ON_2_FULL = [dict(strategy="dp"), dict(strategy="zero3"), dict(strategy="fsdp"),
+        dict(strategy="fsdp", cp=2, model=MIXTRAL),
+        dict(strategy="torch-tp", tp=2, sequence_parallel=True)]   # PyTorch's DTensor plan
+ON_2_FULL = [dict(strategy="torch-tp", tp=2), dict(strategy="dp"), dict(strategy="zero3"), dict(strategy="fsdp"),
              dict(strategy="pp-1f1b", pp=2, micro_batches=2), dict(strategy="torch-fsdp2"),
              dict(strategy="tp", tp=2, sequence_parallel=True),
              dict(strategy="tp", tp=2, model=MIXTRAL), dict(strategy="zero1", cp=2),
@@ -68,7 +70,7 @@ def test_llama_layouts_equal_single(nproc, layouts, singles):
 
 
 @pytest.mark.parametrize("changes, says", [
-    (dict(strategy="torch-tp", tp=2), "DTensor plan here names GPT-2's layers"),
+    (dict(strategy="torch-tp", tp=2, model=MQA), "1 key/value heads do not split over tp = 2"),
     (dict(strategy="tp", tp=2, model=replace(LLAMA, n_kv_heads=3, n_heads=12, d_model=96)),
      "3 KV heads do not split over tp = 2"),
 ])

@@ -44,6 +44,7 @@ from refimpl.parallel.tp.parallelize import (
     tp_loss_for,
     tp_overlap_problem,
 )
+from refimpl.parallel.tp.torch_plan import torch_plan_problem
 from refimpl.rank_model import Pipeline, RankModel
 
 
@@ -53,9 +54,10 @@ def validate_model_parallel(cfg, strategy) -> None:
     if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):
         raise LayoutError(f"--seq-len {cfg.seq_len} must be divisible by 2 x cp = {2 * cfg.cp}: "
                           "ring attention cuts each sequence into 2·cp equal chunks")
-    if cfg.model.arch == "llama" and cfg.tp > 1 and not strategy.takes_our_transforms:
-        raise LayoutError(f"--arch llama with {cfg.strategy!r} and --tp: PyTorch's DTensor plan "
-                          "here names GPT-2's layers (ours split grouped-query attention and SwiGLU)")
+    if cfg.tp > 1 and not strategy.takes_our_transforms:
+        problem = torch_plan_problem(cfg.model, cfg.tp)
+        if problem:
+            raise LayoutError(f"{cfg.strategy}: {problem}")
     validate_moe(cfg.model, cfg.dims.ep)
     if cfg.dims.ep > 1 and not strategy.experts_over_edp:
         # PyTorch's twins sum every gradient over dp x cp: expert 0's into expert 2's weights.

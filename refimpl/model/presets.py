@@ -145,17 +145,13 @@ MODELS = {
     # config.json): 126 layers, d_model 16384, 128 query heads and 8 key/value heads (grouped-
     # query attention), a SwiGLU MLP of width 53248, an untied output layer, a 128256-entry
     # vocabulary (Table 3 says 128K: 128000 tokens and 256 reserved), 8192 context in pre-training,
-    # 16M-token batches = 2048 sequences (§3.4.1, the last step of its 4M, 8M, 16M ramp). In this
-    # shape's 4h-MLP, multi-head form a block has 12h² weights where Llama 3's has 2h² (Q, O) +
-    # 2h²/16 (K, V of 8 heads) + 3·h·3.25h (SwiGLU) = 11.875h²: parameters and GEMM FLOPs 1 % high
-    # on every layout (410B here). Its stored activations per block differ more, and in both
-    # directions: K and V 1/16 as wide (-3.75 s·b·h at 16 bits), SwiGLU's gate, up and product at
-    # 3.25h (+8), no dropout masks (-2): about +7 % of Korthikanti's 34 s·b·h here. And a ring
-    # hop (cp > 1) moves all heads' K and V here, 16 times Llama 3's 8 heads: cp looks costlier
-    # for this model than it is (refimpl.plan.published says what that can change). pp = 16 does
-    # not divide 126 layers: Llama 3's pipeline left one block's place to the embedding and one
-    # to the output layer, and refimpl.plan.published compares its run as those 128 slots.
-    "llama3-405b": (ModelShape(126, 16384, 128, 128256, 8192, tied_embeddings=False), 2048),
+    # 16M-token batches = 2048 sequences (§3.4.1, the last step of its 4M, 8M, 16M ramp). Its
+    # parameter count equals transformers' for the same config (tests/test_llama_hf.py): 405.9B.
+    # pp = 16 does not divide 126 layers: Llama 3's pipeline left one block's place to the
+    # embedding and one to the output layer, and refimpl.plan.published compares its run as
+    # those 128 slots.
+    "llama3-405b": (ModelShape(126, 16384, 128, 128256, 8192, tied_embeddings=False,
+                               ffn_hidden=53248, kv_heads=8, block="llama"), 2048),
     # Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", Table 1; the released config.json):
     # 32 layers, d_model 4096, 32 query heads and 8 key/value heads, 8 SwiGLU experts of width
     # 14336, top-2, vocabulary 32000, untied output layer; 46.7B parameters, 12.9B active. Context

@@ -1,9 +1,11 @@
-"""PyTorch's own tensor parallelism applied to the reference GPT: the twin of parallelize_tp.
+"""PyTorch's own tensor parallelism applied to the reference GPT or Llama: the twin of parallelize_tp.
 
 `torch.distributed.tensor.parallel.parallelize_module` turns chosen submodules' parameters into
 DTensors and inserts the collectives at module boundaries from a plan, torchtitan-style:
 
     q, k, v, mlp.up     ColwiseParallel      (weights Shard(0): out_features split)
+    mlp.gate            ColwiseParallel      (Llama's SwiGLU: gate and up split alike, so the
+                                             product SiLU(gate) * up is channel by channel local)
     o, mlp.down         RowwiseParallel      (weights Shard(1): in_features split)
     embed.tok           RowwiseParallel      (an embedding's rows are the vocabulary)
     lm_head             ColwiseParallel, output kept a DTensor sharded on the vocabulary, so that
@@ -15,13 +17,31 @@ DTensors and inserts the collectives at module boundaries from a plan, torchtita
 
 Two things the plan cannot see and that we do by hand, as torchtitan does: the attention module
 must be told it now holds n_heads/t heads (refimpl.model.attention takes the head count of the
-tensors it is given), and our embedding adds a replicated position table after the token lookup,
+tensors it is given; Llama's grouped-query attention also n_kv_heads/t key/value heads), and our embedding adds a replicated position table after the token lookup,
 so under SP the embedding module's output is sliced to this rank's tokens (PrepareModuleOutput:
-Replicate -> Shard(1)) rather than reduce-scattered as our VocabParallelEmbedding does.
+Replicate -> Shard(1)) rather than reduce-scattered as our VocabParallelEmbedding does (Llama
+has no position table; the same slice keeps one plan for both).
+
+Grouped-query attention with fewer key/value heads than tp ranks is not expressible here:
+ColwiseParallel cuts W_K and W_V into t equal row blocks, and a head cannot be cut (each rank
+would hold part of a head's channels). Ours (tp) gives each rank the whole head its query heads
+read and sums its gradient over the ranks sharing it; this plan refuses (`torch_plan_problem`),
+as torchtitan asserts n_kv_heads % tp == 0.
 """
 from __future__ import annotations
 
 import torch.nn as nn
+
+from refimpl.model.gqa import GroupedQueryAttention
+from refimpl.model.swiglu import SwiGLU
+
+
+def torch_plan_problem(cfg, tp: int) -> str | None:
+    """One line naming what this DTensor plan cannot split for a model config, or None."""
+    if cfg.arch == "llama" and cfg.kv_heads % tp:
+        return (f"PyTorch's DTensor tp plan splits k and v by rows: {cfg.kv_heads} key/value heads "
+                f"do not split over tp = {tp} (our tp shares a head: --strategy tp)")
+    return None
 
 
 def torch_parallelize_tp(model: nn.Module, mesh, sequence_parallel: bool = False) -> nn.Module:
@@ -62,6 +82,8 @@ def torch_parallelize_tp(model: nn.Module, mesh, sequence_parallel: bool = False
             "mlp.up": ColwiseParallel(),
             "mlp.down": RowwiseParallel(output_layouts=between),
         }
+        if isinstance(block.mlp, SwiGLU):
+            block_plan["mlp.gate"] = ColwiseParallel()
         if sp:
             block_plan.update({
                 "ln1": SequenceParallel(use_local_output=True),
@@ -73,6 +95,8 @@ def torch_parallelize_tp(model: nn.Module, mesh, sequence_parallel: bool = False
             })
         parallelize_module(block, mesh, block_plan)
         block.attn.n_heads //= t
+        if isinstance(block.attn, GroupedQueryAttention):
+            block.attn.n_kv_heads //= t
     return model
 
 
