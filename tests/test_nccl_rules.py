@@ -21,9 +21,11 @@
   staged world too (`staged_launch`); the pipeline helper of notebook 07 hung there before. The
   training variants that notebooks 03-06, 08 and 09 and scripts/bench_{dp,fsdp,tp,composition}.py
   run (bucket sizes, FSDP's modes and offload, checkpointing, MoE capacity and balancing, the
-  twins) are in RUNS. Not here: notebook 10's faults (each a wrong number or a hang on purpose,
-  on strategies RUNS has), notebook 11 and scripts/bench_plan_cpu.py's planner (its layouts are
-  compositions RUNS has), and bf16 (RUNS compare in float64).
+  twins) are in RUNS, and so is Llama's block (--arch llama: one key/value head shared by the tp
+  ranks under SP; rotary positions under ring attention). Not here: notebook 10's faults (each a
+  wrong number or a hang on purpose, on strategies RUNS has), notebook 11 and
+  scripts/bench_plan_cpu.py's planner (its layouts are compositions RUNS has), and bf16 (RUNS
+  compare in float64).
 * **NCCL's argument rules.** The staged backend also refuses a non-contiguous tensor, a dtype
   NCCL has no type for and a reduce op it lacks (refimpl.shared_device), so every run here keeps
   them; notebook 01's comparison handed torch a transposed tensor before.
@@ -48,12 +50,13 @@ from tests.models import SMALL
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
 
-def cfg(strategy, world, m=2, *, layers=4, experts=0, moe=None, **kw):
-    model = GPTConfig(**{**SMALL.to_dict(), "n_layers": layers, "n_experts": experts, **(moe or {})})
+def cfg(strategy, world, m=2, *, layers=4, experts=0, shape=None, **kw):
+    model = GPTConfig(**{**SMALL.to_dict(), "n_layers": layers, "n_experts": experts, **(shape or {})})
     return TrainConfig(strategy=strategy, nproc=world, steps=2, global_batch=8, micro_batches=m,
                        return_state=True, dtype="float64", model=model, **kw)
 
 
+LLAMA_MQA = {"arch": "llama", "n_kv_heads": 1}   # RMSNorm, SwiGLU, rotary, grouped-query attention
 RUNS = {
     2: {"pp-1f1b m4": cfg("pp-1f1b", 2, 4, pp=2),
         "pp-interleaved v2 m4": cfg("pp-interleaved", 2, 4, pp=2, virtual_stages=2),
@@ -82,8 +85,12 @@ RUNS = {
         "fsdp offload": cfg("fsdp", 2, options={"offload": True}),
         "fsdp checkpointing": cfg("fsdp", 2, activation_checkpointing=True),
         "tp": cfg("tp", 2, tp=2), "torch-tp + sp": cfg("torch-tp", 2, tp=2, sequence_parallel=True),
-        "ep top-1, capacity 0.5": cfg("ep", 2, 1, experts=4, moe={"top_k": 1, "capacity_factor": 0.5}),
-        "ep, bias balancing": cfg("ep", 2, 1, experts=4, moe={"balance": "bias", "bias_gamma": 0.01})},
+        "ep top-1, capacity 0.5": cfg("ep", 2, 1, experts=4, shape={"top_k": 1, "capacity_factor": 0.5}),
+        "ep, bias balancing": cfg("ep", 2, 1, experts=4, shape={"balance": "bias", "bias_gamma": 0.01}),
+        # --arch llama: one key/value head for 4 query heads, so both tp ranks hold it and sum its
+        # gradient (refimpl.parallel.tp.layers), under SP; and ring attention's rotary positions
+        "llama tp + sp, 1 K/V head shared": cfg("tp", 2, tp=2, sequence_parallel=True, shape=LLAMA_MQA),
+        "llama ring attention cp2": cfg("dp-naive", 2, 1, cp=2, shape=LLAMA_MQA)},
     4: {"zero1 dp2 x pp2, rebuilt collectives": cfg("zero1", 4, 2, pp=2, collectives="refimpl"),
         "pp2 x cp2": cfg("dp-naive", 4, 2, pp=2, cp=2),
         "ring over tp heads tp2 x cp2 + sp": cfg("zero1", 4, 2, tp=2, cp=2, sequence_parallel=True),
