@@ -19,6 +19,7 @@ import torch
 from refimpl import launch
 from refimpl.compose import run_checkpoint
 from refimpl.compose.optim_reshard import full_optimizer_state, load_optimizer_state, validate_optimizer_state
+from refimpl.compose.shard_boxes import BoxedParts
 from refimpl.compose.transforms import model_parallel, validate_model_parallel
 from refimpl.config import RunContext, TrainConfig
 from refimpl.faults import injected, lose_this_rank
@@ -87,9 +88,9 @@ def setup_rank(rank: int, world_size: int, layout: Resolved, resume: dict | None
         # tensor is read from the file when it is placed, not all of them at once.
         state = torch.load(cfg.init_state, map_location="cpu", mmap=True)
     elif cfg.init_hf is not None:
-        # a Hugging Face folder (Llama, Mixtral): each tensor read from its safetensors file as
-        # this rank places it (refimpl.model.hf.HubState)
-        state = HubState(cfg.init_hf, reference)
+        # a Hugging Face folder (Llama, Mixtral): each rank reads from the safetensors files the
+        # slices it keeps (refimpl.model.hf.HubState, read by boxes)
+        state = BoxedParts(HubState(cfg.init_hf, reference))
     values = RankValues(reference, cfg.seed, mesh, device, state)
     n_params = count_params(reference)
     strategy = layout.strategy(ctx)

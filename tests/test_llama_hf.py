@@ -239,3 +239,41 @@ def test_a_tied_llama_round_trips_and_a_biased_one_is_refused(tmp_path):
     (path / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
     with pytest.raises(ValueError, match="no biases"):
         load_hf(path)
+
+
+class _Mesh:
+    """The two questions refimpl.placement asks a mesh, for a rank `index` of `size` on every axis."""
+
+    def __init__(self, size: int, index: int):
+        self._size, self._index = size, index
+
+    def size(self, axis):
+        return self._size
+
+    def index(self, axis):
+        return self._index
+
+
+def test_init_hf_reads_only_the_slice_a_rank_keeps(tmp_path):
+    # --init-hf places from BoxedParts(HubState): each rank's part is read as a box of the file
+    # (safetensors' get_slice), equal to cutting the whole tensor, and the bytes it holds are its
+    # part's alone (a view of a whole tensor read first would hold all of it)
+    from refimpl.compose.shard_boxes import BoxedParts
+    from refimpl.model.hf import HubState
+    from refimpl.placement import Shard, local_part
+
+    ours = build_model(LLAMA, seed=2).to(torch.float64)
+    path = save_hf(ours, LLAMA, tmp_path / "ckpt")
+    whole = ours.state_dict()
+    state = BoxedParts(HubState(path, build_model(LLAMA, seed=0, device="meta")))
+    d, kv = LLAMA.d_model, LLAMA.n_kv_heads * LLAMA.d_model // LLAMA.n_heads
+    cases = [("blocks.0.attn.q.weight", Shard("tp", 0, d), (d // 2, d), 2),            # column-parallel
+             ("blocks.1.mlp.down.weight", Shard("tp", 1, LLAMA.ffn_hidden), (d, LLAMA.ffn_hidden // 2), 2),
+             ("blocks.0.attn.k.weight", Shard("tp", 0, kv, repeats=2), (kv // 2, d), 4),  # 2 heads, 4 ranks
+             ("embed.tok.weight", Shard("tp", 0, LLAMA.vocab_size), (40, d), 3)]        # 120 rows: padded
+    for name, where, shape, size in cases:
+        assert state.shape_of(name) == tuple(whole[name].shape)
+        for r in range(size):
+            part = state.read_part(name, shape, where, _Mesh(size, r))
+            assert torch.equal(part, local_part(whole[name], shape, where, _Mesh(size, r))), (name, r)
+            assert part.untyped_storage().nbytes() == part.nbytes, (name, r)

@@ -6,12 +6,17 @@ expert) is one box; a ZeRO/FSDP flat shard covers a flat range of a tensor, whic
 order is a few boxes (a partial first row, whole rows, a partial last row: `flat_range_boxes`).
 Loading under another layout intersects the boxes a rank needs with the boxes on disk
 (`intersect`): the idea of torch.distributed.checkpoint's chunk metadata, written from scratch.
+A Hugging Face folder (`--init-hf`) is read by boxes too (`BoxedParts`): each rank reads the
+slices its placement keeps, never a whole matrix it then cuts.
 """
 from __future__ import annotations
 
 import math
 
+import torch.nn.functional as F
+
 from refimpl.placement import Owned, Shard
+from refimpl.rank_values import PartialState
 
 
 def part_box(shape, where, mesh, full_shape) -> tuple[tuple, tuple]:
@@ -69,3 +74,40 @@ def intersect(a_off, a_len, b_off, b_len):
     if any(h <= l for l, h in zip(lo, hi)):
         return None
     return tuple(lo), tuple(h - l for l, h in zip(lo, hi))
+
+
+def read_part(reader, name: str, shape, where, mesh):
+    """This rank's part (local `shape`, placement `where`) of the reference tensor `name`, read
+    through `reader.box(name, offsets, lengths)` alone; a padded vocabulary's rows past the
+    reference's come as zeros, as refimpl.placement.local_part pads them."""
+    off, length = part_box(shape, where, mesh, reader.shape_of(name))
+    part = reader.box(name, off, length)
+    if tuple(length) != tuple(shape):
+        w = where.within if isinstance(where, Owned) else where
+        pad = shape[w.dim] - length[w.dim]
+        part = F.pad(part, [0, 0] * (len(shape) - 1 - w.dim) + [0, pad])
+    return part
+
+
+class BoxedParts(PartialState):
+    """A reference state read lazily by boxes (`shape_of(name)`, `box(name, offsets, lengths)`:
+    a Hugging Face folder, refimpl.model.hf.HubState) as the PartialState refimpl.rank_values
+    places from: each rank reads only the box of the part it keeps."""
+
+    def __init__(self, boxed):
+        self.boxed = boxed
+
+    def __getitem__(self, name: str):
+        return self.boxed[name]
+
+    def __iter__(self):
+        return iter(self.boxed)
+
+    def __len__(self) -> int:
+        return len(self.boxed)
+
+    def shape_of(self, name: str) -> tuple:
+        return self.boxed.shape_of(name)
+
+    def read_part(self, name, shape, where, mesh):
+        return read_part(self.boxed, name, shape, where, mesh)

@@ -19,13 +19,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from refimpl.compose.optim_reshard import MOMENTS, _holders
-from refimpl.compose.shard_boxes import flat_range_boxes, full_shape_of, intersect, part_box
-from refimpl.placement import Owned, placements
+from refimpl.compose.shard_boxes import flat_range_boxes, full_shape_of, intersect, part_box, read_part
+from refimpl.placement import placements
 from refimpl.rank_values import PartialState
 
 INDEX = "index.json"
@@ -184,14 +183,7 @@ class ShardedTensors(PartialState):
         return self.box(name, (0,) * len(shape), shape)
 
     def read_part(self, name, shape, where, mesh) -> torch.Tensor:
-        full = self.shape_of(name)
-        off, length = part_box(shape, where, mesh, full)
-        part = self.box(name, off, length)
-        if tuple(length) != tuple(shape):      # a padded vocabulary: zeros, as local_part pads
-            w = where.within if isinstance(where, Owned) else where
-            pad = shape[w.dim] - length[w.dim]
-            part = F.pad(part, [0, 0] * (len(shape) - 1 - w.dim) + [0, pad])
-        return part
+        return read_part(self, name, shape, where, mesh)
 
 
 class ShardedCheckpoint:

@@ -183,7 +183,8 @@ def save_hf(model: nn.Module, cfg: GPTConfig, path: str | Path) -> Path:
 class HubState(Mapping):
     """A Hugging Face checkpoint folder as refimpl's full state dict, read lazily: `state[name]`
     reads that one tensor from its safetensors file (memory-mapped) when a rank places it, so a
-    rank holds one checkpoint tensor at a time (refimpl.rank_values). The buffers a Hub
+    rank holds one checkpoint tensor at a time (refimpl.rank_values), and `box` reads only a part
+    of it (what `--init-hf` uses: each rank reads the slices it keeps). The buffers a Hub
     checkpoint has not (a MoE layer's expert_bias) start at zero, as refimpl's own init has them.
     `reference`: the model it is read into (meta is enough), for those buffers' shapes."""
 
@@ -204,13 +205,34 @@ class HubState(Mapping):
         self.names = list(self.hub) + list(self.zeros)
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        return self.box(name, None, None)
+
+    def shape_of(self, name: str) -> tuple:
+        """The tensor's shape, from the file's header: no bytes read."""
+        if name in self.zeros:
+            return tuple(self.zeros[name][0])
+        with safe_open(str(self.files[self._hub(name)]), framework="pt") as f:
+            return tuple(f.get_slice(self.hub[name]).get_shape())
+
+    def box(self, name: str, offsets, lengths) -> torch.Tensor:
+        """The box (offsets, lengths; None: the whole tensor) of `name`: safetensors reads those
+        bytes alone, so a rank that keeps a tp slice of a matrix reads that slice
+        (refimpl.compose.shard_boxes.BoxedParts)."""
         if name in self.zeros:
             shape, dtype = self.zeros[name]
-            return torch.zeros(shape, dtype=dtype)
+            return torch.zeros(shape if lengths is None else lengths, dtype=dtype)
+        with safe_open(str(self.files[self._hub(name)]), framework="pt") as f:
+            if not offsets:            # the whole tensor, or a 0-d one
+                return f.get_tensor(self.hub[name])
+            # safetensors maps the file: the slice is a view of the mapped tensor whose pages are
+            # read as touched; the clone touches the box's alone and keeps no mapping alive
+            box = tuple(slice(o, o + n) for o, n in zip(offsets, lengths))
+            return f.get_slice(self.hub[name])[box].clone()
+
+    def _hub(self, name: str) -> str:
         if name not in self.hub:
             raise KeyError(name)
-        with safe_open(str(self.files[self.hub[name]]), framework="pt") as f:
-            return f.get_tensor(self.hub[name])
+        return self.hub[name]
 
     def __iter__(self):
         return iter(self.names)
