@@ -85,6 +85,9 @@ RUNS = {
         "fsdp offload": cfg("fsdp", 2, options={"offload": True}),
         "fsdp checkpointing": cfg("fsdp", 2, activation_checkpointing=True),
         "tp": cfg("tp", 2, tp=2), "torch-tp + sp": cfg("torch-tp", 2, tp=2, sequence_parallel=True),
+        # SP's collectives decomposed over the ring: a send and a receive to the same peer each
+        # step, posted as one batch (refimpl.comm.p2p.post), notebook 06 and bench_tp's variant
+        "tp + sp, tp_overlap": cfg("tp", 2, tp=2, sequence_parallel=True, options={"tp_overlap": True}),
         "ep top-1, capacity 0.5": cfg("ep", 2, 1, experts=4, shape={"top_k": 1, "capacity_factor": 0.5}),
         "ep, bias balancing": cfg("ep", 2, 1, experts=4, shape={"balance": "bias", "bias_gamma": 0.01}),
         # --arch llama: one key/value head for 4 query heads, so both tp ranks hold it and sum its
