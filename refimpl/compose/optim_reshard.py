@@ -28,8 +28,10 @@ from refimpl.placement import gather_full_state_dict, placements
 from refimpl.rank_values import part_of
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-# PyTorch's twins keep DTensor moments, `ep` keeps experts' moments on their owners: weights only.
-UNSUPPORTED_PREFIXES = ("torch-", "ep")
+# PyTorch's twins keep DTensor moments (their checkpoints go through DCP instead,
+# refimpl.compose.dcp_checkpoint). `ep` is dp-naive over --ep (refimpl.registry), whose experts'
+# moments are placed like their weights, as every flavour's are under --ep.
+UNSUPPORTED_PREFIXES = ("torch-",)
 
 
 def validate_optimizer_state(cfg, flag: str = "--init/--save-optimizer-state") -> None:
