@@ -6,6 +6,8 @@ resumes) is scripts/launch_check.py's, behind `make launch-check`: it starts tor
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import signal
 
@@ -24,8 +26,9 @@ GATE = 1e-9   # float64 (refimpl.verify.equivalence)
 
 
 def run_cfg(strategy="single", nproc=1, steps=4, **kw) -> TrainConfig:
-    return TrainConfig(strategy=strategy, nproc=nproc, steps=steps, global_batch=4,
-                       model=SMALL, dtype="float64", return_state=True, **kw)
+    kw = {"global_batch": 4, "model": SMALL, **kw}
+    return TrainConfig(strategy=strategy, nproc=nproc, steps=steps, dtype="float64",
+                       return_state=True, **kw)
 
 
 def max_rel(a: list[float], b: list[float]) -> float:
@@ -67,6 +70,34 @@ def test_resumed_under_another_layout_equals_single_and_the_uninterrupted_run(tm
         assert compare_states(run["state_dict"], single["state_dict"])[0] < GATE
     assert max_rel(resumed["losses"], whole["losses"]) < GATE
     assert compare_states(resumed["state_dict"], whole["state_dict"])[0] < GATE
+
+
+@pytest.mark.ranks
+def test_pytorch_twins_resume_through_dcp_resharded_equal_to_the_uninterrupted_run(tmp_path):
+    """torch-ddp and torch-fsdp2 checkpoint through torch.distributed.checkpoint on 2 ranks (step
+    2); each resumes under the other twin on 3 ranks (FSDP2's DTensor shards cut anew, DDP's
+    replicas made whole from FSDP2's shards): steps 3-4 equal single's and an uninterrupted
+    torch-fsdp2 run's, losses and weights, in float64."""
+    ddp, fsdp2 = tmp_path / "ddp", tmp_path / "fsdp2"
+
+    def twin(strategy, nproc, steps=4, **kw):   # 6 rows: 2 and 3 ranks take equal ones
+        return run_cfg(strategy, nproc, steps, global_batch=6, **kw)
+    single = train_on_ranks(run_cfg(global_batch=6))
+    train_several_on_ranks([twin("torch-ddp", 2, 2, checkpoint_every=2, checkpoint_dir=str(ddp)),
+                            twin("torch-fsdp2", 2, 2, checkpoint_every=2, checkpoint_dir=str(fsdp2))])
+    index = json.loads((fsdp2 / "step-00000002" / sharded_checkpoint.INDEX).read_text())
+    assert index["format"] == "dcp" and (fsdp2 / "step-00000002" / ".metadata").exists()
+    runs = train_several_on_ranks([twin("torch-fsdp2", 3, checkpoint_dir=str(ddp)),
+                                   twin("torch-ddp", 3, checkpoint_dir=str(fsdp2)),
+                                   twin("torch-fsdp2", 3)])
+    *resumed, whole = runs
+    assert [r["resumed_from"] for r in resumed] == [2, 2]
+    for run in runs:
+        assert max_rel(run["losses"], single["losses"]) < GATE
+        assert compare_states(run["state_dict"], single["state_dict"])[0] < GATE
+    for run in resumed:
+        assert max_rel(run["losses"], whole["losses"]) < GATE
+        assert compare_states(run["state_dict"], whole["state_dict"])[0] < GATE
 
 
 def _bytes_per_rank(path) -> list[int]:
@@ -124,9 +155,14 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_usable(tmp_pat
 def test_what_cannot_resume_fails_before_launch(tmp_path):
     with pytest.raises(LayoutError, match="needs --checkpoint-dir"):
         validate(run_cfg(checkpoint_every=2))
-    with pytest.raises(LayoutError, match="not for 'torch-ddp'"):
-        validate(run_cfg("torch-ddp", 2, checkpoint_dir=str(tmp_path)))
+    with pytest.raises(LayoutError, match="not for 'torch-zero1'"):
+        validate(run_cfg("torch-zero1", 2, checkpoint_dir=str(tmp_path)))
+    with pytest.raises(LayoutError, match="every sharded tensor a DTensor: not with --tp 2"):
+        validate(run_cfg("torch-fsdp2", 4, tp=2, checkpoint_dir=str(tmp_path)))
+    validate(run_cfg("ep", 2, model=dataclasses.replace(SMALL, n_experts=4), checkpoint_dir=str(tmp_path)))
     train_on_ranks(run_cfg(steps=2, checkpoint_every=2, checkpoint_dir=str(tmp_path)))
+    with pytest.raises(LayoutError, match="has format 2, 'torch-ddp' reads 'dcp'"):
+        validate(run_cfg("torch-ddp", 2, checkpoint_dir=str(tmp_path)))
     with pytest.raises(LayoutError, match="lr=0.003, this run has lr=0.1"):
         validate(run_cfg(checkpoint_dir=str(tmp_path), lr=0.1))
     with pytest.raises(LayoutError, match="at step 2, beyond --steps 1"):
