@@ -102,9 +102,9 @@ def load_optimizer_state(strategy, saved: dict) -> None:
         if flat is None:
             moments = {m: local(m, name, master.shape, master.device, master.dtype).clone()
                        for m in MOMENTS}
-        else:
-            moments = {m: flat.shard(flat.flatten([local(m, s.name, s.shape, master.device,
-                                                         master.dtype)
-                                                   for s in flat.slots], device=master.device),
-                                     index).clone() for m in MOMENTS}
+        else:   # this rank's shard only, one parameter's moment read at a time (never the
+                # whole flat buffer: ZeRO-1/2's spans the model)
+            moments = {m: flat.filled_shard(
+                lambda s, m=m: local(m, s.name, s.shape, master.device, master.dtype),
+                index, dtype=master.dtype, device=master.device) for m in MOMENTS}
         opt.state[master] = {"step": torch.tensor(float(saved["step"])), **moments}
