@@ -57,11 +57,13 @@ def test_resumed_under_another_layout_equals_single_and_the_uninterrupted_run(tm
     first = train_on_ranks(run_cfg("zero1", 2, steps=2, checkpoint_every=2,
                                     checkpoint_dir=str(tmp_path)))
     # bytes written per rank against the shard arithmetic: zero1 keeps the weights whole on both
-    # ranks (written once, by the lowest holder) and m, v in halves of the flat buffer
+    # ranks (each weight written once, by whichever holder has written less so far) and m, v in
+    # halves of the flat buffer: N weights + 2N moments in all, even to within one weight
     n, item = first["n_params"], 8                        # float64
-    half = -(-n // 2)                                     # ZeRO's S = ceil(N / dp)
-    assert _bytes_per_rank(tmp_path / "step-00000002") == [(n + 2 * half) * item,
-                                                           2 * (n - half) * item]
+    written = _bytes_per_rank(tmp_path / "step-00000002")
+    assert sum(written) == 3 * n * item
+    largest = max(t.numel() for t in first["state_dict"].values()) * item
+    assert abs(written[0] - written[1]) <= largest < n * item / 4
     resumed, whole = train_several_on_ranks([run_cfg("tp", 2, checkpoint_dir=str(tmp_path)),
                                              run_cfg("tp", 2)])
     assert resumed["resumed_from"] == 2

@@ -166,7 +166,7 @@ def _write(pieces, tmp, rank, final, index, world_size, error) -> None:
 
 
 def save(strategy, step: int, losses: list[float], directory, blocking: bool = False) -> Path:
-    """Every rank writes the pieces it is the first holder of to its own file in a temporary
+    """Every rank writes the pieces it is chosen for (sharded_checkpoint.dedupe) to its own file in a temporary
     directory; rank 0 writes the index and renames the directory. Collective (one exchange of
     names and boxes: no tensor travels)."""
     ctx = strategy.ctx
