@@ -18,7 +18,9 @@ from safetensors import safe_open
 from refimpl.compose import run_checkpoint, sharded_checkpoint
 from refimpl.config import TrainConfig
 from refimpl.mesh import LayoutError
+from refimpl.model import GPTConfig, build_model, count_params
 from refimpl.train import train_on_ranks, train_several_on_ranks, validate
+from refimpl.verify import checkpoint_memory
 from refimpl.verify.equivalence import compare_states
 from tests.models import SMALL
 
@@ -170,3 +172,46 @@ def test_what_cannot_resume_fails_before_launch(tmp_path):
     with pytest.raises(LayoutError, match="at step 2, beyond --steps 1"):
         validate(run_cfg(steps=1, checkpoint_dir=str(tmp_path)))
     validate(run_cfg("zero3", 2, checkpoint_dir=str(tmp_path)))     # another layout: fine
+
+
+# A model of many small tensors, so that the whole state (weights, m, v: 10.4 MB in float64)
+# stands out against a rank's shard (a quarter of it on 4 ranks) and one tensor (the MLP's
+# 64 x 256 weight, 131 kB).
+MANY_TENSORS = GPTConfig(vocab_size=256, seq_len=16, d_model=64, n_heads=4, n_layers=8)
+
+
+def _check_shard_plus_one_tensor(found: list[dict], nproc: int) -> None:
+    reference = build_model(MANY_TENSORS, 0, device="meta")
+    whole = 3 * count_params(reference) * 8                       # weights, m, v in float64
+    largest = max(t.numel() for t in reference.state_dict().values()) * 8
+    for r, f in enumerate(found):
+        print(f"rank {r}: save +{f['save_peak']} B (file {f['written']} B), load peak "
+              f"{f['load_peak']} B = kept {f['kept']} B + {f['load_peak'] - f['kept']} B; "
+              f"whole state {whole} B, largest tensor {largest} B")
+        # a save copies what this rank writes (pieces it holds, read back from its file) and
+        # nothing else; a load holds, beside what it keeps, the tensor it assembles and the
+        # slice of it read from a file
+        assert f["written"] <= f["save_peak"] <= f["written"] + 1024
+        assert f["kept"] <= f["load_peak"] <= f["kept"] + 2 * largest + 1024
+    # every rank writes its share of the whole state, to within one tensor
+    assert sum(f["written"] for f in found) == whole
+    assert all(abs(f["written"] - whole / nproc) <= largest for f in found)
+
+
+@pytest.mark.ranks
+def test_a_save_and_a_resharding_load_hold_a_shard_plus_one_tensor(tmp_path):
+    """ZeRO-3 on 2 ranks saves; ZeRO-1 on the same 2 ranks loads (its moments once built the
+    whole flat buffer, the whole model's m, before sharding it: 6 MB beside 8.7 MB kept at 4
+    ranks; now each parameter's m, v are read into the shard one at a time)."""
+    def cfg(strategy):
+        return run_cfg(strategy, 2, steps=1, model=MANY_TENSORS, seq_len=16)
+    _check_shard_plus_one_tensor(checkpoint_memory.measure(cfg("zero3"), cfg("zero1"), tmp_path), 2)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("write,read", [("zero3", "zero1"), ("zero1", "fsdp")])
+def test_on_4_ranks_a_save_and_a_resharding_load_hold_a_shard_plus_one_tensor(tmp_path, write, read):
+    def cfg(strategy):
+        return run_cfg(strategy, 4, steps=1, model=MANY_TENSORS, seq_len=16)
+    found = checkpoint_memory.measure(cfg(write), cfg(read), tmp_path)
+    _check_shard_plus_one_tensor(found, 4)
