@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from refimpl.compose import run_checkpoint, sharded_checkpoint
+from refimpl.compose import dcp_convert, run_checkpoint, sharded_checkpoint
 from refimpl.config import TrainConfig
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig, build_model, count_params
@@ -53,8 +53,10 @@ def test_single_resumed_from_step_k_is_the_uninterrupted_run(tmp_path):
 
 @pytest.mark.ranks
 def test_resumed_under_another_layout_equals_single_and_the_uninterrupted_run(tmp_path):
-    """Two steps under zero1 on 2 ranks (checkpoint at step 2), then steps 3-4 under tp 2: the
-    losses of all four steps and the final weights equal single's and an uninterrupted tp 2 run's."""
+    """Two steps under zero1 on 2 ranks (checkpoint at step 2), then steps 3-4 under tp 2, and
+    under torch-fsdp2 from the checkpoint converted to DCP's format (refimpl.compose.dcp_convert):
+    the losses of all four steps and the final weights equal single's and an uninterrupted tp 2
+    run's."""
     single = train_on_ranks(run_cfg())
     first = train_on_ranks(run_cfg("zero1", 2, steps=2, checkpoint_every=2,
                                     checkpoint_dir=str(tmp_path)))
@@ -66,14 +68,18 @@ def test_resumed_under_another_layout_equals_single_and_the_uninterrupted_run(tm
     assert sum(written) == 3 * n * item
     largest = max(t.numel() for t in first["state_dict"].values()) * item
     assert abs(written[0] - written[1]) <= largest < n * item / 4
-    resumed, whole = train_several_on_ranks([run_cfg("tp", 2, checkpoint_dir=str(tmp_path)),
-                                             run_cfg("tp", 2)])
-    assert resumed["resumed_from"] == 2
-    for run in (resumed, whole):
+    twin_dir = tmp_path / "dcp"
+    dcp_convert.convert_to_dcp(tmp_path / "step-00000002", twin_dir)
+    resumed, twin, whole = train_several_on_ranks([
+        run_cfg("tp", 2, checkpoint_dir=str(tmp_path)),
+        run_cfg("torch-fsdp2", 2, checkpoint_dir=str(twin_dir)), run_cfg("tp", 2)])
+    assert resumed["resumed_from"] == twin["resumed_from"] == 2
+    for run in (resumed, twin, whole):
         assert max_rel(run["losses"], single["losses"]) < GATE
         assert compare_states(run["state_dict"], single["state_dict"])[0] < GATE
-    assert max_rel(resumed["losses"], whole["losses"]) < GATE
-    assert compare_states(resumed["state_dict"], whole["state_dict"])[0] < GATE
+    for run in (resumed, twin):
+        assert max_rel(run["losses"], whole["losses"]) < GATE
+        assert compare_states(run["state_dict"], whole["state_dict"])[0] < GATE
 
 
 @pytest.mark.ranks
