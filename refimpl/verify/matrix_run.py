@@ -82,7 +82,7 @@ def run_layouts(layouts: list[Layout], *, layout_timeout: float = LAYOUT_TIMEOUT
         else:
             by_world.setdefault(layout["world"], []).append(i)
     for world, indices in sorted(by_world.items()):
-        for i, outcome in zip(indices, _run_one_world([layouts[i] for i in indices],
+        for i, outcome in zip(indices, run_one_world([layouts[i] for i in indices],
                                                       world, layout_timeout)):
             outcomes[i] = outcome
             if on_outcome is not None:
@@ -90,13 +90,15 @@ def run_layouts(layouts: list[Layout], *, layout_timeout: float = LAYOUT_TIMEOUT
     return [outcomes[i] for i in range(len(layouts))]
 
 
-def _run_one_world(layouts: list[Layout], world: int, layout_timeout: float,
+def run_one_world(layouts: list[Layout], world: int, layout_timeout: float,
                    cfgs: list | None = None) -> list[Outcome]:
-    """`cfgs`: what each layout runs (default: its config(); the resume pass adds checkpoints)."""
+    """The layouts of one world size in as few launches as a crash or a hang allows (the module
+    docstring). `cfgs`: what each layout runs (default: its config(); the resume pass,
+    refimpl.verify.resume_matrix, adds its checkpoints)."""
     cfgs = cfgs or [layout.config() for layout in layouts]
     references = {}
     for cfg in cfgs:     # single's run, once per distinct reference, in this process
-        key = _reference_key(cfg)
+        key = reference_key(cfg)
         if key not in references:
             ref = reference_run(_plain(cfg))
             references[key] = {"losses": ref["losses"], "state_dict": ref["state_dict"]}
@@ -136,7 +138,8 @@ def _plain(cfg):
                      micro_batches=cfg.micro_batches if per_forward else 1)
 
 
-def _reference_key(cfg) -> str:
+def reference_key(cfg) -> str:
+    """Two configurations with the same key are held to one run of single."""
     return repr(reference_config(_plain(cfg)))
 
 
@@ -170,7 +173,7 @@ def _train_each(rank: int, world: int, cfgs: list, references: dict, outdir: str
         everyone: list = [None] * world        # each rank's view of the global loss
         dist.all_gather_object(everyone, result["losses"])
         if rank == 0:
-            line = _compare(result, references[_reference_key(cfg)])
+            line = _compare(result, references[reference_key(cfg)])
             line.update(index=index, seconds=time.perf_counter() - began,
                         resumed_from=result["resumed_from"],
                         same_loss_on_every_rank=all(e == everyone[0] for e in everyone))

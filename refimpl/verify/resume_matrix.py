@@ -25,7 +25,7 @@ from refimpl.mesh import LayoutError
 from refimpl.registry import strategy_class
 from refimpl.train import validate
 from refimpl.verify.layout_matrix import Layout, refusal
-from refimpl.verify.matrix_run import LAYOUT_TIMEOUT, Outcome, _reference_key, _run_one_world
+from refimpl.verify.matrix_run import LAYOUT_TIMEOUT, Outcome, reference_key, run_one_world
 
 WRITTEN_AT = 1      # the writer's step count: the reader trains the rest (layout_matrix.STEPS)
 
@@ -51,7 +51,7 @@ def resume_pairs(layouts: list[Layout]) -> list[tuple[Layout, Layout]]:
     groups: dict[tuple, list[Layout]] = {}
     for layout in filter(resumable, layouts):
         dcp = strategy_class(layout["strategy"]).checkpoints_through_dcp
-        groups.setdefault((_reference_key(layout.config()), dcp), []).append(layout)
+        groups.setdefault((reference_key(layout.config()), dcp), []).append(layout)
     return [(group[i], group[(i + 1) % len(group)])
             for group in groups.values() for i in range(len(group))]
 
@@ -84,7 +84,7 @@ def _by_world(layouts: list[Layout], cfgs: list, layout_timeout: float) -> list[
     for i, layout in enumerate(layouts):
         worlds.setdefault(layout["world"], []).append(i)
     for world, indices in sorted(worlds.items()):
-        ran = _run_one_world([layouts[i] for i in indices], world, layout_timeout,
+        ran = run_one_world([layouts[i] for i in indices], world, layout_timeout,
                              [cfgs[i] for i in indices])
         outcomes.update(zip(indices, ran))
     return [outcomes[i] for i in range(len(layouts))]
