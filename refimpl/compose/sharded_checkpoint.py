@@ -180,17 +180,23 @@ class ShardedTensors(PartialState):
         """The box (offsets, lengths) of the reference tensor `name`, read from the pieces that
         meet it and nothing else."""
         entry = self.ck.index["tensors"][f"{self.kind}/{name}"]
+        meeting = [(piece, common) for piece in entry["pieces"]
+                   if (common := intersect(off, length, piece["offsets"], piece["lengths"]))]
+        if len(meeting) == 1 and meeting[0][1] == (tuple(off), tuple(length)):
+            return self._read(*meeting[0])  # one piece holds the box: its slice, nothing to assemble
         out = torch.zeros(length, dtype=getattr(torch, entry["dtype"]))
-        for piece in entry["pieces"]:
-            common = intersect(off, length, piece["offsets"], piece["lengths"])
-            if common is None:
-                continue
-            lo, n = common
-            src = tuple(slice(a - p, a - p + k) for a, p, k in zip(lo, piece["offsets"], n))
-            dst = tuple(slice(a - o, a - o + k) for a, o, k in zip(lo, off, n))
-            f = self.ck.file(piece["file"])
-            out[dst] = f.get_slice(piece["key"])[src] if src else f.get_tensor(piece["key"])
+        for piece, (lo, n) in meeting:
+            out[tuple(slice(a - o, a - o + k) for a, o, k in zip(lo, off, n))] = \
+                self._read(piece, (lo, n))
         return out
+
+    def _read(self, piece: dict, common: tuple) -> torch.Tensor:
+        """The box `common` (offsets, lengths in the reference's tensor) of one piece, from its
+        file: safetensors reads that slice, not the piece."""
+        lo, n = common
+        src = tuple(slice(a - p, a - p + k) for a, p, k in zip(lo, piece["offsets"], n))
+        f = self.ck.file(piece["file"])
+        return f.get_slice(piece["key"])[src] if src else f.get_tensor(piece["key"])
 
     def __getitem__(self, name: str) -> torch.Tensor:
         shape = self.shape_of(name)
