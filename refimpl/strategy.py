@@ -75,6 +75,10 @@ class Strategy:
     # True: runs on a pipeline's stages (--pp > 1): its sync and gathering work on a stage's
     # parameters and its runner on the schedule's table (refimpl.parallel.pp.validate).
     on_a_pipeline: bool = False
+    # True for PyTorch's twins whose state is DTensors or replicas: --checkpoint-dir saves and
+    # resumes them through torch.distributed.checkpoint (refimpl.compose.dcp_checkpoint)
+    # instead of refimpl's sharded format, which reads our placements.
+    checkpoints_through_dcp: bool = False
 
     def __init__(self, ctx: RunContext):
         self.ctx = ctx

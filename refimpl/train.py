@@ -49,8 +49,7 @@ def validate(cfg: TrainConfig) -> Resolved:
     if cfg.init_optimizer_state or cfg.return_optimizer_state:
         validate_optimizer_state(cfg)
     if cfg.checkpoint_dir:
-        validate_optimizer_state(cfg, "--checkpoint-dir")
-        run_checkpoint.check_resumable(cfg)
+        run_checkpoint.validate_checkpointing(cfg, layout.strategy)
     return layout
 
 
@@ -81,7 +80,7 @@ def setup_rank(rank: int, world_size: int, layout: Resolved, resume: dict | None
     reference = converted(build_model(cfg.model, cfg.seed, device="meta"), dtype=ctx.param_dtype)
     state = None
     if resume is not None:
-        state = resume["weights"]
+        state = resume.get("weights")     # a twin's (DCP) loads its weights after placing
     elif cfg.init_state is not None:
         # A checkpoint is the reference's full state dict, whatever strategy and world size wrote
         # it: every rank places its own part of it, so it reshards on load. Memory-mapped, so a

@@ -5,7 +5,9 @@ make test runs a pairwise cover chosen by the generator on 2, 3 and 4 ranks (eve
 values that an accepted layout can hold together are held together by a layout it runs, in
 float64), plus the layouts that were once wrong; make test-full checks the whole space's verdicts,
 runs the pairwise cover of the whole space (8 ranks and PyTorch's DTensor twins too), checks that
-the sampling missed no pair the whole space has, and runs a three-wise cover.
+the sampling missed no pair the whole space has, runs a three-wise cover, and resumes every float64
+layout of the whole pairwise cover from another layout's checkpoint (refimpl.verify.resume_matrix;
+make test runs three such pairs, tests/test_resume_matrix.py).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from refimpl.registry import STRATEGIES, resolve
 from refimpl.train import validate
 from refimpl.verify import layout_matrix as lm
 from refimpl.verify.matrix_run import counts, run_layouts
+from refimpl.verify.resume_matrix import resume_pairs, run_resumed
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
@@ -156,3 +159,17 @@ def test_three_wise_layouts_equal_single_or_are_refused():
     print(f"three-wise cover: {len(cover.layouts)} layouts for {cover.required} triples")
     print(found)
     assert found.ran > 0 and not found.wrong, str(found)
+
+
+@pytest.mark.full
+def test_every_layout_of_the_whole_pairwise_cover_resumes_from_another_layouts_checkpoint():
+    """Each float64 layout of the cover writes a checkpoint after step 1 that the next layout of
+    its model and format (another world size, sharding, schedule...) resumes from: step 2 equal
+    to single's uninterrupted run at 1e-9, losses and every weight."""
+    pairs = resume_pairs(whole_pairwise().layouts)
+    found = counts(run_resumed(pairs))
+    resharded = sum(writer != reader for writer, reader in pairs)
+    print(f"resume pass: {len(pairs)} pairs, {resharded} across two layouts")
+    print(found)
+    assert resharded > 0.9 * len(pairs) > 100
+    assert found.ran == len(pairs) and not found.wrong, str(found)

@@ -28,8 +28,10 @@ from refimpl.placement import gather_full_state_dict, placements
 from refimpl.rank_values import part_of
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-# PyTorch's twins keep DTensor moments, `ep` keeps experts' moments on their owners: weights only.
-UNSUPPORTED_PREFIXES = ("torch-", "ep")
+# PyTorch's twins keep DTensor moments (their checkpoints go through DCP instead,
+# refimpl.compose.dcp_checkpoint). `ep` is dp-naive over --ep (refimpl.registry), whose experts'
+# moments are placed like their weights, as every flavour's are under --ep.
+UNSUPPORTED_PREFIXES = ("torch-",)
 
 
 def validate_optimizer_state(cfg, flag: str = "--init/--save-optimizer-state") -> None:
@@ -100,9 +102,9 @@ def load_optimizer_state(strategy, saved: dict) -> None:
         if flat is None:
             moments = {m: local(m, name, master.shape, master.device, master.dtype).clone()
                        for m in MOMENTS}
-        else:
-            moments = {m: flat.shard(flat.flatten([local(m, s.name, s.shape, master.device,
-                                                         master.dtype)
-                                                   for s in flat.slots], device=master.device),
-                                     index).clone() for m in MOMENTS}
+        else:   # this rank's shard only, one parameter's moment read at a time (never the
+                # whole flat buffer: ZeRO-1/2's spans the model)
+            moments = {m: flat.filled_shard(
+                lambda s, m=m: local(m, s.name, s.shape, master.device, master.dtype),
+                index, dtype=master.dtype, device=master.device) for m in MOMENTS}
         opt.state[master] = {"step": torch.tensor(float(saved["step"])), **moments}

@@ -13,7 +13,10 @@ What one checkpoint holds, as a directory step-<step>/ (refimpl.compose.sharded_
   index.json  every tensor's global shape, dtype and pieces; the step (the data position:
               batches are a function of (seed, step), refimpl.model.data), AdamW's step count,
               the losses so far, and what must match to resume (model, batch, seed, lr, dtype)
-A resumed run under any layout reads only the boxes each rank places.
+A resumed run under any layout reads only the boxes each rank places. PyTorch's twins write
+torch.distributed.checkpoint's files instead of the rank files (refimpl.compose.dcp_checkpoint:
+index.json says "format": "dcp"), into the same directories, made atomic the same way; a run
+resumes only from its own kind (a twin from DCP, ours from ours).
 
 Atomic by rename: the ranks write into a hidden temporary directory (each file to a temporary
 name, fsync, rename); rank 0, once every rank's file is there, writes the index and renames the
@@ -37,7 +40,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from refimpl.compose.optim_reshard import _holders, load_optimizer_state
+from refimpl.compose import dcp_checkpoint
+from refimpl.compose.optim_reshard import _holders, load_optimizer_state, validate_optimizer_state
 from refimpl.compose.sharded_checkpoint import (
     INDEX,
     ShardedCheckpoint,
@@ -74,8 +78,22 @@ def run_identity(cfg) -> dict:
     return {"model": asdict(cfg.model), **{k: getattr(cfg, k) for k in RUN_KEYS}}
 
 
-def check_resumable(cfg) -> None:
-    """Before launch: a checkpoint in --checkpoint-dir that this run cannot continue fails here."""
+def validate_checkpointing(cfg, strategy_cls) -> None:
+    """Before launch: --checkpoint-dir for a strategy that cannot save and resume, or with a
+    checkpoint there this run cannot continue, fails here in one line."""
+    if strategy_cls.checkpoints_through_dcp:
+        why = dcp_checkpoint.refusal(cfg, strategy_cls)
+        if why is not None:
+            raise LayoutError(f"--checkpoint-dir: {why}")
+    else:
+        validate_optimizer_state(cfg, "--checkpoint-dir")
+    check_resumable(cfg, dcp_checkpoint.FORMAT if strategy_cls.checkpoints_through_dcp
+                    else FORMAT)
+
+
+def check_resumable(cfg, expected=FORMAT) -> None:
+    """Before launch: a checkpoint in --checkpoint-dir that this run cannot continue fails here
+    (`expected`: the format this run's strategy reads)."""
     path = latest_checkpoint(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     if path is None:
         return
@@ -83,9 +101,10 @@ def check_resumable(cfg) -> None:
         saved = json.loads((path / INDEX).read_text())
     except Exception as e:   # a directory under a checkpoint's name is whole (renamed), unless tampered
         raise LayoutError(f"--checkpoint-dir: {path} cannot be read ({type(e).__name__})") from None
-    if saved.get("format") != FORMAT:
-        raise LayoutError(f"--checkpoint-dir: {path} has format {saved.get('format')}, "
-                          f"this refimpl reads {FORMAT}")
+    if saved.get("format") != expected:
+        raise LayoutError(f"--checkpoint-dir: {path} has format {saved.get('format')!r}, "
+                          f"{cfg.strategy!r} reads {expected!r} (refimpl's sharded format is "
+                          f"{FORMAT!r}, PyTorch's twins' torch.distributed.checkpoint 'dcp')")
     if saved["step"] > cfg.steps:
         raise LayoutError(f"--checkpoint-dir: {path.name} is at step {saved['step']}, beyond "
                           f"--steps {cfg.steps}")
@@ -147,11 +166,13 @@ def _write(pieces, tmp, rank, final, index, world_size, error) -> None:
 
 
 def save(strategy, step: int, losses: list[float], directory, blocking: bool = False) -> Path:
-    """Every rank writes the pieces it is the first holder of to its own file in a temporary
+    """Every rank writes the pieces it is chosen for (sharded_checkpoint.dedupe) to its own file in a temporary
     directory; rank 0 writes the index and renames the directory. Collective (one exchange of
     names and boxes: no tensor travels)."""
     ctx = strategy.ctx
     wait()                      # the previous save first: one in flight at a time
+    if strategy.checkpoints_through_dcp:
+        return _save_dcp(strategy, step, losses, directory)
     pieces, tensors = dedupe(rank_pieces(strategy), ctx.rank)
     # copies on the host (pinned on CUDA, so the device-to-host copy is a DMA): training may
     # change the parameters while the background thread writes these
@@ -160,12 +181,8 @@ def save(strategy, step: int, losses: list[float], directory, blocking: bool = F
               for k, t in pieces.items()}
     if ctx.rank == 0:
         pieces.update(_rng_state(ctx.device))
-    token = [f"{os.getpid()}-{time.time_ns()}"]
-    if dist.is_initialized():
-        dist.broadcast_object_list(token, src=0)
     final = checkpoint_path(directory, step)
-    tmp = Path(directory) / f".{final.name}.tmp-{token[0]}"
-    tmp.mkdir(parents=True, exist_ok=True)
+    tmp = _temporary(directory, final)
     index = None
     if ctx.rank == 0:
         index = {"format": FORMAT, "step": step, "losses": list(losses),
@@ -180,6 +197,33 @@ def save(strategy, step: int, losses: list[float], directory, blocking: bool = F
     _pending.append((thread, error))
     if blocking:
         wait()
+    return final
+
+
+def _temporary(directory, final: Path) -> Path:
+    """A hidden directory beside `final`, one name for every rank (rank 0's token)."""
+    token = [f"{os.getpid()}-{time.time_ns()}"]
+    if dist.is_initialized():
+        dist.broadcast_object_list(token, src=0)
+    tmp = Path(directory) / f".{final.name}.tmp-{token[0]}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    return tmp
+
+
+def _save_dcp(strategy, step: int, losses: list[float], directory) -> Path:
+    """A twin's checkpoint: DCP's files into the temporary directory (every rank's are written
+    when dcp.save returns: it ends with rank 0 writing the metadata after every rank reported),
+    then the same index and rename as ours. Blocking: dcp.async_save would be the twin of our
+    background thread."""
+    ctx = strategy.ctx
+    final = checkpoint_path(directory, step)
+    tmp = _temporary(directory, final)
+    dcp_checkpoint.save_state(strategy, tmp)
+    if ctx.rank == 0:
+        commit(tmp, final, {"format": dcp_checkpoint.FORMAT, "step": step, "losses": list(losses),
+                            "world_size": ctx.world_size, "run": run_identity(ctx.cfg)}, [])
+    if dist.is_initialized():    # the next save (or a reader) sees this one renamed
+        dist.barrier()
     return final
 
 
@@ -203,6 +247,9 @@ def load_latest(directory) -> dict | None:
         return None
     # read lazily: each rank reads only the boxes it places (refimpl.compose.sharded_checkpoint)
     ck = ShardedCheckpoint(path)
+    if ck.index["format"] == dcp_checkpoint.FORMAT:   # a twin's: DCP loads it into the placed model
+        return {"format": dcp_checkpoint.FORMAT, "step": ck.index["step"],
+                "losses": ck.index["losses"], "path": path}
     first = ck.file(rank_file(0))
     rng = {"cpu": first.get_tensor("rng/cpu")}
     if "rng/cuda" in first.keys():
@@ -214,7 +261,11 @@ def load_latest(directory) -> dict | None:
 
 
 def restore(strategy, saved: dict) -> None:
-    """AdamW's state and the generator, after the strategy placed the checkpoint's weights."""
+    """AdamW's state and the generator, after the strategy placed the checkpoint's weights (a
+    twin's: the weights too, read by DCP into the tensors it placed)."""
+    if saved.get("format") == dcp_checkpoint.FORMAT:
+        dcp_checkpoint.load_state(strategy, saved["path"])
+        return
     load_optimizer_state(strategy, saved["optimizer"])
     torch.set_rng_state(saved["rng"]["cpu"])
     if "cuda" in saved["rng"] and strategy.ctx.device.type == "cuda":

@@ -7,13 +7,16 @@
 `rank_pieces` lists what this rank holds, in the reference's names, each piece a box of the
 reference's tensor: a plain layout's model-parallel parts (tp slices, pipeline stages), a ZeRO/FSDP
 flat shard's ranges. A piece several ranks hold (a replicated weight) is written once, by the
-lowest of them (`dedupe`: one exchange of names and boxes, no tensor moves). `ShardedTensors`
+one of them with the fewest bytes to write so far (`dedupe`: one exchange of names and boxes, no
+tensor moves), so the ranks' files are even to within one piece: left to the lowest holder, rank
+0 of a ZeRO-1 run wrote every weight, three times another rank's file at 4 ranks. `ShardedTensors`
 reads under any other layout only the boxes a rank needs (safetensors' get_slice reads a slice
 of a tensor from the file, not the tensor), so no rank holds more than its shard plus one piece.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -94,28 +97,38 @@ def _key(kind, name, off) -> str:
 
 
 def dedupe(pieces, rank: int) -> tuple[list, dict]:
-    """Keep the pieces this rank is the lowest holder of; and the index of every rank's pieces
-    (one all_gather_object of names and boxes). Collective when distributed."""
-    mine = [(kind, name, list(full), list(off), list(length), str(t.dtype).removeprefix("torch."))
-            for kind, name, full, off, length, t in pieces]
+    """Keep the pieces this rank is chosen to write; and the index of every rank's pieces
+    (one all_gather_object of names and boxes). A piece one rank holds is its own; a piece several
+    hold goes, in the order listed, to the holder with the fewest bytes so far (every rank makes
+    the same choices from the same lists). Collective when distributed."""
+    mine = [(kind, name, list(full), list(off), list(length), t.element_size(),
+             str(t.dtype).removeprefix("torch.")) for kind, name, full, off, length, t in pieces]
     every = [mine]
     if dist.is_initialized():
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
-    tensors, seen, keep = {}, set(), []
+    holders: dict[tuple, list[int]] = {}
+    listing: dict[tuple, tuple] = {}
     for r, listed in enumerate(every):
-        for kind, name, full, off, length, dtype in listed:
+        for kind, name, full, off, length, itemsize, dtype in listed:
             ident = (kind, name, tuple(off), tuple(length))
-            if ident in seen:
-                continue
-            seen.add(ident)
-            entry = tensors.setdefault(f"{kind}/{name}", {"shape": full, "dtype": dtype,
-                                                           "pieces": []})
-            entry["pieces"].append({"file": rank_file(r), "key": _key(kind, name, off),
-                                    "offsets": off, "lengths": length})
-            if r == rank:
-                keep.append(ident)
-    keep = set(keep)
+            holders.setdefault(ident, []).append(r)
+            listing.setdefault(ident, (full, off, length, itemsize, dtype))
+    load = [0] * len(every)
+    writer = {}
+    for shared in (False, True):           # each rank's own pieces first: they are fixed
+        for ident, ranks in holders.items():
+            if (len(ranks) > 1) == shared:
+                writer[ident] = min(ranks, key=lambda r: (load[r], r))
+                load[writer[ident]] += math.prod(ident[3]) * listing[ident][3]
+    tensors = {}
+    for ident, r in writer.items():
+        kind, name = ident[:2]
+        full, off, length, _, dtype = listing[ident]
+        entry = tensors.setdefault(f"{kind}/{name}", {"shape": full, "dtype": dtype, "pieces": []})
+        entry["pieces"].append({"file": rank_file(r), "key": _key(kind, name, off),
+                                "offsets": off, "lengths": length})
+    keep = {ident for ident, r in writer.items() if r == rank}
     chosen = {_key(k, n, o): t.contiguous() for k, n, f, o, ln, t in pieces
               if (k, n, tuple(o), tuple(ln)) in keep}
     return chosen, tensors
@@ -166,17 +179,23 @@ class ShardedTensors(PartialState):
         """The box (offsets, lengths) of the reference tensor `name`, read from the pieces that
         meet it and nothing else."""
         entry = self.ck.index["tensors"][f"{self.kind}/{name}"]
+        meeting = [(piece, common) for piece in entry["pieces"]
+                   if (common := intersect(off, length, piece["offsets"], piece["lengths"]))]
+        if len(meeting) == 1 and meeting[0][1] == (tuple(off), tuple(length)):
+            return self._read(*meeting[0])  # one piece holds the box: its slice, nothing to assemble
         out = torch.zeros(length, dtype=getattr(torch, entry["dtype"]))
-        for piece in entry["pieces"]:
-            common = intersect(off, length, piece["offsets"], piece["lengths"])
-            if common is None:
-                continue
-            lo, n = common
-            src = tuple(slice(a - p, a - p + k) for a, p, k in zip(lo, piece["offsets"], n))
-            dst = tuple(slice(a - o, a - o + k) for a, o, k in zip(lo, off, n))
-            f = self.ck.file(piece["file"])
-            out[dst] = f.get_slice(piece["key"])[src] if src else f.get_tensor(piece["key"])
+        for piece, (lo, n) in meeting:
+            out[tuple(slice(a - o, a - o + k) for a, o, k in zip(lo, off, n))] = \
+                self._read(piece, (lo, n))
         return out
+
+    def _read(self, piece: dict, common: tuple) -> torch.Tensor:
+        """The box `common` (offsets, lengths in the reference's tensor) of one piece, from its
+        file: safetensors reads that slice, not the piece."""
+        lo, n = common
+        src = tuple(slice(a - p, a - p + k) for a, p, k in zip(lo, piece["offsets"], n))
+        f = self.ck.file(piece["file"])
+        return f.get_slice(piece["key"])[src] if src else f.get_tensor(piece["key"])
 
     def __getitem__(self, name: str) -> torch.Tensor:
         shape = self.shape_of(name)

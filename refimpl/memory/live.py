@@ -29,8 +29,12 @@ _ALIASES: dict = {}     # op -> whether its output is a view of an input (OpOver
 
 
 class LiveBytes(TorchDispatchMode):
-    def __init__(self, tensors=()):
+    """`count_meta=False`: storages on the meta device are not bytes (a real rank's shapes-only
+    reference and transforms, refimpl.rank_values); the dry run counts them as the device's."""
+
+    def __init__(self, tensors=(), count_meta: bool = True):
         super().__init__()
+        self.count_meta = count_meta
         self._size: dict[int, int] = {}       # storage id -> bytes counted for it
         self._refs: dict[int, weakref.ref] = {}
         self.current = self.peak = 0
@@ -46,7 +50,7 @@ class LiveBytes(TorchDispatchMode):
         storage = t if isinstance(t, torch.UntypedStorage) else (
             getattr(t, "_local_tensor", t).untyped_storage())
         key = storage._cdata
-        if key in self._size:
+        if key in self._size or (not self.count_meta and storage.device.type == "meta"):
             return
         self._size[key] = 0
         self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))

@@ -58,9 +58,15 @@ class Outcome:
     loss_err: float | None = None
     weight_err: float | None = None     # the worst tensor (float64) or the whole model (bf16)
     seconds: float = 0.0
+    written_by: Layout | None = None    # resumed from this layout's checkpoint (resume_matrix)
+
+    def label(self) -> str:
+        if self.written_by is None:
+            return self.layout.name()
+        return f"{self.written_by.name()} -> {self.layout.name()}"
 
     def row(self) -> dict:
-        return {"layout": self.layout.name(), "status": self.status, "loss err": self.loss_err,
+        return {"layout": self.label(), "status": self.status, "loss err": self.loss_err,
                 "weight err": self.weight_err, "s": round(self.seconds, 2), "detail": self.detail}
 
 
@@ -76,7 +82,7 @@ def run_layouts(layouts: list[Layout], *, layout_timeout: float = LAYOUT_TIMEOUT
         else:
             by_world.setdefault(layout["world"], []).append(i)
     for world, indices in sorted(by_world.items()):
-        for i, outcome in zip(indices, _run_one_world([layouts[i] for i in indices],
+        for i, outcome in zip(indices, run_one_world([layouts[i] for i in indices],
                                                       world, layout_timeout)):
             outcomes[i] = outcome
             if on_outcome is not None:
@@ -84,11 +90,15 @@ def run_layouts(layouts: list[Layout], *, layout_timeout: float = LAYOUT_TIMEOUT
     return [outcomes[i] for i in range(len(layouts))]
 
 
-def _run_one_world(layouts: list[Layout], world: int, layout_timeout: float) -> list[Outcome]:
-    cfgs = [layout.config() for layout in layouts]
+def run_one_world(layouts: list[Layout], world: int, layout_timeout: float,
+                   cfgs: list | None = None) -> list[Outcome]:
+    """The layouts of one world size in as few launches as a crash or a hang allows (the module
+    docstring). `cfgs`: what each layout runs (default: its config(); the resume pass,
+    refimpl.verify.resume_matrix, adds its checkpoints)."""
+    cfgs = cfgs or [layout.config() for layout in layouts]
     references = {}
     for cfg in cfgs:     # single's run, once per distinct reference, in this process
-        key = _reference_key(cfg)
+        key = reference_key(cfg)
         if key not in references:
             ref = reference_run(_plain(cfg))
             references[key] = {"losses": ref["losses"], "state_dict": ref["state_dict"]}
@@ -128,11 +138,16 @@ def _plain(cfg):
                      micro_batches=cfg.micro_batches if per_forward else 1)
 
 
-def _reference_key(cfg) -> str:
+def reference_key(cfg) -> str:
+    """Two configurations with the same key are held to one run of single."""
     return repr(reference_config(_plain(cfg)))
 
 
 def _judge(layout: Layout, cfg, line: dict) -> Outcome:
+    if cfg.checkpoint_dir and not cfg.checkpoint_every and not line["resumed_from"]:
+        # a reader that found no checkpoint trained from step 0: equal to single, and no test
+        return Outcome(layout, "wrong", "found no checkpoint to resume from",
+                       seconds=line["seconds"])
     if not line["same_loss_on_every_rank"]:
         return Outcome(layout, "wrong", "the ranks returned different losses",
                        seconds=line["seconds"])
@@ -158,8 +173,9 @@ def _train_each(rank: int, world: int, cfgs: list, references: dict, outdir: str
         everyone: list = [None] * world        # each rank's view of the global loss
         dist.all_gather_object(everyone, result["losses"])
         if rank == 0:
-            line = _compare(result, references[_reference_key(cfg)])
+            line = _compare(result, references[reference_key(cfg)])
             line.update(index=index, seconds=time.perf_counter() - began,
+                        resumed_from=result["resumed_from"],
                         same_loss_on_every_rank=all(e == everyone[0] for e in everyone))
             with open(Path(outdir) / "outcomes.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")
@@ -229,7 +245,7 @@ class Counts:
                  f"{self.equal} equal to single, {len(self.wrong)} not, "
                  f"{sum(self.refused.values())} refused ({self.seconds:.0f} s of runs)"]
         lines += [f"  refused {n:5d}  {why}" for why, n in self.refused.most_common()]
-        lines += [f"  {o.status.upper():8s} {o.layout.name()}: {o.detail}" for o in self.wrong]
+        lines += [f"  {o.status.upper():8s} {o.label()}: {o.detail}" for o in self.wrong]
         return "\n".join(lines)
 
 

@@ -75,6 +75,21 @@ class FlatParams:
         """Rank `rank`'s contiguous slice of a flat buffer (a view)."""
         return flat[rank * self.shard_numel:(rank + 1) * self.shard_numel]
 
+    @torch.no_grad()
+    def filled_shard(self, read, rank: int, dtype=None, device="cpu") -> torch.Tensor:
+        """Rank `rank`'s slice [r·S, (r+1)·S) of the flat buffer, made slot by slot: `read(slot)`
+        (the slot's whole tensor) is called only for the slots reaching into it, so one tensor is
+        alive beside the shard, never the whole buffer (a rank builds only its own shard); the
+        padding stays zero."""
+        shard = torch.zeros(self.shard_numel, dtype=dtype or self.dtype, device=device)
+        lo = rank * self.shard_numel
+        hi = lo + self.shard_numel
+        for slot in self.slots:
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a < b:
+                shard[a - lo:b - lo].copy_(read(slot).reshape(-1)[a - slot.offset:b - slot.offset])
+        return shard
+
     def state_dict(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """name -> full tensor, copied out of a full (gathered) flat buffer."""
         return {s.name: v.detach().clone() for s, v in zip(self.slots, self.views(flat))}

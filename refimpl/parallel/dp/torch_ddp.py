@@ -63,6 +63,7 @@ def require_dp_group(name: str, cfg: TrainConfig) -> None:
 
 class TorchDDP(TorchTwinDDP):
     name = "torch-ddp"
+    checkpoints_through_dcp = True
 
     def setup(self, model: GPT) -> None:
         self.wrap(model)

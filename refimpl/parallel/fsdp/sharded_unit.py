@@ -69,15 +69,12 @@ class ShardedUnit:
         parameter: only the parameters reaching into it are read, from `values` (this rank's
         values, refimpl.rank_values) or, when None, from the parameters themselves. The unit is
         never whole here (issue 35: a rank builds only its own shard); the padding stays zero."""
-        shard = torch.zeros(self.flat.shard_numel, dtype=self.flat.dtype, device=device)
-        lo = self.rank * self.flat.shard_numel
-        hi = lo + self.flat.shard_numel
-        for slot, p in zip(self.flat.slots, self.flat.params):
-            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if a < b:
-                value = p.detach() if values is None else values.local(slot.name, p)
-                shard[a - lo:b - lo].copy_(value.reshape(-1)[a - slot.offset:b - slot.offset])
-        return shard
+        param = {slot.name: p for slot, p in zip(self.flat.slots, self.flat.params)}
+
+        def read(slot):
+            p = param[slot.name]
+            return p.detach() if values is None else values.local(slot.name, p)
+        return self.flat.filled_shard(read, self.rank, device=device)
 
     @property
     def numel(self) -> int:

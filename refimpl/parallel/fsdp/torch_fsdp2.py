@@ -33,6 +33,7 @@ class TorchFSDP2(Strategy):
     reshard_after_forward = True
     options = {"offload": Option(False, bool)}
     scales_loss_by_world = False    # FSDP2 divides the reduced gradients by the world size
+    checkpoints_through_dcp = True
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:

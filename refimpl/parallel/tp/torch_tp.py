@@ -34,6 +34,7 @@ def _local_loss(logits, targets):
 class TorchTensorParallel(Strategy):
     name = "torch-tp"
     takes_our_transforms = False   # DTensor parallelize_module on the plain reference
+    checkpoints_through_dcp = True
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
