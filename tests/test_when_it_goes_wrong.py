@@ -156,3 +156,16 @@ def test_a_hang_is_reported_with_both_stuck_calls(monkeypatch):
     assert lines[0].startswith("rank 0 waits in recv-wait from rank 1 tag ") and "in pp:B3" in lines[0]   # B3: the fault
     assert lines[1].startswith("rank 1 waits in recv-wait from rank 0 tag ") and "in pp:F2" in lines[1]
     assert "its peer rank 1 waits in recv-wait from rank 0" in lines[0]
+
+
+@pytest.mark.ranks
+def test_the_bisector_runs_zero3():
+    """The bisector steps the strategy outside the loop's ActivationTracker, whose saved-tensor
+    hooks hid that ZeRO-3's backward regather wrote into the buffer the forward's saved
+    parameters view: autograd refused the backward ("modified by an inplace operation") until
+    the regather wrote past the version counter (refimpl.parallel.fsdp.sharded_unit.gather)."""
+    from tests.models import SMALL
+
+    cfg = TrainConfig(strategy="zero3", nproc=2, steps=2, global_batch=4, model=SMALL, dtype="float64")
+    report = bisector.bisect(cfg)          # fsdp steps through the same units
+    assert report.first is None, report.summary()     # and nothing diverges from single

@@ -94,12 +94,17 @@ class ShardedUnit:
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         # The shard as it travels: cast to the compute dtype, moved off the host under offload.
         send = self.master.detach().to(self.device, self.compute_dtype)
+        # Written through `.data`, which has a version counter of its own: the backward's
+        # regather puts back the very values the forward saved, and autograd, counting the
+        # write on the parameters' views, would refuse them ("modified by an inplace operation").
+        # Without this only saved-tensor hooks (the loop's ActivationTracker) hid the count.
+        target = self.full.data
         if self.group is None:                 # one rank on the axis: the shard is everything
-            self.full.copy_(send)
+            target.copy_(send)
             self.gathered = True
             return
         with comm_span("all_gather", self.full.numel() * self.full.element_size()):
-            work = self.comm.all_gather_into_tensor(self.full, send, group=self.group,
+            work = self.comm.all_gather_into_tensor(target, send, group=self.group,
                                                     async_op=async_op)
         if async_op:
             self.pending_gather = (work, send)
