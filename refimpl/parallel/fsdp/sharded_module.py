@@ -207,8 +207,7 @@ class FullyShard(nn.Module):
     def _install_grad_hooks(self, i: int, parts: list[ShardedUnit]) -> None:
         this = _weak(self)
         for unit in parts:
-            for p in unit.flat.params:   # prepare_grads: before the gradient is accumulated
-                p.register_hook(lambda grad, unit=unit: unit.prepare_grads())
+            for p in unit.flat.params:
                 p.register_post_accumulate_grad_hook(
                     lambda param, unit=unit: this()._grad_ready(i, unit))
 
@@ -268,8 +267,6 @@ class FullyShard(nn.Module):
 
     def _send(self, i: int) -> None:
         for part in self.at[i]:    # dense over dp x cp, then experts over edp: every rank alike
-            if part.grad_full is None:
-                part.prepare_grads()          # no gradient at all came: reduce the zeros
             self._pending_reduce.append(part.reduce_scatter(async_op=self.policy.async_reduce))
 
     def _finish_reduces(self) -> None:
