@@ -255,7 +255,8 @@ class FullyShard(nn.Module):
         # The backward is over (every op that needed the weights has run: W needs none), so free
         # the parameters first, then reduce. At most one reduce-scatter stays in flight: the
         # previous unit's has had this unit's whole backward to finish, and waiting for it here
-        # frees its full-size gradient buffer before another is sent.
+        # frees what it holds (the transport's full-size copy of the gradient, and the shard it
+        # reduced into) before another is sent.
         self._release(i)
         self._finish_reduces()
         self._send(i)

@@ -173,6 +173,11 @@ class ShardedUnit:
             with comm_span("reduce_scatter", send.numel() * send.element_size()):
                 work = self.comm.reduce_scatter_tensor(shard, send, op=dist.ReduceOp.SUM,
                                                        group=self.group, async_op=async_op)
+        # Our reference to the full-size gradient ends here, also while an async reduce-scatter
+        # is in flight: a backend that still reads it holds its own (NCCL stashes its inputs
+        # with the work), and one that has copied it already (gloo reduces a clone) lets it go
+        # now, instead of one unit's gradient staying alive through the next unit's backward.
+        del send
 
         def finish() -> None:
             if async_op:
@@ -186,7 +191,6 @@ class ShardedUnit:
             if self.master.grad is None:       # zero_grad(set_to_none=True) since the last step
                 self.master.grad = torch.zeros_like(self.master)
             self.master.grad.add_(shard.to(self.master.device))
-            send.untyped_storage().resize_(0)   # free the full-size gradient now, not at GC
 
         if not async_op:
             finish()
