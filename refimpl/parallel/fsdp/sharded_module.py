@@ -208,6 +208,11 @@ class FullyShard(nn.Module):
         this = _weak(self)
         for unit in parts:
             for p in unit.flat.params:
+                # A tensor hook that changes nothing, kept as a signal: a pipeline's zero-bubble
+                # W runs the first chunk's backward whole, rereading its saved weights, unless
+                # its parameters carry a tensor hook (refimpl.parallel.pp.zero_bubble); a unit
+                # freed after its B would have none to reread, so ours keep the split W.
+                p.register_hook(_keep_split_weight_grads)
                 p.register_post_accumulate_grad_hook(
                     lambda param, unit=unit: this()._grad_ready(i, unit))
 
@@ -312,6 +317,11 @@ def _tensors(out) -> list[torch.Tensor]:
 
 def _autocasting(device_type: str) -> bool:
     return device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type)
+
+
+def _keep_split_weight_grads(grad: torch.Tensor) -> None:
+    """The gradient passes unchanged (see `_install_grad_hooks`)."""
+    return None
 
 
 def _weak(obj):
