@@ -6,9 +6,11 @@ policy"), plus what makes FSDP fast:
   * forward prefetch: while unit i computes, unit i+1's all-gather is already in flight
     (async_op=True); backward prefetch: while unit i runs its backward, unit i-1's (§3.3);
   * option `overlap_reduce=true`: each reduce-scatter runs in the background of the next unit's
-    backward (FSDP's separate reduce-scatter stream). Off by default: it keeps one more unit's
-    full-size gradient alive, which on these CPU ranks made the peak exceed FSDP2's; notebook 05
-    and scripts/bench_fsdp.py measure both;
+    backward (FSDP's separate reduce-scatter stream). Its price is the gradient in flight: the
+    transport's full-size copy of one unit's gradient (gloo reduces a clone, so ours is dropped
+    at once; NCCL keeps ours until the collective ends) and the shard it lands in, alive during
+    the next unit's backward. Off by default; on these CPU ranks the step peak stays below
+    FSDP2's either way (scripts/bench_fsdp.py, notebook 05);
   * the unit whose backward comes first (final_norm + lm_head) keeps its parameters after
     forward, as FSDP2 does for the root module -- it would be gathered again immediately.
 

@@ -207,8 +207,12 @@ class FullyShard(nn.Module):
     def _install_grad_hooks(self, i: int, parts: list[ShardedUnit]) -> None:
         this = _weak(self)
         for unit in parts:
-            for p in unit.flat.params:   # prepare_grads: before the gradient is accumulated
-                p.register_hook(lambda grad, unit=unit: unit.prepare_grads())
+            for p in unit.flat.params:
+                # A tensor hook that changes nothing, kept as a signal: a pipeline's zero-bubble
+                # W runs the first chunk's backward whole, rereading its saved weights, unless
+                # its parameters carry a tensor hook (refimpl.parallel.pp.zero_bubble); a unit
+                # freed after its B would have none to reread, so ours keep the split W.
+                p.register_hook(_keep_split_weight_grads)
                 p.register_post_accumulate_grad_hook(
                     lambda param, unit=unit: this()._grad_ready(i, unit))
 
@@ -256,7 +260,8 @@ class FullyShard(nn.Module):
         # The backward is over (every op that needed the weights has run: W needs none), so free
         # the parameters first, then reduce. At most one reduce-scatter stays in flight: the
         # previous unit's has had this unit's whole backward to finish, and waiting for it here
-        # frees its full-size gradient buffer before another is sent.
+        # frees what it holds (the transport's full-size copy of the gradient, and the shard it
+        # reduced into) before another is sent.
         self._release(i)
         self._finish_reduces()
         self._send(i)
@@ -268,8 +273,6 @@ class FullyShard(nn.Module):
 
     def _send(self, i: int) -> None:
         for part in self.at[i]:    # dense over dp x cp, then experts over edp: every rank alike
-            if part.grad_full is None:
-                part.prepare_grads()          # no gradient at all came: reduce the zeros
             self._pending_reduce.append(part.reduce_scatter(async_op=self.policy.async_reduce))
 
     def _finish_reduces(self) -> None:
@@ -314,6 +317,11 @@ def _tensors(out) -> list[torch.Tensor]:
 
 def _autocasting(device_type: str) -> bool:
     return device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type)
+
+
+def _keep_split_weight_grads(grad: torch.Tensor) -> None:
+    """The gradient passes unchanged (see `_install_grad_hooks`)."""
+    return None
 
 
 def _weak(obj):

@@ -10,8 +10,8 @@ parameter its optimizer updates. Around the unit's computation:
 
     gather()          all-gather the shards into `full`; the modules' parameters are views of it
     reshard()         free `full` (its storage is resized to 0: the memory really goes away)
-    prepare_grads()   a zeroed flat gradient buffer; autograd accumulates each .grad into it
-    reduce_scatter()  sum the flat gradient over ranks, keep this rank's shard, free the buffer
+    reduce_scatter()  lay the unit's gradients end to end in one flat buffer, sum it over
+                      ranks, keep this rank's shard, free the buffer
 
 Why free by resizing the storage rather than dropping the tensor? Autograd saved views of the
 weights during forward (a Linear saves W for dX = dY·W). Those views keep pointing at the same
@@ -57,7 +57,6 @@ class ShardedUnit:
         self.full = self.flat.empty(compute_dtype, device)
         self.flat.bind(self.full)
         self._free_storage(self.full)
-        self.grad_full: torch.Tensor | None = None
         self.gathered = False
         self.pending_gather = None             # (work, send buffer) of an async all-gather
         self.grads_left = 0                    # countdown to "this unit's backward is done"
@@ -138,15 +137,27 @@ class ShardedUnit:
         W, refimpl.parallel.pp.zero_bubble); each complete set of them is reduced (zero3.py)."""
         self.grads_left += len(self.flat.params)
 
-    def prepare_grads(self) -> None:
-        """Give every parameter a .grad that is a view of one zeroed flat buffer, so autograd
-        accumulates straight into the layout that reduce-scatter sends. Called when the unit's
-        first gradient arrives rather than when its backward starts, so the buffer is not yet
-        allocated while the unit's first backward op runs (FSDP2 likewise lets gradients appear
-        as they are computed)."""
-        if self.grad_full is None:
-            self.grad_full = self.flat.empty(self.compute_dtype, self.device)
-            self.flat.bind_grads(self.grad_full)
+    def flat_grads(self) -> torch.Tensor:
+        """The unit's gradients laid end to end in one new buffer in the master dtype (what
+        reduce-scatter sends; zero where a parameter got no gradient, and in the padding), each
+        parameter's .grad dropped as soon as it is copied.
+
+        Until this moment autograd keeps each gradient as its own tensor, as it computed it (a
+        weight's gradient is the matmul's output, taken over without a copy), and FSDP2 does the
+        same. A flat buffer bound as the .grads when the first gradient arrives would be the
+        whole unit's size while only one of its gradients exists -- at the start of backward,
+        the step's fullest moment (every activation still saved; under SHARD_GRAD_OP every unit
+        gathered too): measured on the default GPT, block 3's 1.24 MB at that moment put
+        `fsdp --set sharding=grad_op` above FSDP2's peak. Here the buffer exists only after the
+        unit's backward, whose activations are freed by then. The values are the same: autograd
+        sums a gradient that comes twice into the parameter's own .grad as it would into a view
+        of the buffer, and a bf16 gradient widens to fp32 exactly."""
+        flat = self.flat.empty(self.flat.dtype, self.device)
+        for slot, p in zip(self.flat.slots, self.flat.params):
+            if p.grad is not None:
+                flat[slot.offset:slot.offset + slot.numel].copy_(p.grad.reshape(-1))
+                p.grad = None
+        return flat
 
     def reduce_scatter(self, async_op: bool = False):
         """Sum the flat gradient over ranks; this rank keeps its shard (ZeRO-2/3's reduce-scatter).
@@ -155,10 +166,7 @@ class ShardedUnit:
         (FSDP's MixedPrecision reduce_dtype; torchtitan's default). Returns a `finish` callable
         that waits for the collective and adds the shard, averaged over ranks, to the master grad.
         """
-        send = self.grad_full.to(self.flat.dtype)   # a copy under bf16, the buffer itself otherwise
-        for p in self.flat.params:
-            p.grad = None
-        self.grad_full = None
+        send = self.flat_grads()
         shard = torch.empty(self.flat.shard_numel, dtype=self.flat.dtype, device=self.device)
         if self.group is None:
             shard.copy_(send)
@@ -167,6 +175,11 @@ class ShardedUnit:
             with comm_span("reduce_scatter", send.numel() * send.element_size()):
                 work = self.comm.reduce_scatter_tensor(shard, send, op=dist.ReduceOp.SUM,
                                                        group=self.group, async_op=async_op)
+        # Our reference to the full-size gradient ends here, also while an async reduce-scatter
+        # is in flight: a backend that still reads it holds its own (NCCL stashes its inputs
+        # with the work), and one that has copied it already (gloo reduces a clone) lets it go
+        # now, instead of one unit's gradient staying alive through the next unit's backward.
+        del send
 
         def finish() -> None:
             if async_op:
@@ -180,7 +193,6 @@ class ShardedUnit:
             if self.master.grad is None:       # zero_grad(set_to_none=True) since the last step
                 self.master.grad = torch.zeros_like(self.master)
             self.master.grad.add_(shard.to(self.master.device))
-            send.untyped_storage().resize_(0)   # free the full-size gradient now, not at GC
 
         if not async_op:
             finish()

@@ -33,7 +33,7 @@ tensors, every hook a data-parallel strategy put on a parameter firing once, as 
 Its activations then stay alive until W rather than B (the peak in flight is reached before its
 first B on every table here). A chunk with experts keeps the split (its aux loss, which the runner
 adds to the output's, does not pass through the output), and so does one whose parameters carry a
-tensor hook (tensor parallelism's sequence-parallel all-reduce, ZeRO-3's buffer preparation): those
+tensor hook (tensor parallelism's sequence-parallel all-reduce, ZeRO-3/FSDP's marker hook): those
 strategies were built and checked on the split's W, which reads no weight (zero3.py counts on it).
 """
 from __future__ import annotations
