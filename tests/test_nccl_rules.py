@@ -41,10 +41,17 @@ import os
 
 import pytest
 
+from refimpl import launch
 from refimpl.config import TrainConfig
 from refimpl.model import GPTConfig
-from refimpl.train import train_several_on_ranks
-from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single
+from refimpl.train import merge_results, validate
+from refimpl.verify.equivalence import (
+    BF16_TOLERANCE,
+    FP64_TOLERANCE,
+    compare_states,
+    compare_with_single,
+    relative_error,
+)
 from tests.models import SMALL
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
@@ -120,25 +127,95 @@ HOST_BY_DESIGN = {
 }
 
 
+# bf16, the profiler, memory recording and a wrong-number fault, in the same staged launch as
+# RUNS[2] (a launch of its own costs seconds); the bf16 runs again on plain gloo (`gloo_launch`).
+def bf16(strategy, world, m=2, **kw):
+    """autocast bf16 compute, fp32 master weights (TrainConfig.mixed_precision)."""
+    return cfg(strategy, world, m, **kw).with_(dtype="float32", mixed_precision="bf16")
+
+
+# name -> (the run, some of the "<op> <dtype>" its collectives hand the staged backend): what
+# NCCL would be handed in bf16, so the dtype rule is exercised where it could bite
+BF16 = {"fsdp bf16": (bf16("fsdp", 2), {"all_gather_into_tensor bfloat16",      # bf16 gather,
+                                        "reduce_scatter_tensor float32"}),     # fp32 reduce
+        # SP's activations cross in bf16 both ways; the sequence-parallel norms' sum too
+        "tp + sp bf16": (bf16("tp", 2, tp=2, sequence_parallel=True),
+                         {"all_gather_into_tensor bfloat16", "reduce_scatter_tensor bfloat16",
+                          "all_reduce bfloat16"}),
+        # the stage boundary is the residual stream, fp32 under autocast: sends and receives agree
+        "pp-1f1b bf16": (bf16("pp-1f1b", 2, 4, pp=2), {"send float32", "recv float32"})}
+PROFILED, RECORDING = "tp + sp bf16", "fsdp bf16"      # the one with --profile, with record_memory
+# skip-grad-sync (refimpl.faults, notebook 10): dp-naive leaves the last block out of its
+# all-reduce; one step, so exactly that block's weights leave single's
+FAULT = cfg("dp-naive", 2, 1, fault="skip-grad-sync").with_(steps=1)
+
+
+def bf16_runs(trace_dir, staged: bool) -> dict:
+    """BF16's runs, the profiled one writing to `trace_dir`; on the staged side memory recorded
+    in one (record_memory and --profile exclude each other: refimpl.train)."""
+    runs = {name: c for name, (c, _) in BF16.items()}
+    runs[PROFILED] = runs[PROFILED].with_(profile=True, trace_dir=str(trace_dir))
+    if staged:
+        runs[RECORDING] = runs[RECORDING].with_(record_memory=True)
+    return runs
+
+
+def extras(world, audit_dir) -> dict:
+    return {**bf16_runs(audit_dir / "trace", staged=True), "skip-grad-sync": FAULT} if world == 2 else {}
+
+
+def _train_seeing_dtypes(rank: int, world: int, cfgs: list) -> list:
+    """train_several_on_ranks' rank, noting for each run the "<op> <dtype>" of every tensor the
+    staged backend checked (its `_check`, NCCL's argument rules)."""
+    import gc
+
+    from refimpl.shared_device import StagedGloo
+    from refimpl.train import train_rank
+
+    seen, check = set(), StagedGloo._check
+
+    def seeing(self, tensors, op, opts=None):
+        seen.update(f"{op} {str(t.dtype).removeprefix('torch.')}" for t in tensors)
+        return check(self, tensors, op, opts)
+
+    StagedGloo._check = seeing
+    out = []
+    for c in cfgs:
+        seen.clear()
+        out.append((train_rank(rank, world, c), sorted(seen)))
+    gc.collect()        # as train_several_on_ranks' rank: the strategies' cycles, group alive
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def results(world, audit_dir):
-    names = list(RUNS[world])
+    """RUNS[world] and `extras` in one staged launch: each run's merged result (with `dtypes`, what
+    its collectives handed the staged backend, on any rank), and the device audit's finds."""
+    cfgs = {**RUNS[world], **extras(world, audit_dir)}
     rules = {"REFIMPL_P2P_TAGS": "one", "REFIMPL_DEVICE_AUDIT": str(audit_dir),
-             "REFIMPL_SHARED_DEVICE": os.environ.get("REFIMPL_SHARED_DEVICE", "cpu")}
+             "REFIMPL_SHARED_DEVICE": os.environ.get("REFIMPL_SHARED_DEVICE", "cpu"),
+             "REFIMPL_FAULTS": "1"}    # FAULT's, checked by validate in this process
     saved = {k: os.environ.get(k) for k in rules}
     os.environ.update(rules)                    # the ranks inherit them (the zygote restarts)
     try:
-        runs = train_several_on_ranks([RUNS[world][n] for n in names], timeout=300)
+        for c in cfgs.values():
+            validate(c)
+        per_rank = launch.run(_train_seeing_dtypes, world, list(cfgs.values()), backend="staged",
+                              timeout=300, quiet=True)
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    runs = {}
+    for i, (name, c) in enumerate(cfgs.items()):
+        runs[name] = merge_results(c, [r[i][0] for r in per_rank])
+        runs[name]["dtypes"] = set().union(*(r[i][1] for r in per_rank))
     found = {}
     for rank in range(world):
         found.update(json.loads((audit_dir / f"rank{rank}.json").read_text()))
-    return dict(zip(names, runs)), found
+    return runs, found
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +243,86 @@ def test_every_tensor_a_rank_makes_names_its_device(world, audit_dirs):
     assert [site for site in sorted(found) if not by_design(site)] == []
 
 
+ON_A_GPU = os.environ.get("REFIMPL_SHARED_DEVICE", "cpu").startswith("cuda")
+
+
+@pytest.mark.parametrize("name", list(BF16))
+def test_bf16_under_nccl_s_rules_is_gloo_s_run_bit_for_bit(name, audit_dirs, on_gloo):
+    """bf16 under the staged backend: NCCL's dtype, op, contiguity and device rules hold for every
+    tensor a bf16 step hands a collective (the bf16 ones included: `dtypes`), and the run is the
+    same run on plain gloo. On CPU ranks the staged backend runs the same gloo calls on the same
+    tensors (its host copies are the tensors themselves) and only orders them, so losses and
+    weights are equal to the bit; on the GPU check's shared cuda:0 the bf16 matmuls are the
+    GPU's, and the gate is bf16's (BF16_TOLERANCE, refimpl.verify.equivalence)."""
+    import torch
+
+    staged, gloo = results(2, audit_dirs[2])[0][name], on_gloo[name]
+    assert BF16[name][1] <= staged["dtypes"], sorted(staged["dtypes"])
+    if name == "pp-1f1b bf16":
+        assert not any(seen.endswith("bfloat16") for seen in staged["dtypes"]), staged["dtypes"]
+    if ON_A_GPU:
+        weight_err = compare_states(staged["state_dict"], gloo["state_dict"])[0]
+        loss_err = max(abs(a - b) / abs(b) for a, b in zip(staged["losses"], gloo["losses"]))
+        assert max(weight_err, loss_err) <= BF16_TOLERANCE, (weight_err, loss_err)
+        return
+    assert staged["losses"] == gloo["losses"]
+    assert staged["state_dict"].keys() == gloo["state_dict"].keys()
+    differ = [k for k, v in gloo["state_dict"].items() if not torch.equal(staged["state_dict"][k], v)]
+    assert differ == []
+
+
+def test_the_profiled_run_labels_its_communication_as_on_gloo(audit_dirs, on_gloo):
+    """--profile (refimpl.trace.capture.StepProfiler) under the staged backend: every profiled step
+    of each rank has its phases and the same `comm:<op> <bytes>B` labels, one for one, as the
+    same run profiled on plain gloo (the collectives run on the stream's worker thread there, the
+    labels on the caller's), SP's all-gathers and reduce-scatters and tp's all-reduce among them.
+    (gloo's own events, `c10d::...`, are on plain gloo's trace only: the staged backend's gloo
+    calls run on its stream's thread, which the profiler does not record.)"""
+    from refimpl.trace.profiling import load_trace
+
+    staged, gloo = results(2, audit_dirs[2])[0][PROFILED], on_gloo[PROFILED]
+    assert staged["trace_dir"] != gloo["trace_dir"]
+
+    def labels(trace_dir):
+        df = load_trace(trace_dir)
+        ours = df.name.str.startswith("comm:") | df.name.isin(["forward", "backward", "optimizer"])
+        df = df[df.step.notna() & ours]     # not the backends' own events: gloo's, on its thread
+        return {(rank, int(step)): sorted(g.name) for (rank, step), g in df.groupby(["rank", "step"])}
+
+    got, want = labels(staged["trace_dir"]), labels(gloo["trace_dir"])
+    assert got == want
+    assert {rank for rank, _ in got} == {0, 1}
+    for names in got.values():
+        assert {"forward", "backward", "optimizer"} <= set(names), names
+        ops = {n.split(" ")[0] for n in names if n.startswith("comm:")}
+        assert {"comm:all_gather", "comm:reduce_scatter", "comm:all_reduce"} <= ops, names
+
+
+def test_memory_is_recorded_under_nccl_s_rules(audit_dirs):
+    """record_memory (refimpl.trace.memory_events.StepPeak: the allocator's events on CPU,
+    max_memory_allocated on CUDA) under the staged backend: a peak on every rank, above what the
+    rank keeps (fsdp gathers each block's bf16 weights for a moment); the run itself is gloo's
+    (test_bf16_under_nccl_s_rules_is_gloo_s_run_bit_for_bit)."""
+    run = results(2, audit_dirs[2])[0][RECORDING]
+    for rank in run["memory"]:
+        assert rank["transient_peak"] is not None and rank["transient_peak"] > 0, rank
+
+
+def test_a_wrong_number_fault_is_found_under_nccl_s_rules(audit_dirs):
+    """Notebook 10's skip-grad-sync (refimpl.faults) under the staged backend: the comparison with
+    `single` still finds it and where it is. One step: the loss (computed before the update)
+    is single's, and exactly the last block's tensors leave float64's gate, each by far."""
+    from refimpl.verify.equivalence import reference_run
+
+    run, ref = results(2, audit_dirs[2])[0]["skip-grad-sync"], reference_run(FAULT)
+    assert abs(run["losses"][0] - ref["losses"][0]) <= FP64_TOLERANCE * abs(ref["losses"][0])
+    last = f"blocks.{FAULT.model.n_layers - 1}."
+    errors = {k: relative_error(run["state_dict"][k], v) for k, v in ref["state_dict"].items()}
+    off = sorted(k for k, e in errors.items() if e > FP64_TOLERANCE)
+    assert off and all(k.startswith(last) for k in off), off
+    assert min(errors[k] for k in off) > 1e-6, {k: errors[k] for k in off}
+
+
 def test_the_audit_names_a_factory_call_without_a_device():
     """On a made-up site list, the filter keeps exactly the call that breaks the rule."""
     sites = ["refimpl/model/layers.py:19 __init__ empty", "refimpl/parallel/cp/ring.py:73 positions arange",
@@ -173,13 +330,19 @@ def test_the_audit_names_a_factory_call_without_a_device():
     assert [s for s in sites if not by_design(s)] == ["refimpl/parallel/cp/ring.py:73 positions arange"]
 
 
-def _on_gloo_ranks(rank: int, world: int) -> dict:
-    """The two checks that need no staged world, in one (forked, fast) gloo launch: notebook 07's
-    pipeline helper, then both posting plans on a staged group (`_both_plans_on_the_strict_stream`)."""
-    from refimpl.parallel.pp.measure import profile_pipeline
+def _on_gloo_ranks(rank: int, world: int, bf16_cfgs: list) -> dict:
+    """The checks that need no staged world, in one (forked, fast) gloo launch: BF16's runs on
+    plain gloo (before anything here touches the staged backend), notebook 07's pipeline helper,
+    then both posting plans on a staged group (`_both_plans_on_the_strict_stream`)."""
+    import gc
 
+    from refimpl.parallel.pp.measure import profile_pipeline
+    from refimpl.train import train_rank
+
+    on_gloo = [train_rank(rank, world, c) for c in bf16_cfgs]
+    gc.collect()
     profile_pipeline(rank, world, SMALL, "1f1b", 4, steps=1, global_batch=8)
-    return _both_plans_on_the_strict_stream(rank, world)
+    return {**_both_plans_on_the_strict_stream(rank, world), "bf16": on_gloo}
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +352,9 @@ def gloo_launch(tmp_path_factory):
 
     audit_dir, saved = tmp_path_factory.mktemp("audit_gloo"), os.environ.get("REFIMPL_DEVICE_AUDIT")
     os.environ["REFIMPL_DEVICE_AUDIT"] = str(audit_dir)
+    cfgs = bf16_runs(audit_dir / "trace", staged=False)
     try:
-        results = run(_on_gloo_ranks, 2, backend="gloo", quiet=True, timeout=120)
+        results = run(_on_gloo_ranks, 2, list(cfgs.values()), backend="gloo", quiet=True, timeout=180)
     finally:
         if saved is None:
             os.environ.pop("REFIMPL_DEVICE_AUDIT")
@@ -200,6 +364,14 @@ def gloo_launch(tmp_path_factory):
     for rank in range(2):
         found.update(json.loads((audit_dir / f"rank{rank}.json").read_text()))
     return results, found
+
+
+@pytest.fixture(scope="module")
+def on_gloo(gloo_launch):
+    """BF16's runs on plain gloo, merged as train_several_on_ranks merges them."""
+    per_rank, _ = gloo_launch
+    return {name: merge_results(c, [r["bf16"][i] for r in per_rank])
+            for i, (name, (c, _)) in enumerate(BF16.items())}
 
 
 def test_notebook_07s_pipeline_helper_names_its_device(gloo_launch):
