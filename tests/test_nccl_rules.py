@@ -22,10 +22,16 @@
   training variants that notebooks 03-06, 08 and 09 and scripts/bench_{dp,fsdp,tp,composition}.py
   run (bucket sizes, FSDP's modes and offload, checkpointing, MoE capacity and balancing, the
   twins) are in RUNS, and so is Llama's block (--arch llama: one key/value head shared by the tp
-  ranks under SP; rotary positions under ring attention). Not here: notebook 10's faults (each a
-  wrong number or a hang on purpose, on strategies RUNS has), notebook 11 and
-  scripts/bench_plan_cpu.py's planner (its layouts are compositions RUNS has), and bf16 (RUNS
-  compare in float64).
+  ranks under SP; rotary positions under ring attention).
+* **bf16, the profiler, memory recording, a fault** (`extras`, in RUNS[2]'s staged launch).
+  BF16's runs (fsdp: bf16 all-gathers, fp32 reduce-scatters; tp + SP: bf16 all-gathers,
+  reduce-scatters and all-reduces; 1F1B: fp32 sends and receives, the residual stream) keep
+  NCCL's rules in bf16 and equal the same runs on plain gloo (`gloo_launch`) bit for bit (on
+  the GPU check's cuda:0, within bf16's gate: its matmuls are the GPU's); the
+  tp + SP one is profiled (--profile: the same `comm:` labels, step for step, as gloo's trace)
+  and the fsdp one records memory (record_memory: a peak on every rank). Notebook 10's
+  skip-grad-sync is found by the comparison with `single` (the last block's weights, exactly);
+  the bisector on the staged backend is `full` (a launch of its own).
 * **NCCL's argument rules.** The staged backend also refuses a non-contiguous tensor, a dtype
   NCCL has no type for and a reduce op it lacks (refimpl.shared_device), so every run here keeps
   them; notebook 01's comparison handed torch a transposed tensor before.
@@ -34,6 +40,12 @@
   REFIMPL_DEVICE_AUDIT every rank records such calls made from refimpl's code
   (refimpl.device_audit); apart from the few made on the host on purpose (HOST_BY_DESIGN), there
   must be none, in any strategy's set-up or step.
+* **Not covered under the staged backend:** notebook 10's other faults (the hangs, p2p-misordered
+  and rank-dies, on purpose; the other wrong numbers, on strategies RUNS has); notebook 11 and
+  scripts/bench_plan_cpu.py's planner (its layouts are compositions RUNS has); bf16 beyond
+  BF16's three (cp, ep, the 4-rank compositions, PyTorch's twins); memory recording and
+  --profile beyond those two runs; and anything read from timing: a staged collective is
+  blocking, so overlap (comm_hidden_frac) reads nothing here.
 """
 import functools
 import json
@@ -129,9 +141,9 @@ HOST_BY_DESIGN = {
 
 # bf16, the profiler, memory recording and a wrong-number fault, in the same staged launch as
 # RUNS[2] (a launch of its own costs seconds); the bf16 runs again on plain gloo (`gloo_launch`).
-def bf16(strategy, world, m=2, **kw):
+def bf16(strategy, world, m=2, *, layers=2, **kw):
     """autocast bf16 compute, fp32 master weights (TrainConfig.mixed_precision)."""
-    return cfg(strategy, world, m, **kw).with_(dtype="float32", mixed_precision="bf16")
+    return cfg(strategy, world, m, layers=layers, **kw).with_(dtype="float32", mixed_precision="bf16")
 
 
 # name -> (the run, some of the "<op> <dtype>" its collectives hand the staged backend): what
@@ -323,6 +335,24 @@ def test_a_wrong_number_fault_is_found_under_nccl_s_rules(audit_dirs):
     assert min(errors[k] for k in off) > 1e-6, {k: errors[k] for k in off}
 
 
+@pytest.mark.full     # a launch of its own, and single recorded beside it: seconds
+def test_the_bisector_finds_the_fault_under_nccl_s_rules(monkeypatch):
+    """refimpl.verify.bisect on the staged backend (every rank's recording hook, its gathers of
+    the weights each step): it names skip-grad-sync where it names it on gloo
+    (tests/test_when_it_goes_wrong.py): step 0's optimizer, the last block."""
+    from refimpl import faults
+    from refimpl.verify import bisect as bisector
+
+    for name, value in ((faults.ENV, "1"), ("REFIMPL_P2P_TAGS", "one"),
+                        ("REFIMPL_SHARED_DEVICE", os.environ.get("REFIMPL_SHARED_DEVICE", "cpu"))):
+        monkeypatch.setenv(name, value)
+    report = bisector.bisect(TrainConfig(strategy="dp-naive", nproc=2, steps=2, model=SMALL,
+                                         dtype="float64", fault="skip-grad-sync"))
+    assert report.verdict == "bug"
+    last = f"blocks.{SMALL.n_layers - 1}"
+    assert (report.first.step, report.first.phase, report.first.module) == (0, "optimizer", last)
+
+
 def test_the_audit_names_a_factory_call_without_a_device():
     """On a made-up site list, the filter keeps exactly the call that breaks the rule."""
     sites = ["refimpl/model/layers.py:19 __init__ empty", "refimpl/parallel/cp/ring.py:73 positions arange",
@@ -375,7 +405,8 @@ def on_gloo(gloo_launch):
 
 
 def test_notebook_07s_pipeline_helper_names_its_device(gloo_launch):
-    """07 §5-6 profile the pipeline through pp.measure.profile_pipeline, outside the train loop."""
+    """07 §5-6 profile the pipeline through pp.measure.profile_pipeline, outside the train loop
+    (the same launch audits BF16's runs on gloo too: their staged twins are audited in RUNS[2]'s)."""
     _, found = gloo_launch
     assert found, "the audit saw nothing: it is not running"
     assert [site for site in sorted(found) if not by_design(site)] == []
