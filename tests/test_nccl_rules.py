@@ -25,13 +25,14 @@
   ranks under SP; rotary positions under ring attention).
 * **bf16, the profiler, memory recording, a fault** (`extras`, in RUNS[2]'s staged launch).
   BF16's runs (fsdp: bf16 all-gathers, fp32 reduce-scatters; tp + SP: bf16 all-gathers,
-  reduce-scatters and all-reduces; 1F1B: fp32 sends and receives, the residual stream) keep
-  NCCL's rules in bf16 and equal the same runs on plain gloo (`gloo_launch`) bit for bit (on
-  the GPU check's cuda:0, within bf16's gate: its matmuls are the GPU's); the
-  tp + SP one is profiled (--profile: the same `comm:` labels, step for step, as gloo's trace)
-  and the fsdp one records memory (record_memory: a peak on every rank). Notebook 10's
-  skip-grad-sync is found by the comparison with `single` (the last block's weights, exactly);
-  the bisector on the staged backend is `full` (a launch of its own).
+  reduce-scatters and all-reduces; 1F1B: fp32 sends and receives, the residual stream; ring
+  attention: bf16 sends and receives under one tag) keep NCCL's rules in bf16 and equal the same
+  runs on plain gloo (`gloo_launch`) bit for bit (on the GPU check's cuda:0, within bf16's
+  gate: its matmuls are the GPU's); `full` runs every layout of RUNS in bf16 so. The tp + SP
+  one is profiled (--profile: the same `comm:` labels, step for step, as gloo's trace) and the
+  fsdp one records memory (record_memory: a peak on every rank). Notebook 10's skip-grad-sync
+  is found by the comparison with `single` (the last block's weights, exactly); the bisector on
+  the staged backend is `full` (a launch of its own).
 * **NCCL's argument rules.** The staged backend also refuses a non-contiguous tensor, a dtype
   NCCL has no type for and a reduce op it lacks (refimpl.shared_device), so every run here keeps
   them; notebook 01's comparison handed torch a transposed tensor before.
@@ -43,10 +44,11 @@
 * **Not covered under the staged backend:** notebook 10's other faults (the hangs, p2p-misordered
   and rank-dies, on purpose; the other wrong numbers, on strategies RUNS has); notebook 11 and
   scripts/bench_plan_cpu.py's planner (its layouts are compositions RUNS has); bf16 beyond
-  BF16's three (cp, ep, the 4-rank compositions, PyTorch's twins); memory recording and
-  --profile beyond those two runs; and anything read from timing: a staged collective is
+  BF16's four in make test (the rest of RUNS in bf16 is `full`); memory recording and --profile
+  on other layouts than those two runs; and anything read from timing: a staged collective is
   blocking, so overlap (comm_hidden_frac) reads nothing here.
 """
+import contextlib
 import functools
 import json
 import os
@@ -118,7 +120,8 @@ RUNS = {
         "fsdp dp2 x tp2 + sp": cfg("fsdp", 4, tp=2, sequence_parallel=True),
         "torch-fsdp2-tp dp2 x tp2 + sp": cfg("torch-fsdp2-tp", 4, tp=2, sequence_parallel=True)},
 }
-if os.environ.get("REFIMPL_SHARED_DEVICE", "cpu").startswith("cuda"):
+ON_A_GPU = os.environ.get("REFIMPL_SHARED_DEVICE", "cpu").startswith("cuda")  # scripts/gpu_check.sh
+if ON_A_GPU:
     # CPUOffloadPolicy only where there is a device to offload from (torch_fsdp2.py): on the GPU
     # check's shared cuda:0, the host shards gathered on the device (full_tensor_on)
     RUNS[2]["torch-fsdp2 offload"] = cfg("torch-fsdp2", 2, options={"offload": True})
@@ -155,7 +158,9 @@ BF16 = {"fsdp bf16": (bf16("fsdp", 2), {"all_gather_into_tensor bfloat16",      
                          {"all_gather_into_tensor bfloat16", "reduce_scatter_tensor bfloat16",
                           "all_reduce bfloat16"}),
         # the stage boundary is the residual stream, fp32 under autocast: sends and receives agree
-        "pp-1f1b bf16": (bf16("pp-1f1b", 2, 4, pp=2), {"send float32", "recv float32"})}
+        "pp-1f1b bf16": (bf16("pp-1f1b", 2, 4, pp=2), {"send float32", "recv float32"}),
+        # ring attention's K/V blocks go round in bf16, one tag (REFIMPL_P2P_TAGS=one)
+        "ring attention cp2 bf16": (bf16("dp-naive", 2, 1, cp=2), {"send bfloat16", "recv bfloat16"})}
 PROFILED, RECORDING = "tp + sp bf16", "fsdp bf16"      # the one with --profile, with record_memory
 # skip-grad-sync (refimpl.faults, notebook 10): dp-naive leaves the last block out of its
 # all-reduce; one step, so exactly that block's weights leave single's
@@ -178,19 +183,24 @@ def extras(world, audit_dir) -> dict:
 
 def _train_seeing_dtypes(rank: int, world: int, cfgs: list) -> list:
     """train_several_on_ranks' rank, noting for each run the "<op> <dtype>" of every tensor the
-    staged backend checked (its `_check`, NCCL's argument rules)."""
+    staged backend checked (its `_check`, NCCL's argument rules); on plain gloo ranks none."""
     import gc
 
-    from refimpl.shared_device import StagedGloo
+    import torch.distributed as dist
+
     from refimpl.train import train_rank
 
-    seen, check = set(), StagedGloo._check
+    seen = set()
+    if dist.get_backend() == "staged":
+        from refimpl.shared_device import StagedGloo
 
-    def seeing(self, tensors, op, opts=None):
-        seen.update(f"{op} {str(t.dtype).removeprefix('torch.')}" for t in tensors)
-        return check(self, tensors, op, opts)
+        check = StagedGloo._check
 
-    StagedGloo._check = seeing
+        def seeing(self, tensors, op, opts=None):
+            seen.update(f"{op} {str(t.dtype).removeprefix('torch.')}" for t in tensors)
+            return check(self, tensors, op, opts)
+
+        StagedGloo._check = seeing
     out = []
     for c in cfgs:
         seen.clear()
@@ -199,31 +209,51 @@ def _train_seeing_dtypes(rank: int, world: int, cfgs: list) -> list:
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def results(world, audit_dir):
-    """RUNS[world] and `extras` in one staged launch: each run's merged result (with `dtypes`, what
-    its collectives handed the staged backend, on any rank), and the device audit's finds."""
-    cfgs = {**RUNS[world], **extras(world, audit_dir)}
-    rules = {"REFIMPL_P2P_TAGS": "one", "REFIMPL_DEVICE_AUDIT": str(audit_dir),
-             "REFIMPL_SHARED_DEVICE": os.environ.get("REFIMPL_SHARED_DEVICE", "cpu"),
-             "REFIMPL_FAULTS": "1"}    # FAULT's, checked by validate in this process
-    saved = {k: os.environ.get(k) for k in rules}
-    os.environ.update(rules)                    # the ranks inherit them (the zygote restarts)
+@contextlib.contextmanager
+def environ(**changes):
+    """os.environ with `changes` (None: unset) while open; the ranks launched inside inherit it."""
+    saved = {k: os.environ.get(k) for k in changes}
     try:
-        for c in cfgs.values():
-            validate(c)
-        per_rank = launch.run(_train_seeing_dtypes, world, list(cfgs.values()), backend="staged",
-                              timeout=300, quiet=True)
+        for k, v in changes.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def staged_rules(**more):
+    return environ(REFIMPL_P2P_TAGS="one", REFIMPL_SHARED_DEVICE=os.environ.get("REFIMPL_SHARED_DEVICE", "cpu"),
+                   **more)
+
+
+def launch_seeing_dtypes(cfgs: dict, world: int, backend: str) -> dict:
+    """`cfgs` in one launch (validated here first): each run's merged result, with `dtypes`."""
+    for c in cfgs.values():
+        validate(c)
+    per_rank = launch.run(_train_seeing_dtypes, world, list(cfgs.values()), backend=backend,
+                          timeout=300, quiet=True)
     runs = {}
     for i, (name, c) in enumerate(cfgs.items()):
         runs[name] = merge_results(c, [r[i][0] for r in per_rank])
         runs[name]["dtypes"] = set().union(*(r[i][1] for r in per_rank))
+    return runs
+
+
+@functools.lru_cache(maxsize=None)
+def results(world, audit_dir):
+    """RUNS[world] and `extras` in one staged launch: each run's merged result (with `dtypes`, what
+    its collectives handed the staged backend, on any rank), and the device audit's finds."""
+    cfgs = {**RUNS[world], **extras(world, audit_dir)}
+    # FAULT's REFIMPL_FAULTS: checked by validate, in this process
+    with staged_rules(REFIMPL_DEVICE_AUDIT=str(audit_dir), REFIMPL_FAULTS="1"):
+        runs = launch_seeing_dtypes(cfgs, world, "staged")
     found = {}
     for rank in range(world):
         found.update(json.loads((audit_dir / f"rank{rank}.json").read_text()))
@@ -255,9 +285,6 @@ def test_every_tensor_a_rank_makes_names_its_device(world, audit_dirs):
     assert [site for site in sorted(found) if not by_design(site)] == []
 
 
-ON_A_GPU = os.environ.get("REFIMPL_SHARED_DEVICE", "cpu").startswith("cuda")
-
-
 @pytest.mark.parametrize("name", list(BF16))
 def test_bf16_under_nccl_s_rules_is_gloo_s_run_bit_for_bit(name, audit_dirs, on_gloo):
     """bf16 under the staged backend: NCCL's dtype, op, contiguity and device rules hold for every
@@ -266,12 +293,19 @@ def test_bf16_under_nccl_s_rules_is_gloo_s_run_bit_for_bit(name, audit_dirs, on_
     tensors (its host copies are the tensors themselves) and only orders them, so losses and
     weights are equal to the bit; on the GPU check's shared cuda:0 the bf16 matmuls are the
     GPU's, and the gate is bf16's (BF16_TOLERANCE, refimpl.verify.equivalence)."""
-    import torch
 
     staged, gloo = results(2, audit_dirs[2])[0][name], on_gloo[name]
     assert BF16[name][1] <= staged["dtypes"], sorted(staged["dtypes"])
     if name == "pp-1f1b bf16":
         assert not any(seen.endswith("bfloat16") for seen in staged["dtypes"]), staged["dtypes"]
+    assert_same_run(staged, gloo)
+
+
+def assert_same_run(staged: dict, gloo: dict) -> None:
+    """Bit for bit on CPU ranks; within bf16's gate where the staged ranks are on the GPU check's
+    cuda:0 (its matmuls are the GPU's, gloo's the CPU's)."""
+    import torch
+
     if ON_A_GPU:
         weight_err = compare_states(staged["state_dict"], gloo["state_dict"])[0]
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(staged["losses"], gloo["losses"]))
@@ -281,6 +315,25 @@ def test_bf16_under_nccl_s_rules_is_gloo_s_run_bit_for_bit(name, audit_dirs, on_
     assert staged["state_dict"].keys() == gloo["state_dict"].keys()
     differ = [k for k, v in gloo["state_dict"].items() if not torch.equal(staged["state_dict"][k], v)]
     assert differ == []
+
+
+@functools.lru_cache(maxsize=None)
+def bf16_everywhere(world):
+    """Every RUNS[world] layout in bf16, one launch staged, one on plain gloo."""
+    cfgs = {name: c.with_(dtype="float32", mixed_precision="bf16") for name, c in RUNS[world].items()}
+    with staged_rules():
+        staged = launch_seeing_dtypes(cfgs, world, "staged")
+    with environ(REFIMPL_SHARED_DEVICE=None):
+        gloo = launch_seeing_dtypes(cfgs, world, "gloo")
+    return staged, gloo
+
+
+@pytest.mark.full     # a launch per backend and world, every layout: a minute
+@pytest.mark.parametrize("world,name", [(w, n) for w, runs in RUNS.items() for n in runs])
+def test_every_layout_in_bf16_under_nccl_s_rules_is_gloo_s_run(world, name):
+    """As test_bf16_under_nccl_s_rules_is_gloo_s_run_bit_for_bit, for every layout of RUNS."""
+    staged, gloo = bf16_everywhere(world)
+    assert_same_run(staged[name], gloo[name])
 
 
 def test_the_profiled_run_labels_its_communication_as_on_gloo(audit_dirs, on_gloo):
