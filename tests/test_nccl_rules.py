@@ -293,7 +293,6 @@ def test_bf16_under_nccl_s_rules_is_gloo_s_run_bit_for_bit(name, audit_dirs, on_
     tensors (its host copies are the tensors themselves) and only orders them, so losses and
     weights are equal to the bit; on the GPU check's shared cuda:0 the bf16 matmuls are the
     GPU's, and the gate is bf16's (BF16_TOLERANCE, refimpl.verify.equivalence)."""
-
     staged, gloo = results(2, audit_dirs[2])[0][name], on_gloo[name]
     assert BF16[name][1] <= staged["dtypes"], sorted(staged["dtypes"])
     if name == "pp-1f1b bf16":
@@ -433,16 +432,10 @@ def gloo_launch(tmp_path_factory):
     """Each rank's `_on_gloo_ranks` result, and the factory calls the device audit found."""
     from refimpl.launch import run
 
-    audit_dir, saved = tmp_path_factory.mktemp("audit_gloo"), os.environ.get("REFIMPL_DEVICE_AUDIT")
-    os.environ["REFIMPL_DEVICE_AUDIT"] = str(audit_dir)
+    audit_dir = tmp_path_factory.mktemp("audit_gloo")
     cfgs = bf16_runs(audit_dir / "trace", staged=False)
-    try:
+    with environ(REFIMPL_DEVICE_AUDIT=str(audit_dir)):
         results = run(_on_gloo_ranks, 2, list(cfgs.values()), backend="gloo", quiet=True, timeout=180)
-    finally:
-        if saved is None:
-            os.environ.pop("REFIMPL_DEVICE_AUDIT")
-        else:
-            os.environ["REFIMPL_DEVICE_AUDIT"] = saved
     found = {}
     for rank in range(2):
         found.update(json.loads((audit_dir / f"rank{rank}.json").read_text()))
