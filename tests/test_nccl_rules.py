@@ -22,10 +22,17 @@
   training variants that notebooks 03-06, 08 and 09 and scripts/bench_{dp,fsdp,tp,composition}.py
   run (bucket sizes, FSDP's modes and offload, checkpointing, MoE capacity and balancing, the
   twins) are in RUNS, and so is Llama's block (--arch llama: one key/value head shared by the tp
-  ranks under SP; rotary positions under ring attention). Not here: notebook 10's faults (each a
-  wrong number or a hang on purpose, on strategies RUNS has), notebook 11 and
-  scripts/bench_plan_cpu.py's planner (its layouts are compositions RUNS has), and bf16 (RUNS
-  compare in float64).
+  ranks under SP; rotary positions under ring attention).
+* **bf16, the profiler, memory recording, a fault** (`extras`, in RUNS[2]'s staged launch).
+  BF16's runs (fsdp: bf16 all-gathers, fp32 reduce-scatters; tp + SP: bf16 all-gathers,
+  reduce-scatters and all-reduces; 1F1B: fp32 sends and receives, the residual stream; ring
+  attention: bf16 sends and receives under one tag) keep NCCL's rules in bf16 and equal the same
+  runs on plain gloo (`gloo_launch`) bit for bit (on the GPU check's cuda:0, within bf16's
+  gate: its matmuls are the GPU's); `full` runs every layout of RUNS in bf16 so. The tp + SP
+  one is profiled (--profile: the same `comm:` labels, step for step, as gloo's trace) and the
+  fsdp one records memory (record_memory: a peak on every rank). Notebook 10's skip-grad-sync
+  is found by the comparison with `single` (the last block's weights, exactly); the bisector on
+  the staged backend is `full` (a launch of its own).
 * **NCCL's argument rules.** The staged backend also refuses a non-contiguous tensor, a dtype
   NCCL has no type for and a reduce op it lacks (refimpl.shared_device), so every run here keeps
   them; notebook 01's comparison handed torch a transposed tensor before.
@@ -34,17 +41,31 @@
   REFIMPL_DEVICE_AUDIT every rank records such calls made from refimpl's code
   (refimpl.device_audit); apart from the few made on the host on purpose (HOST_BY_DESIGN), there
   must be none, in any strategy's set-up or step.
+* **Not covered under the staged backend:** notebook 10's other faults (the hangs, p2p-misordered
+  and rank-dies, on purpose; the other wrong numbers, on strategies RUNS has); notebook 11 and
+  scripts/bench_plan_cpu.py's planner (its layouts are compositions RUNS has); bf16 beyond
+  BF16's four in make test (the rest of RUNS in bf16 is `full`); memory recording and --profile
+  on other layouts than those two runs; and anything read from timing: a staged collective is
+  blocking, so overlap (comm_hidden_frac) reads nothing here.
 """
+import contextlib
 import functools
 import json
 import os
 
 import pytest
 
+from refimpl import launch
 from refimpl.config import TrainConfig
 from refimpl.model import GPTConfig
-from refimpl.train import train_several_on_ranks
-from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single
+from refimpl.train import merge_results, validate
+from refimpl.verify.equivalence import (
+    BF16_TOLERANCE,
+    FP64_TOLERANCE,
+    compare_states,
+    compare_with_single,
+    relative_error,
+)
 from tests.models import SMALL
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
@@ -102,7 +123,8 @@ RUNS = {
         "fsdp dp2 x tp2 + sp": cfg("fsdp", 4, tp=2, sequence_parallel=True),
         "torch-fsdp2-tp dp2 x tp2 + sp": cfg("torch-fsdp2-tp", 4, tp=2, sequence_parallel=True)},
 }
-if os.environ.get("REFIMPL_SHARED_DEVICE", "cpu").startswith("cuda"):
+ON_A_GPU = os.environ.get("REFIMPL_SHARED_DEVICE", "cpu").startswith("cuda")  # scripts/gpu_check.sh
+if ON_A_GPU:
     # CPUOffloadPolicy only where there is a device to offload from (torch_fsdp2.py): on the GPU
     # check's shared cuda:0, the host shards gathered on the device (full_tensor_on)
     RUNS[2]["torch-fsdp2 offload"] = cfg("torch-fsdp2", 2, options={"offload": True})
@@ -123,25 +145,122 @@ HOST_BY_DESIGN = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def results(world, audit_dir):
-    names = list(RUNS[world])
-    rules = {"REFIMPL_P2P_TAGS": "one", "REFIMPL_DEVICE_AUDIT": str(audit_dir),
-             "REFIMPL_SHARED_DEVICE": os.environ.get("REFIMPL_SHARED_DEVICE", "cpu")}
-    saved = {k: os.environ.get(k) for k in rules}
-    os.environ.update(rules)                    # the ranks inherit them (the zygote restarts)
+# bf16, the profiler, memory recording and a wrong-number fault, in the same staged launch as
+# RUNS[2] (a launch of its own costs seconds); the bf16 runs again on plain gloo (`gloo_launch`).
+def bf16(strategy, world, m=2, *, layers=2, **kw):
+    """autocast bf16 compute, fp32 master weights (TrainConfig.mixed_precision)."""
+    return cfg(strategy, world, m, layers=layers, **kw).with_(dtype="float32", mixed_precision="bf16")
+
+
+# name -> (the run, some of the "<op> <dtype>" its collectives hand the staged backend): what
+# NCCL would be handed in bf16, so the dtype rule is exercised where it could bite
+BF16 = {"fsdp bf16": (bf16("fsdp", 2), {"all_gather_into_tensor bfloat16",      # bf16 gather,
+                                        "reduce_scatter_tensor float32"}),     # fp32 reduce
+        # SP's activations cross in bf16 both ways; the sequence-parallel norms' sum too
+        "tp + sp bf16": (bf16("tp", 2, tp=2, sequence_parallel=True),
+                         {"all_gather_into_tensor bfloat16", "reduce_scatter_tensor bfloat16",
+                          "all_reduce bfloat16"}),
+        # the stage boundary is the residual stream, fp32 under autocast: sends and receives agree
+        "pp-1f1b bf16": (bf16("pp-1f1b", 2, 4, pp=2), {"send float32", "recv float32"}),
+        # ring attention's K/V blocks go round in bf16, one tag (REFIMPL_P2P_TAGS=one)
+        "ring attention cp2 bf16": (bf16("dp-naive", 2, 1, cp=2), {"send bfloat16", "recv bfloat16"})}
+PROFILED, RECORDING = "tp + sp bf16", "fsdp bf16"      # the one with --profile, with record_memory
+# skip-grad-sync (refimpl.faults, notebook 10): dp-naive leaves the last block out of its
+# all-reduce; one step, so exactly that block's weights leave single's
+FAULT = cfg("dp-naive", 2, 1, fault="skip-grad-sync").with_(steps=1)
+
+
+def bf16_runs(trace_dir, staged: bool) -> dict:
+    """BF16's runs, the profiled one writing to `trace_dir`; on the staged side memory recorded
+    in one (record_memory and --profile exclude each other: refimpl.train)."""
+    runs = {name: c for name, (c, _) in BF16.items()}
+    runs[PROFILED] = runs[PROFILED].with_(profile=True, trace_dir=str(trace_dir))
+    if staged:
+        runs[RECORDING] = runs[RECORDING].with_(record_memory=True)
+    return runs
+
+
+def extras(world, audit_dir) -> dict:
+    return {**bf16_runs(audit_dir / "trace", staged=True), "skip-grad-sync": FAULT} if world == 2 else {}
+
+
+def _train_seeing_dtypes(rank: int, world: int, cfgs: list) -> list:
+    """train_several_on_ranks' rank, noting for each run the "<op> <dtype>" of every tensor the
+    staged backend checked (its `_check`, NCCL's argument rules); on plain gloo ranks none."""
+    import gc
+
+    import torch.distributed as dist
+
+    from refimpl.train import train_rank
+
+    seen = set()
+    if dist.get_backend() == "staged":
+        from refimpl.shared_device import StagedGloo
+
+        check = StagedGloo._check
+
+        def seeing(self, tensors, op, opts=None):
+            seen.update(f"{op} {str(t.dtype).removeprefix('torch.')}" for t in tensors)
+            return check(self, tensors, op, opts)
+
+        StagedGloo._check = seeing
+    out = []
+    for c in cfgs:
+        seen.clear()
+        out.append((train_rank(rank, world, c), sorted(seen)))
+    gc.collect()        # as train_several_on_ranks' rank: the strategies' cycles, group alive
+    return out
+
+
+@contextlib.contextmanager
+def environ(**changes):
+    """os.environ with `changes` (None: unset) while open; the ranks launched inside inherit it."""
+    saved = {k: os.environ.get(k) for k in changes}
     try:
-        runs = train_several_on_ranks([RUNS[world][n] for n in names], timeout=300)
+        for k, v in changes.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def staged_rules(**more):
+    return environ(REFIMPL_P2P_TAGS="one", REFIMPL_SHARED_DEVICE=os.environ.get("REFIMPL_SHARED_DEVICE", "cpu"),
+                   **more)
+
+
+def launch_seeing_dtypes(cfgs: dict, world: int, backend: str) -> dict:
+    """`cfgs` in one launch (validated here first): each run's merged result, with `dtypes`."""
+    for c in cfgs.values():
+        validate(c)
+    per_rank = launch.run(_train_seeing_dtypes, world, list(cfgs.values()), backend=backend,
+                          timeout=300, quiet=True)
+    runs = {}
+    for i, (name, c) in enumerate(cfgs.items()):
+        runs[name] = merge_results(c, [r[i][0] for r in per_rank])
+        runs[name]["dtypes"] = set().union(*(r[i][1] for r in per_rank))
+    return runs
+
+
+@functools.lru_cache(maxsize=None)
+def results(world, audit_dir):
+    """RUNS[world] and `extras` in one staged launch: each run's merged result (with `dtypes`, what
+    its collectives handed the staged backend, on any rank), and the device audit's finds."""
+    cfgs = {**RUNS[world], **extras(world, audit_dir)}
+    # FAULT's REFIMPL_FAULTS: checked by validate, in this process
+    with staged_rules(REFIMPL_DEVICE_AUDIT=str(audit_dir), REFIMPL_FAULTS="1"):
+        runs = launch_seeing_dtypes(cfgs, world, "staged")
     found = {}
     for rank in range(world):
         found.update(json.loads((audit_dir / f"rank{rank}.json").read_text()))
-    return dict(zip(names, runs)), found
+    return runs, found
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +288,126 @@ def test_every_tensor_a_rank_makes_names_its_device(world, audit_dirs):
     assert [site for site in sorted(found) if not by_design(site)] == []
 
 
+@pytest.mark.parametrize("name", list(BF16))
+def test_bf16_under_nccl_s_rules_is_gloo_s_run_bit_for_bit(name, audit_dirs, on_gloo):
+    """bf16 under the staged backend: NCCL's dtype, op, contiguity and device rules hold for every
+    tensor a bf16 step hands a collective (the bf16 ones included: `dtypes`), and the run is the
+    same run on plain gloo. On CPU ranks the staged backend runs the same gloo calls on the same
+    tensors (its host copies are the tensors themselves) and only orders them, so losses and
+    weights are equal to the bit; on the GPU check's shared cuda:0 the bf16 matmuls are the
+    GPU's, and the gate is bf16's (BF16_TOLERANCE, refimpl.verify.equivalence)."""
+    staged, gloo = results(2, audit_dirs[2])[0][name], on_gloo[name]
+    assert BF16[name][1] <= staged["dtypes"], sorted(staged["dtypes"])
+    if name == "pp-1f1b bf16":
+        assert not any(seen.endswith("bfloat16") for seen in staged["dtypes"]), staged["dtypes"]
+    assert_same_run(staged, gloo)
+
+
+def assert_same_run(staged: dict, gloo: dict) -> None:
+    """Bit for bit on CPU ranks; within bf16's gate where the staged ranks are on the GPU check's
+    cuda:0 (its matmuls are the GPU's, gloo's the CPU's)."""
+    import torch
+
+    if ON_A_GPU:
+        weight_err = compare_states(staged["state_dict"], gloo["state_dict"])[0]
+        loss_err = max(abs(a - b) / abs(b) for a, b in zip(staged["losses"], gloo["losses"]))
+        assert max(weight_err, loss_err) <= BF16_TOLERANCE, (weight_err, loss_err)
+        return
+    assert staged["losses"] == gloo["losses"]
+    assert staged["state_dict"].keys() == gloo["state_dict"].keys()
+    differ = [k for k, v in gloo["state_dict"].items() if not torch.equal(staged["state_dict"][k], v)]
+    assert differ == []
+
+
+@functools.lru_cache(maxsize=None)
+def bf16_everywhere(world):
+    """Every RUNS[world] layout in bf16, one launch staged, one on plain gloo."""
+    cfgs = {name: c.with_(dtype="float32", mixed_precision="bf16") for name, c in RUNS[world].items()}
+    with staged_rules():
+        staged = launch_seeing_dtypes(cfgs, world, "staged")
+    with environ(REFIMPL_SHARED_DEVICE=None):
+        gloo = launch_seeing_dtypes(cfgs, world, "gloo")
+    return staged, gloo
+
+
+@pytest.mark.full     # a launch per backend and world, every layout: a minute
+@pytest.mark.parametrize("world,name", [(w, n) for w, runs in RUNS.items() for n in runs])
+def test_every_layout_in_bf16_under_nccl_s_rules_is_gloo_s_run(world, name):
+    """As test_bf16_under_nccl_s_rules_is_gloo_s_run_bit_for_bit, for every layout of RUNS."""
+    staged, gloo = bf16_everywhere(world)
+    assert_same_run(staged[name], gloo[name])
+
+
+def test_the_profiled_run_labels_its_communication_as_on_gloo(audit_dirs, on_gloo):
+    """--profile (refimpl.trace.capture.StepProfiler) under the staged backend: every profiled step
+    of each rank has its phases and the same `comm:<op> <bytes>B` labels, one for one, as the
+    same run profiled on plain gloo (the collectives run on the stream's worker thread there, the
+    labels on the caller's), SP's all-gathers and reduce-scatters and tp's all-reduce among them.
+    (gloo's own events, `c10d::...`, are on plain gloo's trace only: the staged backend's gloo
+    calls run on its stream's thread, which the profiler does not record.)"""
+    from refimpl.trace.profiling import load_trace
+
+    staged, gloo = results(2, audit_dirs[2])[0][PROFILED], on_gloo[PROFILED]
+    assert staged["trace_dir"] != gloo["trace_dir"]
+
+    def labels(trace_dir):
+        df = load_trace(trace_dir)
+        ours = df.name.str.startswith("comm:") | df.name.isin(["forward", "backward", "optimizer"])
+        df = df[df.step.notna() & ours]     # not the backends' own events: gloo's, on its thread
+        return {(rank, int(step)): sorted(g.name) for (rank, step), g in df.groupby(["rank", "step"])}
+
+    got, want = labels(staged["trace_dir"]), labels(gloo["trace_dir"])
+    assert got == want
+    assert {rank for rank, _ in got} == {0, 1}
+    for names in got.values():
+        assert {"forward", "backward", "optimizer"} <= set(names), names
+        ops = {n.split(" ")[0] for n in names if n.startswith("comm:")}
+        assert {"comm:all_gather", "comm:reduce_scatter", "comm:all_reduce"} <= ops, names
+
+
+def test_memory_is_recorded_under_nccl_s_rules(audit_dirs):
+    """record_memory (refimpl.trace.memory_events.StepPeak: the allocator's events on CPU,
+    max_memory_allocated on CUDA) under the staged backend: a peak on every rank, above what the
+    rank keeps (fsdp gathers each block's bf16 weights for a moment); the run itself is gloo's
+    (test_bf16_under_nccl_s_rules_is_gloo_s_run_bit_for_bit)."""
+    run = results(2, audit_dirs[2])[0][RECORDING]
+    for rank in run["memory"]:
+        assert rank["transient_peak"] is not None and rank["transient_peak"] > 0, rank
+
+
+def test_a_wrong_number_fault_is_found_under_nccl_s_rules(audit_dirs):
+    """Notebook 10's skip-grad-sync (refimpl.faults) under the staged backend: the comparison with
+    `single` still finds it and where it is. One step: the loss (computed before the update)
+    is single's, and exactly the last block's tensors leave float64's gate, each by far."""
+    from refimpl.verify.equivalence import reference_run
+
+    run, ref = results(2, audit_dirs[2])[0]["skip-grad-sync"], reference_run(FAULT)
+    assert abs(run["losses"][0] - ref["losses"][0]) <= FP64_TOLERANCE * abs(ref["losses"][0])
+    last = f"blocks.{FAULT.model.n_layers - 1}."
+    errors = {k: relative_error(run["state_dict"][k], v) for k, v in ref["state_dict"].items()}
+    off = sorted(k for k, e in errors.items() if e > FP64_TOLERANCE)
+    assert off and all(k.startswith(last) for k in off), off
+    assert min(errors[k] for k in off) > 1e-6, {k: errors[k] for k in off}
+
+
+@pytest.mark.full     # a launch of its own, and single recorded beside it: seconds
+def test_the_bisector_finds_the_fault_under_nccl_s_rules(monkeypatch):
+    """refimpl.verify.bisect on the staged backend (every rank's recording hook, its gathers of
+    the weights each step): it names skip-grad-sync where it names it on gloo
+    (tests/test_when_it_goes_wrong.py): step 0's optimizer, the last block."""
+    from refimpl import faults
+    from refimpl.verify import bisect as bisector
+
+    for name, value in ((faults.ENV, "1"), ("REFIMPL_P2P_TAGS", "one"),
+                        ("REFIMPL_SHARED_DEVICE", os.environ.get("REFIMPL_SHARED_DEVICE", "cpu"))):
+        monkeypatch.setenv(name, value)
+    report = bisector.bisect(TrainConfig(strategy="dp-naive", nproc=2, steps=2, model=SMALL,
+                                         dtype="float64", fault="skip-grad-sync"))
+    assert report.verdict == "bug"
+    last = f"blocks.{SMALL.n_layers - 1}"
+    assert (report.first.step, report.first.phase, report.first.module) == (0, "optimizer", last)
+
+
 def test_the_audit_names_a_factory_call_without_a_device():
     """On a made-up site list, the filter keeps exactly the call that breaks the rule."""
     sites = ["refimpl/model/layers.py:19 __init__ empty", "refimpl/parallel/cp/ring.py:73 positions arange",
@@ -176,13 +415,19 @@ def test_the_audit_names_a_factory_call_without_a_device():
     assert [s for s in sites if not by_design(s)] == ["refimpl/parallel/cp/ring.py:73 positions arange"]
 
 
-def _on_gloo_ranks(rank: int, world: int) -> dict:
-    """The two checks that need no staged world, in one (forked, fast) gloo launch: notebook 07's
-    pipeline helper, then both posting plans on a staged group (`_both_plans_on_the_strict_stream`)."""
-    from refimpl.parallel.pp.measure import profile_pipeline
+def _on_gloo_ranks(rank: int, world: int, bf16_cfgs: list) -> dict:
+    """The checks that need no staged world, in one (forked, fast) gloo launch: BF16's runs on
+    plain gloo (before anything here touches the staged backend), notebook 07's pipeline helper,
+    then both posting plans on a staged group (`_both_plans_on_the_strict_stream`)."""
+    import gc
 
+    from refimpl.parallel.pp.measure import profile_pipeline
+    from refimpl.train import train_rank
+
+    on_gloo = [train_rank(rank, world, c) for c in bf16_cfgs]
+    gc.collect()
     profile_pipeline(rank, world, SMALL, "1f1b", 4, steps=1, global_batch=8)
-    return _both_plans_on_the_strict_stream(rank, world)
+    return {**_both_plans_on_the_strict_stream(rank, world), "bf16": on_gloo}
 
 
 @pytest.fixture(scope="module")
@@ -190,23 +435,27 @@ def gloo_launch(tmp_path_factory):
     """Each rank's `_on_gloo_ranks` result, and the factory calls the device audit found."""
     from refimpl.launch import run
 
-    audit_dir, saved = tmp_path_factory.mktemp("audit_gloo"), os.environ.get("REFIMPL_DEVICE_AUDIT")
-    os.environ["REFIMPL_DEVICE_AUDIT"] = str(audit_dir)
-    try:
-        results = run(_on_gloo_ranks, 2, backend="gloo", quiet=True, timeout=120)
-    finally:
-        if saved is None:
-            os.environ.pop("REFIMPL_DEVICE_AUDIT")
-        else:
-            os.environ["REFIMPL_DEVICE_AUDIT"] = saved
+    audit_dir = tmp_path_factory.mktemp("audit_gloo")
+    cfgs = bf16_runs(audit_dir / "trace", staged=False)
+    with environ(REFIMPL_DEVICE_AUDIT=str(audit_dir)):
+        results = run(_on_gloo_ranks, 2, list(cfgs.values()), backend="gloo", quiet=True, timeout=180)
     found = {}
     for rank in range(2):
         found.update(json.loads((audit_dir / f"rank{rank}.json").read_text()))
     return results, found
 
 
+@pytest.fixture(scope="module")
+def on_gloo(gloo_launch):
+    """BF16's runs on plain gloo, merged as train_several_on_ranks merges them."""
+    per_rank, _ = gloo_launch
+    return {name: merge_results(c, [r["bf16"][i] for r in per_rank])
+            for i, (name, (c, _)) in enumerate(BF16.items())}
+
+
 def test_notebook_07s_pipeline_helper_names_its_device(gloo_launch):
-    """07 §5-6 profile the pipeline through pp.measure.profile_pipeline, outside the train loop."""
+    """07 §5-6 profile the pipeline through pp.measure.profile_pipeline, outside the train loop
+    (the same launch audits BF16's runs on gloo too: their staged twins are audited in RUNS[2]'s)."""
     _, found = gloo_launch
     assert found, "the audit saw nothing: it is not running"
     assert [site for site in sorted(found) if not by_design(site)] == []
