@@ -57,8 +57,13 @@ env: install
 # xdist's default order is by number of tests, which put the layout matrix's two modules, a few
 # tests of 2-3 minutes each, last, one worker running the 4-rank one alone for minutes while the
 # other had nothing left: 770 s against 601 s), then the notebooks, then the short test files.
+# The longest test modules after them, so that the run ends on short files and both workers
+# finish together (longest first is the classic rule for two machines).
 LONGEST := tests/test_layout_matrix_4.py tests/test_layout_matrix.py \
-	notebooks/07_pipeline_parallel.ipynb notebooks/09_composition.ipynb
+	notebooks/07_pipeline_parallel.ipynb notebooks/09_composition.ipynb \
+	tests/test_nccl_rules.py tests/test_zero3_fsdp.py tests/test_wrappers.py tests/test_zero12.py \
+	tests/test_composition.py tests/test_tp_strategy.py tests/test_recovery.py \
+	tests/test_when_it_goes_wrong.py
 TEST_WORKERS ?= 2
 test: install lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(LONGEST) notebooks/ tests/ --nbval-lax -q \
