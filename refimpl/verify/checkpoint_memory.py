@@ -27,7 +27,6 @@ from safetensors import safe_open
 from refimpl import launch
 from refimpl.compose import run_checkpoint, sharded_checkpoint
 from refimpl.config import TrainConfig
-from refimpl.memory import ActivationTracker
 from refimpl.memory.live import LiveBytes
 from refimpl.model import synthetic_batch
 from refimpl.registry import resolve
@@ -45,10 +44,7 @@ def _measure_rank(rank: int, world_size: int, write_cfg: TrainConfig, read_cfg: 
     _, strategy, _ = setup_rank(rank, world_size, layout)
     cfg = layout.cfg
     batch = synthetic_batch(cfg.model, cfg.global_batch, cfg.seq_len, cfg.seed, 0)
-    # the step as the loop runs it (refimpl.train): under the activation tracker, whose pack
-    # hooks hold ZeRO-3's regathered parameters past autograd's version check
-    with ActivationTracker(exclude=strategy.activation_exclusions()):
-        loss = strategy.train_step(batch)      # AdamW's m, v exist from here
+    loss = strategy.train_step(batch)          # AdamW's m, v exist from here
     with LiveBytes(count_meta=False) as saving:
         path = run_checkpoint.save(strategy, 1, [float(loss)], directory, blocking=True)
     del strategy
