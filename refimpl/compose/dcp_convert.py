@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from refimpl.compose import dcp_checkpoint
+from refimpl.compose.optim_reshard import MOMENTS
 from refimpl.compose.run_checkpoint import FORMAT, RUN_KEYS, checkpoint_path, commit
 from refimpl.compose.sharded_checkpoint import ShardedCheckpoint, rank_file
 from refimpl.config import TrainConfig
@@ -45,7 +46,7 @@ def convert_to_dcp(source, directory) -> Path:
     model = converted(build_model(cfg.model, cfg.seed), dtype=dtype)
     optimizer = make_optimizer(model.parameters(), cfg)
     model_sd, optim_sd = get_state_dict(model, optimizer)   # AdamW's state made (lr 0, no move)
-    weights, moments = ours.tensors("weights"), {m: ours.tensors(m) for m in ("exp_avg", "exp_avg_sq")}
+    weights, moments = ours.tensors("weights"), {m: ours.tensors(m) for m in MOMENTS}
     for name, t in model_sd.items():
         t.copy_(weights[name])
     for name, state in optim_sd["state"].items():
