@@ -57,6 +57,13 @@ class Unit:
     what: list[str]
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
+    on_done: Callable[[str | None], None] | None = None   # told the error (None: it ran)
+
+    def finish(self) -> None:
+        """Mark the unit run (or failed, `error`): wakes `result`, then tells `on_done`."""
+        self.done.set()
+        if self.on_done is not None:
+            self.on_done(self.error)
 
     def result(self) -> None:
         """Block until the stream has run this unit; raise its failure."""
@@ -102,7 +109,7 @@ class Stream:
                     unit.error = self.failed
             else:
                 unit.error = f"an earlier operation on this stream failed: {self.failed}"
-            unit.done.set()
+            unit.finish()
 
     def _run(self, unit: Unit) -> None:
         started = time.monotonic()

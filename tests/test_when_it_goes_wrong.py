@@ -146,8 +146,16 @@ def test_bisector_finds_a_missing_gradient_sync(monkeypatch):
 
 
 @pytest.mark.ranks
-def test_a_hang_is_reported_with_both_stuck_calls(monkeypatch):
+@pytest.mark.parametrize("device", [None, "cpu"], ids=["gloo", "nccl-order"])
+def test_a_hang_is_reported_with_both_stuck_calls(monkeypatch, device):
+    """The same hang report on gloo and under NCCL's stream order (the staged backend): there the
+    runner posts in one fixed order, and the fault once broke that order itself, so notebook 10's
+    hang ended in a RuntimeError on NCCL instead of hanging (Links.post_ahead)."""
     monkeypatch.setenv(faults.ENV, "1")
+    if device is None:
+        monkeypatch.delenv("REFIMPL_SHARED_DEVICE", raising=False)
+    else:
+        monkeypatch.setenv("REFIMPL_SHARED_DEVICE", device)
     cfg = TrainConfig(strategy="pp-1f1b", nproc=2, pp=2, micro_batches=4, steps=1, model=SMALL,
                       fault="p2p-misordered")
     with pytest.raises(LaunchTimeoutError) as hang:

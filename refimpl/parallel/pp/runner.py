@@ -160,6 +160,7 @@ def run_schedule(chunks: list[StageChunk], table: list[list[str]], micro: list[B
                 # The fault: the first backward waits for the last micro-batch's gradient, which
                 # stage 1 cannot send before the forwards this rank has not run yet: a hang.
                 a = Action.parse(f"B{m - 1}")
+                links.post_ahead(a)
             grad = None if chunk.is_last else links.take(a)
             with phase("backward"), phase(f"pp:{label}"):
                 dx = _backward(out, grad, x if k > 0 else None, embeds, split, aux)
