@@ -31,6 +31,7 @@ optimizer state divided by the world size; what it costs is sending every parame
       share their hyper-parameters) and one step count. The zero padding stays zero: its gradient
       is zero, and such an update of a zero weight with zero state is zero. A parameter without a
       gradient is stepped with a zero one (a plain optimizer would skip it).
+In both, parameters with requires_grad=False are owned by nobody and never sent.
 
 offload=True (flat only) is ZeRO-Offload (Ren et al. 2021, "ZeRO-Offload: Democratizing
 Billion-Scale Model Training", §4): the master copy of the shard and its optimizer state live in
@@ -38,14 +39,13 @@ host memory and the update runs on the CPU; each step the gradient shard is copi
 and the updated weights host -> device. On a CPU-only machine host and device are the same memory,
 so offload changes where the bytes are *accounted* (`host_state`) and adds the two copies; on a GPU
 it frees 12 bytes per shard element of GPU memory for fp32 AdamW (16 with the gradient staging) at
-the cost of PCIe traffic and a CPU Adam. Parameters with requires_grad=False are owned by nobody
-and never sent.
+the cost of PCIe traffic and a CPU Adam.
 
 `state_dict()` is consolidated: every rank returns the whole state, under the indices a plain
 `optimizer_cls` over the same parameters would use (flat: each per-element state all-gathered and
 cut back into the parameters' shapes), so it loads into a plain optimizer or into a
-ShardedOptimizer of either partition at another world size (`load_state_dict` keeps this rank's
-part). Both are collectives: every rank calls them.
+ShardedOptimizer at another world size (`load_state_dict` keeps this rank's part). Both are
+collectives: every rank calls them.
 
 What the zero1/zero2 strategies need beyond the contract, as DataParallel and FullyShard have it:
 `comm` (--collectives refimpl), `values` and `device` (the parameters may be shapes only, each one
