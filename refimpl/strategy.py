@@ -205,10 +205,17 @@ class Strategy:
         return list(self.model.parameters())
 
 
-def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """The one optimizer every strategy uses: AdamW, so the arithmetic has m and v.
+def optimizer_settings(cfg: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The one optimizer every strategy uses, as (class, hyper-parameters): AdamW, so the
+    arithmetic has m and v.
 
     foreach=False: the per-tensor path does the same arithmetic in the same order as our
     from-scratch sharded optimizers, which keeps equivalence at fp32 round-off.
     """
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)
+    return torch.optim.AdamW, {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "foreach": False}
+
+
+def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """`optimizer_settings(cfg)`'s optimizer over `params`."""
+    cls, settings = optimizer_settings(cfg)
+    return cls(params, **settings)

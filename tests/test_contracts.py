@@ -144,9 +144,10 @@ def test_module_level_wrappers_have_designs_signatures():
                                    ("group", "KEYWORD_ONLY", None),
                                    ("compute_dtype", "KEYWORD_ONLY", None), ("units", "KEYWORD_ONLY", None)]
     sig = inspect.signature(ShardedOptimizer.__init__).parameters
-    assert [(n, p.kind.name) for n, p in list(sig.items())[1:4]] == [
-        ("params", "POSITIONAL_OR_KEYWORD"), ("optimizer_cls", "POSITIONAL_OR_KEYWORD"),
-        ("group", "KEYWORD_ONLY")] and sig["defaults"].kind.name == "VAR_KEYWORD"
+    assert [(n, p.kind.name, p.default) for n, p in list(sig.items())[1:6]] == [
+        ("params", "POSITIONAL_OR_KEYWORD", empty), ("optimizer_cls", "POSITIONAL_OR_KEYWORD", empty),
+        ("group", "KEYWORD_ONLY", None), ("partition", "KEYWORD_ONLY", "tensors"),
+        ("offload", "KEYWORD_ONLY", False)] and sig["defaults"].kind.name == "VAR_KEYWORD"
     assert issubclass(DataParallel, torch.nn.Module) and issubclass(FullyShard, torch.nn.Module)
     assert issubclass(ShardedOptimizer, torch.optim.Optimizer)
     for cls, methods in ((DataParallel, ("finish_gradient_synchronization", "no_sync")),

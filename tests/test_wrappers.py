@@ -9,6 +9,7 @@ import functools
 import math
 
 import pytest
+import torch
 
 from refimpl.launch import run
 from refimpl.verify.equivalence import FP64_TOLERANCE
@@ -20,7 +21,9 @@ WORLDS = [2, 3]
 FLOAT64 = [(kind, case, who) for kind in ("dp", "zero", "fsdp") for case in ("tied", "spare")
            for who in ("ours", "torch")] + [
     ("dp", "tied", "ours-no_sync"), ("dp", "tied", "torch-no_sync"),
-    ("fsdp", "tied", "ours-named-units"), ("fsdp", "tied", "ours-class-units")]
+    ("fsdp", "tied", "ours-named-units"), ("fsdp", "tied", "ours-class-units"),
+    ("zero", "tied", "ours-flat"), ("zero", "spare", "ours-flat"),
+    ("zero", "tied", "ours-flat-offload")]
 # fp32: the distance to fp32 plain training after 3 steps is a few units of fp32 round-off
 # (2^-24 ~ 6e-8 per operation; ~3e-8 measured); bf16 compute: a few units of bf16's 2^-8.
 FP32_TOLERANCE = 1e-6
@@ -65,10 +68,15 @@ def test_fully_shard_keeps_one_padded_shard_per_unit(world):
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", ["tied", "spare"])
-def test_sharded_optimizer_holds_a_partition_and_saves_the_whole_state(world, case):
-    results = [res["zero", case, "ours"] for res in checks(world)]
+@pytest.mark.parametrize("who", ["ours", "ours-flat"])
+def test_sharded_optimizer_holds_a_partition_and_saves_the_whole_state(world, case, who):
+    results = [res["zero", case, who] for res in checks(world)]
     shares = [r["state_share"] for r in results]
-    assert all(s < 1 for s in shares) and abs(sum(shares) - 1) < 1e-12   # each element once
+    if who == "ours-flat":      # exactly ceil(Ψ/N) elements each, the last shard's padding too
+        psi = results[0]["elements"]
+        assert all(abs(s - math.ceil(psi / world) / psi) < 1e-12 for s in shares), shares
+    else:
+        assert all(s < 1 for s in shares) and abs(sum(shares) - 1) < 1e-12   # each element once
     for rank, r in enumerate(results):
         # the consolidated state is plain SGD's / AdamW's, to the last bits...
         assert r["state_dict_err"] <= FP64_TOLERANCE, (rank, r)
@@ -77,6 +85,25 @@ def test_sharded_optimizer_holds_a_partition_and_saves_the_whole_state(world, ca
         # ...and resumes on one rank fewer as plain training's next step does
         if rank < world - 1:
             assert r["resumed"] <= FP64_TOLERANCE, (rank, r)
+
+
+@pytest.mark.parametrize("case", ["tied", "spare"])
+def test_a_flat_state_saved_on_two_ranks_continues_on_three_and_in_a_plain_optimizer(case):
+    for rank, res in enumerate(checks(3)):
+        r = res["flat_moves", case]
+        assert r["resumed"] <= FP64_TOLERANCE and r["plain"] <= FP64_TOLERANCE, (rank, r)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_flat_offload_keeps_the_master_on_the_host_and_changes_no_bit(world):
+    for res in checks(world):
+        on, off = res["zero", "tied", "ours-flat-offload"], res["zero", "tied", "ours-flat"]
+        assert all(torch.equal(on["final"][k], v) for k, v in off["final"].items())
+        shard_bytes = math.ceil(on["elements"] / world) * 8          # float64
+        # on the host: the gradient shard; the master shard, m and v (the ZeRO paper's K = 12 in
+        # fp32), counted as optimizer state
+        assert on["host_state"] == (0, shard_bytes, 3 * shard_bytes) and on["master_on_host"]
+        assert off["host_state"] == (0, 0, 0)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -101,6 +128,8 @@ def test_bad_use_fails_in_one_line(world):
             assert "already wrapped" in said[key], said[key]
         for key in ("dp_device", "fsdp_device", "zero_device"):
             assert "wants" in said[key], said[key]
+        assert "one parameter group" in said["flat_groups"], said["flat_groups"]
+        assert "partition='flat'" in said["tensors_offload"], said["tensors_offload"]
         if rank > 0:
             for key in ("dp_group", "fsdp_group", "zero_group"):
                 assert "not in the group" in said[key], said[key]

@@ -106,9 +106,10 @@ def rel_err(state: dict, ref: dict) -> float:
 
 
 def train(case, model, opt, rank, world, dtype, device, *, finish, micro=1, no_sync=None,
-          cast=None):
+          cast=None, group=None):
     """A rank's loop: its rows of each global batch, in `micro` micro-batches (the earlier ones
-    under `no_sync`), the gradient synchronisation, the step. Returns the global mean losses."""
+    under `no_sync`), the gradient synchronisation, the step. Returns the global mean losses
+    (over `group`, default the world, of `world` ranks)."""
     loss_fn = CASES[case][1]
     losses = []
     for x, y in batches(case, dtype, device):
@@ -124,7 +125,7 @@ def train(case, model, opt, rank, world, dtype, device, *, finish, micro=1, no_s
         finish()
         opt.step()
         opt.zero_grad()
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=group)
         losses.append(total.item() / world)
     return losses
 
@@ -186,8 +187,19 @@ def in_two_groups(make, model: nn.Module, kw: dict):
     return opt
 
 
-def check_sharded_optimizer(rank, world, case, dtype, device, *, twin=False):
-    ref_model, ref_opt, ref_losses = plain_run(case, dtype, device, grouped=True)
+def sharded(opt_cls, model: nn.Module, kw: dict, partition: str, group=None, offload=False):
+    """ShardedOptimizer over `model`'s parameters: the tensors partition in two groups
+    (`in_two_groups`), the flat one in one (its shard mixes parameters)."""
+    if partition == "flat":
+        return ShardedOptimizer(model.parameters(), opt_cls, group=group, partition="flat",
+                                offload=offload, **kw)
+    return in_two_groups(lambda ps, **k: ShardedOptimizer(ps, opt_cls, group=group, **k), model, kw)
+
+
+def check_sharded_optimizer(rank, world, case, dtype, device, *, twin=False, partition="tensors",
+                            offload=False):
+    flat = partition == "flat"
+    ref_model, ref_opt, ref_losses = plain_run(case, dtype, device, grouped=not flat)
     model = build(case, 0, dtype, device)
     _, _, opt_cls, kw, _ = CASES[case]
     if twin:
@@ -197,7 +209,7 @@ def check_sharded_optimizer(rank, world, case, dtype, device, *, twin=False):
         finish = lambda: None    # noqa: E731
     else:
         wrapped = DataParallel(model)
-        opt = in_two_groups(lambda ps, **k: ShardedOptimizer(ps, opt_cls, **k), model, kw)
+        opt = sharded(opt_cls, model, kw, partition, offload=offload)
         finish = wrapped.finish_gradient_synchronization
     frozen_before = {n: ref_model_initial(case, dtype, device)[n] for n in FROZEN[case]}
     losses = train(case, wrapped, opt, rank, world, dtype, device, finish=finish)
@@ -215,10 +227,47 @@ def check_sharded_optimizer(rank, world, case, dtype, device, *, twin=False):
         (torch.as_tensor(whole["state"][i][k]).double() - torch.as_tensor(v).double().cpu()).abs().max().item()
         for i, s in ref_state["state"].items() for k, v in s.items())
     out["state_dict_keys_match"] = sorted(whole["state"]) == sorted(ref_state["state"])
+    if flat:
+        out["elements"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        out["final"] = {k: v.cpu().clone() for k, v in model.state_dict().items()}
+        held = opt.host_state()
+        out["host_state"] = (held.params, held.grads, held.optimizer)
+        out["master_on_host"] = (opt.master.device.type == "cpu"
+                                 and opt.master.data_ptr() != opt.shard.data_ptr())
     sub = dist.new_group(list(range(world - 1)))      # every rank calls new_group
     if rank < world - 1:
-        out["resumed"] = resume_on(sub, rank, world - 1, case, dtype, device, model, whole)
+        out["resumed"] = resume_on(sub, rank, world - 1, case, dtype, device, model.state_dict(),
+                                   whole, partition)
     return out
+
+
+def check_flat_state_moves(rank, world, case, dtype, device) -> dict:
+    """partition="flat": the state ranks 0 and 1 save loads on all `world` ranks and into a plain
+    optimizer, and each continues as plain training's next step does."""
+    _, loss_fn, opt_cls, kw, _ = CASES[case]
+    pair = dist.new_group([0, 1])                     # every rank calls new_group
+    saved = [None, None]
+    if rank < 2:
+        model = build(case, 0, dtype, device)
+        wrapped = DataParallel(model, group=pair)
+        opt = sharded(opt_cls, model, kw, "flat", group=pair)
+        train(case, wrapped, opt, rank, 2, dtype, device,
+              finish=wrapped.finish_gradient_synchronization, group=pair)
+        saved = [{k: v.cpu().clone() for k, v in model.state_dict().items()}, opt.state_dict()]
+    dist.broadcast_object_list(saved, src=0)
+    weights, whole = saved
+    resumed = resume_on(dist.group.WORLD, rank, world, case, dtype, device, weights, whole, "flat")
+    # the plain optimizer last: torch's load_state_dict keeps the step counts it is handed, and
+    # its step then adds to them in place
+    ref_model, _, _ = plain_run(case, dtype, device, steps=STEPS + 1)
+    plain = build(case, 0, dtype, device)
+    plain.load_state_dict(weights)
+    plain_opt = opt_cls(plain.parameters(), **kw)
+    plain_opt.load_state_dict(whole)
+    x, y = batches(case, dtype, device, STEPS + 1)[-1]
+    loss_fn(plain(x), y).backward()
+    plain_opt.step()
+    return {"resumed": resumed, "plain": rel_err(plain.state_dict(), ref_model.state_dict())}
 
 
 def state_elements(states) -> int:
@@ -226,14 +275,15 @@ def state_elements(states) -> int:
     return sum(t.numel() for s in states for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
 
 
-def resume_on(group, rank, world, case, dtype, device, model, whole_state) -> float:
-    """One more step on `world` ranks from the saved state, against plain training's 4th step."""
-    ref_model, _, _ = plain_run(case, dtype, device, steps=STEPS + 1, grouped=True)
+def resume_on(group, rank, world, case, dtype, device, weights, whole_state, partition) -> float:
+    """One more step on `world` ranks from the saved weights and optimizer state, against plain
+    training's 4th step."""
+    ref_model, _, _ = plain_run(case, dtype, device, steps=STEPS + 1, grouped=partition != "flat")
     again = build(case, 0, dtype, device)
-    again.load_state_dict(model.state_dict())
+    again.load_state_dict(weights)
     _, loss_fn, opt_cls, kw, _ = CASES[case]
     wrapped = DataParallel(again, group=group)
-    opt = in_two_groups(lambda ps, **k: ShardedOptimizer(ps, opt_cls, group=group, **k), again, kw)
+    opt = sharded(opt_cls, again, kw, partition, group=group)
     opt.load_state_dict(whole_state)
     x, y = batches(case, dtype, device, STEPS + 1)[-1]    # the next global batch of the stream
     loss_fn(wrapped(rows(x, rank, world)), rows(y, rank, world)).backward()
@@ -306,6 +356,12 @@ def bad_uses(rank, world, device) -> dict[str, str]:
     catch("fsdp_device", lambda: FullyShard(nn.Sequential(nn.Linear(2, 2, device=other))))
     catch("zero_device", lambda: ShardedOptimizer(nn.Linear(2, 2, device=other).parameters(),
                                                   torch.optim.SGD, lr=0.1))
+    two = nn.Linear(2, 2).to(device)
+    catch("flat_groups", lambda: ShardedOptimizer(
+        [{"params": [two.weight]}, {"params": [two.bias], "lr": 0.05}], torch.optim.SGD,
+        partition="flat", lr=0.1))
+    catch("tensors_offload", lambda: ShardedOptimizer(two.parameters(), torch.optim.SGD,
+                                                      offload=True, lr=0.1))
     only_first = dist.new_group([0])                  # every rank calls new_group
     if rank > 0:
         catch("dp_group", lambda: DataParallel(nn.Linear(2, 2).to(device), group=only_first))
@@ -327,6 +383,12 @@ def every_check(rank: int, world: int) -> dict:
             res["dp", case, tag] = check_data_parallel(rank, world, case, f64, device, twin=twin)
             res["zero", case, tag] = check_sharded_optimizer(rank, world, case, f64, device, twin=twin)
             res["fsdp", case, tag] = check_fully_shard(rank, world, case, f64, device, twin=twin)
+        res["zero", case, "ours-flat"] = check_sharded_optimizer(rank, world, case, f64, device,
+                                                                 partition="flat")
+        if world == 3:
+            res["flat_moves", case] = check_flat_state_moves(rank, world, case, f64, device)
+    res["zero", "tied", "ours-flat-offload"] = check_sharded_optimizer(
+        rank, world, "tied", f64, device, partition="flat", offload=True)
     res["dp", "tied", "ours-no_sync"] = check_data_parallel(rank, world, "tied", f64, device, micro=2)
     res["dp", "tied", "torch-no_sync"] = check_data_parallel(rank, world, "tied", f64, device,
                                                              twin=True, micro=2)

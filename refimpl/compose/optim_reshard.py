@@ -8,7 +8,7 @@ the resumed run is the uninterrupted one, not a run whose optimizer restarts fro
 
 Where each layout keeps m and v, and how it is made whole (`full_optimizer_state`):
   plain AdamW (dp-naive, dp, tp, pp-*, single)   per parameter, shaped like this rank's slice
-  zero1 / zero2 (ShardedAdamW)                   a flat shard over dp x cp of the flat parameters
+  zero1 / zero2 (ShardedOptimizer, flat)         a flat shard over dp x cp of the flat parameters
   zero3 / fsdp (FullySharded)                    one flat shard per unit over dp x cp
 (a MoE model under --ep: the experts' flat shards over edp, beside the dense ones)
 The flat shards are all-gathered over their group and cut back into parameters (FlatParams); then
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from refimpl.mesh import LayoutError
-from refimpl.parallel.zero.sharded_adamw import ShardedAdamW
+from refimpl.parallel.zero.sharded_optimizer import ShardedOptimizer
 from refimpl.placement import gather_full_state_dict, placements
 from refimpl.rank_values import part_of
 
@@ -49,8 +49,8 @@ def _holders(strategy):
     if hasattr(strategy, "units"):                      # zero3 / fsdp
         return [(strategy.optimizer, u.master, u.flat, u.group, u.rank, None)
                 for u in strategy.units]
-    if isinstance(strategy.optimizer, ShardedAdamW):    # zero1 / zero2: one per partition
-        return [(part.optimizer.optimizer, part.optimizer.master, part.layout, part.group,
+    if isinstance(strategy.optimizer, ShardedOptimizer):    # zero1 / zero2: one per partition
+        return [(part.optimizer.local, part.optimizer.master, part.layout, part.group,
                  part.index, None) for part in strategy.parts]
     if isinstance(strategy.optimizer, torch.optim.AdamW):
         owned = {id(p) for g in strategy.optimizer.param_groups for p in g["params"]}

@@ -1,7 +1,7 @@
 """One folder per parallelism: its mechanism, its strategy and PyTorch's twin together.
 
     dp/     single, dp-naive, dp (bucketed, overlapped), torch-ddp
-    zero/   ZeRO stages 1 and 2 (sharded AdamW, streaming reduce), torch-zero1
+    zero/   ZeRO stages 1 and 2 (ShardedOptimizer, streaming reduce), torch-zero1
     fsdp/   ZeRO-3 and FSDP (sharded units, prefetch), torch-fsdp2
     tp/     tensor and sequence parallelism, torch-tp
     pp/     pipeline schedules as tables, one runner, zero bubble, torch-pp-*

@@ -180,13 +180,11 @@ def dry_run(cfg: TrainConfig, rank: int = 0, step: bool = True) -> dict:
 
 
 def prime_optimizers(strategy) -> None:
-    """Create the states a first optimizer step creates, without the step: each torch optimizer
-    the strategy holds (directly, or inside a sharded one, refimpl.parallel.zero.sharded_adamw)
-    steps once on zero gradients where a parameter has none, which are then removed again. On
-    fake tensors the values it writes are no values."""
+    """Create the states a first optimizer step creates, without the step: the strategy's
+    optimizer (a sharded one, refimpl.parallel.zero.ShardedOptimizer, steps its shard) steps once
+    on zero gradients where a parameter has none, which are then removed again. On fake tensors
+    the values it writes are no values."""
     optimizer = getattr(strategy, "optimizer", None)
-    while optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = getattr(optimizer, "optimizer", None)
     if optimizer is None:
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]

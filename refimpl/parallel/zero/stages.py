@@ -26,14 +26,14 @@ all-gather = 2Ψ. Stages 1 and 2 both reduce-scatter the gradients (Ψ) and all-
 parameters (Ψ): 2Ψ, DP's volume. The two stages differ only in what they keep, not in what they
 send. (All-reducing in stage 1 would also work, but would move 3Ψ for nothing.)
 
-Why not `ShardedOptimizer` (refimpl.parallel.zero.sharded_optimizer, ZeRO-1 for a learner's own
-model and optimizer)? It partitions whole tensors, greedily by size, and broadcasts each updated
-tensor from its owner: any optimizer works, but a rank's share is only roughly 1/N (no share is
-smaller than the largest tensor: the GPT's embedding or lm_head) and the gradients must be
-all-reduced in full. The stages
-here cut one flat buffer into equal shards -- exactly ceil(Ψ/N) elements per rank, the bytes
-`model_state_bytes` predicts, a reduce-scatter instead of an all-reduce -- which only an
-elementwise optimizer (AdamW) can step. Two layouts, each written once.
+The partitioned optimizer states are `ShardedOptimizer(partition="flat")`
+(refimpl.parallel.zero.sharded_optimizer, P_os for a learner's own model too): it lays the
+parameters out in the flat buffer, steps this rank's shard with AdamW (elementwise, so a slice is
+stepped as `single` steps those elements) and all-gathers the buffer. Its flat partition, not its
+whole-tensor one, because the flat one gives every rank exactly ceil(Ψ/N) elements, the bytes
+`model_state_bytes` predicts, in shards a reduce-scatter can fill; the whole-tensor partition's
+shares are only roughly 1/N (none smaller than the GPT's embedding or lm_head). What the stages
+add is the gradient path: each rank's summed gradient shard, handed to `step_shard`.
 
 Options:
   bucket_mb (25)   with overlap, gradients leave in buckets from hooks during backward
@@ -43,7 +43,7 @@ Options:
   overlap (true)   false: one reduce_scatter_tensor of the whole flat gradient after backward --
                    the textbook picture, nothing hidden (and, at stage 2, the full gradients
                    held until backward ends)
-  offload (false)  ZeRO-Offload (Ren et al. 2021): see refimpl.parallel.zero.sharded_adamw
+  offload (false)  ZeRO-Offload (Ren et al. 2021): see refimpl.parallel.zero.sharded_optimizer
 """
 from __future__ import annotations
 
@@ -60,17 +60,18 @@ from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_byte
 from refimpl.model import GPT
 from refimpl.parallel.dp.flat_param import FlatParams
 from refimpl.parallel.dp.grad_buckets import GradBuckets, assign_buckets, reduce_sum_to_owner
-from refimpl.parallel.zero.sharded_adamw import ShardedAdamW
+from refimpl.parallel.zero.sharded_optimizer import ShardedOptimizer
 from refimpl.placement import data_parallel_axis
 from refimpl.rank_values import RankValues
-from refimpl.strategy import Strategy
+from refimpl.strategy import Strategy, optimizer_settings
 
 MiB = 2 ** 20
 
 
 class ZeroDataParallel(Strategy):
-    """What stages 1 and 2 share: flat parameters sharded over the dp x cp ranks of the mesh, the
-    sharded AdamW, and the all-gather of the updated shards after it.
+    """What stages 1 and 2 share: flat parameters sharded over the dp x cp ranks of the mesh, and
+    the optimizer over them (ShardedOptimizer's flat partition: AdamW on this rank's shard, then
+    the all-gather of the updated shards).
 
     A MoE model under --ep has two such partitions, each an instance of this class over its own
     parameters (`parts`): the dense ones sharded over dp x cp, the experts over "edp", the ranks
@@ -97,19 +98,20 @@ class ZeroDataParallel(Strategy):
             self.parts.append(part)
 
     def setup_shards(self, named: list, axis: str, values: RankValues | None = None) -> None:
-        ctx, mesh = self.ctx, self.mesh
+        ctx = self.ctx
         self.axis = axis
-        self.group, self.index, self.size = mesh.group(axis), mesh.index(axis), mesh.size(axis)
-        self.layout = FlatParams(named, self.size)
-        # Every rank keeps the full parameters (stages 1-2 do not shard them), laid out flat so
-        # that the updated shards can be all-gathered straight into the model's storage. Each
-        # parameter's value is made as the buffer is filled (a generator: one at a time, on the
+        self.group = self.mesh.group(axis)       # None: the axis has one rank
+        # Every rank keeps the full parameters (stages 1-2 do not shard them), laid out flat by
+        # the optimizer so that the updated shards are all-gathered straight into the model's
+        # storage. Each parameter's value is made as the buffer is filled (one at a time, on the
         # host), so the parameters are never held twice (refimpl.rank_values).
-        made = (p.detach() if values is None else values.local(name, p) for name, p in named)
-        self.flat = self.layout.flatten(made, device=ctx.device)
-        self.layout.bind(self.flat)
-        self.optimizer = ShardedAdamW(self.layout.shard(self.flat, self.index), ctx.cfg,
-                                      offload=bool(self.option("offload")))
+        cls, settings = optimizer_settings(ctx.cfg)
+        self.optimizer = ShardedOptimizer(
+            named, cls, group=self.group, partition="flat", offload=bool(self.option("offload")),
+            comm=self.comm, values=values, device=ctx.device, alone=self.group is None,
+            **settings)
+        self.layout = self.optimizer.layout
+        self.index, self.size = self.optimizer.rank, self.optimizer.world_size
         self.setup_gradients()      # sets self.grad_shard: this rank's slice of the summed gradient
 
     def setup_gradients(self) -> None:
@@ -164,17 +166,8 @@ class ZeroDataParallel(Strategy):
         raise NotImplementedError
 
     def part_step(self) -> None:
-        self.optimizer.step(self.grad_shard)
-        self.all_gather_parameters()
+        self.optimizer.step_shard(self.grad_shard)      # AdamW on the shard, then the all-gather
         self.grad_shard.zero_()
-
-    def all_gather_parameters(self) -> None:
-        # In place: this rank's shard is already where it belongs in `flat`.
-        if self.group is None:
-            return
-        shard = self.layout.shard(self.flat, self.index)
-        with comm_span("all_gather", self.flat.nbytes):
-            self.comm.all_gather_into_tensor(self.flat, shard, group=self.group)
 
     def model_state(self) -> ModelStateBytes:
         """Bytes on the compute device. With offload, the fp32 master shard, m and v live in host
@@ -182,7 +175,7 @@ class ZeroDataParallel(Strategy):
         params = list(self.model.parameters())
         offload = self.optimizer.offload
         optimizer = 0 if offload else sum(
-            tensor_bytes(optimizer_state_tensors(part.optimizer.optimizer)) for part in self.parts)
+            tensor_bytes(optimizer_state_tensors(part.optimizer.local)) for part in self.parts)
         shards = [] if offload else [part.grad_shard for part in self.parts]
         return ModelStateBytes(params=tensor_bytes(params),
                                grads=tensor_bytes([p.grad for p in params] + shards),
