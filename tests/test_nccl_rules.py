@@ -41,12 +41,14 @@
   REFIMPL_DEVICE_AUDIT every rank records such calls made from refimpl's code
   (refimpl.device_audit); apart from the few made on the host on purpose (HOST_BY_DESIGN), there
   must be none, in any strategy's set-up or step.
-* **Not covered under the staged backend:** notebook 10's other faults (the hangs, p2p-misordered
-  and rank-dies, on purpose; the other wrong numbers, on strategies RUNS has); notebook 11 and
+* **Not covered under the staged backend:** notebook 10's other faults (rank-dies on purpose; the
+  other wrong numbers, on strategies RUNS has; p2p-misordered's hang report runs staged in
+  tests/test_when_it_goes_wrong.py); notebook 11 and
   scripts/bench_plan_cpu.py's planner (its layouts are compositions RUNS has); bf16 beyond
   BF16's four in make test (the rest of RUNS in bf16 is `full`); memory recording and --profile
-  on other layouts than those two runs; and anything read from timing: a staged collective is
-  blocking, so overlap (comm_hidden_frac) reads nothing here.
+  on other layouts than those two runs; and anything read from timing: a staged collective runs
+  on the stream's worker thread while the caller goes on, but the profiler records no range there,
+  so overlap (comm_hidden_frac) reads nothing here.
 """
 import contextlib
 import functools
