@@ -19,6 +19,7 @@ import subprocess
 from dataclasses import asdict, dataclass
 
 GiB = 2 ** 30
+SHARED_DEVICE = "REFIMPL_SHARED_DEVICE"   # refimpl.shared_device.ENV (not imported: it loads torch)
 
 
 @dataclass(frozen=True)
@@ -42,18 +43,27 @@ class Machine:
         return len(self.gpus)
 
     def backend_for(self, nproc: int) -> str:
-        """The backend `launch.run(fn, nproc)` picks: NCCL only when every rank has its own GPU."""
+        """The backend `launch.run(fn, nproc)` picks: the staged one when every rank shares one
+        device (REFIMPL_SHARED_DEVICE, refimpl.shared_device), else NCCL only when every rank has
+        its own GPU."""
         if nproc < 1:
             raise ValueError(f"nproc must be >= 1, got {nproc}")
+        if os.environ.get(SHARED_DEVICE):
+            return "staged"
         return "nccl" if self.gpu_count >= nproc else "gloo"
 
     def device_for(self, nproc: int) -> str:
         """The device type the ranks of an `nproc`-rank run compute on (and its reference too)."""
+        if self.backend_for(nproc) == "staged":
+            return os.environ[SHARED_DEVICE].split(":")[0]
         return "cuda" if self.backend_for(nproc) == "nccl" else "cpu"
 
     def where(self, nproc: int) -> str:
         """'gloo (CPU)' or 'nccl (one GPU per rank)': the words a notebook uses for a run."""
-        if self.backend_for(nproc) == "nccl":
+        backend = self.backend_for(nproc)
+        if backend == "staged":
+            return f"{os.environ[SHARED_DEVICE]}, shared under NCCL's rules (the staged backend)"
+        if backend == "nccl":
             return "one GPU (CUDA)" if nproc == 1 else "nccl (one GPU per rank)"
         return "the CPU" if nproc == 1 else "gloo (CPU)"
 

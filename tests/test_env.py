@@ -25,7 +25,8 @@ def test_this_machine_agrees_with_the_launcher():
         assert m.device_for(n) == ranks_device(n)
 
 
-def test_summary_is_computed_from_the_facts():
+def test_summary_is_computed_from_the_facts(monkeypatch):
+    monkeypatch.delenv("REFIMPL_SHARED_DEVICE", raising=False)
     cpu = Machine(cpu_cores=2, memory_bytes=24 * 2 ** 30)
     assert cpu.summary(2) == "this machine: 2 CPU cores, 24.0 GiB, no GPU; 2 ranks run on gloo (CPU)"
     one_gpu = Machine(cpu_cores=16, memory_bytes=None, gpus=(H200,))
@@ -38,6 +39,10 @@ def test_summary_is_computed_from_the_facts():
     assert one_gpu.where(1) == "one GPU (CUDA)" and one_gpu.device_for(1) == "cuda"
     with pytest.raises(ValueError):
         cpu.backend_for(0)
+    monkeypatch.setenv("REFIMPL_SHARED_DEVICE", "cuda:0")     # several ranks on one GPU
+    assert eight.backend_for(4) == "staged" and eight.device_for(4) == "cuda"
+    assert one_gpu.summary(2).endswith("2 ranks run on cuda:0, shared under NCCL's rules "
+                                       "(the staged backend)")
 
 
 @pytest.mark.slow   # two CLI processes, each importing torch
