@@ -34,8 +34,9 @@ Semantics kept from NCCL, and where they differ:
     the rank and the blocked operation (tests/test_nccl_rules.py: the pipeline's old posting);
   * a collective is queued on the same stream and runs there while the caller goes on, as NCCL's
     does on its CUDA stream, so async_op=True overlaps compute and keeps its buffers in flight as
-    on NCCL (notebooks 02, 03 and 05 measure both under this backend in CI); on a GPU the copy
-    back is the caller's, so there a collective blocks until its result is back;
+    on NCCL (on a GPU the copy back is the caller's, so there a collective blocks until its result
+    is back). A CPU trace does not show that overlap yet: the gloo ranges the loader counts as
+    communication are not recorded from the stream's thread (tests/test_nccl_rules.py);
   * a send or receive returns at once and runs when the stream reaches it; a receive's copy back
     to the device happens in `wait`, on the caller's thread;
   * gloo matches point-to-point by tag and NCCL by posting order: the one-tag mode
@@ -168,9 +169,9 @@ class StagedGloo(dist.ProcessGroup):
         On CPU ranks nothing is staged (the host tensors are the tensors), and the collective is
         queued on the group's stream and runs there while the caller goes on, as NCCL's runs on
         its CUDA stream: the Work completes when the stream has run it, so an async_op=True
-        collective overlaps the compute that follows it (the overlap that notebooks 02, 03 and 05
-        measure) and holds its buffers while in flight. On a GPU the copy back to the device is
-        the caller's, so the call blocks until the result is back."""
+        collective overlaps the compute that follows it and holds its buffers while in flight. On
+        a GPU the copy back to the device is the caller's, so the call blocks until the result is
+        back."""
         self._check(outputs + inputs, op, opts)
         host_in = [self._host(t) for t in inputs]
         host_of = {id(t): h for t, h in zip(inputs, host_in)}

@@ -48,8 +48,9 @@
   BF16's four in make test (the rest of RUNS in bf16 is `full`); memory recording and --profile
   on other layouts than those two runs; and anything read from timing: a staged collective runs
   on the stream's worker thread while the caller goes on, yet the CPU trace shows none of it under
-  the compute (comm_hidden_frac reads 0 for dp and fsdp; why is not found yet: a range opened on the
-  caller and closed on the future, as gloo's own, did not change it).
+  the compute (comm_hidden_frac reads 0 for dp and fsdp): the `gloo:` ranges that plain gloo's
+  trace has, recorded on gloo's threads, are missing from a staged trace, and a range opened on the
+  caller and closed on the future, as gloo's own, did not bring them back.
 """
 import contextlib
 import functools
