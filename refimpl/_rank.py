@@ -31,11 +31,11 @@ def _keep_freed_memory() -> None:
     the kernel. PyTorch's CPU tensors come straight from malloc (no caching allocator, unlike CUDA),
     and glibc by default unmaps a freed block of 128 KiB or more and trims the heap's free top, so
     the next step's tensors of that size land on fresh pages, each faulted in and zeroed by the
-    kernel on the rank's main thread. Measured on a zbv step on 2 CPU ranks (scripts/bench_pp.py):
-    ~1,200 page faults per step in our runner, whose B frees a micro-batch's activations at once,
-    and 15 % of its main-thread CPU time; ~20-600 in PyTorch's, which keeps them until W. Now every
-    block under 32 MiB (the most glibc allows) comes from the heap, which is trimmed only past
-    1 GiB free: a rank keeps its peak heap until it exits."""
+    kernel on the rank's main thread. Measured on a zbv step on 2 loaded CPU ranks: ~1,200 page
+    faults per step in our pipeline runner (refimpl.parallel.pp), whose B frees a micro-batch's
+    activations at once, and 13-15 % of its main-thread CPU time; 20-700 in PyTorch's, which keeps
+    them until W. Now every block under 32 MiB (the most glibc allows) comes from the heap, which
+    is trimmed only past 1 GiB free: a rank keeps its peak heap until it exits."""
     if sys.platform.startswith("linux"):
         import ctypes
 
