@@ -15,6 +15,10 @@ A transform that slices or moves a parameter says so once, with `set_placement`:
     stage-local            under a pipeline a rank holds only its stage's parameters: the full
                            state dict is the union over the pp group
 
+Beside the placement, one more fact a transform records on a parameter: `mark_resharded`, a
+ZeRO-3/FSDP parameter whose full value exists only while its unit is gathered (a pipeline's zero
+bubble reads it).
+
 `gather_full_state_dict` applies these in one order -- undo the shards (all-gather over their
 axis), then merge the pipeline stages -- so ZeRO-3 (which first reassembles each unit's flat
 buffer over dp) and every model-parallel axis share it, and any checkpoint reshards onto any
@@ -70,6 +74,22 @@ def set_placement(tensor: torch.Tensor, placement: Placement | None) -> None:
 
 def placement_of(tensor: torch.Tensor) -> Placement | None:
     return getattr(tensor, ATTRIBUTE, None)
+
+
+# A ZeRO-3/FSDP parameter (refimpl.parallel.fsdp): its full value exists only while its unit is
+# gathered, and the unit is freed once a backward (or a split schedule's W) has delivered its
+# gradients. A pipeline's zero bubble (refimpl.parallel.pp.zero_bubble) keeps the split W on a chunk
+# holding one: that W reads no weight, where the whole backward it runs on other first pieces
+# rereads the weights autograd saved in the forward.
+RESHARDED = "_refimpl_resharded"
+
+
+def mark_resharded(tensor: torch.Tensor) -> None:
+    setattr(tensor, RESHARDED, True)
+
+
+def is_resharded(tensor: torch.Tensor) -> bool:
+    return getattr(tensor, RESHARDED, False)
 
 
 def data_parallel_axis(tensor: torch.Tensor) -> str:

@@ -23,6 +23,7 @@ from refimpl.parallel.pp.schedules import (
 )
 from refimpl.parallel.pp.stage import build_chunks, partition
 from refimpl.parallel.pp.zero_bubble import WeightGradRecord, record_weight_grads
+from refimpl.placement import mark_resharded
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
@@ -167,11 +168,11 @@ def test_zero_bubble_b_skips_the_weight_products():
     assert b + w == full and 0.3 * full < b < 0.7 * full
 
 
-@pytest.mark.parametrize("hooked", [False, True])
-def test_first_piece_w_is_the_whole_backward_unless_a_parameter_is_hooked(hooked):
+@pytest.mark.parametrize("resharded", [False, True])
+def test_first_piece_w_is_the_whole_backward_unless_a_parameter_is_resharded(resharded):
     # The first piece has no input gradient to send, so its B does no matrix product and its W is
-    # the whole backward; a chunk whose parameter has a tensor hook (SP's all-reduce, ZeRO-3) keeps
-    # the split. Gradients equal the plain backward either way, and the hook fires once, in W.
+    # the whole backward; a chunk holding a parameter ZeRO-3/FSDP marked resharded keeps the split.
+    # Gradients equal the plain backward either way, and a parameter's hook fires once, in W.
     from torch.utils.flop_counter import FlopCounterMode
 
     (chunk,) = build_chunks(build_model(config(2), SEED), 2, 0)   # embedding + block 0
@@ -181,8 +182,9 @@ def test_first_piece_w_is_the_whole_backward_unless_a_parameter_is_hooked(hooked
     want = {n: p.grad.clone() for n, p in chunk.named_parameters()}
     chunk.zero_grad(set_to_none=True)
     calls = []
-    if hooked:
-        chunk.blocks["0"].ln1.weight.register_hook(lambda g: calls.append(1))
+    chunk.blocks["0"].ln1.weight.register_hook(lambda g: calls.append(1))
+    if resharded:
+        mark_resharded(chunk.blocks["0"].ln1.weight)
 
     def flops(fn):
         with FlopCounterMode(display=False) as counter:
@@ -201,8 +203,10 @@ def test_first_piece_w_is_the_whole_backward_unless_a_parameter_is_hooked(hooked
     def b():
         for (entry, _), g in zip(embeds, torch.autograd.grad(out, [t for _, t in embeds], dy)):
             entry[2] = g
-    fb, fw = flops(b), flops(record.apply)
-    assert fb + fw == full and (0 < fw < fb if hooked else fb == 0)
-    assert len(calls) == hooked                                  # the hook fired once, in W
+    fb = flops(b)
+    assert calls == []
+    fw = flops(record.apply)
+    assert fb + fw == full and (0 < fw < fb if resharded else fb == 0)
+    assert len(calls) == 1                                       # the hook fired once, in W
     for n, p in chunk.named_parameters():
         assert rel_err(p.grad, want[n]) <= 1e-6

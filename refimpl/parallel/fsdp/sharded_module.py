@@ -52,6 +52,7 @@ import torch.nn as nn
 
 from refimpl.parallel.dp.wrapping import check_devices, claim, group_size, named_state, resolve_group
 from refimpl.parallel.fsdp.sharded_unit import ShardedUnit
+from refimpl.placement import mark_resharded
 
 
 @dataclass(frozen=True)
@@ -208,11 +209,10 @@ class FullyShard(nn.Module):
         this = _weak(self)
         for unit in parts:
             for p in unit.flat.params:
-                # A tensor hook that changes nothing, kept as a signal: a pipeline's zero-bubble
-                # W runs the first chunk's backward whole, rereading its saved weights, unless
-                # its parameters carry a tensor hook (refimpl.parallel.pp.zero_bubble); a unit
-                # freed after its B would have none to reread, so ours keep the split W.
-                p.register_hook(_keep_split_weight_grads)
+                # A pipeline's zero bubble runs the first chunk's W as its whole backward,
+                # rereading its saved weights, unless a parameter is marked resharded
+                # (refimpl.placement): a unit freed after its B would have none to reread.
+                mark_resharded(p)
                 p.register_post_accumulate_grad_hook(
                     lambda param, unit=unit: this()._grad_ready(i, unit))
 
@@ -317,11 +317,6 @@ def _tensors(out) -> list[torch.Tensor]:
 
 def _autocasting(device_type: str) -> bool:
     return device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type)
-
-
-def _keep_split_weight_grads(grad: torch.Tensor) -> None:
-    """The gradient passes unchanged (see `_install_grad_hooks`)."""
-    return None
 
 
 def _weak(obj):

@@ -68,7 +68,7 @@ import torch.distributed as dist
 
 from refimpl.labels import phase
 from refimpl.model import Batch, lm_loss
-from refimpl.model.moe import moe_aux_loss
+from refimpl.model.moe import moe_aux_loss, moe_layers
 from refimpl.parallel.pp.links import ACTIVATION, GRADIENT, Links, posting
 from refimpl.parallel.pp.nccl_order import rank_order
 
@@ -83,7 +83,7 @@ from refimpl.parallel.pp.schedules import (  # noqa: F401
 )
 from refimpl.parallel.pp.simulate import inbox as table_inbox
 from refimpl.parallel.pp.stage import StageChunk
-from refimpl.parallel.pp.zero_bubble import WeightGradRecord, record_weight_grads
+from refimpl.parallel.pp.zero_bubble import WeightGradRecord, chunk_layers, record_weight_grads
 
 
 def run_schedule(chunks: list[StageChunk], table: list[list[str]], micro: list[Batch], group, *,
@@ -102,16 +102,17 @@ def run_schedule(chunks: list[StageChunk], table: list[list[str]], micro: list[B
     `fault`: pp-loss-scaled-twice or p2p-misordered inject their bug (refimpl.faults)."""
     m = len(micro)
     rank = 0 if group is None else dist.get_rank(group)
-    actions = table[rank]
-    entries = [parse_entry(e) for e in actions]
-    split = any(a.kind == "W" for e in entries for a in e)
 
     def shape(mb: int):
         rows, seq = micro[mb].inputs.shape   # sequence parallelism: s/t tokens between stages
         return (rows, seq // chunks[0].seq_split, chunks[0].d_model)
 
     how = posting(group)
-    inbox, order = _plan(tuple(map(tuple, table)), rank, where, how == "ordered")
+    entries, inbox, order = _plan(tuple(map(tuple, table)), rank, where, how == "ordered")
+    split = any(a.kind == "W" for e in entries for a in e)
+    # Per chunk, once per step: its layers for zero bubble's W, whether it has experts.
+    layers = [chunk_layers(c) for c in chunks] if split else None
+    experts = [bool(moe_layers(c)) for c in chunks]
     links = Links(group, len(chunks), m, like=next(chunks[0].parameters(), None), where=where,
                   inbox=inbox, shape=shape, order=order)
     saved, records, total = {}, {}, None
@@ -120,20 +121,22 @@ def run_schedule(chunks: list[StageChunk], table: list[list[str]], micro: list[B
         for _, a in parsed:
             links.post_recv(a)
     for i, a in parsed:
-        for ahead in (b for e in entries[i:i + 2] for b in e):  # this entry's receives, the next's
-            links.post_recv(ahead)
+        if how == "ahead":      # this entry's receives, the next's (the others post them elsewhere)
+            for ahead in (b for e in entries[i:i + 2] for b in e):
+                links.post_recv(ahead)
         key, k, chunk = (a.micro_batch, a.chunk), links.piece(a), chunks[a.chunk]
         label = a.text(len(chunks) > 1)
         if a.kind == "F":
             x = micro[a.micro_batch].inputs if k == 0 else links.take(a).requires_grad_()
             record = WeightGradRecord() if split else None
             with phase("forward"), phase(f"pp:{label}"):
-                with (record_weight_grads(chunk, record) if split else nullcontext([])) as embeds:
+                with (record_weight_grads(chunk, record, layers[a.chunk]) if split
+                      else nullcontext([])) as embeds:
                     with autocast():
                         out = chunk(x)
                 # The MoE layers of this chunk: their aux loss joins the step's loss here, on the
                 # stage that computed it (single adds every layer's to its micro-batch's loss).
-                aux = moe_aux_loss(chunk)
+                aux = moe_aux_loss(chunk) if experts[a.chunk] else 0.0
                 if chunk.is_last:
                     with autocast():
                         loss = (loss_fn(out, micro[a.micro_batch].targets) + aux) / m
@@ -174,12 +177,14 @@ def run_schedule(chunks: list[StageChunk], table: list[list[str]], micro: list[B
 
 
 @lru_cache(maxsize=64)
-def _plan(table: tuple, rank: int, where: str, ordered: bool) -> tuple[dict, list | None]:
-    """This rank's receive order per sender (simulate.inbox) and, when `ordered`, its sends and
-    receives in the step's one order (nccl_order.rank_order): pure functions of the table, so
-    computed once per table, not every step (the links copy them, never change them)."""
+def _plan(table: tuple, rank: int, where: str, ordered: bool) -> tuple[list, dict, list | None]:
+    """This rank's row, parsed (a list of entries, each a list of actions); its receive order per
+    sender (simulate.inbox); and, when `ordered`, its sends and receives in the step's one order
+    (nccl_order.rank_order): pure functions of the table, so computed once per table, not every
+    step (the runner and the links read them, never change them)."""
     rows = [list(row) for row in table]
-    return table_inbox(rows, rank, where), rank_order(rows, rank, where) if ordered else None
+    return ([parse_entry(e) for e in rows[rank]], table_inbox(rows, rank, where),
+            rank_order(rows, rank, where) if ordered else None)
 
 
 def _backward(out, grad, x, embeds, split: bool, aux=None):

@@ -32,13 +32,15 @@ logits), and its W is one plain backward from that output: autograd's own produc
 tensors, every hook a data-parallel strategy put on a parameter firing once, as in a plain backward.
 Its activations then stay alive until W rather than B (the peak in flight is reached before its
 first B on every table here). A chunk with experts keeps the split (its aux loss, which the runner
-adds to the output's, does not pass through the output), and so does one whose parameters carry a
-tensor hook (tensor parallelism's sequence-parallel all-reduce, ZeRO-3/FSDP's marker hook): those
-strategies were built and checked on the split's W, which reads no weight (zero3.py counts on it).
+adds to the output's, does not pass through the output), and so does one holding a parameter that
+ZeRO-3/FSDP marked resharded (refimpl.placement.mark_resharded): its unit is freed once its
+gradients are in, so a W that reread the weights would find none; the split's W reads no weight
+(zero3.py counts on it).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -47,6 +49,7 @@ import torch.nn.functional as F
 
 from refimpl.model.moe import MoEMLP
 from refimpl.model.rmsnorm import RMSNorm
+from refimpl.placement import is_resharded
 
 # The layers W has a formula for (weight_grads); a chunk holding a parameter of any other kind is
 # refused (`_check_covered`): B skips every weight product, so such a parameter's gradient would
@@ -103,19 +106,42 @@ class WeightGradRecord:
         self.whole.clear()
 
 
-@contextmanager
-def record_weight_grads(chunk: nn.Module, record: WeightGradRecord):
-    """Forward hooks that fill `record` while the chunk runs one micro-batch's forward; yields the
-    list of (entry, tensor) that the first piece's B differentiates with respect to and stores the
-    gradient of in entry[2], since it has no input gradient to compute: the chunk's output, or,
-    where the first piece keeps the split (module docstring), the embeddings' outputs (their dY)."""
-    embed_outputs = []
+@dataclass(frozen=True)
+class ChunkLayers:
+    """What `record_weight_grads` hooks on a chunk, found by `chunk_layers` once per step rather
+    than once per forward: the walk over the chunk's modules and parameters is the same for every
+    micro-batch."""
+
+    hooked: tuple          # the modules W has a formula for, each given a forward hook
+    observed: tuple        # tensor parallelism's linears, which report their matmul (observe_matmul)
+    block_of: dict         # id(module) -> its block ("blocks.3", "lm_head")
+    whole: bool            # the first piece, whose W is the whole backward (module docstring)
+
+
+def chunk_layers(chunk: nn.Module) -> ChunkLayers:
+    """The layers of `chunk` that W covers; raises if a trainable parameter is in none of them."""
     layers = [(name, m) for name, m in chunk.named_modules()
               if isinstance(m, WEIGHT_LAYERS) or hasattr(m, "observe_matmul")]
     _check_covered(chunk, [m for _, m in layers])
-    if any(isinstance(m, nn.Embedding) for _, m in layers) and not any(
-            isinstance(m, MoEMLP) for m in chunk.modules()) and not any(
-            p._backward_hooks for p in chunk.parameters()):
+    whole = (any(isinstance(m, nn.Embedding) for _, m in layers)
+             and not any(isinstance(m, MoEMLP) for m in chunk.modules())
+             and not any(is_resharded(p) for p in chunk.parameters()))
+    return ChunkLayers(hooked=tuple(m for _, m in layers if not hasattr(m, "observe_matmul")),
+                       observed=tuple(m for _, m in layers if hasattr(m, "observe_matmul")),
+                       block_of={id(m): ".".join(name.split(".")[:2]) for name, m in layers},
+                       whole=whole)
+
+
+@contextmanager
+def record_weight_grads(chunk: nn.Module, record: WeightGradRecord, layers: ChunkLayers | None = None):
+    """Forward hooks that fill `record` while the chunk runs one micro-batch's forward; yields the
+    list of (entry, tensor) that the first piece's B differentiates with respect to and stores the
+    gradient of in entry[2], since it has no input gradient to compute: the chunk's output, or,
+    where the first piece keeps the split (module docstring), the embeddings' outputs (their dY).
+    `layers`: the chunk's `chunk_layers`, when the caller has them from an earlier forward."""
+    layers = chunk_layers(chunk) if layers is None else layers
+    embed_outputs = []
+    if layers.whole:
         # The first piece: B takes only the output's gradient, W is the whole backward (docstring).
         outputs = []
         handle = chunk.register_forward_hook(lambda module, inputs, output: outputs.append(output))
@@ -148,17 +174,16 @@ def record_weight_grads(chunk: nn.Module, record: WeightGradRecord):
             entry[2] = grad if entry[2] is None else entry[2] + grad
         y.register_hook(keep)
 
-    record.block_of = {id(m): ".".join(name.split(".")[:2]) for name, m in layers}
-    handles = [m.register_forward_hook(hook) for _, m in layers if not hasattr(m, "observe_matmul")]
-    observed = [m for _, m in layers if hasattr(m, "observe_matmul")]
-    for m in observed:
+    record.block_of = layers.block_of
+    handles = [m.register_forward_hook(hook) for m in layers.hooked]
+    for m in layers.observed:
         m.observe_matmul = observe
     try:
         yield embed_outputs
     finally:
         for h in handles:
             h.remove()
-        for m in observed:
+        for m in layers.observed:
             m.observe_matmul = None
 
 
