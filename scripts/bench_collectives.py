@@ -35,6 +35,8 @@ def main() -> None:
     p.add_argument("--ops", nargs="+", default=list(bench.OPS), choices=bench.OPS)
     p.add_argument("--ratio-bytes", type=parse_bytes, default=16 << 20)
     p.add_argument("--ratio-repeats", type=int, default=30)
+    p.add_argument("--ratio-worlds", type=int, nargs="+", default=[2, 4],
+                   help="world sizes of the ring-vs-gloo head-to-head")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args()
 
@@ -56,18 +58,19 @@ def main() -> None:
     print(fits[["impl", "op", "world_size", "alpha_us", "beta_GBps", "r2_log", "median_rel_err"]]
           .round(3).to_string(index=False), "\n")
 
-    h2h = bench.head_to_head("all_reduce", args.ratio_bytes, 2, args.ratio_repeats)
-    print(f"--- ring all-reduce vs gloo all_reduce, {args.ratio_bytes / 2**20:.0f} MB, 2 ranks, "
-          f"{args.ratio_repeats} alternating calls ---")
-    print((h2h[["median_s", "min_s"]] * 1e3).round(2).rename(columns=lambda c: c + " (ms)")
-          .join((h2h[["busbw_median", "busbw_best"]] / 1e9).round(3)).to_string())
-    median_ratio = h2h.loc["refimpl", "busbw_median"] / h2h.loc["torch", "busbw_median"]
-    best_ratio = h2h.loc["refimpl", "busbw_best"] / h2h.loc["torch", "busbw_best"]
-    print(f"\nrefimpl / gloo busbw: {median_ratio:.3f} (medians), {best_ratio:.3f} (best calls); "
-          f"goal >= 0.9")
-    record("ring all-reduce / gloo busbw (16 MB, 2 ranks, medians)", median_ratio, ">= 0.9",
-           script="bench_collectives.py", note=f"{args.ratio_repeats} alternating calls")
-
+    for world in args.ratio_worlds:
+        h2h = bench.head_to_head("all_reduce", args.ratio_bytes, world, args.ratio_repeats)
+        print(f"--- ring all-reduce vs gloo all_reduce, {args.ratio_bytes / 2**20:.0f} MB, {world} ranks, "
+              f"{args.ratio_repeats} alternating calls ---")
+        print((h2h[["median_s", "min_s"]] * 1e3).round(2).rename(columns=lambda c: c + " (ms)")
+              .join((h2h[["busbw_median", "busbw_best"]] / 1e9).round(3)).to_string())
+        median_ratio = h2h.loc["refimpl", "busbw_median"] / h2h.loc["torch", "busbw_median"]
+        best_ratio = h2h.loc["refimpl", "busbw_best"] / h2h.loc["torch", "busbw_best"]
+        print(f"\nrefimpl / gloo busbw: {median_ratio:.3f} (medians), {best_ratio:.3f} (best calls); "
+              f"goal >= 0.9\n")
+        record(f"ring all-reduce / gloo busbw ({args.ratio_bytes / 2**20:.0f} MB, {world} ranks, medians)",
+               median_ratio, ">= 0.9", script="bench_collectives.py",
+               note=f"{args.ratio_repeats} alternating calls")
 
 if __name__ == "__main__":
     main()
