@@ -25,10 +25,8 @@ for one replicated tensor.
 from __future__ import annotations
 
 import torch
-
-# torch.distributed.checkpoint is imported where a twin saves or loads, not here: importing it
-# takes about a second, and every CLI run and notebook imports this module through refimpl.train
-# whether it checkpoints or not.
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 FORMAT = "dcp"
 
@@ -53,8 +51,6 @@ def _state(strategy) -> dict:
     """What a twin's checkpoint holds, as DCP saves and loads it: the model's and the optimizer's
     state dicts under the reference's names, and the generator (replicated: every rank seeds the
     same way, so rank 0's copy is written)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     model_sd, optim_sd = get_state_dict(strategy.model, strategy.optimizer)
     return {"model": model_sd, "optim": optim_sd, "rng": torch.get_rng_state()}
 
@@ -62,17 +58,12 @@ def _state(strategy) -> dict:
 def save_state(strategy, directory) -> None:
     """Every rank writes its chunks into `directory`; collective (DCP plans the writes on rank 0
     and writes the metadata there once every rank's files are written)."""
-    import torch.distributed.checkpoint as dcp
-
     dcp.save(_state(strategy), checkpoint_id=str(directory))
 
 
 def load_state(strategy, directory) -> None:
     """Every rank reads the chunks its tensors need (any world size, any of the twins above),
     in place; then the optimizer gets its state back by parameter. Collective."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
     # get_state_dict gives AdamW a state to load into: one step with zero gradients at lr 0
     # (torch's _init_optim_state), which moves no weight
     state = _state(strategy)
