@@ -62,15 +62,6 @@ def _holders(strategy):
     raise NotImplementedError(f"{strategy.name}: optimizer-state resharding is not supported")
 
 
-def _gather_flat(shard: torch.Tensor, flat, group, comm) -> torch.Tensor:
-    whole = flat.empty(shard.dtype, shard.device)
-    if group is None:
-        whole.copy_(shard)
-    else:
-        comm.all_gather_into_tensor(whole, shard.contiguous(), group=group)
-    return whole
-
-
 def full_optimizer_state(strategy) -> dict:
     """{"step": int, "exp_avg": {name: full tensor}, "exp_avg_sq": {...}} under the reference's
     names and shapes, on every rank. Collective over every axis (every rank calls it)."""
@@ -83,7 +74,7 @@ def full_optimizer_state(strategy) -> dict:
             if flat is None:
                 local[m][name] = state[m].detach()
             else:
-                whole = _gather_flat(state[m].detach(), flat, group, strategy.comm)
+                whole = flat.gathered(state[m].detach(), group, strategy.comm)
                 local[m].update(flat.state_dict(whole))
     full = {m: gather_full_state_dict(local[m], strategy.model, strategy.mesh, strategy.comm)
             for m in MOMENTS}

@@ -29,7 +29,8 @@ from refimpl.memory.measured import (
     measure_step_activations,
     measured_model_state,
     optimizer_state_tensors,
+    per_element,
     tensor_bytes,
 )
 
-__all__ = ["GB", "GiB", "ModelStateBytes", "shard_numel", "model_state_bytes", "sharded_state_bytes", "zero_state_bytes", "activation_bytes_per_layer", "block_activation_bytes", "tp_block_activation_bytes", "llama_block_activation_bytes", "training_flops", "training_days", "tensor_bytes", "optimizer_state_tensors", "measured_model_state", "ActivationTracker", "measure_block_activations", "measure_step_activations"]
+__all__ = ["GB", "GiB", "ModelStateBytes", "shard_numel", "model_state_bytes", "sharded_state_bytes", "zero_state_bytes", "activation_bytes_per_layer", "block_activation_bytes", "tp_block_activation_bytes", "llama_block_activation_bytes", "training_flops", "training_days", "tensor_bytes", "optimizer_state_tensors", "per_element", "measured_model_state", "ActivationTracker", "measure_block_activations", "measure_step_activations"]

@@ -27,11 +27,17 @@ def tensor_bytes(tensors) -> int:
     return total
 
 
+def per_element(value) -> bool:
+    """An optimizer state kept per parameter element (Adam's exp_avg, a momentum buffer), not a
+    scalar like the step count."""
+    return torch.is_tensor(value) and value.dim() > 0
+
+
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer):
     """The tensors an optimizer keeps per parameter (Adam: exp_avg, exp_avg_sq), not scalars like step."""
     for state in optimizer.state.values():
         for value in state.values():
-            if torch.is_tensor(value) and value.dim() > 0:
+            if per_element(value):
                 yield value
 
 

@@ -61,6 +61,16 @@ class FlatParams:
         """Each slot's tensor, shaped like its parameter, as a view into `flat` (no copy)."""
         return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
 
+    def gathered(self, shard: torch.Tensor, group, comm) -> torch.Tensor:
+        """A new whole flat buffer from every rank's `shard` of it: one all-gather over `group`
+        (None: this rank holds the only shard, which is copied)."""
+        whole = self.empty(shard.dtype, shard.device)
+        if group is None:
+            whole.copy_(shard)
+        else:
+            comm.all_gather_into_tensor(whole, shard.contiguous(), group=group)
+        return whole
+
     def bind(self, flat: torch.Tensor) -> None:
         """Make every parameter's data a view into `flat`, so writing `flat` updates the model."""
         for p, view in zip(self.params, self.views(flat)):

@@ -83,8 +83,12 @@ class Links:
                 tensor = self.ready.pop(t)
                 self.sends.append((p2p.isend(tensor, group=self.group, tag=t, group_dst=peer), tensor))
             else:
-                buf = torch.empty(self.shape((t - 1) % self.m), **self.like)
-                self.posted[t] = (p2p.irecv(buf, group=self.group, tag=t, group_src=peer), buf)
+                self._irecv(t, peer)
+
+    def _irecv(self, tag: int, src: int) -> None:
+        """Post the receive of message `tag` from group rank `src` into a fresh buffer."""
+        buf = torch.empty(self.shape((tag - 1) % self.m), **self.like)
+        self.posted[tag] = (p2p.irecv(buf, group=self.group, tag=tag, group_src=src), buf)
 
     def post_recv(self, a: Action) -> None:
         if self.order is not None:      # ordered mode posts a receive when it is next in order
@@ -96,8 +100,7 @@ class Links:
         queue = self.inbox.get(src, []) if self.inbox is not None else [tag]
         while tag not in self.posted:       # the sender's earlier messages first: its order
             first = queue.pop(0)
-            buf = torch.empty(self.shape((first - 1) % self.m), **self.like)
-            self.posted[first] = (p2p.irecv(buf, group=self.group, tag=first, group_src=src), buf)
+            self._irecv(first, src)
 
     def post_ahead(self, a: Action) -> None:
         """Post the receive `a` needs now, ahead of every operation the order puts before it: the
@@ -108,8 +111,7 @@ class Links:
         if self.order is None:
             return
         tag, src = self.incoming(a)
-        buf = torch.empty(self.shape((tag - 1) % self.m), **self.like)
-        self.posted[tag] = (p2p.irecv(buf, group=self.group, tag=tag, group_src=src), buf)
+        self._irecv(tag, src)
         self.done_ops.add((False, tag))
 
     def take(self, a: Action) -> torch.Tensor:

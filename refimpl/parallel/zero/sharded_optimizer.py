@@ -61,7 +61,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from refimpl.labels import comm_span
-from refimpl.memory import ModelStateBytes, measured_model_state
+from refimpl.memory import ModelStateBytes, measured_model_state, per_element
 from refimpl.parallel.dp.flat_param import FlatParams
 from refimpl.parallel.dp.wrapping import check_devices, group_size, resolve_group
 
@@ -231,20 +231,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         local = self.local.state.get(self.master, {})
         if not local:
             return {}
-        cut = {k: self.layout.views(self._gathered(v)) for k, v in local.items() if _per_element(v)}
+        cut = {k: self.layout.views(self._gathered(v)) for k, v in local.items() if per_element(v)}
         return {index[id(p)]: {k: _host_copy(cut[k][j] if k in cut else v) for k, v in local.items()}
                 for j, p in enumerate(self.layout.params)}
 
     def _gathered(self, shard: torch.Tensor) -> torch.Tensor:
         """The whole flat buffer of one per-element state, from every rank's shard of it."""
-        whole = self.layout.empty(shard.dtype, self.flat.device)
         mine = shard.to(self.flat.device)          # under offload, from the host
         if self.world_size == 1:
-            whole.copy_(mine)
-        else:
-            with comm_span("all_gather", whole.nbytes):
-                self.comm.all_gather_into_tensor(whole, mine, group=self.group)
-        return whole
+            return self.layout.gathered(mine, None, self.comm)
+        with comm_span("all_gather", self.flat.nbytes):
+            return self.layout.gathered(mine, self.group, self.comm)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a whole state (from `state_dict()` at any world size, or a plain optimizer's)."""
@@ -279,10 +276,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         states = {s.name: of[id(p)] for s, p in zip(self.layout.slots, self.layout.params)}
         shard = {}
         if any(states.values()):
-            per_element = {k for s in states.values() for k, v in s.items() if _per_element(v)}
+            elementwise = {k for s in states.values() for k, v in s.items() if per_element(v)}
             shard = {k: _host_copy(v) for k, v in next(s for s in states.values() if s).items()
-                     if k not in per_element}
-            for k in per_element:
+                     if k not in elementwise}
+            for k in elementwise:
                 shard[k] = self.layout.filled_shard(
                     lambda s, k=k: states[s.name].get(k, torch.zeros(s.shape)), self.rank,
                     dtype=self.master.dtype, device=self.master.device)
@@ -301,12 +298,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
 def _settings(group: dict) -> dict:
     """A parameter group's hyper-parameters: all but its parameters and their names."""
     return {k: v for k, v in group.items() if k not in ("params", "param_names")}
-
-
-def _per_element(value) -> bool:
-    """A state kept per parameter element (m, v, a momentum buffer), not a scalar like the step
-    count (refimpl.memory.optimizer_state_tensors' rule)."""
-    return torch.is_tensor(value) and value.dim() > 0
 
 
 def _host_copy(value):
