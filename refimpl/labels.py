@@ -168,11 +168,16 @@ def comm_span(op: str, nbytes: int | None = None, *, world: int | None = None,
                                    phase or current_phase(), inner=span)
 
 
+# A backend's own range for a collective (gloo's on its worker thread, the staged backend's on the
+# caller's): the collective in flight, where our comm:<op> labels time the caller inside the call.
+BACKEND_RANGES = ("gloo:", "nccl:")
+
+
 def categorize(name: str) -> str:
     """forward / backward / optimizer / comm / step / op, from a range's name."""
     if name in PHASES:
         return name
-    if COMM_LABEL.match(name) or name.startswith(("gloo:", "nccl:", "c10d::", "record_param_comms")):
+    if COMM_LABEL.match(name) or name.startswith(BACKEND_RANGES + ("c10d::", "record_param_comms")):
         return "comm"
     if name.startswith("ProfilerStep#"):
         return "step"

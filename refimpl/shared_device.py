@@ -89,6 +89,24 @@ def _lists(flat: list, count: int) -> list[list]:
     return [flat[k * n:(k + 1) * n] for k in range(count)]
 
 
+def _backend_range(op: str, done: torch.futures.Future) -> torch.futures.Future:
+    """While the profiler runs: a range `gloo:<op>` from now until `done` completes, the time the
+    collective is in flight, as gloo's own range on its worker thread is in a plain gloo trace.
+
+    The gloo call itself runs on the stream's worker thread, which the profiler does not record
+    (it records the thread that started it, and threads torch hands its state to), so without this
+    a staged trace has no backend range and its overlap reads as none. The range opens here, on the
+    caller's thread, and torch's `_call_end_callbacks_on_future` (made for asynchronous RPC) closes
+    it when `done` completes, under the caller's profiler state; refimpl.trace.profiling reads a
+    gloo:/nccl: range as communication in flight, not as time its thread spends in a call. Returns
+    the future to wait on: `done`'s value, once the range is closed."""
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return done
+    in_flight = torch.autograd.profiler.record_function(f"gloo:{op}")
+    in_flight.__enter__()
+    return in_flight._call_end_callbacks_on_future(done)
+
+
 def _done(result) -> dist.Work:
     fut = torch.futures.Future()
     fut.set_result(result)
@@ -179,6 +197,7 @@ class StagedGloo(dist.ProcessGroup):
         unit = Unit(lambda: [call(host_out, host_in)], [op])
         if all(h is t for t, h in zip(outputs, host_out)):
             done = torch.futures.Future()
+            traced = _backend_range(op, done)
 
             def complete(error: str | None) -> None:
                 if error is None:
@@ -188,7 +207,7 @@ class StagedGloo(dist.ProcessGroup):
 
             unit.on_done = complete
             self.stream.submit(unit)
-            return _create_work_from_future(done)   # a future-backed Work: DDP's hooks read it
+            return _create_work_from_future(traced)   # a future-backed Work: DDP's hooks read it
         self.stream.submit(unit).result()
         for t, h in zip(outputs, host_out):
             if h is not t:

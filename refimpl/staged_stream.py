@@ -110,6 +110,9 @@ class Stream:
             else:
                 unit.error = f"an earlier operation on this stream failed: {self.failed}"
             unit.finish()
+            # let go of the unit (its closure holds the call's tensors) before waiting for the
+            # next one: the caller frees them when it is done, as it would after a gloo call
+            del unit
 
     def _run(self, unit: Unit) -> None:
         started = time.monotonic()

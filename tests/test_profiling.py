@@ -61,3 +61,14 @@ def test_time_split_counts_overlap_only_on_another_thread():
     s = summarize(df).iloc[0]
     assert (s.compute_us, s.overlap_us, s.comm_us, s.idle_us) == (50, 20, 20, 10)
     assert s.comm_hidden_frac == 0.5
+
+
+def test_a_backend_range_on_the_compute_thread_is_in_flight_not_a_call():
+    # The staged backend records gloo:<op> on the caller's thread, from the call until the
+    # collective completes (refimpl.shared_device): that is communication hidden under the
+    # forward, where a comm: label there is the thread inside a call, not computing.
+    rows = [(0, "ProfilerStep#1", "step", 0, 100, 1, 1), (0, "forward", "forward", 0, 100, 1, 1)]
+    in_flight = summarize(_frame(rows + [(0, "gloo:all_reduce", "comm", 20, 30, 1, 1)])).iloc[0]
+    in_a_call = summarize(_frame(rows + [(0, "comm:all_reduce", "comm", 20, 30, 1, 1)])).iloc[0]
+    assert (in_flight.compute_us, in_flight.overlap_us, in_flight.comm_us) == (70, 30, 0)
+    assert (in_a_call.compute_us, in_a_call.overlap_us, in_a_call.comm_us) == (70, 0, 30)

@@ -14,7 +14,7 @@ import json
 import re
 from pathlib import Path
 
-from refimpl.labels import COMM_LABEL, PHASES, categorize
+from refimpl.labels import BACKEND_RANGES, COMM_LABEL, PHASES, categorize
 from refimpl.trace import kernels
 
 
@@ -146,19 +146,24 @@ def _time_split(phases, comms, windows) -> dict:
 
     A rank is *computing* at time t if some phase range covers t on a thread that is not, at that
     moment, inside a communication call of its own (a phase that waits on a blocking collective is
-    not computing). It is *communicating* if any comm range covers t. Exact: the timeline is cut at
-    every range boundary and each piece is classified.
+    not computing). It is *communicating* if any comm range covers t. A comm range is
+    (start, end, thread, in_flight): a backend's range (gloo:…, nccl:…) is the collective in
+    flight, not time its thread spends in a call, so it never stops a thread computing. gloo
+    records it on its own worker thread; the staged backend on the caller's, from the call until
+    the collective completes (refimpl.shared_device). Exact: the timeline is cut at every range
+    boundary and each piece is classified.
     """
-    cuts = sorted({x for s, e, _ in phases + comms for x in (s, e)} | {x for w in windows for x in w})
+    cuts = sorted({x for s, e, *_ in phases + comms for x in (s, e)} | {x for w in windows for x in w})
     split = {"compute": 0.0, "comm": 0.0, "overlap": 0.0, "idle": 0.0}
     for left, right in zip(cuts, cuts[1:]):
         mid = (left + right) / 2
         if not any(s <= mid < e for s, e in windows):
             continue
-        comm_threads = {t for s, e, t in comms if s <= mid < e}
-        computing = any(s <= mid < e and t not in comm_threads for s, e, t in phases)
-        key = ("overlap" if comm_threads else "compute") if computing else (
-            "comm" if comm_threads else "idle")
+        open_comms = [(t, in_flight) for s, e, t, in_flight in comms if s <= mid < e]
+        in_a_call = {t for t, in_flight in open_comms if not in_flight}
+        computing = any(s <= mid < e and t not in in_a_call for s, e, t in phases)
+        key = ("overlap" if open_comms else "compute") if computing else (
+            "comm" if open_comms else "idle")
         split[key] += right - left
     return split
 
@@ -183,10 +188,11 @@ def summarize(df):
                     for c in ("gpu", "gpu_comm")}
             split = kernels.split_busy_time(busy["gpu"], busy["gpu_comm"], windows)
         else:
-            ranges = {cat: [(r.start_us, r.start_us + r.dur_us, r.thread)
-                            for r in g.itertuples() if r.category in cats]
-                      for cat, cats in (("phase", PHASES), ("comm", ("comm",)))}
-            split = _time_split(ranges["phase"], ranges["comm"], windows)
+            phases = [(r.start_us, r.start_us + r.dur_us, r.thread)
+                      for r in g.itertuples() if r.category in PHASES]
+            comms = [(r.start_us, r.start_us + r.dur_us, r.thread, r.name.startswith(BACKEND_RANGES))
+                     for r in g.itertuples() if r.category == "comm"]
+            split = _time_split(phases, comms, windows)
         span = sum(e - s for s, e in windows)
         row = {"rank": rank, "steps": len(windows), "step_us": span,
                "source": "gpu kernels" if on_gpu else "cpu ranges"}
