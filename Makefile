@@ -65,8 +65,14 @@ LONGEST := tests/test_layout_matrix_4.py tests/test_layout_matrix.py \
 	tests/test_composition.py tests/test_tp_strategy.py tests/test_recovery.py \
 	tests/test_when_it_goes_wrong.py
 TEST_WORKERS ?= 2
+# Every rank launch of make test (tests, notebooks, the bench and notebook helpers they run) goes
+# through the staged backend (refimpl.shared_device): gloo on CPU ranks under NCCL's stream order,
+# message pairing and argument rules, so a posting order that would hang on a GPU server, a host
+# tensor handed to NCCL or a non-contiguous buffer fails here. STAGED= runs plain gloo (or NCCL
+# where every rank has a GPU); STAGED=cuda:0 puts every rank on that one GPU.
+STAGED ?= cpu
 test: install lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(LONGEST) notebooks/ tests/ --nbval-lax -q \
+	OMP_NUM_THREADS=1 REFIMPL_SHARED_DEVICE=$(STAGED) $(BIN)/python -m pytest $(LONGEST) notebooks/ tests/ --nbval-lax -q \
 		-p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		-m "not full" --durations=30
 
@@ -75,7 +81,7 @@ test: install lint
 # three-wise cover (about an hour), and the named equivalence lists the matrix supersedes.
 # -rP prints the matrix's counts (ran, equal, refused by reason).
 test-full: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/ -q -p no:cacheprovider \
+	OMP_NUM_THREADS=1 REFIMPL_SHARED_DEVICE=$(STAGED) $(BIN)/python -m pytest tests/ -q -p no:cacheprovider \
 		-n $(TEST_WORKERS) --dist loadfile -m full -rP
 
 # The tests that start no rank process and take seconds (arithmetic, schedules, the model, the

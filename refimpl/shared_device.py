@@ -35,16 +35,22 @@ Semantics kept from NCCL, and where they differ:
   * a collective is queued on the same stream and runs there while the caller goes on, as NCCL's
     does on its CUDA stream, so async_op=True overlaps compute and keeps its buffers in flight as
     on NCCL (on a GPU the copy back is the caller's, so there a collective blocks until its result
-    is back). A CPU trace does not show that overlap yet: the gloo ranges the loader counts as
-    communication are not recorded from the stream's thread (tests/test_nccl_rules.py);
-  * a send or receive returns at once and runs when the stream reaches it; a receive's copy back
-    to the device happens in `wait`, on the caller's thread;
-  * gloo matches point-to-point by tag and NCCL by posting order: the one-tag mode
-    (REFIMPL_P2P_TAGS=one, refimpl.comm.p2p) checks that order on CPU ranks already.
+    is back). A CPU trace shows it: each collective in flight is a `gloo:<op>` range, from the
+    call to its completion (`_backend_range`), as gloo's own ranges are;
+  * a send or receive returns at once and runs when the stream reaches it; on a GPU a receive's
+    copy back to the device happens in `wait`, on the caller's thread;
+  * on CPU ranks gloo is handed copies the stream's worker makes, and results are copied back
+    there, never the caller's tensors themselves: refimpl.staged_stream says why (the
+    profiler's account of frees). A copy is read when the stream reaches its operation, as NCCL
+    reads a buffer when its stream does;
+  * gloo matches point-to-point by tag and NCCL by posting order: every staged send and receive
+    reaches gloo with one tag (`NCCL_TAG`), so messages pair in posting order, as on NCCL (the
+    one-tag mode, REFIMPL_P2P_TAGS=one in refimpl.comm.p2p, does the same on plain gloo).
 
-On a CPU-only machine `REFIMPL_SHARED_DEVICE=cpu` runs the same backend (the staging copies are
-then no-ops): tests/test_nccl_rules.py checks there that every strategy's collectives are ones
-the backend implements, that no posting order hangs, and that the runs equal `single`.
+On a CPU-only machine `REFIMPL_SHARED_DEVICE=cpu` runs the same backend, and `make test` runs
+every rank launch so (the Makefile's STAGED): every strategy, notebook helper and bench rank the
+suite starts keeps NCCL's stream order, pairing and argument rules; tests/test_nccl_rules.py
+compares staged runs with plain gloo's.
 """
 from __future__ import annotations
 
@@ -66,6 +72,13 @@ BACKEND = "staged"
 NCCL_DTYPES = {torch.int8, torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16,
                torch.float32, torch.float64, torch.bool, torch.complex64, torch.complex128,
                torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
+
+
+# NCCL ignores tags: between two ranks it pairs sends and receives in posting order. Every message
+# of a staged group goes to gloo with this one tag, so gloo pairs them so too, whoever posts them
+# (PyTorch's pipelining and DTensor's as well as refimpl.comm.p2p, whose REFIMPL_P2P_TAGS=one does
+# the same on plain gloo).
+NCCL_TAG = 0
 
 
 def shared_device() -> torch.device | None:
@@ -107,6 +120,13 @@ def _backend_range(op: str, done: torch.futures.Future) -> torch.futures.Future:
     return in_flight._call_end_callbacks_on_future(done)
 
 
+def _fill(t: torch.Tensor, received: torch.Tensor) -> None:
+    """Write what a receive got into the caller's tensor, as gloo and NCCL write it: outside
+    autograd (PyTorch's pipelining receives into a leaf that already requires grad)."""
+    with torch.no_grad():
+        t.copy_(received)
+
+
 def _done(result) -> dist.Work:
     fut = torch.futures.Future()
     fut.set_result(result)
@@ -114,24 +134,37 @@ def _done(result) -> dist.Work:
 
 
 class _Queued(dist.Work):
-    """A send or receive on the group's stream: `wait` waits until the stream has run its unit (or
-    raises the stream's failure), then copies each received host buffer onto its device tensor (a
-    send's host copy is kept alive until then)."""
+    """An operation on the group's stream: `wait` waits until the stream has run its unit and
+    raises the stream's failure, then copies each received host buffer onto its device tensor (a
+    send's host copy is kept alive until then). A collective's also carries the future DDP's
+    communication hooks chain on (`get_future`: the outputs, once the unit has run).
 
-    def __init__(self, unit: Unit, copies: list[tuple[torch.Tensor, torch.Tensor]], keep=()):
+    Not torch's future-backed Work (`_create_work_from_future`): its `wait` returns normally when
+    the future holds an exception, so a collective that failed (a peer gone, the stream's timeout)
+    would look done and the rank would go on with the tensors it had."""
+
+    def __init__(self, stream: Stream, unit: Unit, copies: list[tuple[torch.Tensor, torch.Tensor]],
+                 keep=(), future: torch.futures.Future | None = None):
         super().__init__()
-        self.unit, self.copies, self.keep = unit, copies, keep
+        self.stream, self.unit, self.copies, self.keep, self.future = stream, unit, copies, keep, future
 
     def wait(self, timeout=None) -> bool:
-        self.unit.result()
+        self.stream.wait(self.unit)
+        if self.future is not None:
+            self.future.wait()            # the profiler's range is closed by then
         for host, device_tensor in self.copies:
             if host is not device_tensor:
-                device_tensor.copy_(host)
+                _fill(device_tensor, host)
         self.copies, self.keep = [], ()
         return True
 
     def is_completed(self) -> bool:
         return self.unit.done.is_set()
+
+    def get_future(self) -> torch.futures.Future:
+        if self.future is None:
+            raise RuntimeError("a staged send or receive has no future (wait on it)")
+        return self.future
 
 
 class StagedGloo(dist.ProcessGroup):
@@ -184,35 +217,54 @@ class StagedGloo(dist.ProcessGroup):
     def _run(self, op: str, outputs: list, inputs: list, call, opts=None) -> dist.Work:
         """Check, stage the inputs, run `call(host_outputs, host_inputs)` on gloo, copy back.
 
-        On CPU ranks nothing is staged (the host tensors are the tensors), and the collective is
-        queued on the group's stream and runs there while the caller goes on, as NCCL's runs on
-        its CUDA stream: the Work completes when the stream has run it, so an async_op=True
-        collective overlaps the compute that follows it and holds its buffers while in flight. On
-        a GPU the copy back to the device is the caller's, so the call blocks until the result is
-        back."""
+        On CPU ranks the collective is queued on the group's stream and runs there while the
+        caller goes on, as NCCL's runs on its CUDA stream (`_queue`): the Work completes when the
+        stream has run it, so an async_op=True collective overlaps the compute that follows it
+        and holds its buffers while in flight. On a GPU the copy back to the device is the
+        caller's, so the call blocks until the result is back."""
         self._check(outputs + inputs, op, opts)
+        if all(t.device.type == "cpu" for t in outputs + inputs):
+            return self._queue(op, outputs, inputs, call)
         host_in = [self._host(t) for t in inputs]
         host_of = {id(t): h for t, h in zip(inputs, host_in)}
         host_out = [host_of.get(id(t)) if id(t) in host_of else self._host(t) for t in outputs]
         unit = Unit(lambda: [call(host_out, host_in)], [op])
-        if all(h is t for t, h in zip(outputs, host_out)):
-            done = torch.futures.Future()
-            traced = _backend_range(op, done)
-
-            def complete(error: str | None) -> None:
-                if error is None:
-                    done.set_result(outputs)       # what a Work's result() and future hold
-                else:
-                    done.set_exception(RuntimeError(error))
-
-            unit.on_done = complete
-            self.stream.submit(unit)
-            return _create_work_from_future(traced)   # a future-backed Work: DDP's hooks read it
-        self.stream.submit(unit).result()
+        self.stream.wait(self.stream.submit(unit))
         for t, h in zip(outputs, host_out):
             if h is not t:
                 t.copy_(h)
         return _done(outputs)
+
+    def _queue(self, op: str, outputs: list, inputs: list, call) -> dist.Work:
+        """A collective of CPU tensors, queued on the stream (`_run`). gloo is handed copies the
+        stream's worker makes when it starts the unit, and the results are copied back there once
+        gloo is done: gloo's own thread drops what it was handed after the call completes, and a
+        tensor of the caller's freed there would leave the profiler's running total of allocated
+        bytes too high (refimpl.staged_stream). The copies are read when the stream reaches the
+        collective, as NCCL reads its buffers when its stream does."""
+        results = []
+
+        def start() -> list:
+            copies = {id(t): t.clone() for t in inputs}          # on the worker thread
+            results.append([copies[id(t)] if id(t) in copies else torch.empty_like(t) for t in outputs])
+            return [call(results[0], [copies[id(t)] for t in inputs])]
+
+        def copy_back() -> None:
+            for t, result in zip(outputs, results.pop()):
+                t.copy_(result)
+
+        done = torch.futures.Future()
+        traced = _backend_range(op, done)
+
+        def complete(error: str | None) -> None:
+            if error is None:
+                done.set_result(outputs)       # what a Work's result() and future hold
+            else:
+                done.set_exception(RuntimeError(error))
+
+        unit = Unit(start, [op], then=copy_back, on_done=complete)
+        self.stream.submit(unit)
+        return _Queued(self.stream, unit, [], future=traced)
 
     # -- collectives ----------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
@@ -303,7 +355,7 @@ class StagedGloo(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         opts = opts or dist.BarrierOptions()
-        self.stream.submit(Unit(lambda: [self.inner.barrier(opts)], ["barrier"])).result()
+        self.stream.wait(self.stream.submit(Unit(lambda: [self.inner.barrier(opts)], ["barrier"])))
         return _done([])
 
     # -- point to point: posted now, run when the stream reaches them ----------------------------
@@ -312,40 +364,62 @@ class StagedGloo(dist.ProcessGroup):
         """The sends and receives posted inside run as one unit of the stream, all started
         together, as between NCCL's ncclGroupStart and ncclGroupEnd (`_batch_isend_irecv` opens
         it around torch's batch_isend_irecv, which a Python process group gets one by one)."""
-        parts: list = []                       # (what, start) of each operation posted inside
-        unit = Unit(lambda: [start() for _, start in parts], [])
+        parts: list = []                       # (what, start, then) of each operation posted inside
+        unit = Unit(lambda: [start() for _, start, _ in parts], [],
+                    then=lambda: [then() for _, _, then in parts if then is not None])
         self.open.group = (parts, unit)
         try:
             yield
         except BaseException:
             unit.error = "the group's posting raised"
             unit.finish()
+            unit.dropped.set()                 # it never reached the worker
             raise
         finally:
             self.open.group = None
         if parts:
-            unit.what[:] = [what for what, _ in parts]
+            unit.what[:] = [what for what, _, _ in parts]
             self.stream.submit(unit)
 
-    def _post(self, what: str, start) -> Unit:
+    def _post(self, what: str, start, then=None) -> Unit:
         grouped = getattr(self.open, "group", None)
         if grouped is None:
-            return self.stream.submit(Unit(lambda: [start()], [what]))
+            return self.stream.submit(Unit(lambda: [start()], [what], then=then))
         parts, unit = grouped
-        parts.append((what, start))
+        parts.append((what, start, then))
         return unit
 
     def send(self, tensors, dst: int, tag: int = 0):
         self._check(tensors, "send")
+        what = f"send to group rank {dst} (tag {tag}, {sum(t.nbytes for t in tensors)} B)"
+        if all(t.device.type == "cpu" for t in tensors):
+            # gloo sends a copy the worker makes when the stream reaches the send (`_queue`'s why)
+            return _Queued(self.stream, self._post(what, lambda: self.inner.send(
+                [t.clone() for t in tensors], dst, NCCL_TAG)), [], keep=tensors)
         host = [self._host(t) for t in tensors]
-        what = f"send to group rank {dst} (tag {tag}, {sum(t.nbytes for t in host)} B)"
-        return _Queued(self._post(what, lambda: self.inner.send(host, dst, tag)), [], keep=host)
+        return _Queued(self.stream, self._post(what, lambda: self.inner.send(host, dst, NCCL_TAG)), [],
+                       keep=host)
 
     def recv(self, tensors, src: int, tag: int = 0):
         self._check(tensors, "recv")
-        host = [t if t.device.type == "cpu" else torch.empty_like(t, device="cpu") for t in tensors]
-        what = f"recv from group rank {src} (tag {tag}, {sum(t.nbytes for t in host)} B)"
-        return _Queued(self._post(what, lambda: self.inner.recv(host, src, tag)), list(zip(host, tensors)))
+        what = f"recv from group rank {src} (tag {tag}, {sum(t.nbytes for t in tensors)} B)"
+        if all(t.device.type == "cpu" for t in tensors):
+            # gloo receives into buffers the worker makes, copied into `tensors` there once
+            # received (`_queue`'s why)
+            received = []
+
+            def start():
+                received.append([torch.empty_like(t) for t in tensors])
+                return self.inner.recv(received[0], src, NCCL_TAG)
+
+            def copy_back():
+                for t, r in zip(tensors, received.pop()):
+                    _fill(t, r)
+
+            return _Queued(self.stream, self._post(what, start, copy_back), [], keep=tensors)
+        host = [torch.empty_like(t, device="cpu") for t in tensors]
+        return _Queued(self.stream, self._post(what, lambda: self.inner.recv(host, src, NCCL_TAG)),
+                       list(zip(host, tensors)))
 
 
 _torch_batch_isend_irecv = dist.batch_isend_irecv

@@ -26,6 +26,16 @@ one unit at a time -- a unit does not start until the previous one has finished:
     reaches it, i.e. when it starts on its stream. So the FIFO plus gloo's own handshake is the
     model, with no extra messages.
 
+The caller's tensors are freed on the caller's thread. One whose last reference goes on another
+thread is freed there, and the profiler, which watches the caller's thread, never sees the free:
+its running total of allocated bytes (what StepPeak reads on CPU ranks) only grows (a 1 MB tensor
+freed on another thread three times left 3 MB "allocated"). So the worker never drops a unit: it
+hands each unit it has run to `finished`, and the caller's thread lets go of it (`wait`, or
+`release` at its next post for a unit nobody waited on: the futures DDP's hooks chain on). gloo's
+own threads let go of what a gloo call was handed just after completing it, so a unit hands gloo
+copies it makes on the worker (refimpl.shared_device), never the caller's tensors: memory made on a
+thread the profiler does not watch is invisible to it, made and freed.
+
 A unit that has not finished `timeout` seconds after it started (REFIMPL_STAGED_TIMEOUT, default
 the group's timeout) fails with the rank, the blocked operation and what waits behind it; every
 later unit of the stream fails with it, so the host's wait raises instead of hanging. The timeout
@@ -35,6 +45,7 @@ thread), so the worker never runs a CUDA call.
 """
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import threading
@@ -56,6 +67,8 @@ class Unit:
     start: Callable[[], list]
     what: list[str]
     done: threading.Event = field(default_factory=threading.Event)
+    dropped: threading.Event = field(default_factory=threading.Event)   # the worker holds it no more
+    then: Callable[[], None] | None = None   # run by the worker once its Works are done
     error: str | None = None
     on_done: Callable[[str | None], None] | None = None   # told the error (None: it ran)
 
@@ -85,8 +98,24 @@ class Stream:
         self.failed: str | None = None
         self.count = 0                         # units started so far
         self.worker: threading.Thread | None = None
+        self.finished: collections.deque = collections.deque()   # (number, unit) run, still held
+        self.released = 0                      # units up to this number the worker holds no more
+
+    def release(self) -> None:
+        """On the caller's thread: let go of the units the worker has run and dropped (the module
+        docstring), so that what only they still hold is freed here."""
+        while self.finished and self.finished[0][0] <= self.released:
+            self.finished.popleft()
+
+    def wait(self, unit: Unit) -> None:
+        """On the caller's thread: block until the stream has run `unit` and let go of it; raise
+        its failure."""
+        unit.dropped.wait()
+        self.release()
+        unit.result()
 
     def submit(self, unit: Unit) -> Unit:
+        self.release()
         with self.lock:
             self.waiting.append(unit)
             if self.worker is None:    # daemon: a rank that failed must still be able to exit
@@ -101,6 +130,7 @@ class Stream:
             with self.lock:
                 self.waiting.remove(unit)
             self.count += 1
+            number = self.count
             if self.failed is None:
                 try:
                     self._run(unit)
@@ -109,10 +139,12 @@ class Stream:
                     unit.error = self.failed
             else:
                 unit.error = f"an earlier operation on this stream failed: {self.failed}"
+            self.finished.append((number, unit))   # the caller's thread drops it (`release`)
+            dropped = unit.dropped
             unit.finish()
-            # let go of the unit (its closure holds the call's tensors) before waiting for the
-            # next one: the caller frees them when it is done, as it would after a gloo call
             del unit
+            self.released = number
+            dropped.set()
 
     def _run(self, unit: Unit) -> None:
         started = time.monotonic()
@@ -123,6 +155,8 @@ class Stream:
                 work.wait(timedelta(seconds=max(left, 0.001)))
             except RuntimeError as e:
                 raise RuntimeError(self._blocked(unit, time.monotonic() - started, e)) from None
+        if unit.then is not None:
+            unit.then()
 
     def _blocked(self, unit: Unit, waited: float, cause: Exception) -> str:
         with self.lock:

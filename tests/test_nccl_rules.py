@@ -41,16 +41,12 @@
   REFIMPL_DEVICE_AUDIT every rank records such calls made from refimpl's code
   (refimpl.device_audit); apart from the few made on the host on purpose (HOST_BY_DESIGN), there
   must be none, in any strategy's set-up or step.
-* **Not covered under the staged backend:** notebook 10's other faults (rank-dies on purpose; the
-  other wrong numbers, on strategies RUNS has; p2p-misordered's hang report runs staged in
-  tests/test_when_it_goes_wrong.py); notebook 11 and
-  scripts/bench_plan_cpu.py's planner (its layouts are compositions RUNS has); bf16 beyond
-  BF16's four in make test (the rest of RUNS in bf16 is `full`); memory recording and --profile
-  on other layouts than those two runs; and anything read from timing: a staged collective runs
-  on the stream's worker thread while the caller goes on, yet the CPU trace shows none of it under
-  the compute (comm_hidden_frac reads 0 for dp and fsdp): the `gloo:` ranges that plain gloo's
-  trace has, recorded on gloo's threads, are missing from a staged trace, and a range opened on the
-  caller and closed on the future, as gloo's own, did not bring them back.
+* **Everything else runs staged too.** `make test` sets REFIMPL_SHARED_DEVICE=cpu (the Makefile's
+  STAGED) for the whole suite, so every launch of every test and notebook, notebook 10's faults,
+  the overlap read from a trace (a staged collective shows as a `gloo:` range in flight) and the
+  memory peaks included, runs under these rules; what this file adds is the comparison with plain
+  gloo (`gloo_launch`, `on_gloo`, which unset it), the one-tag mode on plain gloo, the device
+  audit, and the launch paths no other test enters.
 """
 import contextlib
 import functools
@@ -128,7 +124,7 @@ RUNS = {
         "fsdp dp2 x tp2 + sp": cfg("fsdp", 4, tp=2, sequence_parallel=True),
         "torch-fsdp2-tp dp2 x tp2 + sp": cfg("torch-fsdp2-tp", 4, tp=2, sequence_parallel=True)},
 }
-ON_A_GPU = os.environ.get("REFIMPL_SHARED_DEVICE", "cpu").startswith("cuda")  # scripts/gpu_check.sh
+ON_A_GPU = (os.environ.get("REFIMPL_SHARED_DEVICE") or "cpu").startswith("cuda")  # scripts/gpu_check.sh
 if ON_A_GPU:
     # CPUOffloadPolicy only where there is a device to offload from (torch_fsdp2.py): on the GPU
     # check's shared cuda:0, the host shards gathered on the device (full_tensor_on)
@@ -237,7 +233,7 @@ def environ(**changes):
 
 
 def staged_rules(**more):
-    return environ(REFIMPL_P2P_TAGS="one", REFIMPL_SHARED_DEVICE=os.environ.get("REFIMPL_SHARED_DEVICE", "cpu"),
+    return environ(REFIMPL_P2P_TAGS="one", REFIMPL_SHARED_DEVICE=(os.environ.get("REFIMPL_SHARED_DEVICE") or "cpu"),
                    **more)
 
 
@@ -418,7 +414,7 @@ def test_the_bisector_finds_the_fault_under_nccl_s_rules(monkeypatch):
     from refimpl.verify import bisect as bisector
 
     for name, value in ((faults.ENV, "1"), ("REFIMPL_P2P_TAGS", "one"),
-                        ("REFIMPL_SHARED_DEVICE", os.environ.get("REFIMPL_SHARED_DEVICE", "cpu"))):
+                        ("REFIMPL_SHARED_DEVICE", (os.environ.get("REFIMPL_SHARED_DEVICE") or "cpu"))):
         monkeypatch.setenv(name, value)
     report = bisector.bisect(TrainConfig(strategy="dp-naive", nproc=2, steps=2, model=SMALL,
                                          dtype="float64", fault="skip-grad-sync"))
@@ -494,6 +490,25 @@ def test_the_staged_backend_refuses_a_tensor_off_the_rank_s_device():
     x = torch.ones(3)
     on_cpu.allreduce([x]).wait()
     assert x.tolist() == [1.0, 1.0, 1.0]                # one rank: the sum is itself
+
+
+def test_a_failed_staged_collective_raises_where_it_is_waited_on():
+    """A collective the stream could not run (a peer gone, its timeout: here a planted failure)
+    raises in `wait` and through the future DDP's hooks chain on. torch's future-backed Work
+    returned normally from `wait` on a failed future: a rank whose peer died went on (and notebook
+    10's killed rank was found only once its peers' sleep ended)."""
+    from datetime import timedelta
+
+    import torch
+
+    from refimpl.shared_device import StagedGloo
+
+    group = StagedGloo(torch.distributed.HashStore(), 0, 1, timedelta(seconds=30), torch.device("cpu"))
+    group.stream.failed = "planted: the peer is gone"
+    with pytest.raises(RuntimeError, match="planted: the peer is gone"):
+        group.allreduce([torch.ones(3)]).wait()
+    with pytest.raises(RuntimeError, match="planted: the peer is gone"):
+        group.allreduce([torch.ones(3)]).get_future().wait()
 
 
 def _both_plans_on_the_strict_stream(rank: int, world: int) -> dict:

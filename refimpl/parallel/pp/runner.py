@@ -12,7 +12,9 @@ know GPipe from 1F1B: the table is the schedule, and the runner follows it actio
             the next piece (or, on the last piece, compute the micro-batch's loss, scaled by 1/m)
   B(mb, c)  receive the output gradient (unless last), backpropagate through chunk c, send the
             input's gradient back. zb-h1 splits it: B computes only the input gradient, and
-  W(mb, c)  computes the weight gradients later (refimpl.parallel.pp.zero_bubble).
+  W(mb, c)  computes the weight gradients later (refimpl.parallel.pp.zero_bubble). Where a
+            row has W right after its own B, nothing runs between them for the split to let go
+            first, so that B is the whole backward and that W is empty (`whole_backwards`).
 
   F&B       an overlapped pair (dualpipev): F, then B, with B's receive already posted.
 
@@ -84,6 +86,7 @@ from refimpl.parallel.pp.schedules import (  # noqa: F401
 from refimpl.parallel.pp.simulate import inbox as table_inbox
 from refimpl.parallel.pp.stage import StageChunk
 from refimpl.parallel.pp.zero_bubble import WeightGradRecord, chunk_layers, record_weight_grads
+from refimpl.placement import is_resharded
 
 
 def run_schedule(chunks: list[StageChunk], table: list[list[str]], micro: list[Batch], group, *,
@@ -113,6 +116,8 @@ def run_schedule(chunks: list[StageChunk], table: list[list[str]], micro: list[B
     # Per chunk, once per step: its layers for zero bubble's W, whether it has experts.
     layers = [chunk_layers(c) for c in chunks] if split else None
     experts = [bool(moe_layers(c)) for c in chunks]
+    whole = whole_backwards(entries, [not experts[c] and not any(map(is_resharded, chunks[c].parameters()))
+                                      for c in range(len(chunks))]) if split else frozenset()
     links = Links(group, len(chunks), m, like=next(chunks[0].parameters(), None), where=where,
                   inbox=inbox, shape=shape, order=order)
     saved, records, total = {}, {}, None
@@ -128,9 +133,9 @@ def run_schedule(chunks: list[StageChunk], table: list[list[str]], micro: list[B
         label = a.text(len(chunks) > 1)
         if a.kind == "F":
             x = micro[a.micro_batch].inputs if k == 0 else links.take(a).requires_grad_()
-            record = WeightGradRecord() if split else None
+            record = WeightGradRecord() if split and key not in whole else None
             with phase("forward"), phase(f"pp:{label}"):
-                with (record_weight_grads(chunk, record, layers[a.chunk]) if split
+                with (record_weight_grads(chunk, record, layers[a.chunk]) if record is not None
                       else nullcontext([])) as embeds:
                     with autocast():
                         out = chunk(x)
@@ -166,14 +171,37 @@ def run_schedule(chunks: list[StageChunk], table: list[list[str]], micro: list[B
                 links.post_ahead(a)
             grad = None if chunk.is_last else links.take(a)
             with phase("backward"), phase(f"pp:{label}"):
-                dx = _backward(out, grad, x if k > 0 else None, embeds, split, aux)
+                dx = _backward(out, grad, x if k > 0 else None, embeds, split and key not in whole, aux)
             if k > 0:
                 links.send(dx, GRADIENT, a.micro_batch, k - 1)
         else:
-            with phase("backward"), phase(f"pp:{label}"):
-                records.pop(key).apply()
+            record = records.pop(key)
+            with phase("backward"), phase(f"pp:{label}"):   # empty when its B was whole: a trace
+                if record is not None:                     # still has every action of the table
+                    record.apply()
     links.finish()
     return total
+
+
+def whole_backwards(entries: list, plain: list[bool]) -> frozenset:
+    """The (micro-batch, chunk) whose B is directly followed, in this rank's row, by its own W,
+    each the whole entry, on a chunk that can take a plain backward (`plain`: no experts, whose
+    aux loss the split handles, and no ZeRO-3/FSDP unit, which the split's W must not reread).
+
+    Zero bubble splits B from W so that W can wait for a bubble; with nothing between them there
+    is nothing for it to wait for, and the split only costs: the forward's hooks that keep every
+    layer's X and dY, a second pass over the layers, LayerNorm's x_hat recomputed. One plain
+    backward computes the same gradients with autograd's own products (in another summation order:
+    equal to the split at float64's tolerance, not bit for bit). The input gradient then goes out
+    after the weight products instead of before, as with PyTorch's pipelining, which merges such
+    a pair into one full backward too (its schedules' `_merge_bw`)."""
+    whole = set()
+    for entry, after in zip(entries, entries[1:]):
+        if len(entry) == len(after) == 1 and (entry[0].kind, after[0].kind) == ("B", "W"):
+            b, w = entry[0], after[0]
+            if (b.micro_batch, b.chunk) == (w.micro_batch, w.chunk) and plain[b.chunk]:
+                whole.add((b.micro_batch, b.chunk))
+    return frozenset(whole)
 
 
 @lru_cache(maxsize=64)
