@@ -184,8 +184,8 @@ def run_schedule(chunks: list[StageChunk], table: list[list[str]], micro: list[B
 
 
 def whole_backwards(entries: list, plain: list[bool]) -> frozenset:
-    """The (micro-batch, chunk) whose B is directly followed, in this rank's row, by its own W,
-    each the whole entry, on a chunk that can take a plain backward (`plain`: no experts, whose
+    """The (micro-batch, chunk) whose B is directly followed, in this rank's row, by its own W (the
+    B alone or last in its entry, the W alone in the next), on a chunk that can take a plain backward (`plain`: no experts, whose
     aux loss the split handles, and no ZeRO-3/FSDP unit, which the split's W must not reread).
 
     Zero bubble splits B from W so that W can wait for a bubble; with nothing between them there
@@ -197,8 +197,9 @@ def whole_backwards(entries: list, plain: list[bool]) -> frozenset:
     a pair into one full backward too (its schedules' `_merge_bw`)."""
     whole = set()
     for entry, after in zip(entries, entries[1:]):
-        if len(entry) == len(after) == 1 and (entry[0].kind, after[0].kind) == ("B", "W"):
-            b, w = entry[0], after[0]
+        b = entry[-1]               # an overlapped pair (F&B) runs its B last
+        if len(after) == 1 and (b.kind, after[0].kind) == ("B", "W"):
+            w = after[0]
             if (b.micro_batch, b.chunk) == (w.micro_batch, w.chunk) and plain[b.chunk]:
                 whole.add((b.micro_batch, b.chunk))
     return frozenset(whole)
