@@ -293,9 +293,8 @@ def test_every_tensor_a_rank_makes_names_its_device(world, audit_dirs):
 def test_bf16_under_nccl_s_rules_is_gloo_s_run_bit_for_bit(name, audit_dirs, on_gloo):
     """bf16 under the staged backend: NCCL's dtype, op, contiguity and device rules hold for every
     tensor a bf16 step hands a collective (the bf16 ones included: `dtypes`), and the run is the
-    same run on plain gloo. On CPU ranks the staged backend runs the same gloo calls on the same
-    tensors (its host copies are the tensors themselves) and only orders them, so losses and
-    weights are equal to the bit; on the GPU check's shared cuda:0 the bf16 matmuls are the
+    same run on plain gloo. On CPU ranks the staged backend runs the same gloo calls on exact
+    copies of the same tensors and only orders them, so losses and weights are equal to the bit; on the GPU check's shared cuda:0 the bf16 matmuls are the
     GPU's, and the gate is bf16's (BF16_TOLERANCE, refimpl.verify.equivalence)."""
     staged, gloo = results(2, audit_dirs[2])[0][name], on_gloo[name]
     assert BF16[name][1] <= staged["dtypes"], sorted(staged["dtypes"])
