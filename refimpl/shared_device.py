@@ -121,8 +121,8 @@ def _backend_range(op: str, done: torch.futures.Future) -> torch.futures.Future:
 
 
 def _fill(t: torch.Tensor, received: torch.Tensor) -> None:
-    """Write what a receive got into the caller's tensor, as gloo and NCCL write it: outside
-    autograd (PyTorch's pipelining receives into a leaf that already requires grad)."""
+    """Write what a receive or collective got into the caller's tensor, as gloo and NCCL write
+    it: outside autograd (PyTorch's pipelining receives into a leaf that already requires grad)."""
     with torch.no_grad():
         t.copy_(received)
 
@@ -251,7 +251,7 @@ class StagedGloo(dist.ProcessGroup):
 
         def copy_back() -> None:
             for t, result in zip(outputs, results.pop()):
-                t.copy_(result)
+                _fill(t, result)
 
         done = torch.futures.Future()
         traced = _backend_range(op, done)

@@ -116,8 +116,9 @@ def run_schedule(chunks: list[StageChunk], table: list[list[str]], micro: list[B
     # Per chunk, once per step: its layers for zero bubble's W, whether it has experts.
     layers = [chunk_layers(c) for c in chunks] if split else None
     experts = [bool(moe_layers(c)) for c in chunks]
-    whole = whole_backwards(entries, [not experts[c] and not any(map(is_resharded, chunks[c].parameters()))
-                                      for c in range(len(chunks))]) if split else frozenset()
+    plain = [not experts[c] and not any(map(is_resharded, chunk.parameters()))
+             for c, chunk in enumerate(chunks)]
+    whole = whole_backwards(entries, plain) if split else frozenset()
     links = Links(group, len(chunks), m, like=next(chunks[0].parameters(), None), where=where,
                   inbox=inbox, shape=shape, order=order)
     saved, records, total = {}, {}, None
@@ -185,8 +186,9 @@ def run_schedule(chunks: list[StageChunk], table: list[list[str]], micro: list[B
 
 def whole_backwards(entries: list, plain: list[bool]) -> frozenset:
     """The (micro-batch, chunk) whose B is directly followed, in this rank's row, by its own W (the
-    B alone or last in its entry, the W alone in the next), on a chunk that can take a plain backward (`plain`: no experts, whose
-    aux loss the split handles, and no ZeRO-3/FSDP unit, which the split's W must not reread).
+    B alone or last in its entry, the W alone in the next), on a chunk that can take a plain
+    backward (`plain`: no experts, whose aux loss the split handles, and no ZeRO-3/FSDP unit,
+    which the split's W must not reread).
 
     Zero bubble splits B from W so that W can wait for a bubble; with nothing between them there
     is nothing for it to wait for, and the split only costs: the forward's hooks that keep every
