@@ -32,9 +32,9 @@ its running total of allocated bytes (what StepPeak reads on CPU ranks) only gro
 freed on another thread three times left 3 MB "allocated"). So the worker never drops a unit: it
 hands each unit it has run to `finished`, and the caller's thread lets go of it (`wait`, or
 `release` at its next post for a unit nobody waited on: the futures DDP's hooks chain on). gloo's
-own threads let go of what a gloo call was handed just after completing it, so a unit hands gloo
-copies it makes on the worker (refimpl.shared_device), never the caller's tensors: memory made on a
-thread the profiler does not watch is invisible to it, made and freed.
+own threads let go of what a gloo call was handed just after completing it, so on CPU ranks a unit
+hands gloo copies it makes on the worker (refimpl.shared_device), never the caller's tensors:
+memory made on a thread the profiler does not watch is invisible to it, made and freed.
 
 A unit that has not finished `timeout` seconds after it started (REFIMPL_STAGED_TIMEOUT, default
 the group's timeout) fails with the rank, the blocked operation and what waits behind it; every

@@ -6,6 +6,8 @@ import pandas as pd
 import pytest
 
 from refimpl.mesh import LayoutError
+from refimpl.parallel.pp.actions import parse_entry
+from refimpl.parallel.pp.runner import whole_backwards
 from refimpl.parallel.pp.schedules import SCHEDULES, bubble_fraction, bubble_over_ideal, schedule_table
 from refimpl.parallel.pp.simulate import (
     ScheduleError,
@@ -302,3 +304,14 @@ def test_micro_batch_latency_on_gpipe_by_hand():
     assert got.waiting.tolist() == [1.0, 2.0] and got.start.tolist() == [0.0, 1.0]
     # one stage under 1F1B (F0 B0 F1 B1): no pipeline, nothing added to a micro-batch's own work
     assert micro_batch_latency(replay(1, 2, "1f1b")).waiting.tolist() == [0.0, 0.0]
+
+
+def test_a_b_followed_by_its_own_w_is_one_whole_backward():
+    # dualpipev, 2 stages, rank 0: F0.0 F1.0 F2.0 F0.1 B0.1 W0.1 F1.1 F3.0&B1.1 W1.1 F2.1&B0.0 W0.0
+    # B2.1 W2.1 F3.1&B1.0 W1.0 B3.1 B2.0 W3.1 B3.0 W2.0 W3.0: a B alone or last in an overlapped
+    # pair, then its own W, is whole; B3.1, B2.0, B3.0 keep the split (another action between)
+    row = [parse_entry(e) for e in schedule_table(2, 4, "dualpipev")[0]]
+    assert whole_backwards(row, [True, True]) == {(0, 1), (1, 1), (0, 0), (2, 1), (1, 0)}
+    assert whole_backwards(row, [True, False]) == {(0, 0), (1, 0)}   # chunk 1 must keep the split
+    # 1F1B has no W: nothing to merge
+    assert whole_backwards([parse_entry(e) for e in schedule_table(2, 4, "1f1b")[0]], [True]) == set()

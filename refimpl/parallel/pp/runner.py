@@ -86,7 +86,6 @@ from refimpl.parallel.pp.schedules import (  # noqa: F401
 from refimpl.parallel.pp.simulate import inbox as table_inbox
 from refimpl.parallel.pp.stage import StageChunk
 from refimpl.parallel.pp.zero_bubble import WeightGradRecord, chunk_layers, record_weight_grads
-from refimpl.placement import is_resharded
 
 
 def run_schedule(chunks: list[StageChunk], table: list[list[str]], micro: list[Batch], group, *,
@@ -116,9 +115,7 @@ def run_schedule(chunks: list[StageChunk], table: list[list[str]], micro: list[B
     # Per chunk, once per step: its layers for zero bubble's W, whether it has experts.
     layers = [chunk_layers(c) for c in chunks] if split else None
     experts = [bool(moe_layers(c)) for c in chunks]
-    plain = [not experts[c] and not any(map(is_resharded, chunk.parameters()))
-             for c, chunk in enumerate(chunks)]
-    whole = whole_backwards(entries, plain) if split else frozenset()
+    whole = whole_backwards(entries, [cl.plain for cl in layers]) if split else frozenset()
     links = Links(group, len(chunks), m, like=next(chunks[0].parameters(), None), where=where,
                   inbox=inbox, shape=shape, order=order)
     saved, records, total = {}, {}, None
@@ -187,8 +184,8 @@ def run_schedule(chunks: list[StageChunk], table: list[list[str]], micro: list[B
 def whole_backwards(entries: list, plain: list[bool]) -> frozenset:
     """The (micro-batch, chunk) whose B is directly followed, in this rank's row, by its own W (the
     B alone or last in its entry, the W alone in the next), on a chunk that can take a plain
-    backward (`plain`: no experts, whose aux loss the split handles, and no ZeRO-3/FSDP unit,
-    which the split's W must not reread).
+    backward (`plain`, zero_bubble.ChunkLayers': no experts, whose aux loss the split handles,
+    and no ZeRO-3/FSDP unit, which the split's W must not reread).
 
     Zero bubble splits B from W so that W can wait for a bubble; with nothing between them there
     is nothing for it to wait for, and the split only costs: the forward's hooks that keep every

@@ -115,6 +115,7 @@ class ChunkLayers:
     hooked: tuple          # the modules W has a formula for, each given a forward hook
     observed: tuple        # tensor parallelism's linears, which report their matmul (observe_matmul)
     block_of: dict         # id(module) -> its block ("blocks.3", "lm_head")
+    plain: bool            # may take a plain backward: no experts, no ZeRO-3/FSDP unit (docstring)
     whole: bool            # the first piece, whose W is the whole backward (module docstring)
 
 
@@ -123,13 +124,13 @@ def chunk_layers(chunk: nn.Module) -> ChunkLayers:
     layers = [(name, m) for name, m in chunk.named_modules()
               if isinstance(m, WEIGHT_LAYERS) or hasattr(m, "observe_matmul")]
     _check_covered(chunk, [m for _, m in layers])
-    whole = (any(isinstance(m, nn.Embedding) for _, m in layers)
-             and not any(isinstance(m, MoEMLP) for m in chunk.modules())
+    plain = (not any(isinstance(m, MoEMLP) for m in chunk.modules())
              and not any(is_resharded(p) for p in chunk.parameters()))
     return ChunkLayers(hooked=tuple(m for _, m in layers if not hasattr(m, "observe_matmul")),
                        observed=tuple(m for _, m in layers if hasattr(m, "observe_matmul")),
                        block_of={id(m): ".".join(name.split(".")[:2]) for name, m in layers},
-                       whole=whole)
+                       plain=plain,
+                       whole=plain and any(isinstance(m, nn.Embedding) for _, m in layers))
 
 
 @contextmanager
