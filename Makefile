@@ -122,6 +122,7 @@ bench: install
 	$(BIN)/python scripts/bench_fsdp.py
 	$(BIN)/python scripts/bench_tp.py
 	$(BIN)/python scripts/bench_pp.py
+	$(BIN)/python scripts/bench_pp.py --nproc 4 --micro-batches 8 --layers 8
 	$(BIN)/python scripts/bench_bubble.py
 	$(BIN)/python scripts/bench_composition.py
 	$(BIN)/python scripts/bench_plan_cpu.py

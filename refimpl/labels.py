@@ -2,7 +2,8 @@
 
 `phase("forward" | "backward" | "optimizer")` around each phase of a step, `comm_span(op, nbytes)`
 around every collective (a `comm:<op> <n>B` range, the bytes in the name so the loader builds a
-bandwidth table). Both are plain `record_function` ranges: free when no profiler is running. This
+bandwidth table). Both are plain `record_function` ranges while a profiler runs, and nothing
+otherwise. This
 module is the bottom of the package's layers (the model's MoE layer labels its phases too); it
 imports torch's profiler only when a label is made.
 
@@ -22,7 +23,7 @@ import contextvars
 import re
 import threading
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 from refimpl import flight_recorder
@@ -78,13 +79,26 @@ def current_phase() -> str | None:
     return anywhere[-1][0] if anywhere else None
 
 
+def _range(name: str):
+    """A profiler range named `name`, or nothing while no profiler runs. An idle `record_function`
+    still costs ~6 us to enter and leave, and a pipeline step opens dozens (a phase per action, a
+    label per send); torch keeps `_is_profiler_enabled` for checks like this one, set when a
+    profiler starts recording and cleared when it stops, so no range it would keep is skipped."""
+    import torch.autograd.profiler as profiler
+
+    if not profiler._is_profiler_enabled:
+        return _NO_RANGE
+    return profiler.record_function(name)
+
+
+_NO_RANGE = nullcontext()
+
+
 def phase(name: str):
     """Label a phase of a step (forward, backward, optimizer, or any compute you name)."""
-    from torch.profiler import record_function
-
     if not flight_recorder.active():
-        return record_function(name)
-    return _with_phase(record_function(name), name)
+        return _range(name)
+    return _with_phase(_range(name), name)
 
 
 @contextmanager
@@ -155,13 +169,11 @@ def comm_span(op: str, nbytes: int | None = None, *, world: int | None = None,
     where the caller knows it. Bytes in the label let the loader build a bandwidth table.
     `group` (a ProcessGroup; None: the world), `peer` (a global rank) and `tag` are for the
     flight recorder: what a hang report names, with `phase` (default: the innermost phase label)."""
-    from torch.profiler import record_function
-
     if nbytes is not None:
         call = {"op": op, "pass": pass_, "bytes": int(nbytes), "world": world}
         for log in open_logs() if logs is None else logs:
             log.calls.append(call)
-    span = record_function(f"comm:{op}" + (f" {int(nbytes)}B" if nbytes is not None else ""))
+    span = _range(f"comm:{op}" + (f" {int(nbytes)}B" if nbytes is not None else ""))
     if not flight_recorder.active():
         return span
     return flight_recorder.entered(op, None if nbytes is None else int(nbytes), group, peer, tag,

@@ -5,10 +5,11 @@
     .venv/bin/python scripts/bench_pp.py --nproc 4 --micro-batches 8 --layers 8
 
 Both sides run the same stages (refimpl.parallel.pp.stage), the same batches, on the same ranks.
-Rounds alternate ours, theirs, ours, ... so a slow spell of the machine hits both; a side's step
-time is the median over its steps after each round's first (the slowest rank per step). Prints per
-schedule: loss of each side, median step times, the ratio ours / theirs, and the bubble the table
-predicts. Not a test: timings depend on the machine.
+Rounds alternate ours, theirs, theirs, ours, ... (who goes first takes turns, so neither side
+always finds the machine as the other left it) and a slow spell of the machine hits both; a side's
+step time is the median over its steps after each round's first (the slowest rank per step).
+Prints per schedule: loss of each side, median step times, the ratio ours / theirs, and the bubble
+the table predicts. Not a test: timings depend on the machine.
 
 On a shared machine (more runnable processes than cores) the wall clock also counts the time a rank
 waits for a core, and the ratio moves by 10-30 % from run to run. Beside it, each step's CPU time of
@@ -49,7 +50,8 @@ def parse(argv=None):
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=6, help="steps per round (the first is warm-up)")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=8,
+                   help="even: each side goes first as often (fewer: the CPU ratio moves by +-3 %%)")
     return p.parse_args(argv)
 
 
@@ -60,10 +62,12 @@ def bench_rank(rank, world, args, schedules):
     cfg = GPTConfig(n_layers=args.layers, d_model=args.d_model, seq_len=args.seq_len)
     device = device_for(dist.get_backend())     # the rank's GPU under NCCL: it refuses CPU tensors
     out = {}
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
         for schedule in schedules:
             v, where = chunks_of(schedule, args), placement(schedule)
-            for side in ("ours", "torch"):
+            # who goes first takes turns: the side that follows the other's round finds the
+            # allocator and the caches as the other left them (measured: 2-10 % on the first side)
+            for side in ("ours", "torch") if round_ % 2 == 0 else ("torch", "ours"):
                 chunks = build_chunks(build_model(cfg, 0).to(device), world, rank, v, where=where)
                 if side == "torch":
                     pipe = TorchPipeline(chunks, group, world, schedule, args.micro_batches, device=device)

@@ -7,7 +7,8 @@ Every configuration runs on the same ranks (refimpl.train.train_several_on_ranks
 seed and batches. Ours and theirs are interleaved in rounds so that a slow spell of the machine
 hits both; a configuration's step time is the median over all its rounds' steps after each round's
 warm-up step (slowest rank per step). Prints final loss, per-rank parameter and activation memory,
-median step time, and the ratio ours / theirs. Not a test: timings depend on the machine.
+median step time, and the ratio ours / theirs; and `--set tp_overlap=true` against tp + SP beside
+the saving the α-β model allows it. Not a test: timings depend on the machine.
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import argparse
 import sys
 
 from refimpl.config import TrainConfig
+from refimpl.cost import alpha_beta, bench
 from refimpl.cost.ratio_log import record
+from refimpl.verify import tp_overlap
 from refimpl.verify.step_time import step_times_in_rounds
 
 
@@ -27,6 +30,19 @@ def parse(argv=None):
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=32)
     return p.parse_args(argv)
+
+
+def predicted_overlap_saving(args) -> float:
+    """Seconds per step the α-β model says tp_overlap can save at this shape on this machine
+    (notebook 06 §8): the hop model fitted to gloo's all-reduce here, each ring step's transfer
+    against the chunk matmul a profiled tp_overlap step ran beside it (refimpl.verify.tp_overlap).
+    An upper bound: it takes a transfer to cost the matmul nothing, where on CPU ranks the core
+    that multiplies also copies the bytes."""
+    sweep = bench.sweep(world_sizes=(args.nproc,), ops=("all_reduce",), impls=("torch",),
+                        sizes=bench.message_sizes(1 << 10, 4 << 20, 4), repeats=3, progress=False)
+    alpha_hop, link = alpha_beta.hop_model_from_fit(*alpha_beta.fit_alpha_beta(sweep.size_bytes, sweep.time_s))
+    return tp_overlap.measure(args.nproc, alpha_hop, link, steps=3, rounds=1, global_batch=args.global_batch,
+                              seq_len=args.seq_len)["predicted_saving_s"]
 
 
 def main(argv=None) -> int:
@@ -56,8 +72,13 @@ def main(argv=None) -> int:
               f"{median[(name, sp)] * 1e3:>9.2f} ms")
     ring, plain = last[("tp-overlap", True)], last[("tp", True)]
     worst = max(abs(a - b) / abs(b) for a, b in zip(ring["losses"], plain["losses"]))
-    print(f"tp_overlap / tp (SP): step time ratio "
-          f"{median[('tp-overlap', True)] / median[('tp', True)]:.3f}; worst loss rel. diff {worst:.1e}")
+    overlap_ratio = median[("tp-overlap", True)] / median[("tp", True)]
+    saving = predicted_overlap_saving(args)
+    print(f"tp_overlap / tp (SP): step time ratio {overlap_ratio:.3f}; worst loss rel. diff {worst:.1e}; "
+          f"the alpha-beta model's saving: at most {saving * 1e3:.1f} ms of {median[('tp', True)] * 1e3:.1f} ms")
+    record("tp_overlap / tp (SP) step time", overlap_ratio, "<= 1.0", script="bench_tp.py",
+           note=f"alpha-beta: at most {saving * 1e3:.1f} ms of {median[('tp', True)] * 1e3:.1f} ms saved, "
+                "if a transfer cost the matmul nothing")
     for sp in (False, True):
         ours, theirs = last[("tp", sp)], last[("torch-tp", sp)]
         worst = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], theirs["losses"]))

@@ -46,7 +46,7 @@
   the overlap read from a trace (a staged collective shows as a `gloo:` range in flight) and the
   memory peaks included, runs under these rules; what this file adds is the comparison with plain
   gloo (`gloo_launch`, `on_gloo`, which unset it), the one-tag mode on plain gloo, the device
-  audit, and the launch paths no other test enters.
+  audit (on 4 ranks in `full` only: `on_world`), and the launch paths no other test enters.
 """
 import contextlib
 import functools
@@ -269,7 +269,16 @@ def audit_dirs(tmp_path_factory):
     return {w: tmp_path_factory.mktemp(f"audit{w}") for w in RUNS}
 
 
-@pytest.mark.parametrize("world,name", [(w, n) for w, runs in RUNS.items() for n in runs])
+def on_world(world: int, *values):
+    """A parameter of RUNS[world]: the 4-rank launch (13-16 s) is `full`'s. make test runs such
+    layouts staged elsewhere, as it runs every launch (the layout matrix's 4-rank cover: pp2 x
+    cp2, tp2 x cp2 + SP, fsdp and zero1 beside pp and tp; tests/test_pp.py: zbv on 4 stages;
+    notebook 09: torch-fsdp2-tp with SP); what only this launch adds is the device audit on 4
+    ranks."""
+    return pytest.param(world, *values, marks=[pytest.mark.full] if world == 4 else [])
+
+
+@pytest.mark.parametrize("world,name", [on_world(w, n) for w, runs in RUNS.items() for n in runs])
 def test_posting_order_alone_pairs_every_message(world, name, audit_dirs):
     runs, _ = results(world, audit_dirs[world])
     eq = compare_with_single(RUNS[world][name], runs[name])
@@ -282,7 +291,7 @@ def by_design(site: str) -> bool:
     return any(where.startswith(path) and function == fn for path, fn in HOST_BY_DESIGN)
 
 
-@pytest.mark.parametrize("world", list(RUNS))
+@pytest.mark.parametrize("world", [on_world(w) for w in RUNS])
 def test_every_tensor_a_rank_makes_names_its_device(world, audit_dirs):
     _, found = results(world, audit_dirs[world])
     assert found, "the audit saw nothing: it is not running"   # the reference build is always seen

@@ -34,12 +34,13 @@ refused by reason) and runs any strength, or all of it (refimpl.verify.matrix_ru
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 from refimpl.config import TrainConfig
@@ -62,7 +63,8 @@ EXPERTS = dict(top_k=2, capacity_factor=0.75)   # 4 experts, top-2: some tokens 
 GLOBAL_BATCH, STEPS = 96, 2
 
 
-def _option_values(strategy: str) -> list:
+@functools.cache     # the cover's search asks for every layout it walks through
+def _option_values(strategy: str) -> tuple:
     """The strategy's --set knobs one at a time: ("-", nothing set), then each non-default value
     worth a run: a bool flipped, every other choice, a bucket of 1 KiB (one per parameter)."""
     out: list = [()]
@@ -73,7 +75,7 @@ def _option_values(strategy: str) -> list:
             out += [((key, c),) for c in opt.choices if c != opt.default]
         elif key == "bucket_mb":
             out.append(((key, 2 ** -10),))
-    return out
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,7 @@ FACTORS: tuple[Factor, ...] = (
     Factor("micro_batches", lambda _: (1, 2, 4, 8)),
     Factor("collectives", lambda _: ("torch", "refimpl")),
     Factor("precision", lambda _: ("float64", "bf16")),
-    Factor("option", lambda lay: tuple(_option_values(lay["strategy"]))),
+    Factor("option", lambda lay: _option_values(lay["strategy"])),
 )
 NAMES = tuple(f.name for f in FACTORS)
 
@@ -157,7 +159,7 @@ class Layout:
         bf16 = get("precision") == "bf16"
         return TrainConfig(
             strategy=get("strategy"), nproc=get("world"), steps=STEPS, global_batch=GLOBAL_BATCH,
-            seq_len=SEQ_LEN, model=GPTConfig(**{**MATRIX_MODEL.to_dict(), **moe}),
+            seq_len=SEQ_LEN, model=replace(MATRIX_MODEL, **moe),
             tp=get("tp"), pp=get("pp"), cp=get("cp"), ep=get("ep") or 1, schedule=get("schedule"),
             virtual_stages=get("virtual_stages") or 1,
             sequence_parallel=get("sequence_parallel"),
@@ -240,8 +242,10 @@ def enumerate_layouts() -> Iterator[Layout]:
     yield from fill({}, 0)
 
 
+@functools.lru_cache(maxsize=1 << 17)
 def refusal(layout: Layout) -> str | None:
-    """None if the launcher accepts the layout, else the one line it refuses it with."""
+    """None if the launcher accepts the layout, else the one line it refuses it with (a pure
+    function of the layout: the cover's search asks again for the layouts it meets again)."""
     try:
         validate(layout.config())
     except LayoutError as e:
@@ -377,10 +381,12 @@ def searched_layout(rng: random.Random, fixed: dict, accept: Callable[[Layout], 
             order.insert(0 if rng.random() < 0.6 else rng.randrange(len(values)), values[0])
         else:   # a weighted random order (Efraimidis and Spirakis' keys u ** (1 / w))
             order = sorted(values, key=lambda v: -rng.random() ** (1.0 / weight(i, v)))
-        for value in order:
-            found = descend(i + 1, {**layout, factor.name: value})
+        for value in order:     # one dict, set and unset on the way down and back up
+            layout[factor.name] = value
+            found = descend(i + 1, layout)
             if found is not None:
                 return found
+        layout.pop(factor.name, None)
         return None
 
     return descend(0, {})
