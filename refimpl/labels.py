@@ -3,9 +3,8 @@
 `phase("forward" | "backward" | "optimizer")` around each phase of a step, `comm_span(op, nbytes)`
 around every collective (a `comm:<op> <n>B` range, the bytes in the name so the loader builds a
 bandwidth table). Both are plain `record_function` ranges while a profiler runs, and nothing
-otherwise. This
-module is the bottom of the package's layers (the model's MoE layer labels its phases too); it
-imports torch's profiler only when a label is made.
+otherwise. This module is the bottom of the package's layers (the model's MoE layer labels its
+phases too); it imports torch's profiler only when a label is made.
 
 One convention for the bytes, everywhere: the whole message the collective is about -- the tensor
 all-reduced or broadcast, the gathered output of an all-gather, the full input of a
