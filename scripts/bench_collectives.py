@@ -34,7 +34,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--ops", nargs="+", default=list(bench.OPS), choices=bench.OPS)
     p.add_argument("--ratio-bytes", type=parse_bytes, default=16 << 20)
-    p.add_argument("--ratio-repeats", type=int, default=30)
+    p.add_argument("--ratio-repeats", type=int, default=60)
     p.add_argument("--ratio-worlds", type=int, nargs="+", default=[2, 4],
                    help="world sizes of the ring-vs-gloo head-to-head")
     p.add_argument("--no-progress", action="store_true")

@@ -27,8 +27,10 @@ def main(argv=None) -> int:
     rows = json.loads(path.read_text())
     print(markdown_table(rows))
     shown = latest(rows)
-    failing = sum(not r["holds"] for r in shown)
-    print(f"\n{len(shown)} ratios, {failing} short of their goal")
+    failing = sum(r["holds"] is False for r in shown)
+    elsewhere = sum(r["holds"] is None for r in shown)
+    print(f"\n{len(shown)} ratios, {failing} short of their goal"
+          + (f", {elsewhere} with a goal for other hardware (n/a here)" if elsewhere else ""))
     return 0
 
 

@@ -17,7 +17,7 @@ import sys
 
 from refimpl.config import TrainConfig
 from refimpl.cost import alpha_beta, bench
-from refimpl.cost.ratio_log import record
+from refimpl.cost.ratio_log import NOT_HERE, record
 from refimpl.verify import tp_overlap
 from refimpl.verify.step_time import step_times_in_rounds
 
@@ -32,17 +32,19 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-def predicted_overlap_saving(args) -> float:
-    """Seconds per step the α-β model says tp_overlap can save at this shape on this machine
-    (notebook 06 §8): the hop model fitted to gloo's all-reduce here, each ring step's transfer
-    against the chunk matmul a profiled tp_overlap step ran beside it (refimpl.verify.tp_overlap).
-    An upper bound: it takes a transfer to cost the matmul nothing, where on CPU ranks the core
-    that multiplies also copies the bytes."""
+def predicted_overlap_saving(args) -> dict:
+    """What the α-β model says tp_overlap can save per step at this shape on this machine (notebook
+    06 §8): the hop model fitted to gloo's all-reduce here, each ring step's transfer against the
+    chunk matmul a profiled tp_overlap step ran beside it (refimpl.verify.tp_overlap). Keys:
+    predicted_saving_s (the share of each transfer that can run beside the matmul: 0 where the
+    ranks compute on every core, tp_comm.transfer_engine_share), saving_if_free_s (a copy engine
+    beside each matmul), engine_share."""
     sweep = bench.sweep(world_sizes=(args.nproc,), ops=("all_reduce",), impls=("torch",),
                         sizes=bench.message_sizes(1 << 10, 4 << 20, 4), repeats=3, progress=False)
     alpha_hop, link = alpha_beta.hop_model_from_fit(*alpha_beta.fit_alpha_beta(sweep.size_bytes, sweep.time_s))
-    return tp_overlap.measure(args.nproc, alpha_hop, link, steps=3, rounds=1, global_batch=args.global_batch,
-                              seq_len=args.seq_len)["predicted_saving_s"]
+    m = tp_overlap.measure(args.nproc, alpha_hop, link, steps=3, rounds=1, global_batch=args.global_batch,
+                           seq_len=args.seq_len)
+    return {k: m[k] for k in ("predicted_saving_s", "saving_if_free_s", "engine_share")}
 
 
 def main(argv=None) -> int:
@@ -73,12 +75,16 @@ def main(argv=None) -> int:
     ring, plain = last[("tp-overlap", True)], last[("tp", True)]
     worst = max(abs(a - b) / abs(b) for a, b in zip(ring["losses"], plain["losses"]))
     overlap_ratio = median[("tp-overlap", True)] / median[("tp", True)]
-    saving = predicted_overlap_saving(args)
-    print(f"tp_overlap / tp (SP): step time ratio {overlap_ratio:.3f}; worst loss rel. diff {worst:.1e}; "
-          f"the alpha-beta model's saving: at most {saving * 1e3:.1f} ms of {median[('tp', True)] * 1e3:.1f} ms")
-    record("tp_overlap / tp (SP) step time", overlap_ratio, "<= 1.0", script="bench_tp.py",
-           note=f"alpha-beta: at most {saving * 1e3:.1f} ms of {median[('tp', True)] * 1e3:.1f} ms saved, "
-                "if a transfer cost the matmul nothing")
+    model, step_ms = predicted_overlap_saving(args), median[("tp", True)] * 1e3
+    saving_ms, free_ms = model["predicted_saving_s"] * 1e3, model["saving_if_free_s"] * 1e3
+    what = (f"alpha-beta: {saving_ms:.1f} ms of {step_ms:.1f} ms saved, {model['engine_share']:.2f} of each "
+            f"transfer beside the matmul ({free_ms:.1f} ms with a copy engine)")
+    print(f"tp_overlap / tp (SP): step time ratio {overlap_ratio:.3f}; worst loss rel. diff {worst:.1e}; {what}")
+    # Faster is the goal where the model predicts a saving. Where the ranks compute on every core
+    # (CPU ranks, one per core) the cores that multiply also copy, the model predicts none, and
+    # the goal is one for other hardware (the GPU check).
+    goal = "<= 1.0" if saving_ms > 0.01 * step_ms else NOT_HERE
+    record("tp_overlap / tp (SP) step time", overlap_ratio, goal, script="bench_tp.py", note=what)
     for sp in (False, True):
         ours, theirs = last[("tp", sp)], last[("torch-tp", sp)]
         worst = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], theirs["losses"]))

@@ -232,3 +232,18 @@ def test_decomposed_ring_hides_the_shorter_of_transfer_and_matmul():
         assert abs(t["collective_s"] - 3 * 1.01e-3) < 1e-12
         assert abs(t["saving_s"] - 3 * hidden) < 1e-12
         assert abs(t["overlapped_s"] - (3 * max(1.01e-3, matmul_s) + matmul_s)) < 1e-12
+
+
+def test_only_the_share_of_a_transfer_on_hardware_of_its_own_is_hidden():
+    from refimpl.cost.tp_comm import decomposed_ring_seconds, transfer_engine_share
+
+    # σ = 0: every byte copied by the core that multiplies: the decomposition is the serial time
+    t = decomposed_ring_seconds(4, 1e6, 2e-3, 1e-5, 1e9, engine_share=0.0)
+    assert t["saving_s"] == pytest.approx(0.0, abs=1e-15) and t["overlapped_s"] == pytest.approx(t["serial_s"])
+    # σ = 0.5 of a 1.01 ms transfer runs beside a 2 ms matmul: 0.505 ms hidden per ring step
+    assert decomposed_ring_seconds(4, 1e6, 2e-3, 1e-5, 1e9, engine_share=0.5)["saving_s"] == \
+        pytest.approx(3 * 0.505e-3)
+    # σ: GPUs 1; CPU ranks the spare cores, shared, at most one each
+    assert transfer_engine_share("cuda", 8, cores=4) == 1.0
+    assert [transfer_engine_share("cpu", ranks, cores) for ranks, cores in ((2, 2), (4, 2), (4, 6), (2, 16))] \
+        == [0.0, 0.0, 0.5, 1.0]

@@ -24,3 +24,11 @@ def test_record_appends_and_table_keeps_latest(tmp_path, monkeypatch):
     table = ratio_log.markdown_table(rows).splitlines()
     assert len(table) == 4 and table[2].startswith("| b |") and "| 0.900 |" in table[3]
     assert "**no**" not in "\n".join(table)                  # a's failing row was superseded
+
+
+def test_a_goal_for_other_hardware_is_neither_met_nor_short(tmp_path, monkeypatch):
+    monkeypatch.setenv("REFIMPL_BENCH_RATIOS", str(tmp_path / "r.json"))
+    row = ratio_log.record("c", 1.06, ratio_log.NOT_HERE, script="s", note="why")
+    assert row["holds"] is None
+    line = ratio_log.markdown_table([row]).splitlines()[2]
+    assert "| 1.060 | n/a here | – |" in line and "**no**" not in line and "yes" not in line

@@ -210,11 +210,15 @@ def compare_impls(sweep_df: pd.DataFrame) -> pd.DataFrame:
 
 def head_to_head_rank(rank: int, world_size: int, op: str = "all_reduce", size_bytes: int = 16 << 20,
                       repeats: int = 30, warmup: int = 3) -> list[dict] | None:
-    """Runs on every rank: torch vs refimpl on one (op, size), alternating call by call.
+    """Runs on every rank: torch vs refimpl on one (op, size), alternating call by call, and who
+    goes first taking turns (torch first on even repetitions, refimpl first on odd ones).
 
     Alternating matters on a shared machine: load that comes and goes then hits both sides
     alike, where timing all of one and then all of the other would charge it to whichever ran
-    during the busy spell.
+    during the busy spell. Taking turns matters too: in a fixed order each side finds the machine
+    as the other left it, and the ratio moved with the order (16 MB on 4 ranks, 2 cores: our ring
+    took 1.01-1.08x gloo's time going after it every time in four runs, 0.98-1.02x taking turns
+    in three).
     """
     import torch.distributed as dist
 
@@ -223,7 +227,7 @@ def head_to_head_rank(rank: int, world_size: int, op: str = "all_reduce", size_b
     x, out, m = _buffers(op, size_bytes, world_size, device)
     times = {impl: [] for impl in IMPLS}
     for i in range(warmup + repeats):
-        for impl in IMPLS:
+        for impl in IMPLS if i % 2 == 0 else IMPLS[::-1]:
             dist.barrier()
             t = _timed(lambda: _call(modules[impl], op, x, out, rank, world_size), device)
             if i >= warmup:

@@ -19,8 +19,11 @@ import os
 import time
 from pathlib import Path
 
-# A goal is "<= 1.0" (a time or a peak: ours at most PyTorch's) or ">= 0.9" (a bandwidth).
+# A goal is "<= 1.0" (a time or a peak: ours at most PyTorch's) or ">= 0.9" (a bandwidth), or
+# "n/a here" when the goal only applies on other hardware (the row's note says why): the ratio is
+# still shown, and counted neither as holding nor as short.
 _COMPARE = {"<=": operator.le, ">=": operator.ge}
+NOT_HERE = "n/a here"
 
 
 def ratios_path() -> Path:
@@ -35,7 +38,9 @@ def parse_goal(goal: str) -> tuple[str, float]:
     return sign, float(number)
 
 
-def holds(value: float, goal: str) -> bool:
+def holds(value: float, goal: str) -> bool | None:
+    if goal == NOT_HERE:
+        return None
     sign, bound = parse_goal(goal)
     return bool(_COMPARE[sign](float(value), bound))   # a numpy bool is not JSON
 
@@ -66,6 +71,7 @@ def markdown_table(rows: list[dict]) -> str:
     lines = ["| ratio | value | goal | holds | script | run |", "|---|---:|---|:---:|---|---|"]
     for r in latest(rows):
         run = f"{r['note']}; load {r['load_avg']}" if r["note"] else f"load {r['load_avg']}"
+        verdict = "–" if r["holds"] is None else "yes" if r["holds"] else "**no**"
         lines.append(f"| {r['name']} | {r['value']:.3f} | {r['goal']} | "
-                     f"{'yes' if r['holds'] else '**no**'} | {r['script']} | {run} |")
+                     f"{verdict} | {r['script']} | {run} |")
     return "\n".join(lines)

@@ -117,31 +117,51 @@ def layer_time_over_compute(ratio: float, overlapped: float = 0.0) -> float:
 
 
 def decomposed_ring_seconds(t: int, chunk_bytes: float, chunk_matmul_s: float, alpha_hop: float,
-                            link: float) -> dict:
+                            link: float, engine_share: float = 1.0) -> dict:
     """An all-gather + matmul (or matmul + reduce-scatter) over t ranks, serial and decomposed into
     per-chunk steps (Wang et al. 2022, ASPLOS '23, §3; refimpl.parallel.tp.overlap).
 
     Serial: the ring collective of t chunks of m bytes, T_c = (t-1)·(α + m/B) (`ring_seconds`,
     Patarasuk & Yuan 2009), then the t chunk matmuls, t·c. Decomposed: each of the t-1 ring steps
-    sends one chunk while one chunk's matmul runs, so a step takes max(α + m/B, c), and one matmul
-    runs alone: (t-1)·max(α + m/B, c) + c. The saving is (t-1)·min(α + m/B, c): whichever of a
-    step's transfer and its matmul is shorter is hidden, at best the whole collective. The model
-    assumes a transfer costs the matmul nothing (a DMA engine or a NIC moves the bytes); where the
-    same cores copy the bytes and multiply (gloo on a CPU with a core per rank) it is an upper bound.
+    sends one chunk while one chunk's matmul runs, and one matmul runs alone. Only the share σ of a
+    transfer that hardware other than the matmul's moves (`engine_share`, `transfer_engine_share`)
+    can run beside it: a step takes max(σ·(α + m/B), c) + (1-σ)·(α + m/B), so the decomposition
+    saves (t-1)·min(σ·(α + m/B), c). With σ = 1 (a GPU: a copy engine or NCCL's kernels move the
+    bytes) that is whichever of a step's transfer and its matmul is shorter, at best the whole
+    collective; with σ = 0 (CPU ranks on every core: the cores that multiply also copy) nothing.
     """
     step = alpha_hop + chunk_bytes / link     # one ring step: α + m/B
     collective = ring_seconds("all_gather", t * chunk_bytes, t, alpha_hop, link)
     serial = collective + t * chunk_matmul_s
-    overlapped = (t - 1) * max(step, chunk_matmul_s) + chunk_matmul_s
+    beside = engine_share * step              # the part of the transfer that can run beside c
+    overlapped = (t - 1) * (max(beside, chunk_matmul_s) + step - beside) + chunk_matmul_s
     return {"serial_s": serial, "overlapped_s": overlapped, "saving_s": serial - overlapped,
             "collective_s": collective}
 
 
 def hidden_per_ring_step(chunk_bytes: float, chunk_matmul_s: float, alpha_hop: float,
-                         link: float) -> float:
-    """What one step of a decomposed ring can hide: min(α + m/B, c), the shorter of its chunk's
-    transfer and the matmul beside it (`decomposed_ring_seconds` sums t-1 of these)."""
-    return min(alpha_hop + chunk_bytes / link, chunk_matmul_s)
+                         link: float, engine_share: float = 1.0) -> float:
+    """What one step of a decomposed ring can hide: min(σ·(α + m/B), c), the shorter of the share
+    of its chunk's transfer that runs on hardware of its own and the matmul beside it
+    (`decomposed_ring_seconds` sums t-1 of these)."""
+    return min(engine_share * (alpha_hop + chunk_bytes / link), chunk_matmul_s)
+
+
+def transfer_engine_share(device_type: str, ranks: int, cores: int, threads_per_rank: int = 1) -> float:
+    """σ of `decomposed_ring_seconds`: the share of a transfer that runs beside a rank's matmul.
+
+    GPUs: 1, the model's assumption (Wang et al. 2022): the bytes move on a copy engine or on NCCL's
+    kernels while the matmul's run (NCCL's kernels take a few SMs from it: not counted). CPU ranks
+    on gloo: the bytes are copied by CPU cores (over loopback TCP the sender's write and the
+    receiver's read are both memcpys), so a copy runs beside a matmul only on a core no rank
+    computes on: the spare cores, cores - ranks x threads per rank (one each under refimpl.launch),
+    shared by the ranks, at most one each. 2 ranks on 2 cores: 0, and the decomposition can only
+    add its own cost (more, smaller matmuls and messages), as measured (scripts/bench_tp.py:
+    tp_overlap / tp 1.01-1.06 on this project's 2-core machines)."""
+    if device_type == "cuda":
+        return 1.0
+    spare = cores - ranks * threads_per_rank
+    return min(1.0, max(0, spare) / ranks)
 
 
 def pp_boundary_bytes(b: int, s: int, h: int, dtype_bytes: int = 2) -> float:

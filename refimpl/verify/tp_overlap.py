@@ -4,8 +4,12 @@
     m["steps"]          median step seconds of tp + SP and of tp + SP + tp_overlap, interleaved rounds
     m["transfers"]      one row per ring step of one profiled overlapped step on rank 0: its range's
                         duration and the duration of the chunk matmul inside it
-    m["predicted_saving_s"]   per step, Σ over those ring steps of min(α_hop + m/B, c)
-                        (tp_comm.hidden_per_ring_step, the term of decomposed_ring_seconds)
+    m["predicted_saving_s"]   per step, Σ over those ring steps of min(σ·(α_hop + m/B), c)
+                        (tp_comm.hidden_per_ring_step, the term of decomposed_ring_seconds), σ the
+                        share of a transfer that runs beside the matmul on these ranks
+                        (m["engine_share"], tp_comm.transfer_engine_share: 0 for CPU ranks that
+                        occupy every core)
+    m["saving_if_free_s"]     the same with σ = 1: what a copy engine beside each matmul would hide
 
 The step times come from unprofiled runs; the trace from a third, profiled one.
 """
@@ -14,7 +18,9 @@ from __future__ import annotations
 import pandas as pd
 
 from refimpl.config import DTYPES, TrainConfig
-from refimpl.cost.tp_comm import hidden_per_ring_step
+from refimpl.cost.tp_comm import hidden_per_ring_step, transfer_engine_share
+from refimpl.env import cpu_cores
+from refimpl.launch import device_for, pick_backend
 from refimpl.trace import capture, profiling
 from refimpl.verify.step_time import step_times_in_rounds
 
@@ -47,9 +53,14 @@ def measure(nproc: int, alpha_hop: float, link: float, *, steps: int = 4, rounds
     per_step = transfers.groupby("step")
     chunk_bytes = (base.global_batch * base.seq_len // nproc * base.model.d_model
                    * DTYPES[base.dtype].itemsize)
-    # each ring step: the model's transfer of one chunk against the matmul measured beside it
-    saving = sum(hidden_per_ring_step(chunk_bytes, c / 1e6, alpha_hop, link)
-                 for c in transfers.matmul_us) / per_step.ngroups
+    share = transfer_engine_share(device_for(pick_backend(nproc)).type, nproc, cpu_cores())
+
+    def saving(engine_share: float) -> float:
+        # each ring step: the model's transfer of one chunk against the matmul measured beside it
+        return sum(hidden_per_ring_step(chunk_bytes, c / 1e6, alpha_hop, link, engine_share)
+                   for c in transfers.matmul_us) / per_step.ngroups
+
     return {"steps": medians, "losses": {k: r["losses"] for k, r in last.items()},
             "transfers": transfers, "transfers_per_step": per_step.size().median(),
-            "chunk_bytes": chunk_bytes, "predicted_saving_s": saving}
+            "chunk_bytes": chunk_bytes, "engine_share": share,
+            "predicted_saving_s": saving(share), "saving_if_free_s": saving(1.0)}
