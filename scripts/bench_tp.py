@@ -8,7 +8,8 @@ seed and batches. Ours and theirs are interleaved in rounds so that a slow spell
 hits both; a configuration's step time is the median over all its rounds' steps after each round's
 warm-up step (slowest rank per step). Prints final loss, per-rank parameter and activation memory,
 median step time, and the ratio ours / theirs; and `--set tp_overlap=true` against tp + SP beside
-the saving the α-β model allows it. Not a test: timings depend on the machine.
+the saving the α-β model allows it, and the share of an exchange that hid under a matmul when
+measured alone (tp_overlap.transfer_beside_matmul). Not a test: timings depend on the machine.
 """
 from __future__ import annotations
 
@@ -77,8 +78,11 @@ def main(argv=None) -> int:
     overlap_ratio = median[("tp-overlap", True)] / median[("tp", True)]
     model, step_ms = predicted_overlap_saving(args), median[("tp", True)] * 1e3
     saving_ms, free_ms = model["predicted_saving_s"] * 1e3, model["saving_if_free_s"] * 1e3
+    beside = tp_overlap.transfer_beside_matmul()
     what = (f"alpha-beta: {saving_ms:.1f} ms of {step_ms:.1f} ms saved, {model['engine_share']:.2f} of each "
-            f"transfer beside the matmul ({free_ms:.1f} ms with a copy engine)")
+            f"transfer beside the matmul ({free_ms:.1f} ms with a copy engine); measured beside a matmul: "
+            f"{beside['both multiply']:.2f} with both ranks multiplying, {beside['one multiplies']:.2f} "
+            "with one")
     print(f"tp_overlap / tp (SP): step time ratio {overlap_ratio:.3f}; worst loss rel. diff {worst:.1e}; {what}")
     # Faster is the goal where the model predicts a saving. Where the ranks compute on every core
     # (CPU ranks, one per core) the cores that multiply also copy, the model predicts none, and

@@ -12,15 +12,22 @@
     m["saving_if_free_s"]     the same with σ = 1: what a copy engine beside each matmul would hide
 
 The step times come from unprofiled runs; the trace from a third, profiled one.
+
+    beside = transfer_beside_matmul()   # σ measured: how much of an exchange hides under a matmul
 """
 from __future__ import annotations
 
+import statistics
+import time
+
 import pandas as pd
+import torch
+import torch.distributed as dist
 
 from refimpl.config import DTYPES, TrainConfig
 from refimpl.cost.tp_comm import hidden_per_ring_step, transfer_engine_share
 from refimpl.env import cpu_cores
-from refimpl.launch import device_for, pick_backend
+from refimpl.launch import device_for, pick_backend, run
 from refimpl.trace import capture, profiling
 from refimpl.verify.step_time import step_times_in_rounds
 
@@ -64,3 +71,51 @@ def measure(nproc: int, alpha_hop: float, link: float, *, steps: int = 4, rounds
             "transfers": transfers, "transfers_per_step": per_step.size().median(),
             "chunk_bytes": chunk_bytes, "engine_share": share,
             "predicted_saving_s": saving(share), "saving_if_free_s": saving(1.0)}
+
+
+def transfer_beside_matmul(n: int = 512, megabytes: int = 4, repeats: int = 20) -> dict:
+    """σ of `tp_comm.transfer_engine_share`, measured on 2 ranks: each times a matmul of two n x n
+    matrices alone (c), an exchange of `megabytes` with the other rank alone (T), and the exchange
+    posted before the matmul and waited after it (both). The share of the shorter that was hidden,
+    (c + T - both) / min(c, T), is 1 when the transfer runs on hardware of its own and 0 when it
+    costs the matmul its full time. Twice: with both ranks multiplying (every core busy where
+    cores = 2) and with rank 1 only exchanging (its core free for the copies). Returns rank 0's
+    {"both multiply": σ, "one multiplies": σ} (medians over `repeats`)."""
+    out = {}
+    for lone in (False, True):
+        times = run(_beside_rank, 2, n, megabytes, repeats, lone, quiet=True)[0]
+        c, t, both = times["matmul"], times["transfer"], times["both"]
+        out["one multiplies" if lone else "both multiply"] = (c + t - both) / min(c, t)
+    return out
+
+
+def _beside_rank(rank: int, world: int, n: int, megabytes: int, repeats: int, lone: bool) -> dict:
+    device = device_for(dist.get_backend())
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    send = torch.randn(megabytes << 18, device=device)      # 4-byte values
+    recv = torch.empty_like(send)
+    peer = 1 - rank
+
+    def post():    # rank 0 sends first, rank 1 receives first: NCCL's order pairs them
+        ops = [lambda: dist.isend(send, peer), lambda: dist.irecv(recv, peer)]
+        return [op() for op in (ops if rank == 0 else ops[::-1])]
+
+    def both():
+        works = post()
+        if not (lone and rank == 1):
+            a @ b
+        for w in works:
+            w.wait()
+
+    kinds = {"matmul": lambda: a @ b, "transfer": lambda: [w.wait() for w in post()], "both": both}
+    times = {k: [] for k in kinds}
+    for i in range(repeats + 3):
+        for kind, fn in kinds.items():
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= 3:
+                times[kind].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()} if rank == 0 else None
