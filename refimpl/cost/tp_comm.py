@@ -157,7 +157,9 @@ def transfer_engine_share(device_type: str, ranks: int, cores: int, threads_per_
     computes on: the spare cores, cores - ranks x threads per rank (one each under refimpl.launch),
     shared by the ranks, at most one each. 2 ranks on 2 cores: 0, and the decomposition can only
     add its own cost (more, smaller matmuls and messages), as measured (scripts/bench_tp.py:
-    tp_overlap / tp 1.01-1.06 on this project's 2-core machines)."""
+    tp_overlap / tp 1.01-1.06 on this project's 2-core machines). refimpl.verify.tp_overlap's
+    `transfer_beside_matmul` measures σ itself on 2 ranks: on 2 cores -0.15 to 0.12 with both
+    ranks multiplying, 0.53 with one rank idle (one spare core for two ranks' copies: 0.5 here)."""
     if device_type == "cuda":
         return 1.0
     spare = cores - ranks * threads_per_rank
