@@ -26,7 +26,7 @@ NO_GPU = "skipped: no GPU"
 
 
 PARTS = ("machine", "numerics", "ceilings", "memory", "steps", "profiled_step", "nccl_step",
-         "equivalence", "hta", "async_tp")
+         "equivalence", "hta", "async_tp", "tp_overlap")
 
 
 def figures(out: Path, name: str, parts: list[str]) -> list[dict]:
@@ -281,6 +281,30 @@ def _async_tp(add, gpu, out):
     same = abs(r["fused_y"] - r["plain_y"]) <= 1e-2 * abs(r["plain_y"])
     add("async TP", "fused / plain all-gather + matmul time, 2 ranks, bf16 4096²",
         f"{r['fused'] / r['plain']:.3f}", f"outputs agree: {'ok' if same else 'FAILED'}")
+
+
+def _tp_overlap(add, gpu, out):
+    """refimpl's `--set tp_overlap=true` against tp + SP on 2 ranks, beside the α-β model's saving
+    with this machine's σ (refimpl.cost.tp_comm.transfer_engine_share) and σ measured
+    (tp_overlap.transfer_beside_matmul). The ranks are wherever 2 ranks run here: CPU ranks on
+    gloo with one GPU, whose host has cores to spare (σ = 1), or 2 GPUs on NCCL. That is the case
+    this project's 2-core machines cannot show: there σ = 0 and the model predicts no saving."""
+    from refimpl.cost import alpha_beta, bench
+    from refimpl.launch import pick_backend
+    from refimpl.verify import tp_overlap
+
+    sweep = bench.sweep(world_sizes=(2,), ops=("all_reduce",), impls=("torch",),
+                        sizes=bench.message_sizes(1 << 10, 4 << 20, 4), repeats=3, progress=False)
+    alpha_hop, link = alpha_beta.hop_model_from_fit(*alpha_beta.fit_alpha_beta(sweep.size_bytes, sweep.time_s))
+    m = tp_overlap.measure(2, alpha_hop, link, steps=6, rounds=3, global_batch=8, seq_len=32)
+    plain, ring = m["steps"]["tp+SP"], m["steps"]["tp_overlap"]
+    beside = tp_overlap.transfer_beside_matmul()
+    where = pick_backend(2)
+    add("tp_overlap", f"σ on 2 ranks ({where}): the model / measured (both multiply, one)",
+        f"{m['engine_share']:.2f} / {beside['both multiply']:.2f}, {beside['one multiplies']:.2f}")
+    add("tp_overlap", "tp_overlap / tp (SP) step time, 2 ranks", f"{ring / plain:.3f}",
+        f"saving predicted {m['predicted_saving_s'] * 1e3:.1f} ms of {plain * 1e3:.1f} ms "
+        f"({m['saving_if_free_s'] * 1e3:.1f} ms with σ = 1), measured {(plain - ring) * 1e3:.1f} ms")
 
 
 def _hta(add, gpu, out):

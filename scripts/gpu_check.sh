@@ -26,7 +26,9 @@
 #   (c) a CUDA-profiled step: kernels labelled, backward's too (profiled_step)
 #   (d) fp32 and bf16 steps (steps)
 #   (e) several ranks on the one GPU (REFIMPL_SHARED_DEVICE=cuda:0): all of tests/test_nccl_rules.py
-#   then the copy ceilings, NCCL (>= 2 GPUs), the 2-rank equivalence, HTA; the GPU-facing tests;
+#   then the copy ceilings, NCCL (>= 2 GPUs), the 2-rank equivalence, HTA, async TP (>= 2 GPUs);
+#   tp_overlap against tp where the alpha-beta model predicts a saving (a host with spare cores);
+#   the GPU-facing tests;
 #   (f) the notebooks, then the test suite with whatever time is left (-x, under xdist).
 # On a CPU machine the GPU parts print "skipped: no GPU". On one GPU, NCCL (one GPU per rank)
 # cannot run >= 2 ranks: the suite's multi-rank runs stay on gloo (CPU) and the table says so.
@@ -160,6 +162,8 @@ fi
 
 stage figures "ceilings, NCCL, equivalence, HTA, async TP" 150 figures-more.json -- \
   "$PYTHON" scripts/gpu_check.py figures "$DIR" more ceilings nccl_step equivalence hta async_tp
+stage figures "tp_overlap against tp, beside the alpha-beta saving with this machine's sigma" 150 \
+  figures-tp_overlap.json -- "$PYTHON" scripts/gpu_check.py figures "$DIR" tp_overlap tp_overlap
 stage tests "GPU-facing tests (env, ceilings, cuda_memory, gpu_trace, moe_slots)" 150 - -- \
   "${PYTEST[@]}" tests/test_env.py tests/test_ceilings.py tests/test_cuda_memory.py \
   tests/test_gpu_trace.py tests/test_moe_slots.py
