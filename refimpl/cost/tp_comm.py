@@ -157,11 +157,11 @@ def transfer_engine_share(device_type: str, ranks: int, cores: int, threads_per_
     computes on: the spare cores, cores - ranks x threads per rank (one each under refimpl.launch),
     shared by the ranks, at most one each. 2 ranks on 2 cores: 0. The model then predicts no saving
     from the overlap, and the two paths differ only by their own costs (the decomposition's smaller
-    matmuls and extra messages against one collective call): scripts/bench_tp.py measured
-    tp_overlap / tp at 0.83-1.06 in seven runs on this project's 2-core machines (median 1.03),
-    within that bench's run-to-run spread. refimpl.verify.tp_overlap's `transfer_beside_matmul`
-    measures σ itself on 2 ranks; on 2 cores, five runs: -0.15 to 0.12 with both ranks
-    multiplying, 0.17 to 0.53 with one rank idle (the model: one spare core for two ranks, 0.5)."""
+    matmuls and extra messages against one collective call): tp_overlap / tp measured 0.83-1.06
+    in ten runs on this project's 2-core machines (median 1.02), within the bench's run-to-run
+    spread. refimpl.verify.tp_overlap's `transfer_beside_matmul` measures σ itself on 2 ranks; on
+    2 cores, seven runs: -0.15 to 0.25 (median 0.05) with both ranks multiplying, 0.17 to 0.53
+    (median 0.43) with one rank idle (the model: one spare core for two ranks, 0.5)."""
     if device_type == "cuda":
         return 1.0
     spare = cores - ranks * threads_per_rank
