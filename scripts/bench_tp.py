@@ -17,7 +17,6 @@ import argparse
 import sys
 
 from refimpl.config import TrainConfig
-from refimpl.cost import alpha_beta, bench
 from refimpl.cost.ratio_log import NOT_HERE, record
 from refimpl.verify import tp_overlap
 from refimpl.verify.step_time import step_times_in_rounds
@@ -40,9 +39,7 @@ def predicted_overlap_saving(args) -> dict:
     predicted_saving_s (the share of each transfer that can run beside the matmul: 0 where the
     ranks compute on every core, tp_comm.transfer_engine_share), saving_if_free_s (a copy engine
     beside each matmul), engine_share."""
-    sweep = bench.sweep(world_sizes=(args.nproc,), ops=("all_reduce",), impls=("torch",),
-                        sizes=bench.message_sizes(1 << 10, 4 << 20, 4), repeats=3, progress=False)
-    alpha_hop, link = alpha_beta.hop_model_from_fit(*alpha_beta.fit_alpha_beta(sweep.size_bytes, sweep.time_s))
+    alpha_hop, link = tp_overlap.hop_model_here(args.nproc)
     m = tp_overlap.measure(args.nproc, alpha_hop, link, steps=3, rounds=1, global_batch=args.global_batch,
                            seq_len=args.seq_len)
     return {k: m[k] for k in ("predicted_saving_s", "saving_if_free_s", "engine_share")}

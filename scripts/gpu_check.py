@@ -289,14 +289,10 @@ def _tp_overlap(add, gpu, out):
     (tp_overlap.transfer_beside_matmul). The ranks are wherever 2 ranks run here: CPU ranks on
     gloo with one GPU, whose host has cores to spare (σ = 1), or 2 GPUs on NCCL. That is the case
     this project's 2-core machines cannot show: there σ = 0 and the model predicts no saving."""
-    from refimpl.cost import alpha_beta, bench
     from refimpl.launch import pick_backend
     from refimpl.verify import tp_overlap
 
-    sweep = bench.sweep(world_sizes=(2,), ops=("all_reduce",), impls=("torch",),
-                        sizes=bench.message_sizes(1 << 10, 4 << 20, 4), repeats=3, progress=False)
-    alpha_hop, link = alpha_beta.hop_model_from_fit(*alpha_beta.fit_alpha_beta(sweep.size_bytes, sweep.time_s))
-    m = tp_overlap.measure(2, alpha_hop, link, steps=6, rounds=3, global_batch=8, seq_len=32)
+    m = tp_overlap.measure(2, *tp_overlap.hop_model_here(2), steps=6, rounds=3, global_batch=8, seq_len=32)
     plain, ring = m["steps"]["tp+SP"], m["steps"]["tp_overlap"]
     beside = tp_overlap.transfer_beside_matmul()
     where = pick_backend(2)

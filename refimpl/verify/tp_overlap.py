@@ -1,6 +1,7 @@
 """`--set tp_overlap=true` measured beside its α-β prediction (notebook 06, scripts/bench_tp.py).
 
-    m = measure(nproc=2, alpha_hop=..., link=...)   # the α-β hop model of this machine (notebook 06 §7)
+    alpha_hop, link = hop_model_here(2)             # the α-β hop model of this machine (notebook 06 §7)
+    m = measure(nproc=2, alpha_hop=alpha_hop, link=link)
     m["steps"]          median step seconds of tp + SP and of tp + SP + tp_overlap, interleaved rounds
     m["transfers"]      one row per ring step of one profiled overlapped step on rank 0: its range's
                         duration and the duration of the chunk matmul inside it
@@ -25,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from refimpl.config import DTYPES, TrainConfig
+from refimpl.cost.alpha_beta import busbw_factor, fit_alpha_beta, hop_model_from_fit
+from refimpl.cost.bench import message_sizes, sweep
 from refimpl.cost.tp_comm import hidden_per_ring_step, transfer_engine_share
 from refimpl.env import cpu_cores
 from refimpl.launch import device_for, pick_backend, run
@@ -45,6 +48,15 @@ def transfers_of(trace, rank: int = 0):
         rows.append({"step": t.step, "transfer": t.name, "transfer_us": t.dur_us,
                      "matmuls inside": len(inside), "matmul_us": inside.dur_us.sum()})
     return pd.DataFrame(rows)
+
+
+def hop_model_here(world_size: int = 2) -> tuple[float, float]:
+    """(α per ring step, link rate B) of torch's all_reduce on `world_size` ranks of this machine:
+    a short sweep (1 KB to 4 MB) fitted as notebook 06 §7 does, the bytes counted per link."""
+    df = sweep(world_sizes=(world_size,), ops=("all_reduce",), impls=("torch",),
+               sizes=message_sizes(1 << 10, 4 << 20, 4), repeats=3, progress=False)
+    link_bytes = df.size_bytes * busbw_factor("all_reduce", world_size)
+    return hop_model_from_fit(*fit_alpha_beta(link_bytes, df.time_s), world_size)
 
 
 def measure(nproc: int, alpha_hop: float, link: float, *, steps: int = 4, rounds: int = 2,
