@@ -25,8 +25,8 @@ sys.path.insert(0, str(REPO))
 NO_GPU = "skipped: no GPU"
 
 
-PARTS = ("machine", "numerics", "ceilings", "memory", "steps", "profiled_step", "nccl_step",
-         "equivalence", "hta", "async_tp", "tp_overlap")
+PARTS = ("machine", "numerics", "ceilings", "memory", "steps", "mfu_eager", "mfu_compiled",
+         "profiled_step", "nccl_step", "equivalence", "hta", "async_tp", "tp_overlap")
 
 
 def figures(out: Path, name: str, parts: list[str]) -> list[dict]:
@@ -145,6 +145,35 @@ def _steps(add, gpu, out):
         rel = max(abs(a - b) / b for a, b in zip(res["fp32"]["losses"], cpu["losses"]))
         add("steps", "fp32 loss, GPU vs CPU, max rel. difference", f"{rel:.2e}",
             "TF32 off; not bit-exact across devices, which is why references run on the ranks' device")
+
+
+def _mfu(add, gpu, compiled: bool):
+    """Model FLOPs utilisation of a Llama 3.2 1B-shaped model (refimpl.cost.mfu.LLAMA_3_2_1B) in
+    bf16 on one GPU, eager or with each block compiled, beside torchtitan's published figure. Two
+    parts, so the eager row is kept if the compilation runs past the stage's time."""
+    from refimpl.cost import mfu
+
+    label = "compiled blocks" if compiled else "eager"
+    figure = f"Llama 3.2 1B shape, bf16, batch 2 x 2048, {label}: MFU"
+    if not gpu:
+        add("mfu", figure, NO_GPU)
+        return
+    r = mfu.measure(mfu.LLAMA_3_2_1B, batch_size=2, steps=8, device="cuda", compile=compiled)
+    titan = mfu.TORCHTITAN_LLAMA3_8B_MFU
+    add("mfu", figure, "n/a: no datasheet peak for this GPU" if r["mfu"] is None else f"{r['mfu']:.1%}",
+        f"{r['achieved_flops'] / 1e12:.0f} TFLOP/s of {r['flops_per_token'] / 1e9:.2f} GFLOP/token, "
+        f"{r['step_s'] * 1e3:.0f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, peak "
+        f"{r['peak_memory_bytes'] / 2**30:.1f} GiB, first step {r['first_step_s']:.1f} s, loss "
+        f"{r['loss_first']:.3f} -> {r['loss_last']:.3f}; torchtitan, Llama 3.1 8B on H100s (FSDP, "
+        f"flash attention): {titan['compiled']:.0%} compiled, {titan['eager']:.0%} eager")
+
+
+def _mfu_eager(add, gpu, out):
+    _mfu(add, gpu, compiled=False)
+
+
+def _mfu_compiled(add, gpu, out):
+    _mfu(add, gpu, compiled=True)
 
 
 def _profiled_step(add, gpu, out):

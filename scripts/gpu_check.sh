@@ -24,7 +24,7 @@
 #       rank's device (on the GPU: every rank on cuda:0 through the staged backend)
 #   (b) CUDA memory against the arithmetic (scripts/gpu_check.py memory)
 #   (c) a CUDA-profiled step: kernels labelled, backward's too (profiled_step)
-#   (d) fp32 and bf16 steps (steps)
+#   (d) fp32 and bf16 steps (steps); MFU of a Llama 3.2 1B-shaped model in bf16, eager and compiled
 #   (e) several ranks on the one GPU (REFIMPL_SHARED_DEVICE=cuda:0): all of tests/test_nccl_rules.py
 #   then the copy ceilings, NCCL (>= 2 GPUs), the 2-rank equivalence, HTA, async TP (>= 2 GPUs);
 #   tp_overlap against tp where the alpha-beta model predicts a saving (a host with spare cores);
@@ -148,6 +148,8 @@ stage "(c) profiled step" "a CUDA-profiled step, its kernels' labels" 120 figure
   "$PYTHON" scripts/gpu_check.py figures "$DIR" profiled profiled_step
 stage "(d) steps" "fp32 and bf16 steps" 120 figures-steps.json -- \
   "$PYTHON" scripts/gpu_check.py figures "$DIR" steps steps
+stage "(d) MFU" "Llama 3.2 1B shape, bf16, one GPU: eager, then compiled blocks" 240 figures-mfu.json -- \
+  "$PYTHON" scripts/gpu_check.py figures "$DIR" mfu mfu_eager mfu_compiled
 
 # (e) Several ranks on the one GPU (refimpl.shared_device): every strategy, schedule and twin of
 # tests/test_nccl_rules.py on cuda:0 tensors, 2 and 4 ranks, collectives staged through gloo; a

@@ -215,6 +215,7 @@ def test_a_save_and_a_resharding_load_hold_a_shard_plus_one_tensor(tmp_path):
 
 
 @pytest.mark.full
+@pytest.mark.ranks
 @pytest.mark.parametrize("write,read", [("zero3", "zero1"), ("zero1", "fsdp")])
 def test_on_4_ranks_a_save_and_a_resharding_load_hold_a_shard_plus_one_tensor(tmp_path, write, read):
     def cfg(strategy):
