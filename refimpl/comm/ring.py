@@ -46,6 +46,19 @@ def _flat(tensor: torch.Tensor):
 # buffer as large as a whole chunk (32 MB of a 64 MB all-reduce on 2 ranks) is a fresh mmap on every
 # call (glibc maps blocks that large anew each time), and faulting its pages in cost more than the
 # transfer (measured on 2 ranks, 64 MB: 96 ms with a fresh chunk-sized buffer, 65 ms without).
+#
+# Why not gloo's 1 MB segments (gloo/allreduce.h, kMaxSegmentSize, two in flight)? Measured with
+# 16 MB on 4 ranks sharing 2 cores (perf record over 400 calls, each side alone): where the ranks
+# outnumber the cores, the time is CPU time, and most of it is the kernel copying bytes into and out
+# of the sockets. With our 4 MB messages those copies cost 1.5x (receive) and 1.25x (send) what
+# gloo's cost, and our additions 1.33x gloo's: the data has left the cores' 2 MB caches before it
+# is copied again. Cut to gloo's 1 MB, the copies cost what gloo's do (1.13x, 1.02x), but every
+# extra message costs ~90 us of CPU in Python and the c10d calls (post, wait: 18 more per call),
+# and a call got no faster (32.3 ms against 31.4 ms; gloo 27.8 ms). The same messages in the
+# same order, posted by bare ProcessGroup send/recv calls without this package's wrappers (labels,
+# byte counts, NCCL's grouping), reached 0.92-1.02 of gloo's bus bandwidth in runs where this ring
+# reached 0.85-0.93: at 4 ranks on 2 cores the gap to gloo (0.83-0.88 in `make bench`) is the work
+# around each message, not the ring's order. With a core per rank (2 ranks here) it is >= 0.9.
 SEGMENT_BYTES = 4 << 20
 
 
