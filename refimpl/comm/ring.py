@@ -57,8 +57,10 @@ def _flat(tensor: torch.Tensor):
 # and a call got no faster (32.3 ms against 31.4 ms; gloo 27.8 ms). The same messages in the
 # same order, posted by bare ProcessGroup send/recv calls without this package's wrappers (labels,
 # byte counts, NCCL's grouping), reached 0.92-1.02 of gloo's bus bandwidth in runs where this ring
-# reached 0.85-0.93: at 4 ranks on 2 cores the gap to gloo (0.83-0.88 in `make bench`) is the work
-# around each message, not the ring's order. With a core per rank (2 ranks here) it is >= 0.9.
+# reached 0.85-0.93: at 4 ranks on 2 cores the gap to gloo (0.83-0.88 in `make bench`) is in the
+# work around each message, not in the ring's order. Which part of that work costs it the runs did
+# not separate from their noise (+-0.04 run to run): issue() is ~20 us a call, post() ~30 us a
+# message. With a core per rank (2 ranks here) the ring is >= 0.9 of gloo.
 SEGMENT_BYTES = 4 << 20
 
 
