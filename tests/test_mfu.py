@@ -74,3 +74,21 @@ def test_a_measured_step_trains_and_compiling_each_block_traces_one_graph_for_al
     assert not counters["graph_break"]
     assert eager["mfu"] is None and eager["achieved_flops"] > 0
     assert eager["params"] == count_params(build_model(cfg, 0))
+
+
+def test_the_benchmark_script_runs_on_a_cpu_and_says_mfu_is_not_defined_there():
+    """scripts/bench_mfu.py on the CPU: the small Llama-shaped model, eager, one row whose MFU
+    column reads n/a (no datasheet peak), beside torchtitan's published figure."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "scripts/bench_mfu.py", "--device", "cpu", "--steps", "2"],
+                          cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("eager")]
+    assert len(rows) == 1 and rows[0][5] == "n/a", done.stdout
+    assert "torchtitan" in done.stdout
