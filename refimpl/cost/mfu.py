@@ -36,8 +36,8 @@ from contextlib import nullcontext
 import torch
 
 from refimpl.cost.hardware import GPUS, Hardware
-from refimpl.model import GPTConfig, build_model, lm_loss
-from refimpl.model.gpt import count_params
+from refimpl.memory import training_flops
+from refimpl.model import GPTConfig, build_model, count_params, lm_loss
 
 # Llama 3.2 1B as released (meta-llama/Llama-3.2-1B, config.json): 16 layers, d_model 2048, 32
 # query and 8 key/value heads, a SwiGLU MLP of width 8192, a 128256-entry vocabulary, the output
@@ -69,8 +69,10 @@ def matmul_weights(cfg: GPTConfig) -> int:
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int) -> int:
-    """Training FLOPs one token needs (forward and backward; the module docstring's formula)."""
-    return 6 * matmul_weights(cfg) + 12 * cfg.n_layers * cfg.d_model * seq_len
+    """Training FLOPs one token needs (forward and backward; the module docstring's formula):
+    refimpl.memory.training_flops for one token, with W in place of the parameter count."""
+    return int(training_flops(matmul_weights(cfg), 1, n_layers=cfg.n_layers, seq=seq_len,
+                              hidden=cfg.d_model))
 
 
 def peak_flops(device) -> float | None:
