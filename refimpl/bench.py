@@ -1,5 +1,3 @@
-"""Moved: the sweeps to `refimpl.cost.bench`, the alpha-beta fit and the bus-bandwidth factor to
-`refimpl.cost.alpha_beta`; this name stays because DESIGN.md's contract cites it."""
-from refimpl.cost.alpha_beta import *  # noqa: F401,F403
+"""DESIGN.md's contract names `refimpl.bench.busbw_factor` and `refimpl.bench.fit_alpha_beta`; both live
+in `refimpl.cost.alpha_beta`. The sweeps that measure them are the lab's (`refimpl.lab.measure.bench`)."""
 from refimpl.cost.alpha_beta import busbw_factor, fit_alpha_beta  # noqa: F401
-from refimpl.cost.bench import *  # noqa: F401,F403

@@ -37,7 +37,7 @@ class TrainConfig:
     mixed_precision: str = "fp32"     # "fp32" or "bf16" (autocast compute, fp32 master weights)
     # The dtype of weights, gradients and optimizer states. "float64" is the equivalence tests'
     # dtype: reordered sums then differ by ~1e-15, so a gate at 1e-9 proves the maths on any
-    # processor (refimpl.verify.equivalence); "float32" is what training uses.
+    # processor (refimpl.lab.verify.equivalence); "float32" is what training uses.
     dtype: str = "float32"
     activation_checkpointing: bool = False
     profile: bool = False
@@ -168,7 +168,7 @@ class RunContext:
         states stay fp32 (the master copy). bf16 has fp32's exponent range, so unlike fp16 it
         needs no loss scaling."""
         if self.cfg.mixed_precision != "bf16":   # nothing to cast (and the dry run's meta
-            return contextlib.nullcontext()        # device has no autocast: refimpl.verify.dryrun)
+            return contextlib.nullcontext()        # device has no autocast: refimpl.lab.verify.dryrun)
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
 

@@ -2,7 +2,7 @@
 
 `--set fault=<name>` (TrainConfig.fault) injects one. Each is a line at the place the real bug
 lived, guarded by `injected(cfg, name)`; notebook 10 runs each, shows the symptom a user would
-see, and asserts that the bisector (refimpl.verify.bisect), the hang report
+see, and asserts that the bisector (refimpl.lab.verify.bisect), the hang report
 (refimpl.flight_recorder) or the launcher's rank-and-traceback finds it.
 
 They run only where REFIMPL_FAULTS=1 (the tests and notebook 10 set it): a fault in a training

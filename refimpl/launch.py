@@ -373,6 +373,6 @@ def device_for(backend: str):
         return torch.device("cuda", torch.cuda.current_device())
     if backend == "staged":     # every rank on the one shared device (refimpl.shared_device)
         return torch.device(os.environ.get("REFIMPL_SHARED_DEVICE", "cpu"))
-    if backend == "fake":       # the dry run (refimpl.verify.dryrun): shapes only, no storage
+    if backend == "fake":       # the dry run (refimpl.lab.verify.dryrun): shapes only, no storage
         return torch.device("meta")
     return torch.device("cpu")

@@ -80,7 +80,7 @@ class ParallelDims:
 
     # The groups and coordinates below are the grid's, computed on integers rather than on
     # `grid()`: they are host bookkeeping, and a tensor here would be a meta one under the dry
-    # run (refimpl.verify.dryrun), where `.nonzero()` and `.tolist()` cannot run.
+    # run (refimpl.lab.verify.dryrun), where `.nonzero()` and `.tolist()` cannot run.
     def _stride(self, axis: str) -> int:
         """How far apart neighbours along `axis` are in rank (tp innermost: 1)."""
         order = ("replica",) + AXES

@@ -1,6 +1,6 @@
 """fp32 that means fp32 on a GPU: the settings every CUDA run of the loop uses.
 
-Equivalence is checked at fp32 round-off (relative error <= 1e-5, refimpl.verify.equivalence).
+Equivalence is checked at fp32 round-off (relative error <= 1e-5, refimpl.lab.verify.equivalence).
 On NVIDIA GPUs since Ampere, PyTorch may run fp32 matmuls and convolutions in TF32 (10-bit
 mantissa, relative error ~5e-4 per product), and several CUDA kernels (atomics in index_add,
 scatter, embedding backward) sum in an order that changes from run to run. Either would make a
@@ -36,7 +36,7 @@ CUBLAS_WORKSPACE = ":4096:8"
 def deterministic_needed(device, dtype: str, mixed_precision: str, return_state: bool) -> bool:
     """Does a run need deterministic kernels? Only on CUDA, and only when its result is compared:
     float64 runs (the equivalence proof) and fp32 runs that hand back their state to be compared
-    with `single` (refimpl.verify.equivalence sets return_state on both sides; some layouts are
+    with `single` (refimpl.lab.verify.equivalence sets return_state on both sides; some layouts are
     claimed bit for bit). bf16 is compared at 2e-2 and never called exact; a run that returns no
     state (training, a benchmark, a profile) is timed, not compared."""
     if torch.device(device).type != "cuda" or mixed_precision == "bf16":

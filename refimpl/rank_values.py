@@ -17,7 +17,7 @@ parameter, and make only the parameters that reach into it (refimpl.parallel.fsd
 The values are those `single` starts from, bit for bit: it builds its model through the same
 function.
 
-On the dry run's `meta` device (refimpl.verify.dryrun) nothing is drawn: each value is an empty
+On the dry run's `meta` device (refimpl.lab.verify.dryrun) nothing is drawn: each value is an empty
 meta tensor of the rank's shape, so the bytes a real rank would place are counted and none made
 (where a strategy copies a value into storage of its own, as ZeRO's flat buffer and shards do,
 the value is counted too while it lives: at most one tensor more than the device would hold).

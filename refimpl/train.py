@@ -64,7 +64,7 @@ def setup_rank(rank: int, world_size: int, layout: Resolved, resume: dict | None
     run's configuration resolved (refimpl.registry.resolve); `resume`: a run checkpoint
     (refimpl.compose.run_checkpoint) to continue, instead of init_state; `placing`: a context
     open while the strategy places the rank's tensors, the only part of this that allocates
-    (the dry run's memory counter, refimpl.verify.dryrun)."""
+    (the dry run's memory counter, refimpl.lab.verify.dryrun)."""
     cfg = layout.cfg
     backend, device = _backend_and_device(cfg)
     exact_fp32_on_cuda(device, deterministic_needed(device, cfg.dtype, cfg.mixed_precision,
@@ -194,7 +194,7 @@ def train_on_ranks(cfg: TrainConfig, timeout: float = 900.0, quiet: bool = True,
 
 def launch_backend(cfg: TrainConfig) -> str:
     """device "cpu" keeps the ranks on gloo even where there are GPUs enough for NCCL (the CPU
-    planner check, refimpl.plan.cpu); otherwise NCCL exactly when every rank gets a GPU."""
+    planner check, refimpl.lab.plan.cpu); otherwise NCCL exactly when every rank gets a GPU."""
     return "gloo" if cfg.device == "cpu" else "auto"
 
 

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_bubble.py                 # 2 stages, m = 8
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_bubble.py --nproc 4 --micro-batches 8 --layers 8
 
-Each schedule is profiled (refimpl.parallel.pp.measure.profile_pipeline, the same function notebook
+Each schedule is profiled (refimpl.lab.measure.pp_measure.profile_pipeline, the same function notebook
 07 uses) and its pipeline actions read back from the trace. Per schedule it prints the closed form
 (`bubble_fraction`), the table replayed with unit costs, with this run's measured per-rank F/B/W
 times, and with those plus what each action and message costs outside its compute on the same run
@@ -23,10 +23,10 @@ import os
 import statistics
 import tempfile
 
-from refimpl.cost.ratio_log import record
+from refimpl.lab.measure import pp_measure as measure
+from refimpl.lab.measure.ratio_log import record
 from refimpl.launch import run
 from refimpl.model import GPTConfig
-from refimpl.parallel.pp import measure
 from refimpl.parallel.pp.schedules import bubble_fraction, chunks_per_rank
 from refimpl.parallel.pp.simulate import simulated_bubble
 from refimpl.trace import profiling

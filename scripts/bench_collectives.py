@@ -15,8 +15,9 @@ import argparse
 
 import pandas as pd
 
-from refimpl.cost import alpha_beta, bench
-from refimpl.cost.ratio_log import record
+from refimpl.cost import alpha_beta
+from refimpl.lab.measure import bench
+from refimpl.lab.measure.ratio_log import record
 
 
 def parse_bytes(text: str) -> int:

@@ -16,8 +16,8 @@ import argparse
 import sys
 
 from refimpl.config import TrainConfig
-from refimpl.cost.ratio_log import record
-from refimpl.verify.step_time import step_times_in_rounds
+from refimpl.lab.measure.ratio_log import record
+from refimpl.lab.verify.step_time import step_times_in_rounds
 
 VARIANTS = (("fsdp", False), ("torch-fsdp2-tp", False), ("fsdp", True), ("torch-fsdp2-tp", True),
             ("zero1", False))

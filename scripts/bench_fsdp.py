@@ -24,7 +24,7 @@ import statistics
 import pandas as pd
 
 from refimpl.config import TrainConfig
-from refimpl.cost.ratio_log import record
+from refimpl.lab.measure.ratio_log import record
 from refimpl.train import train_several_on_ranks, train_several_recording_memory
 
 # (label, strategy, options, the twin it is compared with)

@@ -1,4 +1,4 @@
-"""Model FLOPs utilisation of one device training refimpl's model, eager and compiled (refimpl.cost.mfu).
+"""Model FLOPs utilisation of one device training refimpl's model, eager and compiled (refimpl.lab.measure.mfu).
 
     .venv/bin/python scripts/bench_mfu.py                       # a GPU: Llama 3.2 1B shape, bf16
     .venv/bin/python scripts/bench_mfu.py --batch 4 --seq 1024  # other shapes of the batch
@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from refimpl.cost import mfu
+from refimpl.lab.measure import mfu
 from refimpl.model import GPTConfig
 
 # What --device cpu trains: refimpl's default test model in Llama's block (GQA with 2 K/V heads).

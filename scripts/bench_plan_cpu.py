@@ -4,7 +4,7 @@ runs on this machine's CPU ranks (issue: "the predicted ranking of the layouts m
     .venv/bin/python scripts/bench_plan_cpu.py                    # 4 ranks, 2 rounds x 3 timed steps
     .venv/bin/python scripts/bench_plan_cpu.py --rounds 3 --margin 0.25 --csv /tmp/plan_cpu.csv
 
-First the CPU preset is measured here (refimpl.plan.cpu.calibrated_cpu_preset: the alpha-beta fit
+First the CPU preset is measured here (refimpl.lab.plan.cpu.calibrated_cpu_preset: the alpha-beta fit
 of an all-reduce on the same number of ranks, memcpy bandwidth, compute fitted to `single`'s own
 step), then every layout is predicted and run in one launch, interleaved in rounds, and the table
 is printed fastest-measured first with the prediction's parts. The verdict line gives Spearman's
@@ -22,7 +22,7 @@ import time
 
 import pandas as pd
 
-from refimpl.plan.cpu import (
+from refimpl.lab.plan.cpu import (
     calibrated_cpu_preset,
     comparison_view,
     cpu_layouts,

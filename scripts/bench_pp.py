@@ -33,7 +33,7 @@ import time
 
 import torch.distributed as dist
 
-from refimpl.cost.ratio_log import record
+from refimpl.lab.measure.ratio_log import record
 from refimpl.launch import device_for, run
 from refimpl.model import GPTConfig, build_model, synthetic_batch
 from refimpl.parallel.pp.runner import run_schedule

@@ -1,5 +1,5 @@
 """The last step of `make bench`: one markdown table of every ratio the bench scripts recorded
-(refimpl.cost.ratio_log), its goal, and whether it holds.
+(refimpl.lab.measure.ratio_log), its goal, and whether it holds.
 
     .venv/bin/python scripts/bench_table.py            # reads profiles/bench_ratios.json
     .venv/bin/python scripts/bench_table.py --reset    # empties it (make bench does, before the runs)
@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from refimpl.cost.ratio_log import latest, markdown_table, ratios_path
+from refimpl.lab.measure.ratio_log import latest, markdown_table, ratios_path
 
 
 def main(argv=None) -> int:

@@ -17,9 +17,9 @@ import argparse
 import sys
 
 from refimpl.config import TrainConfig
-from refimpl.cost.ratio_log import NOT_HERE, record
-from refimpl.verify import tp_overlap
-from refimpl.verify.step_time import step_times_in_rounds
+from refimpl.lab.measure.ratio_log import NOT_HERE, record
+from refimpl.lab.verify import tp_overlap
+from refimpl.lab.verify.step_time import step_times_in_rounds
 
 
 def parse(argv=None):
@@ -35,7 +35,7 @@ def parse(argv=None):
 def predicted_overlap_saving(args) -> dict:
     """What the α-β model says tp_overlap can save per step at this shape on this machine (notebook
     06 §8): the hop model fitted to gloo's all-reduce here, each ring step's transfer against the
-    chunk matmul a profiled tp_overlap step ran beside it (refimpl.verify.tp_overlap). Keys:
+    chunk matmul a profiled tp_overlap step ran beside it (refimpl.lab.verify.tp_overlap). Keys:
     predicted_saving_s (the share of each transfer that can run beside the matmul: 0 where the
     ranks compute on every core, tp_comm.transfer_engine_share), saving_if_free_s (a copy engine
     beside each matmul), engine_share."""

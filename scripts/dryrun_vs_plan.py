@@ -1,4 +1,4 @@
-"""The planner's memory beside the dry run's for the grid of 7B and 70B layouts (refimpl.plan.
+"""The planner's memory beside the dry run's for the grid of 7B and 70B layouts (refimpl.lab.plan.
 against_dryrun.GRID), one CPU process per layout's rank 0, on meta tensors.
 
     python scripts/dryrun_vs_plan.py            # every layout (~1 min on one core: 7B ~1 s, 70B 2-10 s each)
@@ -14,7 +14,7 @@ import time
 import warnings
 
 from refimpl.config import TrainConfig
-from refimpl.plan.against_dryrun import CATEGORIES, GRID, compare
+from refimpl.lab.plan.against_dryrun import CATEGORIES, GRID, compare
 
 STATES, PEAK = ("params", "grads", "optimizer"), "peak"
 

@@ -14,6 +14,7 @@ lines in order, each followed by its figures (a JSON list) or its tests (a JUnit
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -56,7 +57,7 @@ def figures(out: Path, name: str, parts: list[str]) -> list[dict]:
 
 
 def _machine(add, gpu, out):
-    from refimpl.env import machine
+    from refimpl.lab.env import machine
 
     m = machine()
     (out / "env.json").write_text(json.dumps(m.as_dict(), indent=1))
@@ -87,8 +88,7 @@ def _numerics(add, gpu, out):
 def _ceilings(add, gpu, out):
     import torch
 
-    from refimpl.cost import ceilings
-
+    from refimpl.lab.measure import ceilings
     add("ceilings", "memcpy, one CPU core (256 MiB)",
         f"{ceilings.memcpy_bandwidth(256 << 20) / 1e9:.2f} GB/s", "gloo ranks' ceiling")
     if not gpu:
@@ -113,7 +113,7 @@ def _memory(add, gpu, out):
     if not gpu:
         add("cuda memory", "memory_allocated vs arithmetic", NO_GPU)
         return
-    from refimpl.memory.cuda import measure_model_states
+    from refimpl.lab.measure.cuda_memory import measure_model_states
 
     df = measure_model_states()
     df.to_csv(out / "cuda_memory.csv", index=False)
@@ -148,11 +148,10 @@ def _steps(add, gpu, out):
 
 
 def _mfu(add, gpu, compiled: bool):
-    """Model FLOPs utilisation of a Llama 3.2 1B-shaped model (refimpl.cost.mfu.LLAMA_3_2_1B) in
+    """Model FLOPs utilisation of a Llama 3.2 1B-shaped model (refimpl.lab.measure.mfu.LLAMA_3_2_1B) in
     bf16 on one GPU, eager or with each block compiled, beside torchtitan's published figure. Two
     parts, so the eager row is kept if the compilation runs past the stage's time."""
-    from refimpl.cost import mfu
-
+    from refimpl.lab.measure import mfu
     label = "compiled blocks" if compiled else "eager"
     figure = f"Llama 3.2 1B shape, bf16, batch 2 x 2048, {label}: MFU"
     if not gpu:
@@ -173,12 +172,66 @@ def _mfu_eager(add, gpu, out):
 
 
 def _mfu_compiled(add, gpu, out):
+    missing = toolchain_missing() if gpu else None
+    if missing:
+        add("mfu", "Llama 3.2 1B shape, bf16, batch 2 x 2048, compiled blocks: MFU",
+            f"skipped: {missing}", "torch.compile's GPU kernels are Triton's, whose launcher is "
+            "built from C on first use; the eager row above needs none of it")
+        return
     _mfu(add, gpu, compiled=True)
 
 
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def python_include_dir() -> Path:
+    """Where Triton looks for Python.h: the default install scheme's include folder (Debian's
+    'posix_local' read as 'posix_prefix', as Triton reads it)."""
+    import sysconfig
+
+    scheme = sysconfig.get_default_scheme()
+    return Path(sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"])
+
+
+def toolchain_missing(include: Path | None = None) -> str | None:
+    """Why inductor could not build Triton's launcher on this host, in one line, or None.
+
+    Triton compiles a small C module (its launcher) with the host's compiler on first use: $CC,
+    else gcc, else clang on PATH, with Python.h from `python_include_dir()`. An image without
+    them fails at the first compiled step; this probe compiles a file that includes Python.h with
+    that same compiler, in well under a second."""
+    import shlex
+    import shutil
+    import subprocess
+    import tempfile
+
+    if not _has_triton():
+        return "Triton is not installed (torch.compile's GPU backend)"
+    cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("gcc") or shutil.which("clang") or ""]
+    if not cc[0]:
+        return "no host C compiler ($CC unset, no gcc or clang on PATH): Triton builds its launcher with one"
+    if not shutil.which(cc[0]):
+        return f"CC={os.environ.get('CC')!r} is not an executable: Triton builds its launcher with it"
+    include = include or python_include_dir()
+    if not (include / "Python.h").is_file():
+        return f"no Python headers ({include}/Python.h; a python3-dev package): Triton's launcher includes them"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "probe.c"
+        src.write_text("#include <Python.h>\nint probe(void) { return Py_IsInitialized(); }\n")
+        r = subprocess.run([*cc, "-c", str(src), f"-I{include}", "-o", str(Path(tmp) / "probe.o")],
+                           capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[0][:160]
+        return f"{cc[0]} cannot compile a file including Python.h: {why}"
+    return None
+
+
 def _profiled_step(add, gpu, out):
-    from refimpl import plots
     from refimpl.config import TrainConfig
+    from refimpl.lab import plots
     from refimpl.trace import profiling
     from refimpl.train import train_on_ranks
 
@@ -247,8 +300,8 @@ def _nccl_step(add, gpu, out):
 
 def _equivalence(add, gpu, out):
     from refimpl.config import TrainConfig
-    from refimpl.env import machine
-    from refimpl.verify.equivalence import compare_with_single, ranks_device
+    from refimpl.lab.env import machine
+    from refimpl.lab.verify.equivalence import compare_with_single, ranks_device
 
     eq = compare_with_single(TrainConfig(strategy="dp", nproc=2, steps=3))
     add("equivalence", f"dp, 2 ranks on {machine(topology=False).where(2)}, reference on "
@@ -318,8 +371,8 @@ def _tp_overlap(add, gpu, out):
     (tp_overlap.transfer_beside_matmul). The ranks are wherever 2 ranks run here: CPU ranks on
     gloo with one GPU, whose host has cores to spare (σ = 1), or 2 GPUs on NCCL. That is the case
     this project's 2-core machines cannot show: there σ = 0 and the model predicts no saving."""
+    from refimpl.lab.verify import tp_overlap
     from refimpl.launch import pick_backend
-    from refimpl.verify import tp_overlap
 
     m = tp_overlap.measure(2, *tp_overlap.hop_model_here(2), steps=6, rounds=3, global_batch=8, seq_len=32)
     plain, ring = m["steps"]["tp+SP"], m["steps"]["tp_overlap"]
@@ -357,7 +410,10 @@ def _hta(add, gpu, out):
         add("HTA", "comm/comp overlap, a real CUDA trace",
             "not run: NCCL kernels need >= 2 GPUs (one per rank); on one GPU the ranks run on gloo")
         return
-    theirs = TraceAnalysis(trace_dir=str(real)).get_comm_comp_overlap(visualize=False)
+    # HTA reads every *.json of its folder as a rank's trace: hand it the rank traces alone, not
+    # the run_summary.json beside them
+    traces = profiling.rank_traces_only(real, out / "trace-dp-nccl-ranks")
+    theirs = TraceAnalysis(trace_dir=str(traces)).get_comm_comp_overlap(visualize=False)
     ours = profiling.summarize(profiling.load_trace(real)).set_index("rank").comm_hidden_frac
     add("HTA", "comm/comp overlap, dp on 2 GPUs (NCCL)", ", ".join(
         f"rank {r.rank}: HTA {r.comp_comm_overlap_pctg:.1f}% vs ours {100 * ours[r.rank]:.1f}%"

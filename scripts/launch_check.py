@@ -12,7 +12,7 @@ restart   torchrun --max-restarts 1: once the first checkpoint is on disk, rank 
           SIGKILL; torchrun restarts the job, which resumes from the newest checkpoint
           (--checkpoint-dir) and ends with the losses and weights of `single`'s uninterrupted run.
 
-Everything runs in float64, so "equal" is the workbook's 1e-9 gate (refimpl.verify.equivalence).
+Everything runs in float64, so "equal" is the workbook's 1e-9 gate (refimpl.lab.verify.equivalence).
 Every torchrun starts in its own session and is killed with it on a timeout: nothing outlives this.
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[int]:
 
 def single_run(steps: int) -> tuple[list[float], dict]:
     """`single`'s losses and final weights, in this process (the CLI's defaults, float64)."""
-    from refimpl.__main__ import build_parser, config_from_args
+    from refimpl.lab.cli import build_parser, config_from_args
     from refimpl.train import train_on_ranks
 
     args = build_parser().parse_args(["train", "--steps", str(steps), *MODEL])
@@ -181,7 +181,7 @@ def restart(work: Path, steps: int = 20, every: int = 2) -> list[str]:
         return failures
     import torch
 
-    from refimpl.verify.equivalence import compare_states
+    from refimpl.lab.verify.equivalence import compare_states
 
     err = rel_err(got["losses"], want)
     w_err = compare_states(torch.load(saved, weights_only=False), weights)[0]

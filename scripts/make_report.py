@@ -6,7 +6,7 @@ Writes report/<notebook>.html, one per notebook, and report/index.html listing t
 order (00_… to 09_…) with how each run went. A notebook that fails is still exported, up to and
 including the failing cell, and marked FAILED in the index; the script then exits 1.
 
-Offline. Figures: refimpl.plots sets plotly's `plotly_mimetype+notebook` renderer, whose HTML output
+Offline. Figures: refimpl.lab.plots sets plotly's `plotly_mimetype+notebook` renderer, whose HTML output
 embeds plotly.js once per notebook, so the exported figures draw without a network. What nbconvert
 and plotly would still fetch from CDNs is replaced or dropped here:
   * MathJax (the formulas in the prose): a local copy, from the jupyter-server-mathjax package,

@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 
 from refimpl.config import TrainConfig
+from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single, ranks_device, reference_run
 from refimpl.train import train_on_ranks, train_several_on_ranks
-from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single, ranks_device, reference_run
 from tests.models import SMALL
 
 STEPS = 3
-# The equivalence runs are float64 (refimpl.verify.equivalence: a 1e-9 gate that no processor's
+# The equivalence runs are float64 (refimpl.lab.verify.equivalence: a 1e-9 gate that no processor's
 # BLAS can move); the bf16 runs keep fp32 master weights. Bytes per element of each:
 ELEMENT = {"float64": 8, "float32": 4}
 SMALL_BUCKETS = {"bucket_mb": 0.25}          # several buckets on SMALL's 1.7 MB of float64
@@ -87,7 +87,7 @@ def zero2_checkpoint() -> str:
 
 def assert_matches_single(cfg: TrainConfig, result: dict) -> None:
     """Same losses and same final weights as `single` (float64: relative error <= 1e-9, the weights
-    as one vector; refimpl.verify.equivalence explains the gate)."""
+    as one vector; refimpl.lab.verify.equivalence explains the gate)."""
     reference(cfg)                           # cached on one thread; compare_with_single reuses it
     eq = compare_with_single(cfg, result)
     assert cfg.dtype == "float64" and eq.tolerance == FP64_TOLERANCE
@@ -97,7 +97,7 @@ def assert_matches_single(cfg: TrainConfig, result: dict) -> None:
 
 
 def reference(cfg: TrainConfig) -> dict:
-    """refimpl.verify.equivalence.reference_run (cached; in-process runs use one thread, as ranks do)."""
+    """refimpl.lab.verify.equivalence.reference_run (cached; in-process runs use one thread, as ranks do)."""
     return reference_run(cfg)
 
 

@@ -1,4 +1,4 @@
-"""refimpl.cost.alpha_beta, refimpl.cost.bench and refimpl.cost.strategy_cost: the arithmetic, no
+"""refimpl.cost.alpha_beta, refimpl.lab.measure.bench and refimpl.cost.strategy_cost: the arithmetic, no
 ranks needed."""
 import math
 
@@ -6,7 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from refimpl.cost import alpha_beta, bench, strategy_cost
+from refimpl.cost import alpha_beta, strategy_cost
+from refimpl.lab.measure import bench
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
@@ -107,8 +108,8 @@ def test_7b_dp_traffic_on_8_ranks():
 def test_our_algorithms_send_what_the_one_table_says(op, n):
     # The exact per-rank count of refimpl.comm's algorithms, on a tensor that divides evenly,
     # is the factor written once in refimpl.cost.collective_bytes.
-    from refimpl.comm.traffic import expected_sent
     from refimpl.cost.collective_bytes import sent_per_rank
+    from refimpl.lab.measure.traffic import expected_sent
 
     numel = 12 * 1024
     for rank in range(n):

@@ -1,8 +1,8 @@
-"""refimpl.cost.ceilings: the ceiling is the device's own, and sweep sizes scale with the device."""
+"""refimpl.lab.measure.ceilings: the ceiling is the device's own, and sweep sizes scale with the device."""
 import pytest
 import torch
 
-from refimpl.cost import ceilings
+from refimpl.lab.measure import ceilings
 from refimpl.launch import pick_backend
 
 GPU = torch.cuda.is_available()

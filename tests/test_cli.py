@@ -58,7 +58,7 @@ def test_peak_is_what_a_rank_held_during_a_step():
     (["--seq-len", "1000"], "--seq-len"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, says, capsys):
-    from refimpl.__main__ import main
+    from refimpl.lab.cli import main
 
     assert main(["train", *args]) == 2            # returned before anything was launched
     captured = capsys.readouterr()

@@ -46,9 +46,9 @@ def _async_checks(rank: int, world_size: int) -> dict:
 
 
 def _all_checks(rank: int, world_size: int) -> dict:
-    from refimpl.comm import primitives
-    from refimpl.comm.traffic import all_reduce_messages, measure_sent
-    from refimpl.comm.versus_torch import compare_with_torch
+    from refimpl.lab.measure import primitives
+    from refimpl.lab.measure.traffic import all_reduce_messages, measure_sent
+    from refimpl.lab.measure.versus_torch import compare_with_torch
 
     out = {"rows": compare_with_torch(rank, world_size),
            "messages": all_reduce_messages(rank, world_size, 1200),
@@ -95,7 +95,7 @@ def test_ring_all_reduce_sends_2_n_minus_1_over_n_of_the_message(results):
 
 @pytest.mark.parametrize("numel", [1200, 1001])
 def test_counted_bytes_match_the_algorithms_prediction(results, numel):
-    from refimpl.comm.traffic import traffic_table
+    from refimpl.lab.measure.traffic import traffic_table
 
     n, per_rank = results
     key = "sent" if numel == 1200 else "sent_uneven"
@@ -129,8 +129,7 @@ def test_async_handle(results):
 
 
 def test_primitive_table_derived_from_runs_matches_the_seed():
-    from refimpl.comm import primitives
-
+    from refimpl.lab.measure import primitives
     _, per_rank = _launch(4)              # the seed's table is shown on 4 ranks
     torch_runs = [res["primitives"]["torch"] for res in per_rank]
     ours = [res["primitives"]["refimpl"] for res in per_rank]
@@ -162,7 +161,7 @@ def test_single_rank_group_is_a_no_op():
 
 
 def test_async_all_reduce_leaves_the_thread_free_to_compute():
-    from refimpl.comm.async_demo import overlap_demo
+    from refimpl.lab.measure.async_demo import overlap_demo
 
     for res in run(overlap_demo, 2, backend="gloo", timeout=120, quiet=True):
         assert res["handle"] == "Work" and res["blocking_result_ok"] and res["async_result_ok"]

@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from refimpl.compose import moe_collectives
 from refimpl.config import TrainConfig
+from refimpl.lab.measure import moe_collectives
+from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single
+from refimpl.lab.verify.reshard import placed_state, save_checkpoint
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig
 from refimpl.registry import resolve
 from refimpl.trace.profiling import load_trace
 from refimpl.train import train_on_ranks, train_several_on_ranks, validate
-from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single
-from refimpl.verify.reshard import placed_state, save_checkpoint
 from tests.models import SMALL
 
 TWO_BLOCKS = GPTConfig(**{**SMALL.to_dict(), "n_layers": 2})
@@ -43,7 +43,7 @@ atexit.register(shutil.rmtree, WORK, ignore_errors=True)
 
 def layout(strategy, world, **kw):
     kw.setdefault("micro_batches", 2)
-    kw.setdefault("dtype", "float64")     # the equivalence gate (refimpl.verify.equivalence)
+    kw.setdefault("dtype", "float64")     # the equivalence gate (refimpl.lab.verify.equivalence)
     return TrainConfig(strategy=strategy, nproc=world, steps=3, global_batch=8, return_state=True,
                        model=SMALL, **kw)
 
@@ -129,7 +129,7 @@ def test_composed_layout_equals_single(world, name):
 def test_moe_collectives_are_the_arithmetics():
     """The traced MoE run on dp2 x ep2 x tp2 x pp2 with sequence parallelism: every collective of a
     first-stage rank and of a last-stage rank, per axis and op, in each step, is the count of
-    refimpl.compose.moe_collectives (notebook 09 checks the same without SP)."""
+    refimpl.lab.measure.moe_collectives (notebook 09 checks the same without SP)."""
     config = RUNS[8]["ep dp2 x tp2 x pp2, experts ep over dp, aux +sp"]
     trace = load_trace(results(8)["ep dp2 x tp2 x pp2, experts ep over dp, aux +sp"]["trace_dir"])
     for rank in (0, 7):                         # dp 0, stage 0, tp 0 and dp 1, stage 1, tp 1
@@ -186,7 +186,7 @@ def test_checkpoint_saved_under_one_layout_resumes_under_another(tmp_path):
     """Weights and AdamW's m, v and step, saved under zero3 x tp2, placed exactly by zero1 on
     pp2 x dp2; the continued run equals single continued from the same state, and differs from a
     continuation whose moments restart from zero (so the moments did arrive)."""
-    from refimpl.verify.equivalence import compare_states
+    from refimpl.lab.verify.equivalence import compare_states
 
     written = results(4)["zero3 dp2 x tp2"]            # ran with return_optimizer_state
     saved, moments = written["state_dict"], written["optimizer_state"]
@@ -224,7 +224,7 @@ def test_what_does_not_compose_fails_before_launch(kw, message):
 
 
 def test_cli_checkpoint_flags(tmp_path):
-    from refimpl.__main__ import build_parser, config_from_args, main
+    from refimpl.lab.cli import build_parser, config_from_args, main
 
     args = build_parser().parse_args(["train", "--strategy", "zero1", "--nproc", "4", "--pp", "2",
                                       "--save-state", str(tmp_path / "a.pt"),

@@ -33,7 +33,7 @@ def test_launch_run_returns_rank_order_and_takes_kwargs():
 
 
 def test_cli_train_json(capsys):
-    from refimpl.__main__ import main
+    from refimpl.lab.cli import main
 
     assert main(["train", "--strategy", "single", "--nproc", "1", "--steps", "2",
                  "--global-batch", "4", "--seq-len", "16", "--seed", "0", "--json"]) == 0
@@ -117,7 +117,7 @@ def test_tp_layers_from_linear_default_to_the_world_group():
 
 
 def test_plan_returns_layouts_fastest_first():
-    from refimpl.plan import plan
+    from refimpl.lab.plan import plan
 
     df = plan(n_layers=24, d_model=2048, n_heads=16, vocab_size=50304, seq_len=2048,
               global_batch=64, gpus=16, gpu="a100-80gb", gpus_per_node=8)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from refimpl.cost import allocator, compute, dp_scaling, links, zero_family
-from refimpl.cost.caching_allocator import CachingAllocator, replay
+from refimpl.lab.measure.caching_allocator import CachingAllocator, replay
 
 
 def test_petaflop_day_and_chinchilla():
@@ -160,7 +160,7 @@ def test_zero_state_bytes_pads_units_only_at_stage_3():
 
 
 def test_all_reduce_lower_bound():
-    from refimpl.comm.traffic import all_reduce_lower_bound
+    from refimpl.lab.measure.traffic import all_reduce_lower_bound
 
     assert all_reduce_lower_bound(4, 4800) == 7200 and math.isclose(all_reduce_lower_bound(2, 1), 1)
 
@@ -211,7 +211,7 @@ def test_rank_activation_bytes_is_what_autograd_saves(dtype):
 def test_small_models_predicted_share_falls_with_width():
     """TP's FLOPs per byte sent is 9h(1 + s/6h)/((t-1)·bytes): it grows with the width, so the
     communication share falls, on this machine's fit and on a GPU preset alike."""
-    from refimpl.verify.small_models import predicted_shares, width_sweep
+    from refimpl.lab.verify.small_models import predicted_shares, width_sweep
 
     models = width_sweep((64, 128, 256))
     table = predicted_shares(models, tp=2, global_batch=8, alpha_hop=5e-5, link=1e9,

@@ -8,7 +8,7 @@ refimpl.model.attention on the whole sequence.
 import pytest
 import torch
 
-from refimpl.compose.moe_collectives import ring_hops
+from refimpl.lab.measure.moe_collectives import ring_hops
 from refimpl.launch import run
 from refimpl.model import attention
 from refimpl.parallel.cp.ring import chunk_ids, score_blocks_per_rank, shard_sequence, unshard_sequence
@@ -67,7 +67,7 @@ def test_ring_attention_equals_full_attention(reference, world, balanced):
         assert rel <= 1e-5, f"{name}: relative error {rel:.2e} (cp={world}, balanced={balanced})"
     # the blocks each rank computed are the ones the work model counts
     assert [r["score_blocks"] for r in results] == score_blocks_per_rank(world, balanced)
-    # and the messages each rank sent are the hops refimpl.compose.moe_collectives counts
+    # and the messages each rank sent are the hops refimpl.lab.measure.moe_collectives counts
     assert all(r["messages"] == ring_hops(world) for r in results), [r["messages"] for r in results]
 
 
@@ -113,11 +113,11 @@ def test_one_rank_is_plain_causal_attention(reference):
 def test_loop_with_context_parallel_equals_single(strategy, nproc, cp, checkpointing):
     """In float64 ring attention's reordered softmax sums cost ~1e-16 each: the whole model after
     3 AdamW steps is single's to the 1e-9 gate (in fp32 the same reordering, amplified by AdamW,
-    leaves ~1.5e-5, whatever the layout: refimpl.verify.equivalence.fp32_noise_floor)."""
+    leaves ~1.5e-5, whatever the layout: refimpl.lab.verify.equivalence.fp32_noise_floor)."""
     from refimpl.config import TrainConfig
     from refimpl.cost.cp_comm import rank_activation_bytes
+    from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single
     from refimpl.train import train_on_ranks
-    from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single
 
     cfg = TrainConfig(strategy=strategy, nproc=nproc, cp=cp, steps=3, return_state=True,
                       activation_checkpointing=checkpointing, dtype="float64", model=SMALL)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from refimpl.config import TrainConfig
+from refimpl.lab.verify.equivalence import compare_states
 from refimpl.memory import model_state_bytes
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig, build_model
@@ -13,7 +14,6 @@ from refimpl.parallel.dp.flat_param import FlatParams
 from refimpl.parallel.dp.grad_buckets import assign_buckets
 from refimpl.trace.profiling import load_trace, summarize
 from refimpl.train import validate
-from refimpl.verify.equivalence import compare_states
 from tests.data_parallel_runs import ELEMENT, assert_matches_single, reference, runs_on, single_accumulating
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)

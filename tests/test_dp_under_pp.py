@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from refimpl.config import TrainConfig
+from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single
 from refimpl.model import build_model, lm_loss, synthetic_batch
 from refimpl.parallel.dp.flat_param import FlatParams
 from refimpl.parallel.dp.grad_buckets import GradBuckets
@@ -34,7 +35,6 @@ from refimpl.parallel.pp.stage import PipelineStageModel, build_chunks
 from refimpl.parallel.pp.zero_bubble import WeightGradRecord, record_weight_grads
 from refimpl.trace.profiling import load_trace
 from refimpl.train import train_several_on_ranks
-from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single
 from tests.models import SMALL
 
 ranks = pytest.mark.ranks   # launches rank processes (make test-fast skips those marked)

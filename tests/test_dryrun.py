@@ -1,4 +1,4 @@
-"""The dry run (refimpl.verify.dryrun): one step of a rank of a large grid, on meta tensors."""
+"""The dry run (refimpl.lab.verify.dryrun): one step of a rank of a large grid, on meta tensors."""
 import json
 
 import pandas as pd
@@ -7,10 +7,10 @@ import torch
 
 from refimpl.config import TrainConfig
 from refimpl.cost.hardware import MEMORY_HEADROOM
+from refimpl.lab.verify.dryrun import default_batch, dry_run, preset_config
+from refimpl.lab.verify.on_meta import values_not_drawn
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig
-from refimpl.verify.dryrun import default_batch, dry_run, preset_config
-from refimpl.verify.on_meta import values_not_drawn
 
 SMALL = GPTConfig(n_layers=4, d_model=64, n_heads=4, vocab_size=128, seq_len=16)
 
@@ -61,7 +61,7 @@ def test_bad_rank_fails_in_one_line():
 
 
 def test_cli_prints_the_memory_as_json(capsys):
-    from refimpl.__main__ import main
+    from refimpl.lab.cli import main
 
     assert main(["dryrun", "--strategy", "zero2", "--nproc", "4", "--tp", "2", "--rank", "1",
                  "--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "8",
@@ -86,8 +86,8 @@ def test_the_seeds_70b_layout_runs():
 @pytest.mark.slow
 def test_the_planner_agrees_with_the_dry_run_on_a_7b_pipeline():
     """Model states within 1 %, the peak within 10 % (scripts/dryrun_vs_plan.py: the whole grid)."""
-    from refimpl.plan import against_dryrun
-    from refimpl.plan.against_dryrun import compare, compare_again, will_it_fit
+    from refimpl.lab.plan import against_dryrun
+    from refimpl.lab.plan.against_dryrun import compare, compare_again, will_it_fit
 
     row = compare("7b", TrainConfig(strategy="zero2", nproc=16, pp=4))
     for category in ("params", "grads", "optimizer"):
@@ -133,9 +133,9 @@ def test_a_ring_message_under_tp_x_cp_is_its_tp_ranks_heads():
 
 
 def test_the_short_meta_rules_change_no_figure(monkeypatch):
-    """refimpl.verify.fast_meta's rules against torch's own meta kernels, on a layout whose step
+    """refimpl.lab.verify.fast_meta's rules against torch's own meta kernels, on a layout whose step
     meets every rule (ring attention's logaddexp, SP, ZeRO-3's gathers, a pipeline)."""
-    from refimpl.verify import fast_meta
+    from refimpl.lab.verify import fast_meta
 
     cfg = default_batch(small(strategy="zero3", nproc=8, tp=2, cp=2, pp=2, sequence_parallel=True))
     fast = dry_run(cfg, rank=0)
@@ -146,7 +146,7 @@ def test_the_short_meta_rules_change_no_figure(monkeypatch):
 def test_a_real_tensor_made_while_the_rank_is_built_is_refused():
     """A buffer that forgot its device would be allocated for real (on a 70B layout, the
     machine's memory): OnMeta refuses it; the host's scalars (AdamW's step count) may be."""
-    from refimpl.verify.on_meta import HOST_BYTES, OnMeta
+    from refimpl.lab.verify.on_meta import HOST_BYTES, OnMeta
 
     with OnMeta() as made:
         kept = [torch.zeros(HOST_BYTES // 4), torch.empty(1024, device="meta")]
@@ -166,8 +166,8 @@ def test_llama3_70b_runs_the_llama_block_and_meets_the_planners_gates():
     # the dry run builds Llama 3 70B's own block (RMSNorm, SwiGLU 28672, 8 key/value heads), not a
     # GPT-2 stand-in; the planner's model states are within 1 % of it, its peak within 10 % (its
     # activations are the Llama block's own count, refimpl.memory.llama_block_activation_bytes)
+    from refimpl.lab.plan.against_dryrun import compare
     from refimpl.model.presets import MODELS
-    from refimpl.plan.against_dryrun import compare
 
     cfg = preset_config("llama3-70b", TrainConfig(strategy="zero1", nproc=64, tp=8, pp=4))
     assert (cfg.model.arch, cfg.model.kv_heads, cfg.model.swiglu_hidden) == ("llama", 8, 28672)
@@ -183,12 +183,12 @@ def test_a_zero3_rank_of_7b_builds_only_its_shard():
     """Issue 35's gate: a rank of 7B under ZeRO-3 over 8 ranks never holds, while it is built,
     more than its shard (fp32 parameters and their gradients, the planner's figures) plus one
     unit, the planner's unit: one transformer block's parameters, gathered in fp32
-    (refimpl.plan.moe.unit_params). Building the whole reference first (25 GiB) would exceed it
+    (refimpl.lab.plan.moe.unit_params). Building the whole reference first (25 GiB) would exceed it
     three times over."""
+    from refimpl.lab.plan.against_dryrun import layout_of
+    from refimpl.lab.plan.moe import unit_params
+    from refimpl.lab.plan.predict import predict_memory
     from refimpl.model.presets import get_model
-    from refimpl.plan.against_dryrun import layout_of
-    from refimpl.plan.moe import unit_params
-    from refimpl.plan.predict import predict_memory
 
     cfg = default_batch(preset_config("7b", TrainConfig(strategy="zero3", nproc=8, device="cpu")))
     mem = dry_run(cfg, rank=0, step=False)["memory"]

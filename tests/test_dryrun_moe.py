@@ -1,13 +1,13 @@
-"""The dry run of a mixture of experts (refimpl.verify.dryrun): the MoE layer reads nothing on the
+"""The dry run of a mixture of experts (refimpl.lab.verify.dryrun): the MoE layer reads nothing on the
 host (refimpl.model.moe_slots), so it runs on fake tensors, and its memory meets the planner's."""
 import dataclasses
 
 import pytest
 
 from refimpl.config import TrainConfig
+from refimpl.lab.verify.dryrun import default_batch, dry_run, preset_config
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig
-from refimpl.verify.dryrun import default_batch, dry_run, preset_config
 
 TINY = GPTConfig(n_layers=2, d_model=32, n_heads=2, vocab_size=64, seq_len=16, n_experts=4, top_k=2,
                  capacity_factor=1.0, capacity_scope="sequence")
@@ -36,7 +36,7 @@ def test_a_moe_preset_runs_in_refimpls_block():
 
 
 def planner_shape(preset: str):
-    """The preset's shape as the dry run builds it (refimpl.verify.dryrun.moe_form): refimpl's
+    """The preset's shape as the dry run builds it (refimpl.lab.verify.dryrun.moe_form): refimpl's
     block, multi-head attention, experts of width mlp_ratio * h."""
     from refimpl.model.presets import get_model
 
@@ -46,10 +46,10 @@ def planner_shape(preset: str):
 
 
 def mixtral_against_planner(preset="mixtral-8x7b", **layout) -> dict:
-    """Memory by category of rank 0: the dry run's, the planner's (refimpl.plan.predict at
-    refimpl's precision and block, as refimpl.plan.against_dryrun.compare), their error."""
-    from refimpl.plan.against_dryrun import CATEGORIES, layout_of
-    from refimpl.plan.predict import predict_memory
+    """Memory by category of rank 0: the dry run's, the planner's (refimpl.lab.plan.predict at
+    refimpl's precision and block, as refimpl.lab.plan.against_dryrun.compare), their error."""
+    from refimpl.lab.plan.against_dryrun import CATEGORIES, layout_of
+    from refimpl.lab.plan.predict import predict_memory
 
     cfg = default_batch(preset_config(preset, TrainConfig(device="cpu", **layout)))
     ran = dry_run(cfg, rank=0)["memory"]

@@ -1,4 +1,4 @@
-"""refimpl.env: the machine as the workbook sees it, and the device a comparison's reference uses."""
+"""refimpl.lab.env: the machine as the workbook sees it, and the device a comparison's reference uses."""
 import json
 import subprocess
 import sys
@@ -8,10 +8,10 @@ import torch
 
 from refimpl import launch
 from refimpl.config import TrainConfig
-from refimpl.env import GPU, Machine, machine
+from refimpl.lab.env import GPU, Machine, machine
+from refimpl.lab.verify.equivalence import ranks_device
 from refimpl.mesh import LayoutError
 from refimpl.train import _backend_and_device, validate
-from refimpl.verify.equivalence import ranks_device
 
 H200 = GPU("NVIDIA H200", 143771 * 2 ** 20)
 

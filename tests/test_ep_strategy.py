@@ -6,11 +6,11 @@ import pytest
 
 from refimpl.config import TrainConfig
 from refimpl.cost.strategy_cost import ep_buffer_bytes
+from refimpl.lab.measure.ep_load import all_to_all_frame, dropped_by_step, expert_frame, rank_frame
+from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single, reference_run
 from refimpl.model import GPTConfig
-from refimpl.parallel.ep.load import all_to_all_frame, dropped_by_step, expert_frame, rank_frame
 from refimpl.registry import resolve
 from refimpl.train import train_several_on_ranks
-from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single, reference_run
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
@@ -102,7 +102,7 @@ def test_all_to_all_bytes_on_the_wire_are_whole_buffers_holding_the_rows_that_cr
 def test_bad_moe_layouts_exit_2_with_one_line_before_launch(args, words, capsys):
     # In process: main returns 2 before any rank starts (tests/test_cli.py shows that exit code
     # reaching the shell once, for every flag: a subprocess per layout only re-imported torch).
-    from refimpl.__main__ import main
+    from refimpl.lab.cli import main
 
     assert main(["train", *args, "--steps", "1"]) == 2
     err = capsys.readouterr().err

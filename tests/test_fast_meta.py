@@ -1,8 +1,8 @@
-"""The dry run's shorter meta rules (refimpl.verify.fast_meta) against torch's own meta kernels."""
+"""The dry run's shorter meta rules (refimpl.lab.verify.fast_meta) against torch's own meta kernels."""
 import pytest
 import torch
 
-from refimpl.verify.fast_meta import RULES, fast_meta_kernels, torch_meta_kernel
+from refimpl.lab.verify.fast_meta import RULES, fast_meta_kernels, torch_meta_kernel
 
 aten = torch.ops.aten
 
@@ -74,7 +74,7 @@ def test_every_rule_is_tested_and_replaces_a_python_kernel():
 
 
 def test_the_rules_are_in_force_inside_and_torch_kernels_after(monkeypatch):
-    from refimpl.verify import fast_meta
+    from refimpl.lab.verify import fast_meta
 
     made = []
     monkeypatch.setattr(fast_meta, "_new", lambda *a: made.append(a) or torch.empty(a[0], device="meta"))

@@ -87,7 +87,7 @@ def test_busy_split_handles_windows_and_nesting():
 
 
 def test_timelines_draw_the_kernels_in_a_gpu_lane(run):
-    from refimpl import plots
+    from refimpl.lab import plots
     from refimpl.trace import views
 
     df = profiling.load_trace(run)
@@ -164,7 +164,7 @@ def test_a_label_gets_the_gpu_time_of_its_kernels_as_kineto_draws_it():
 def test_pipeline_actions_are_read_off_the_gpu_on_a_cuda_trace(run):
     # One action launching a GEMM (100-300 µs on the GPU) inside a CPU range of 0-400 µs:
     # on CUDA the slot is the kernel's time; without kernels, the range's.
-    from refimpl.parallel.pp.measure import action_slots
+    from refimpl.lab.measure.pp_measure import action_slots
 
     trace = _trace()
     trace["traceEvents"].append(_x("pp:F0", 0, 400, CPU_TID))

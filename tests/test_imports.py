@@ -22,9 +22,13 @@ it, never one above:
     registry     the --strategy names (DESIGN puts it with parallel/; it names compose's twin too,
                  so it sits above compose)
     train        the one loop
-    verify       equivalence, the bisector, the dry run, the layout matrix
-    plan         the planner (it reads the dry run, never the other way round)
-    tools        plots, the TensorBoard plugin, bench, the CLI, the rank zygote
+    bench        DESIGN's contract name for the alpha-beta fit and the bus-bandwidth factor
+    zygote       the launcher's fork server
+  THE LAB (refimpl/lab/), above every core layer: the core never imports it
+    lab measure  sweeps and measurements, checkpoint conversions, the machine's facts
+    lab verify   equivalence, the bisector, the dry run, the layout matrix
+    lab plan     the planner (it reads the dry run, never the other way round)
+    lab tools    plots, the TensorBoard plugin, the CLI
 
 An import inside a function is allowed only where the module says why (ALLOWED_LAZY).
 """
@@ -39,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1] / "refimpl"
 
 LAYERS = [
     ("foundation", ("launch", "shared_device", "staged_stream", "_rank", "_zygote_client",
-                    "device_audit", "flight_recorder", "faults", "labels", "env", "numerics",
+                    "device_audit", "flight_recorder", "faults", "labels", "numerics",
                     "progress", "mesh", "__init__")),
     ("model", ("model",)),
     ("memory", ("memory",)),
@@ -51,11 +55,16 @@ LAYERS = [
     ("compose", ("compose",)),
     ("registry", ("registry",)),
     ("train", ("train",)),
-    ("verify", ("verify",)),
-    ("plan", ("plan",)),
+    ("bench", ("bench",)),
     # _zygote: the fork server, a process of its own that preloads the loop for the ranks it forks
-    ("tools", ("plots", "tb_plugin", "bench", "__main__", "_zygote")),
+    ("zygote", ("_zygote",)),
+    # THE LAB (refimpl/lab/): it imports the core, the core never imports it
+    ("lab measure", ("lab", "lab.measure", "lab.checkpoint", "lab.env")),
+    ("lab verify", ("lab.verify",)),
+    ("lab plan", ("lab.plan",)),
+    ("lab tools", ("lab.plots", "lab.tb_plugin", "lab.cli", "__main__")),
 ]
+CORE_LAYERS = len([name for name, _ in LAYERS if not name.startswith("lab")])
 # Inside parallel/: a folder may import the folders listed for it (and its own), nothing else.
 PARALLEL_MAY_IMPORT = {
     "dp": set(), "zero": {"dp"}, "fsdp": {"dp", "zero"},
@@ -63,12 +72,12 @@ PARALLEL_MAY_IMPORT = {
 }
 # Function-level imports of refimpl modules, each with its reason.
 ALLOWED_LAZY = {
-    "__main__": "the CLI imports a subcommand's modules only when that subcommand runs",
+    "lab.cli": "the CLI imports a subcommand's modules only when that subcommand runs",
     "_rank": "a rank imports the launcher after its environment (threads, device) is set",
     "_zygote": "the zygote forks ranks; each imports its entry point after the fork",
     "launch": "a rank registers the staged backend (shared_device) only when it is asked for",
-    "tb_plugin.plugin": "TensorBoard loads the plugin at start; pandas/plotly wait for a request",
-    "tb_plugin.runs": "as tb_plugin.plugin",
+    "lab.tb_plugin.plugin": "TensorBoard loads the plugin at start; pandas/plotly wait for a request",
+    "lab.tb_plugin.runs": "as lab.tb_plugin.plugin",
 }
 
 
@@ -206,6 +215,23 @@ def circles(edges) -> list[list[str]]:
     return found
 
 
+def is_core(module: str) -> bool:
+    return layer_of(module) < CORE_LAYERS
+
+
+def core_into_lab(edges) -> list[str]:
+    """Each import of a lab module by a core module, named: file, then the module it imports."""
+    return [f"refimpl/{MODULES[a].relative_to(ROOT)} (core) imports refimpl.{b} (lab)"
+            if a in MODULES else f"refimpl.{a} (core) imports refimpl.{b} (lab)"
+            for a in sorted(edges) if is_core(a) for b in sorted(edges[a]) if not is_core(b)]
+
+
+def test_the_core_never_imports_the_lab():
+    edges, _ = _edges()
+    found = core_into_lab(edges)
+    assert not found, "the core imports the lab (DESIGN.md, Layout):\n" + "\n".join(found)
+
+
 def test_imports_run_downward():
     edges, _ = _edges()
     assert not upward(edges), "upward imports:\n" + "\n".join(upward(edges))
@@ -236,11 +262,15 @@ def test_the_checks_name_what_they_find():
                "parallel.tp.layers": {"parallel.pp.stage"},    # a parallelism into another
                "parallel.pp.stage": {"parallel.pp.runner", "parallel.dp.naive"},   # tp/pp/cp/ep
                "parallel.pp.runner": {"parallel.pp.stage"},    # a circle        # import no dp
-               "verify.dryrun": {"plan.cli"},                  # verify sits below plan
-               "model.moe": {"trace.capture"}}                 # model sits below trace
-    assert upward(made_up) == ["refimpl.model.gpt (model) imports refimpl.parallel.tp.layers (parallel)",
-                               "refimpl.model.moe (model) imports refimpl.trace.capture (trace)",
-                               "refimpl.verify.dryrun (verify) imports refimpl.plan.cli (plan)"]
+               "lab.verify.dryrun": {"lab.plan.cli"},          # verify sits below plan
+               "model.moe": {"trace.capture"},                 # model sits below trace
+               "train": {"lab.verify.equivalence"}}            # the core into the lab
+    assert upward(made_up) == [
+        "refimpl.lab.verify.dryrun (lab verify) imports refimpl.lab.plan.cli (lab plan)",
+        "refimpl.model.gpt (model) imports refimpl.parallel.tp.layers (parallel)",
+        "refimpl.model.moe (model) imports refimpl.trace.capture (trace)",
+        "refimpl.train (train) imports refimpl.lab.verify.equivalence (lab verify)"]
+    assert core_into_lab(made_up) == ["refimpl/train.py (core) imports refimpl.lab.verify.equivalence (lab)"]
     assert crossing(made_up) == ["refimpl.parallel.pp.stage imports refimpl.parallel.dp.naive",
                                  "refimpl.parallel.tp.layers imports refimpl.parallel.pp.stage"]
     assert circles(made_up) == [["parallel.pp.runner", "parallel.pp.stage"]]

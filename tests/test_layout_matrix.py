@@ -1,4 +1,4 @@
-"""The layout matrix (refimpl.verify.layout_matrix): every layout the CLI accepts is equal to
+"""The layout matrix (refimpl.lab.verify.layout_matrix): every layout the CLI accepts is equal to
 `single` in float64 (losses and every weight tensor at 1e-9) or refused before launch in one line.
 
 make test runs a pairwise cover chosen by the generator on 2, 3 and 4 ranks (every two factor
@@ -6,7 +6,7 @@ values that an accepted layout can hold together are held together by a layout i
 float64), plus the layouts that were once wrong; make test-full checks the whole space's verdicts,
 runs the pairwise cover of the whole space (8 ranks and PyTorch's DTensor twins too), checks that
 the sampling missed no pair the whole space has, runs a three-wise cover, and resumes every float64
-layout of the whole pairwise cover from another layout's checkpoint (refimpl.verify.resume_matrix;
+layout of the whole pairwise cover from another layout's checkpoint (refimpl.lab.verify.resume_matrix;
 make test runs three such pairs, tests/test_resume_matrix.py).
 """
 from __future__ import annotations
@@ -16,13 +16,13 @@ from collections import Counter
 
 import pytest
 
-from refimpl.__main__ import build_parser, config_from_args
+from refimpl.lab.cli import build_parser, config_from_args
+from refimpl.lab.verify import layout_matrix as lm
+from refimpl.lab.verify.matrix_run import counts, run_layouts
+from refimpl.lab.verify.resume_matrix import resume_pairs, run_resumed
 from refimpl.mesh import LayoutError
 from refimpl.registry import STRATEGIES, resolve
 from refimpl.train import validate
-from refimpl.verify import layout_matrix as lm
-from refimpl.verify.matrix_run import counts, run_layouts
-from refimpl.verify.resume_matrix import resume_pairs, run_resumed
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 

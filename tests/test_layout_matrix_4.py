@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from refimpl.verify.matrix_run import counts, run_layouts
+from refimpl.lab.verify.matrix_run import counts, run_layouts
 from tests.test_layout_matrix import pairwise_on
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)

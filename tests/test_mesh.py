@@ -12,9 +12,9 @@ import torch
 
 from refimpl import launch
 from refimpl.config import TrainConfig
+from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_states, reference_run
 from refimpl.mesh import LayoutError, ParallelDims, describe_grid
 from refimpl.train import validate
-from refimpl.verify.equivalence import FP64_TOLERANCE, compare_states, reference_run
 from tests.models import SMALL
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)

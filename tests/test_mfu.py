@@ -1,4 +1,4 @@
-"""Model FLOPs utilisation (refimpl.cost.mfu): the FLOPs per token against PyTorch's own count, the
+"""Model FLOPs utilisation (refimpl.lab.measure.mfu): the FLOPs per token against PyTorch's own count, the
 1B model's published size, and a real measurement, eager and compiled, on the CPU."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from refimpl.cost import mfu
+from refimpl.lab.measure import mfu
 from refimpl.model import GPTConfig, build_model, lm_loss
 from refimpl.model.gpt import count_params
 
@@ -45,8 +45,12 @@ def test_the_1b_model_has_llama_3_2_1b_s_parameters():
 
 
 def test_peak_flops_comes_from_the_datasheet_table_by_the_name_cuda_reports(monkeypatch):
+    """The SXM parts at their 989 TFLOP/s; the NVL and PCIe cards of the same die at their own
+    datasheet's (half the "with sparsity" figure: 1,671 and 1,513), not the SXM's; a GH200 is not
+    an H200 and a part not tabled has no peak."""
     names = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA A100-SXM4-80GB": 312e12,
-             "NVIDIA H100 PCIe": None, "Tesla T4": None}
+             "NVIDIA H100 NVL": 835.5e12, "NVIDIA H200 NVL": 835.5e12, "NVIDIA H100 PCIe": 756.5e12,
+             "NVIDIA GH200 480GB": None, "Tesla T4": None}
     for name, peak in names.items():
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
         assert mfu.peak_flops("cuda") == peak, name

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_states, relative_error
 from refimpl.model import GPT, GPTConfig, build_model, count_params
 from refimpl.model.moe import (
     MoEMLP,
@@ -14,7 +15,6 @@ from refimpl.model.moe import (
     switch_aux_loss,
     within_capacity,
 )
-from refimpl.verify.equivalence import FP64_TOLERANCE, compare_states, relative_error
 from tests.moe_runs import BASE, CASES, runs_on, single
 
 # Expert parallelism on 4 ranks: make test-full's (make test runs it on 2; the layout matrix runs

@@ -21,17 +21,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from refimpl.compose import moe_collectives
 from refimpl.config import TrainConfig
+from refimpl.lab.measure import moe_collectives
+from refimpl.lab.measure.ep_load import dropped_by_step, expert_frame
+from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single, reference_run
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
 from refimpl.model.activation_checkpointing import checkpoint_blocks
 from refimpl.model.moe import moe_layers
-from refimpl.parallel.ep.load import dropped_by_step, expert_frame
 from refimpl.registry import resolve
 from refimpl.trace.profiling import load_trace
 from refimpl.train import train_on_ranks, train_several_on_ranks, validate
-from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single, reference_run
 
 TWO = GPTConfig(vocab_size=96, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4)
 FOUR = replace(TWO, n_layers=4)     # V and interleaved schedules: two pieces per rank
@@ -118,7 +118,7 @@ def test_experts_through_a_pipeline_and_cp_equal_single(name):
 @pytest.mark.ranks
 def test_cp_collectives_are_the_arithmetics():
     """dp2 x cp2 with ep over dp x cp: every labelled collective of two ranks, per axis and op, is
-    refimpl.compose.moe_collectives' count, cp's all-gather of the pieces' counts among them (ring
+    refimpl.lab.measure.moe_collectives' count, cp's all-gather of the pieces' counts among them (ring
     attention's hops are not labelled in a trace: `traced=False` rows, left out)."""
     cfg = CASES[4]["dp2 x cp2, ep over dp x cp, bias"]
     trace = load_trace(runs(4)["dp2 x cp2, ep over dp x cp, bias"]["trace_dir"])

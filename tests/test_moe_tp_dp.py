@@ -4,7 +4,7 @@ tp x experts: each expert's MLP split over tp (refimpl.parallel.tp.experts), wit
 sequence parallelism, alone (ep = 1) and with the experts spread over ep as well. dp flavours:
 dp-naive, dp, zero1, zero2, zero3 and fsdp on a MoE model with --ep 2 over dp = 4, where the
 dense parameters are synced (or sharded) over dp x cp and the experts over edp. Float64 and the
-1e-9 gate on losses and final weights (refimpl.verify.equivalence), with a capacity tight enough
+1e-9 gate on losses and final weights (refimpl.lab.verify.equivalence), with a capacity tight enough
 to drop tokens (so the global capacity and the aux loss's f_i must count each token once) and the
 aux loss on. One launch per world size runs every case of that size. And AdamW's moments of
 experts sharded over edp gather to single's and, saved, resume under another layout.
@@ -16,16 +16,16 @@ import pytest
 import torch
 
 from refimpl.config import TrainConfig
-from refimpl.model import GPTConfig
-from refimpl.parallel.ep.load import dropped_by_step
-from refimpl.train import train_on_ranks, train_several_on_ranks
-from refimpl.verify.equivalence import (
+from refimpl.lab.measure.ep_load import dropped_by_step
+from refimpl.lab.verify.equivalence import (
     FP64_TOLERANCE,
     compare_states,
     compare_with_single,
     reference_run,
 )
-from refimpl.verify.reshard import save_checkpoint
+from refimpl.lab.verify.reshard import save_checkpoint
+from refimpl.model import GPTConfig
+from refimpl.train import train_on_ranks, train_several_on_ranks
 
 pytestmark = pytest.mark.ranks
 

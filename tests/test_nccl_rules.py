@@ -57,16 +57,16 @@ import pytest
 
 from refimpl import launch
 from refimpl.config import TrainConfig
-from refimpl.mesh import LayoutError
-from refimpl.model import GPTConfig
-from refimpl.train import merge_results, validate
-from refimpl.verify.equivalence import (
+from refimpl.lab.verify.equivalence import (
     BF16_TOLERANCE,
     FP64_TOLERANCE,
     compare_states,
     compare_with_single,
     relative_error,
 )
+from refimpl.mesh import LayoutError
+from refimpl.model import GPTConfig
+from refimpl.train import merge_results, validate
 from tests.models import SMALL
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
@@ -304,7 +304,7 @@ def test_bf16_under_nccl_s_rules_is_gloo_s_run_bit_for_bit(name, audit_dirs, on_
     tensor a bf16 step hands a collective (the bf16 ones included: `dtypes`), and the run is the
     same run on plain gloo. On CPU ranks the staged backend runs the same gloo calls on exact
     copies of the same tensors and only orders them, so losses and weights are equal to the bit; on the GPU check's shared cuda:0 the bf16 matmuls are the
-    GPU's, and the gate is bf16's (BF16_TOLERANCE, refimpl.verify.equivalence)."""
+    GPU's, and the gate is bf16's (BF16_TOLERANCE, refimpl.lab.verify.equivalence)."""
     staged, gloo = results(2, audit_dirs[2])[0][name], on_gloo[name]
     assert BF16[name][1] <= staged["dtypes"], sorted(staged["dtypes"])
     if name == "pp-1f1b bf16":
@@ -402,7 +402,7 @@ def test_a_wrong_number_fault_is_found_under_nccl_s_rules(audit_dirs):
     """Notebook 10's skip-grad-sync (refimpl.faults) under the staged backend: the comparison with
     `single` still finds it and where it is. One step: the loss (computed before the update)
     is single's, and exactly the last block's tensors leave float64's gate, each by far."""
-    from refimpl.verify.equivalence import reference_run
+    from refimpl.lab.verify.equivalence import reference_run
 
     run, ref = results(2, audit_dirs[2])[0]["skip-grad-sync"], reference_run(FAULT)
     assert abs(run["losses"][0] - ref["losses"][0]) <= FP64_TOLERANCE * abs(ref["losses"][0])
@@ -415,11 +415,11 @@ def test_a_wrong_number_fault_is_found_under_nccl_s_rules(audit_dirs):
 
 @pytest.mark.full     # a launch of its own, and single recorded beside it: seconds
 def test_the_bisector_finds_the_fault_under_nccl_s_rules(monkeypatch):
-    """refimpl.verify.bisect on the staged backend (every rank's recording hook, its gathers of
+    """refimpl.lab.verify.bisect on the staged backend (every rank's recording hook, its gathers of
     the weights each step): it names skip-grad-sync where it names it on gloo
     (tests/test_when_it_goes_wrong.py): step 0's optimizer, the last block."""
     from refimpl import faults
-    from refimpl.verify import bisect as bisector
+    from refimpl.lab.verify import bisect as bisector
 
     for name, value in ((faults.ENV, "1"), ("REFIMPL_P2P_TAGS", "one"),
                         ("REFIMPL_SHARED_DEVICE", (os.environ.get("REFIMPL_SHARED_DEVICE") or "cpu"))):
@@ -444,7 +444,7 @@ def _on_gloo_ranks(rank: int, world: int, bf16_cfgs: list) -> dict:
     then both posting plans on a staged group (`_both_plans_on_the_strict_stream`)."""
     import gc
 
-    from refimpl.parallel.pp.measure import profile_pipeline
+    from refimpl.lab.measure.pp_measure import profile_pipeline
     from refimpl.train import train_rank
 
     on_gloo = [train_rank(rank, world, c) for c in bf16_cfgs]
@@ -660,13 +660,13 @@ def _notebook_and_bench_paths(rank: int, world: int) -> dict:
     torch-fsdp2's gather of offloaded shards (`_fsdp2_offload_gather`). Each
     path's error, if any, is kept and the next one runs (a failed pipeline only fails its own
     group's stream)."""
-    from refimpl.comm.async_demo import overlap_demo
-    from refimpl.comm.primitives import run_primitives
-    from refimpl.comm.versus_torch import check_and_count
-    from refimpl.cost.bench import sweep_rank
-    from refimpl.parallel.cp.measure import ring_rank
-    from refimpl.parallel.pp import measure
-    from refimpl.parallel.tp.checks import all_checks
+    from refimpl.lab.measure import pp_measure as measure
+    from refimpl.lab.measure.async_demo import overlap_demo
+    from refimpl.lab.measure.bench import sweep_rank
+    from refimpl.lab.measure.cp_measure import ring_rank
+    from refimpl.lab.measure.primitives import run_primitives
+    from refimpl.lab.measure.versus_torch import check_and_count
+    from refimpl.lab.verify.tp_checks import all_checks
     from scripts import bench_pp
 
     out = {}

@@ -6,11 +6,11 @@ import torch
 
 from refimpl.cost import cp_comm, tp_comm
 from refimpl.cost.hardware import get_hardware
+from refimpl.lab.measure.pp_replay import bubble_sweep, over_ideal, replay
+from refimpl.lab.plan import composition
 from refimpl.model import GPTConfig
 from refimpl.model.capacity_rules import displaced_first_choices, global_keep, per_group_keep
 from refimpl.model.presets import get_model
-from refimpl.parallel.pp.replay import bubble_sweep, over_ideal, replay
-from refimpl.plan import composition
 
 
 def test_one_tp_ratio_for_notebooks_06_and_09():
@@ -65,8 +65,8 @@ def test_gqa_table_llama2_70b_projection_sizes():
 
 
 def test_stage_flops_counted_by_torch_are_the_formula_and_the_head_weighs_on_the_last():
+    from refimpl.lab.measure.pp_compare import stage_forward_flops, stage_forward_flops_formula
     from refimpl.model import GPTConfig
-    from refimpl.parallel.pp.compare import stage_forward_flops, stage_forward_flops_formula
 
     cfg = GPTConfig(vocab_size=1024, seq_len=16, d_model=32, n_heads=4, n_layers=3)
     counted = stage_forward_flops(cfg, 2, batch=2)
@@ -141,8 +141,8 @@ def test_boundary_gradient_sketch_and_fix():
 
 
 def test_p2p_messages_and_interleaved_peak_against_the_tables():
-    from refimpl.parallel.pp import p2p_volume
-    from refimpl.parallel.pp.measure import predicted_activation_peak
+    from refimpl.lab.measure import pp_p2p_volume as p2p_volume
+    from refimpl.lab.measure.pp_measure import predicted_activation_peak
     from refimpl.parallel.pp.schedules import Action, schedule_table
 
     for p, m, v in ((2, 4, 1), (4, 8, 1), (2, 4, 2), (4, 8, 2)):
@@ -157,7 +157,7 @@ def test_p2p_messages_and_interleaved_peak_against_the_tables():
 
 
 def test_a_slow_stage_sets_the_pace():
-    from refimpl.parallel.pp.replay import imbalanced_step
+    from refimpl.lab.measure.pp_replay import imbalanced_step
 
     extra = imbalanced_step(4, 64, 1, 2.0)["span"] - imbalanced_step(4, 32, 1, 2.0)["span"]
     assert extra == 32 * 2.0 * 3
@@ -175,7 +175,7 @@ def test_kv_heads_replicate_past_their_count():
 @pytest.mark.ranks
 def test_ring_rank_counts_blocks_and_saves_one_slice():
     from refimpl import launch
-    from refimpl.parallel.cp import measure
+    from refimpl.lab.measure import cp_measure as measure
     from refimpl.parallel.cp.ring import score_blocks_per_rank
 
     rows = [r for rank in launch.run(measure.ring_rank, 2, seq=16, heads=2, head_dim=4) for r in rank]

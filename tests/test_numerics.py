@@ -8,7 +8,7 @@ import torch
 
 from refimpl import numerics
 from refimpl.config import TrainConfig
-from refimpl.verify.equivalence import reference_config
+from refimpl.lab.verify.equivalence import reference_config
 
 CUDA, CPU = torch.device("cuda", 1), torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""The planner (refimpl.plan) against published trainings, and its rules on small cases.
+"""The planner (refimpl.lab.plan) against published trainings, and its rules on small cases.
 
 Narayanan et al. 2021, Table 1: ten GPT models trained on up to 3072 A100s with the techniques of
 the time (tensor + pipeline + data parallelism, full activation recomputation, no ZeRO, no sequence
@@ -8,13 +8,13 @@ best few, and predict a throughput near the one they measured.
 import pytest
 
 from refimpl.cost.hardware import GPUS, cpu_preset
+from refimpl.lab.plan import Layout, best_per_grid, megatron_runs, plan
+from refimpl.lab.plan.cli import plan_main
+from refimpl.lab.plan.cpu import cpu_layouts, train_config
+from refimpl.lab.plan.predict import predict, predict_memory
+from refimpl.lab.plan.published import TECHNIQUES_2021, compare_with_megatron, published_grid_ranks
 from refimpl.model import GPTConfig
 from refimpl.model.presets import MODELS, ModelShape, megatron_flops
-from refimpl.plan import Layout, best_per_grid, megatron_runs, plan
-from refimpl.plan.cli import plan_main
-from refimpl.plan.cpu import cpu_layouts, train_config
-from refimpl.plan.predict import predict, predict_memory
-from refimpl.plan.published import TECHNIQUES_2021, compare_with_megatron, published_grid_ranks
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +162,7 @@ def test_cli_prints_the_seeds_70b_table(capsys):
     best = plan(**shape.to_dict(), global_batch=batch, gpus=64).iloc[0]
     assert lines[1].split()[:4] == [str(best.dp), str(best.tp), str(best.pp), str(best.cp)]
     assert plan_main(["--model", "nope", "--gpus", "64"]) == 2
-    from refimpl.__main__ import main  # the same table through `python -m refimpl plan`
+    from refimpl.lab.cli import main  # the same table through `python -m refimpl plan`
     assert main(["plan", "--model", "70b", "--gpus", "64", "--top", "3"]) == 0
     assert capsys.readouterr().out.strip().splitlines() == lines
     assert plan_main(["--layers", "2", "--d-model", "64", "--heads", "3", "--vocab", "10",
@@ -170,7 +170,7 @@ def test_cli_prints_the_seeds_70b_table(capsys):
 
 
 def test_cpu_layouts_have_runnable_commands():
-    from refimpl.__main__ import build_parser
+    from refimpl.lab.cli import build_parser
     from refimpl.train import validate
 
     hw = cpu_preset(5e10, 2e-4, 2e9, 5e9, block_overhead_s=2e-4)

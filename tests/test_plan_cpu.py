@@ -1,6 +1,6 @@
 """The planner checked on this machine: every layout the loop runs on 4 CPU ranks (each grid of
 dp x tp x pp x cp, each ZeRO stage, with and without activation checkpointing and sequence
-parallelism) is predicted by refimpl.plan and then run, and the predicted memory per rank must
+parallelism) is predicted by refimpl.lab.plan and then run, and the predicted memory per rank must
 match the measured one (the loop counts the tensors a rank holds and the activations it saves).
 Here one layout per grid with activation checkpointing (notebook 09: one per grid without);
 make test-full measures all 66.
@@ -12,8 +12,7 @@ depend on the clock are checked below on fixed inputs.
 import pytest
 
 from refimpl.cost.hardware import cpu_preset
-from refimpl.model import GPTConfig
-from refimpl.plan.cpu import (
+from refimpl.lab.plan.cpu import (
     cpu_layouts,
     layout_name,
     measure_cpu_layouts,
@@ -23,7 +22,8 @@ from refimpl.plan.cpu import (
     stage_tensors,
     time_sliced_step,
 )
-from refimpl.plan.predict import Layout
+from refimpl.lab.plan.predict import Layout
+from refimpl.model import GPTConfig
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
@@ -45,7 +45,7 @@ def measured(request):
 
 def test_every_runnable_layout_is_in_the_table(measured):
     grids = set(zip(measured.dp, measured.tp, measured.pp, measured.cp))
-    # every way to lay 4 ranks on the four axes, except tp x cp (refimpl.plan.cpu.runs_here)
+    # every way to lay 4 ranks on the four axes, except tp x cp (refimpl.lab.plan.cpu.runs_here)
     assert grids == {(4, 1, 1, 1), (1, 4, 1, 1), (1, 1, 4, 1), (1, 1, 1, 4), (2, 2, 1, 1),
                      (2, 1, 2, 1), (2, 1, 1, 2), (1, 2, 2, 1), (1, 1, 2, 2)}
     assert set(measured.zero_stage) == {0, 1, 2, 3} and "full" in set(measured.recompute)
@@ -96,8 +96,8 @@ def test_time_slicing_makes_bubbles_cheaper_and_full_pipelines_dearer():
 
 
 def test_cores_are_shared_by_the_stages_mean_work_and_the_fit_keeps_its_terms_apart():
-    from refimpl.plan.cpu import mean_stage_compute_s
-    from refimpl.plan.cpu_calibration import nonnegative_least_squares, shape_of
+    from refimpl.lab.plan.cpu import mean_stage_compute_s
+    from refimpl.lab.plan.cpu_calibration import nonnegative_least_squares, shape_of
 
     # 4 stages: the busiest holds a block and the head, the mean a quarter of the whole model
     shape = shape_of(GPTConfig(), 32)

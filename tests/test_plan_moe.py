@@ -1,4 +1,4 @@
-"""The planner's mixture-of-experts layouts (refimpl.plan.moe): parameter counts against the built
+"""The planner's mixture-of-experts layouts (refimpl.lab.plan.moe): parameter counts against the built
 model, ep in the search, and the model-state bytes against the loop on 4 CPU ranks."""
 from dataclasses import replace
 
@@ -6,12 +6,12 @@ import pytest
 
 from refimpl.cost.hardware import GPUS
 from refimpl.cost.moe_arithmetic import mixtral_8x7b
+from refimpl.lab.plan import MODELS, Layout, plan
+from refimpl.lab.plan.cli import plan_main
+from refimpl.lab.plan.cpu_calibration import shape_of
+from refimpl.lab.plan.moe_cpu import MOE_MODEL, moe_states_table
+from refimpl.lab.plan.predict import predict, predict_memory
 from refimpl.model import build_model
-from refimpl.plan import MODELS, Layout, plan
-from refimpl.plan.cli import plan_main
-from refimpl.plan.cpu_calibration import shape_of
-from refimpl.plan.moe_cpu import MOE_MODEL, moe_states_table
-from refimpl.plan.predict import predict, predict_memory
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -123,7 +123,7 @@ def test_layouts_that_cannot_work_raise_one_line(args):
 
 
 def test_gantt_has_one_bar_per_action():
-    from refimpl.plots import pipeline_gantt
+    from refimpl.lab.plots import pipeline_gantt
 
     slots = simulate(schedule_table(3, 4, "zb-h1"), F=1, B=1, W=1)
     fig = pipeline_gantt(pd.DataFrame([s.__dict__ for s in slots]))
@@ -211,7 +211,7 @@ def test_replay_with_each_actions_own_time_reproduces_a_run_that_follows_its_tab
     """A 'run' made by the simulator itself with uneven action times (no two alike): replayed
     step by step with those times, its idle share comes back exactly; with per-rank means (the
     plain replay) it does not, which is why measure.replayed_steps replays action by action."""
-    from refimpl.parallel.pp import measure
+    from refimpl.lab.measure import pp_measure as measure
     from refimpl.parallel.pp.schedules import placement
     table = schedule_table(2, 8, schedule, v)
     texts = [(r, t) for r, row in enumerate(table) for e in row for t in e.split("&")]
@@ -231,7 +231,7 @@ def test_measured_costs_recover_the_costs_a_run_was_made_with(schedule, v):
     the same three back from the slots alone, and the step replayed with them and each action's
     time is the run again. So the costs the notebook and bench_bubble put into the replay are the
     ones their definitions say, and a replay that misses a measured bubble misses something else."""
-    from refimpl.parallel.pp import measure
+    from refimpl.lab.measure import pp_measure as measure
     from refimpl.parallel.pp.schedules import placement
     table = schedule_table(2, 8, schedule, v)
     texts = [(r, t) for r, row in enumerate(table) for e in row for t in e.split("&")]
@@ -293,7 +293,7 @@ def test_the_global_order_is_each_senders_order_and_each_receivers_posting_order
 
 
 def test_micro_batch_latency_on_gpipe_by_hand():
-    from refimpl.parallel.pp.replay import micro_batch_latency, replay
+    from refimpl.lab.measure.pp_replay import micro_batch_latency, replay
 
     # GPipe, 2 stages, 2 micro-batches, F = 1, B = 2. Rank 0: F0 [0,1], F1 [1,2]; rank 1: F0 [1,2],
     # F1 [2,3], B0 [3,5], B1 [5,7]; rank 0: B0 [5,7] (after rank 1's B0), B1 [7,9].

@@ -6,16 +6,16 @@ import tempfile
 import pytest
 import torch.distributed as dist
 
-from refimpl.launch import run
-from refimpl.mesh import LayoutError
-from refimpl.model import build_model, synthetic_batch
-from refimpl.parallel.pp.measure import (
+from refimpl.lab.measure.pp_measure import (
     action_slots,
     measured_costs,
     predicted_activation_peak,
     profile_pipeline,
     simulated_bubble_from,
 )
+from refimpl.launch import run
+from refimpl.mesh import LayoutError
+from refimpl.model import build_model, synthetic_batch
 from refimpl.parallel.pp.schedules import schedule_table
 from refimpl.parallel.pp.stage import build_chunks
 from refimpl.parallel.pp.torch_pp import TorchPipeline, check_torch_layout

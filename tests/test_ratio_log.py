@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from refimpl.cost import ratio_log
+from refimpl.lab.measure import ratio_log
 
 
 def test_goal_direction_and_bad_goal():

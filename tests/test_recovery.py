@@ -15,16 +15,17 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from refimpl.compose import dcp_convert, run_checkpoint, sharded_checkpoint
+from refimpl.compose import run_checkpoint, sharded_checkpoint
 from refimpl.config import TrainConfig
+from refimpl.lab.checkpoint import dcp_convert
+from refimpl.lab.verify import checkpoint_memory
+from refimpl.lab.verify.equivalence import compare_states
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig, build_model, count_params
 from refimpl.train import train_on_ranks, train_several_on_ranks, validate
-from refimpl.verify import checkpoint_memory
-from refimpl.verify.equivalence import compare_states
 from tests.models import SMALL
 
-GATE = 1e-9   # float64 (refimpl.verify.equivalence)
+GATE = 1e-9   # float64 (refimpl.lab.verify.equivalence)
 
 
 def run_cfg(strategy="single", nproc=1, steps=4, **kw) -> TrainConfig:
@@ -54,7 +55,7 @@ def test_single_resumed_from_step_k_is_the_uninterrupted_run(tmp_path):
 @pytest.mark.ranks
 def test_resumed_under_another_layout_equals_single_and_the_uninterrupted_run(tmp_path):
     """Two steps under zero1 on 2 ranks (checkpoint at step 2), then steps 3-4 under tp 2, and
-    under torch-fsdp2 from the checkpoint converted to DCP's format (refimpl.compose.dcp_convert):
+    under torch-fsdp2 from the checkpoint converted to DCP's format (refimpl.lab.checkpoint.dcp_convert):
     the losses of all four steps and the final weights equal single's and an uninterrupted tp 2
     run's."""
     single = train_on_ranks(run_cfg())

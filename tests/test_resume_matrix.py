@@ -1,4 +1,4 @@
-"""The layout matrix's resume pass (refimpl.verify.resume_matrix): a layout resumed from a checkpoint
+"""The layout matrix's resume pass (refimpl.lab.verify.resume_matrix): a layout resumed from a checkpoint
 another layout wrote equals single's uninterrupted run (float64: losses and every weight at 1e-9).
 
 make test: three pairs, one kind of sharding each way in two launches: ZeRO-3's and FSDP's flat
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from refimpl.verify import layout_matrix as lm
-from refimpl.verify.matrix_run import counts
-from refimpl.verify.resume_matrix import WRITTEN_AT, resumable, resume_pairs, run_resumed
+from refimpl.lab.verify import layout_matrix as lm
+from refimpl.lab.verify.matrix_run import counts
+from refimpl.lab.verify.resume_matrix import WRITTEN_AT, resumable, resume_pairs, run_resumed
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 

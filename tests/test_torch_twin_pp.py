@@ -9,8 +9,8 @@ import functools
 import pytest
 
 from refimpl.config import TrainConfig
+from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single
 from refimpl.train import train_several_on_ranks
-from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single
 from tests.models import SMALL
 
 pytestmark = [pytest.mark.ranks, pytest.mark.full]
@@ -44,7 +44,7 @@ def test_theirs_and_ours_agree_step_by_step():
     """The same grid, schedule and data: the losses agree to float64 round-off (not bit for bit:
     PyTorch divides the gradients by m after the sum, we divide each loss before it), and so do
     the final weights."""
-    from refimpl.verify.equivalence import compare_states
+    from refimpl.lab.verify.equivalence import compare_states
 
     ours, theirs = results()["ours fsdp 1f1b"], results()["torch 1f1b"]
     assert max(abs(a - b) / b for a, b in zip(ours["losses"], theirs["losses"])) < 1e-12

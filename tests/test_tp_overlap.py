@@ -12,9 +12,9 @@ import pytest
 
 from refimpl import launch
 from refimpl.config import TrainConfig
+from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_states
 from refimpl.mesh import LayoutError
 from refimpl.train import train_several_on_ranks, validate
-from refimpl.verify.equivalence import FP64_TOLERANCE, compare_states
 from tests.models import SMALL
 
 pytestmark = pytest.mark.ranks   # launches rank processes

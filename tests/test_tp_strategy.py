@@ -10,12 +10,12 @@ from dataclasses import replace
 import pytest
 
 from refimpl import launch
-from refimpl.__main__ import main as cli
 from refimpl.config import TrainConfig
+from refimpl.lab.cli import main as cli
+from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_states, compare_with_single
 from refimpl.mesh import LayoutError
 from refimpl.registry import resolve
 from refimpl.train import merge_results, train_several_on_ranks, validate
-from refimpl.verify.equivalence import FP64_TOLERANCE, compare_states, compare_with_single
 from tests.models import SMALL
 from tests.test_mesh import _train_guarded
 
@@ -62,7 +62,7 @@ def test_same_losses_and_weights_as_single(world, name):
         cfg = cfg.with_(nproc=2, replicas=1)
     eq = compare_with_single(cfg, result)
     # float64: TP's split sums reorder the matmuls' additions, ~1e-16 each; AdamW leaves the
-    # weights ~1e-14 apart, far under the gate (refimpl.verify.equivalence).
+    # weights ~1e-14 apart, far under the gate (refimpl.lab.verify.equivalence).
     assert eq.tolerance == FP64_TOLERANCE
     assert eq.loss_rel_err <= FP64_TOLERANCE, (name, eq.losses, eq.reference_losses)
     assert eq.weight_rel_err <= FP64_TOLERANCE, (name, eq.weight_rel_err)

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from refimpl import faults, flight_recorder
-from refimpl.__main__ import main as cli
 from refimpl.config import TrainConfig
+from refimpl.lab.cli import main as cli
+from refimpl.lab.verify import bisect as bisector
 from refimpl.launch import LaunchTimeoutError
 from refimpl.mesh import LayoutError
 from refimpl.model import GPT, GPTConfig
 from refimpl.train import train_on_ranks
-from refimpl.verify import bisect as bisector
 from tests.models import SMALL
 
 # --- the flight recorder, on rings written by hand --------------------------------------------

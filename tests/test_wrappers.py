@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
+from refimpl.lab.verify.equivalence import FP64_TOLERANCE
 from refimpl.launch import run
-from refimpl.verify.equivalence import FP64_TOLERANCE
 from tests.wrapper_runs import every_check
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)

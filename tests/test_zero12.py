@@ -3,8 +3,8 @@ optimizer states (stage 1) and gradients (stage 2) partitioned across the ranks.
 import pytest
 import torch
 
+from refimpl.lab.verify.equivalence import compare_states
 from refimpl.memory import model_state_bytes
-from refimpl.verify.equivalence import compare_states
 from tests.data_parallel_runs import ELEMENT, assert_matches_single, reference, runs_on, single_accumulating
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)

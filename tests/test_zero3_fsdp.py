@@ -13,19 +13,19 @@ import pytest
 
 from refimpl.config import TrainConfig
 from refimpl.cost.volume import total_volume
+from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single
 from refimpl.memory import model_state_bytes, sharded_state_bytes
 from refimpl.mesh import LayoutError
 from refimpl.model import build_model, count_params
 from refimpl.parallel.fsdp.zero3 import gpt_units
 from refimpl.trace.profiling import comm_table, load_trace, summarize
 from refimpl.train import train_several_recording_memory, validate
-from refimpl.verify.equivalence import FP64_TOLERANCE, compare_with_single
 from tests.models import SMALL
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
 STEPS = 3
-# The "fp32" runs below are float64 (the equivalence gate of refimpl.verify.equivalence holds on
+# The "fp32" runs below are float64 (the equivalence gate of refimpl.lab.verify.equivalence holds on
 # any processor there); bf16 runs keep fp32 master weights. Bytes per master element:
 ELEMENT = 8
 

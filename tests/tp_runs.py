@@ -1,11 +1,11 @@
-"""One launch per world size runs every tensor-parallel check (refimpl.parallel.tp.checks); cached
+"""One launch per world size runs every tensor-parallel check (refimpl.lab.verify.tp_checks); cached
 for the session so each test reads the same results."""
 from __future__ import annotations
 
 import functools
 
 from refimpl import launch
-from refimpl.parallel.tp.checks import BLOCK_CFG, B, S, all_checks  # noqa: F401 (re-exported)
+from refimpl.lab.verify.tp_checks import BLOCK_CFG, B, S, all_checks  # noqa: F401 (re-exported)
 
 
 @functools.cache

@@ -1,6 +1,6 @@
 """AdamW's m and v, resharded: the optimizer's half of a checkpoint that moves between layouts.
 
-The weights of a checkpoint are the reference's full state dict (refimpl.verify.reshard). AdamW
+The weights of a checkpoint are the reference's full state dict (refimpl.lab.verify.reshard). AdamW
 also keeps, per parameter element, a first moment m (exp_avg) and a second moment v (exp_avg_sq),
 and a step count for the bias correction (Loshchilov & Hutter 2019, Alg. 2; Kingma & Ba 2015, Alg.
 1). Written the same way -- reference names and full shapes -- they too load under any layout, and

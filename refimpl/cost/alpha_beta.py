@@ -19,7 +19,7 @@ bandwidth factor (`busbw_factor`). Rabenseifner's halving-doubling all-reduce (T
 section 4.5) takes 2 log2 p steps instead; refimpl.comm.halving_doubling counts its messages and
 bytes, `halving_doubling_seconds` prices them.
 
-alpha and beta come from a sweep (refimpl.cost.bench): `fit_alpha_beta` fits T = alpha + M / beta
+alpha and beta come from a sweep (refimpl.lab.measure.bench): `fit_alpha_beta` fits T = alpha + M / beta
 to the measured times, and `hop_model_from_fit` reads a ring's alpha per step out of such a fit.
 """
 from __future__ import annotations
@@ -138,7 +138,7 @@ def fit_error(sizes_bytes, seconds, alpha: float, beta: float) -> dict:
 
 
 def fit_table(sweep_df: pd.DataFrame) -> pd.DataFrame:
-    """One alpha-beta fit per (impl, op, world_size) of a sweep (refimpl.cost.bench.sweep), with
+    """One alpha-beta fit per (impl, op, world_size) of a sweep (refimpl.lab.measure.bench.sweep), with
     its error."""
     rows = []
     for (impl, op, n), g in sweep_df.groupby(["impl", "op", "world_size"], sort=False):

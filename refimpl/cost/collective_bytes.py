@@ -12,8 +12,8 @@ for the ring; Thakur et al. 2005 for the others):
 This is also nccl-tests' bus-bandwidth factor (busbw = algbw x factor, doc/PERFORMANCE.md), and,
 for n -> infinity, the ZeRO paper's unit count (Rajbhandari et al. 2020, §7: all-reduce 2Ψ,
 reduce-scatter and all-gather Ψ each). Everything else that needs these numbers imports them from
-here: the sweep (refimpl.cost.bench), the per-strategy table (refimpl.cost.strategy_cost), the
-volume counted from traces (refimpl.cost.volume). refimpl.comm.traffic predicts the exact integer
+here: the sweep (refimpl.lab.measure.bench), the per-strategy table (refimpl.cost.strategy_cost), the
+volume counted from traces (refimpl.cost.volume). refimpl.lab.measure.traffic predicts the exact integer
 bytes of our own implementations, uneven chunks included, and tests them against this table.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What one accelerator and its links can do: the one table of GPU datasheet numbers.
 
-The planner (refimpl.plan) predicts with these presets; refimpl.cost.compute turns their peak
+The planner (refimpl.lab.plan) predicts with these presets; refimpl.cost.compute turns their peak
 rates into cluster-scale figures, refimpl.cost.tp_comm their links into TP's comm/compute ratio.
 Each preset is per GPU, from NVIDIA's datasheets (the URL next to each). Datasheets quote NVLink as
 the bidirectional total; a ring all-reduce sends and receives at the same time, so the rate one
@@ -16,7 +16,7 @@ Two fractions are assumptions, not datasheet numbers, and are stated here once:
                          systems (nccl-tests, doc/PERFORMANCE.md, bus bandwidth vs hardware peak).
 Latencies (alpha) are orders of magnitude of NCCL's small-message times, also assumptions.
 `cpu_preset` replaces every one of these by a measurement on this machine
-(refimpl.cost.this_machine.measure_cpu_preset).
+(refimpl.lab.measure.this_machine.measure_cpu_preset).
 
 Memory is in one unit for every device: the capacity the driver reports, `nvidia-smi`'s
 memory.total in MiB (MIB below). The datasheets' "80GB" and "141GB" are labels, not byte counts:
@@ -88,6 +88,42 @@ GPUS = {
     "h200": Hardware("h200", 989e12, 143771 * MIB, 4.8e12, nvlink_bytes_per_s(18), gbit(400),
                      source="NVIDIA H200 datasheet; DGX H200 datasheet"),
 }
+
+
+# Dense bf16 tensor-core peaks of the parts with no preset above (the presets are SXM boards, as
+# DGX/HGX nodes hold them). The datasheets quote bf16 "with sparsity"; dense is half of it:
+#   H100 NVL: 1,671 TFLOPS* (https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet,
+#             the H100 SXM | H100 NVL columns: 1,979* | 1,671*)
+#   H200 NVL: 1,671 TFLOPS* (https://www.nvidia.com/en-us/data-center/h200/, H200 SXM | H200 NVL:
+#             1,979* | 1,671*)
+#   H100 PCIe: 1,513 TFLOPS* (the first H100 datasheet's PCIe column)
+# NVL and PCIe boards are PCIe cards run at a lower power (350-600 W against the SXM's 700 W) and
+# clock: the same GH100 die, 16 % (NVL) to 24 % (PCIe) below the SXM part's 989 dense.
+DENSE_BF16_PEAKS = {"h100-nvl": 1671e12 / 2, "h200-nvl": 1671e12 / 2, "h100-pcie": 1513e12 / 2}
+
+
+def part_of(cuda_name: str) -> str | None:
+    """The part a CUDA device name ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H100 NVL",
+    "NVIDIA A100-SXM4-80GB") names, as a key of GPUS or DENSE_BF16_PEAKS; None when unknown.
+    Matched on whole words: "NVL" and "PCIe" are their own words in the names CUDA reports, and a
+    GH200 (a word of its own) is not an H200."""
+    words = cuda_name.lower().replace("-", " ").split()
+    form = "nvl" if "nvl" in words else "pcie" if "pcie" in words else None
+    if "h200" in words:
+        return f"h200-{form}" if form else "h200"
+    if "h100" in words:
+        return f"h100-{form}" if form else "h100-sxm"
+    if "a100" in words and "80gb" in words:
+        return "a100-80gb"
+    return None
+
+
+def dense_bf16_peak(cuda_name: str) -> float | None:
+    """The dense bf16 peak (FLOP/s) of the device CUDA names so; None for a part not tabled here."""
+    part = part_of(cuda_name)
+    if part in GPUS:
+        return GPUS[part].peak_flops
+    return DENSE_BF16_PEAKS.get(part)
 
 
 def get_hardware(gpu) -> Hardware:

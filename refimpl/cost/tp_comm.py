@@ -23,7 +23,7 @@ Links and rates come from the planner's GPU presets (refimpl.cost.hardware: the 
 numbers and their sources, written once): NVLink inside a node, one InfiniBand port per GPU across
 nodes; `comm_to_compute` uses what a preset says is *achievable* (Hardware.link: latency and the
 link fraction; Hardware.matmul_rate: the GEMM fraction of the peak), the one ratio notebooks 06 and
-09 (refimpl.plan.composition.placement_rule) both print.
+09 (refimpl.lab.plan.composition.placement_rule) both print.
 
 Overlap. By default nothing in refimpl runs a TP collective under compute: each sits on the
 critical path of its layer, so a layer takes compute·(1 + r) for a ratio r. `--set tp_overlap=true`
@@ -159,7 +159,7 @@ def transfer_engine_share(device_type: str, ranks: int, cores: int, threads_per_
     from the overlap, and the two paths differ only by their own costs (the decomposition's smaller
     matmuls and extra messages against one collective call): tp_overlap / tp measured 0.83-1.06
     in ten runs on this project's 2-core machines (median 1.02), within the bench's run-to-run
-    spread. refimpl.verify.tp_overlap's `transfer_beside_matmul` measures σ itself on 2 ranks; on
+    spread. refimpl.lab.verify.tp_overlap's `transfer_beside_matmul` measures σ itself on 2 ranks; on
     2 cores, seven runs: -0.15 to 0.25 (median 0.05) with both ranks multiplying, 0.17 to 0.53
     (median 0.43) with one rank idle (the model: one spare core for two ranks, 0.5)."""
     if device_type == "cuda":

@@ -112,7 +112,7 @@ def converted(module: nn.Module, *, device=None, dtype=None) -> nn.Module:
     """`module.to(device, dtype)` where a tensor of it differs, else `module` untouched.
 
     A no-op `.to()` still swaps every parameter for a copy of itself when the parameters are fake
-    tensors (the dry run, refimpl.verify.dryrun), and PyTorch cannot swap a fake parameter (it
+    tensors (the dry run, refimpl.lab.verify.dryrun), and PyTorch cannot swap a fake parameter (it
     fails on the weak reference FakeTensorMode keeps to it): skipping the no-op keeps the
     reference's own parameters, as `.to()` would on real tensors."""
     tensors = list(module.parameters()) + list(module.buffers())

@@ -36,7 +36,7 @@ def values_not_drawn():
     """nn.init's initialisers as no-ops while a model is built on `meta`: there are no values to
     draw (they come from `initial_value` afterwards), and the calls are not free: normal_'s meta
     kernel is a Python decomposition whose first call imports torch._dynamo, ~2 s in every rank
-    process; the dry run (refimpl.verify.dryrun) also saves a dispatch per call. They write in
+    process; the dry run (refimpl.lab.verify.dryrun) also saves a dispatch per call. They write in
     place, so no storage and no byte of the result changes."""
     init = torch.nn.init
     originals = {name: getattr(init, name) for name in INITIALISERS}

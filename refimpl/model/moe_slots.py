@@ -6,7 +6,7 @@ can have a size known before the step starts, as in GShard (Lepikhin et al. 2020
 dispatch tensor is [E, C, d]) and Switch (Fedus et al. 2021, sec. 2.1): no `int(counts)`, no
 `.tolist()` for split sizes, no `nonzero`. Under NCCL each such read would stop the host until the
 GPU stream drains (the project's rule: no host read inside a step), and on fake tensors
-(refimpl.verify.dryrun) it cannot be answered at all.
+(refimpl.lab.verify.dryrun) it cannot be answered at all.
 
 The layout. A rank's kept assignments are written into a flat buffer of E * B rows, expert-major:
 expert e's rows are [e * B, (e + 1) * B), and an assignment's row inside them is its *slot*, the

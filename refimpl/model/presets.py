@@ -7,11 +7,11 @@ so its parameter count is Narayanan et al. 2021's (§5.1, eq. in "FLOPs calculat
 A mixture of experts (n_experts > 0: every block's MLP a router and E experts, top_k of them
 active per token) is counted exactly instead, dense and expert parameters apart, because they are
 sharded over different groups (dense over dp x cp, experts over ep and then edp: refimpl.placement,
-refimpl.plan.moe). block="gpt" is refimpl's own block (refimpl.model: LayerNorm, biases on q, v, o
+refimpl.lab.plan.moe). block="gpt" is refimpl's own block (refimpl.model: LayerNorm, biases on q, v, o
 and the expert MLP, a GELU MLP of width ffn_hidden); block="llama" is Mixtral's (RMSNorm, no
 biases, a SwiGLU MLP: gate, up, down; kv_heads < n_heads for grouped-query attention), which
 refimpl does not build: the planner predicts it as it is, and the dry run runs it in refimpl's
-block form (refimpl.verify.dryrun.moe_form: experts of width round(ffn_hidden / h) * h).
+block form (refimpl.lab.verify.dryrun.moe_form: experts of width round(ffn_hidden / h) * h).
 """
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ MODELS = {
     # position parameters BLOOM has not, 0.02 %; ALiBi's biases are a·s numbers added to scores
     # the shape already counts) and a LayerNorm after the word embedding (2h parameters). On its
     # own 384 GPUs (3 x 128) no layout divides 70 layers and 112 heads: BLOOM's pipeline counted
-    # its embeddings as layers, and refimpl.plan.published compares its run that way.
+    # its embeddings as layers, and refimpl.lab.plan.published compares its run that way.
     "bloom-176b": (ModelShape(70, 14336, 112, 250880, 2048), 2048),
     # Llama 3 405B (Llama Team 2024, "The Llama 3 Herd of Models", Table 3; the released
     # config.json): 126 layers, d_model 16384, 128 query heads and 8 key/value heads (grouped-
@@ -148,7 +148,7 @@ MODELS = {
     # 16M-token batches = 2048 sequences (§3.4.1, the last step of its 4M, 8M, 16M ramp). Its
     # parameter count equals transformers' for the same config (tests/test_llama_hf.py): 405.9B.
     # pp = 16 does not divide 126 layers: Llama 3's pipeline left one block's place to the
-    # embedding and one to the output layer, and refimpl.plan.published compares its run as
+    # embedding and one to the output layer, and refimpl.lab.plan.published compares its run as
     # those 128 slots.
     "llama3-405b": (ModelShape(126, 16384, 128, 128256, 8192, tied_embeddings=False,
                                ffn_hidden=53248, kv_heads=8, block="llama"), 2048),

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
+import shutil
 from pathlib import Path
 
 from refimpl.labels import BACKEND_RANGES, COMM_LABEL, PHASES, categorize
@@ -26,6 +28,23 @@ def trace_files(run: str | Path) -> dict[int, Path]:
         if m:
             found[int(m.group(1))] = path
     return found
+
+
+def rank_traces_only(run: str | Path, dest: str | Path) -> Path:
+    """A folder `dest` holding each rank's newest trace of `run` and nothing else (hard links, or
+    copies where a link cannot be made), for readers that take every *.json of a folder as a
+    rank's trace: HolisticTraceAnalysis fails on the run_summary.json a profiled run leaves
+    beside its traces (refimpl.trace.run_record), and would read an older run's trace too."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    if any(dest.iterdir()):
+        raise ValueError(f"{dest} already holds files: give rank_traces_only an empty folder")
+    for path in trace_files(run).values():
+        try:
+            os.link(path, dest / path.name)
+        except OSError:
+            shutil.copy2(path, dest / path.name)
+    return dest
 
 
 def read_trace(path: Path) -> dict:

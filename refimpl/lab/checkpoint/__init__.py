@@ -1,0 +1,1 @@
+"""Checkpoint formats beside refimpl's own: torch.distributed.checkpoint conversions."""

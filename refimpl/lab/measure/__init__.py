@@ -1,0 +1,1 @@
+"""Measurements and sweeps over the core: each runs a mechanism and reads what it did."""
