@@ -66,7 +66,7 @@ LONGEST := tests/test_layout_matrix_4.py tests/test_layout_matrix.py \
 	tests/test_when_it_goes_wrong.py
 TEST_WORKERS ?= 2
 # Every rank launch of make test (tests, notebooks, the bench and notebook helpers they run) goes
-# through the staged backend (refimpl.shared_device): gloo on CPU ranks under NCCL's stream order,
+# through the staged backend (refimpl.lab.runtime.shared_device): gloo on CPU ranks under NCCL's stream order,
 # message pairing and argument rules, so a posting order that would hang on a GPU server, a host
 # tensor handed to NCCL or a non-contiguous buffer fails here. STAGED= runs plain gloo (or NCCL
 # where every rank has a GPU); STAGED=cuda:0 puts every rank on that one GPU.

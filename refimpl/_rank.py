@@ -10,6 +10,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from refimpl.host_heap import heap_policy
+
 
 def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this rank if the launching process dies (e.g. a killed notebook kernel)."""
@@ -26,31 +28,9 @@ def _die_with_parent() -> None:
             os._exit(1)
 
 
-def _keep_freed_memory() -> None:
-    """Ask glibc to keep the memory a step frees for the next step instead of handing it back to
-    the kernel. PyTorch's CPU tensors come straight from malloc (no caching allocator, unlike CUDA),
-    and glibc by default unmaps a freed block of 128 KiB or more and trims the heap's free top, so
-    the next step's tensors of that size land on fresh pages, each faulted in and zeroed by the
-    kernel on the rank's main thread. Measured on a zbv step on 2 loaded CPU ranks: ~1,200 page
-    faults per step in our pipeline runner (refimpl.parallel.pp), whose B frees a micro-batch's
-    activations at once, and 13-15 % of its main-thread CPU time; 20-700 in PyTorch's, which keeps
-    them until W. Now every block under 32 MiB (the most glibc allows) comes from the heap, which
-    is trimmed only past 1 GiB free: a rank keeps its peak heap until it exits."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        try:
-            libc = ctypes.CDLL("libc.so.6")
-            libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
-            libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
-        except (OSError, AttributeError):     # not glibc: its own policy stays
-            pass
-
-
 def main() -> None:
     _die_with_parent()
-    _keep_freed_memory()
+    heap_policy()                      # before the rank allocates (refimpl.host_heap)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     outdir = Path(os.environ["REFIMPL_OUTDIR"])
     try:
@@ -64,17 +44,11 @@ def main() -> None:
                 sys.path.insert(0, entry)
         job = cloudpickle.loads(payload.read_bytes())
         from refimpl.launch import init_process_group
+        from refimpl.launch_tools import tools
 
         init_process_group(rank, world_size, os.environ["REFIMPL_BACKEND"],
                            float(os.environ["REFIMPL_TIMEOUT"]))
-        audit = os.environ.get("REFIMPL_DEVICE_AUDIT")   # a test mode: refimpl/device_audit.py
-        if audit:
-            from refimpl.device_audit import FactoryAudit
-
-            with FactoryAudit() as factories:
-                result = job["fn"](rank, world_size, *job["args"], **job["kwargs"])
-            factories.write(audit, rank)
-        else:
+        with tools().running():        # e.g. the lab's device audit (refimpl.launch_tools)
             result = job["fn"](rank, world_size, *job["args"], **job["kwargs"])
         (outdir / f"result{rank}.pkl").write_bytes(cloudpickle.dumps(result))
         import gc

@@ -13,9 +13,6 @@ from typing import Any
 
 import torch
 
-import refimpl.comm as refimpl_comm
-from refimpl import faults
-from refimpl.comm.torch_names import torch_collectives
 from refimpl.mesh import LayoutError, Mesh, ParallelDims
 from refimpl.model import GPTConfig
 
@@ -44,10 +41,14 @@ class TrainConfig:
     trace_dir: str | None = None      # where --profile writes; default profiles/cli/<strategy>-<n>
     return_state: bool = False        # include the full state dict in each rank's result
     init_state: str | None = None     # torch.save'd full state dict to start from (any strategy's)
-    init_hf: str | None = None        # a Hugging Face checkpoint folder to start from (refimpl.model.hf)
+    init_hf: str | None = None        # a Hugging Face checkpoint folder to start from (refimpl.lab.checkpoint.hf)
     init_optimizer_state: str | None = None   # AdamW's m, v, step in reference names (optim_reshard)
     return_optimizer_state: bool = False      # include them, gathered, in rank 0's result
-    # Recovery (refimpl.compose.run_checkpoint): the whole state every K steps into the directory,
+    # --save-state / --save-optimizer-state: the same, written by rank 0 as the ranks finish,
+    # gathered to it one tensor at a time (refimpl.lab.checkpoint.export)
+    save_state: str | None = None
+    save_optimizer_state: str | None = None
+    # Recovery (refimpl.lab.checkpoint.run_checkpoint): the whole state every K steps into the directory,
     # and a run that finds a checkpoint there resumes from its step (it wins over init_state).
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
@@ -68,7 +69,7 @@ class TrainConfig:
     collectives: str = "torch"        # "refimpl": every collective from refimpl.comm's send/recv
     schedule: str | None = None       # pipeline schedule (pp > 1): gpipe, 1f1b, interleaved, zb-h1, interleaved-zb, zbv, dualpipev
     virtual_stages: int = 1           # model chunks per pipeline rank (interleaved)
-    fault: str | None = None          # a bug on purpose, to learn the tools on (refimpl.faults)
+    fault: str | None = None          # a bug on purpose: read by refimpl.registry's variant plug-ins
 
     def with_(self, **changes) -> "TrainConfig":
         return replace(self, **changes)
@@ -82,6 +83,10 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Constraints every strategy shares; each strategy adds its own in `Strategy.validate`."""
+        self._validate_values()
+        self._validate_layout()
+
+    def _validate_values(self) -> None:
         positive = {"steps": self.steps, "nproc": self.nproc, "global-batch": self.global_batch,
                     "micro-batches": self.micro_batches, "layers": self.model.n_layers,
                     "d-model": self.model.d_model, "heads": self.model.n_heads,
@@ -96,11 +101,6 @@ class TrainConfig:
             raise LayoutError(f"weight decay must be finite and >= 0 (got {self.weight_decay!r})")
         if self.model.n_experts < 0:
             raise LayoutError(f"--experts must be >= 0 (got {self.model.n_experts})")
-        if self.fault is not None:
-            faults.check(self)
-        if self.global_batch % self.micro_batches:
-            raise LayoutError(f"global batch {self.global_batch} must be a positive multiple of "
-                              f"--micro-batches {self.micro_batches}")
         if not 1 <= self.seq_len <= self.model.seq_len:
             raise LayoutError(f"--seq-len must be in [1, {self.model.seq_len}] (got {self.seq_len})")
         if self.mixed_precision not in ("fp32", "bf16"):
@@ -123,6 +123,11 @@ class TrainConfig:
                               f"{self.checkpoint_every!r})")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise LayoutError("--checkpoint-every needs --checkpoint-dir (where the checkpoints go)")
+
+    def _validate_layout(self) -> None:
+        if self.global_batch % self.micro_batches:
+            raise LayoutError(f"global batch {self.global_batch} must be a positive multiple of "
+                              f"--micro-batches {self.micro_batches}")
         per_replica = self.replicas * self.pp * self.cp * self.tp
         if self.nproc % per_replica:
             raise LayoutError(f"--nproc {self.nproc} must be a multiple of pp x cp x tp = "
@@ -146,13 +151,6 @@ class RunContext:
     device: torch.device
     cfg: TrainConfig
     mesh: Mesh
-
-    @property
-    def comm(self):
-        """The collectives every strategy calls: torch.distributed's, or (--collectives refimpl)
-        refimpl.comm's, rebuilt from send/recv with the same signatures and in-place semantics.
-        torch's under its current names (refimpl.comm.torch_names: no deprecation warnings)."""
-        return refimpl_comm if self.cfg.collectives == "refimpl" else torch_collectives
 
     @property
     def param_dtype(self) -> torch.dtype:

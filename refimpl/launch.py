@@ -7,7 +7,7 @@ plain pickle cannot ship to a fresh interpreter; we serialise it with cloudpickl
 rank must have OMP_NUM_THREADS=1 in its environment *before* torch is imported (on a 2-core
 laptop, 4 ranks that each spin up a full thread pool ran 12x slower). NCCL ranks start as fresh
 `python -m refimpl._rank` processes. CPU ranks (gloo's, and the staged backend's on the CPU) are
-forked from a zygote (refimpl/_zygote.py): one interpreter, started on first use with one thread
+forked from a zygote (refimpl/lab/runtime/zygote.py): one interpreter, started on first use with one thread
 configured, that has imported torch once; forking it saves the ~2 s of CPU that importing torch
 costs every rank (a 4-rank launch went from ~4 s to ~0.5 s on 2 cores). The zygote lives as long as this process
 and is killed with it; REFIMPL_LAUNCH=spawn starts every rank fresh instead.
@@ -23,7 +23,10 @@ The contract (DESIGN.md):
     ranks are all waiting on each other, so a slow start cannot trip it); no rank outlives the
     call (each child also asks the kernel to kill it if its parent dies, so an interrupted notebook kernel leaks nothing);
     the error names, per rank still running, the communication call it waits in and the call its
-    peer waits in (each rank's flight recorder: refimpl/flight_recorder.py);
+    peer waits in (each rank's flight recorder: refimpl/lab/runtime/flight_recorder.py);
+  * on NCCL a collective returns once posted and a hung rank blocks later, in a host read: there
+    the group times out before the launcher (`group_timeout`), PyTorch's flight recorder is on
+    (`flight_recorder.nccl_env`), and the report names each rank's last posted call;
   * under torchrun (RANK / WORLD_SIZE in the environment) `run` calls `fn` for this rank only.
 """
 from __future__ import annotations
@@ -42,7 +45,8 @@ from typing import Any, Callable
 
 import cloudpickle
 
-from refimpl import _zygote_client, flight_recorder
+from refimpl.host_heap import heap_policy
+from refimpl.launch_tools import tools
 
 # Set on every child we start, so a nested `run` inside a rank is not mistaken for torchrun.
 _CHILD_MARK = "REFIMPL_RANK_CHILD"
@@ -101,10 +105,11 @@ def run(fn: Callable[..., Any], world_size: int = 2, *args, backend: str = "auto
     line prefixed with its rank. `flight_recorder_on`: record each rank's communication calls for
     the hang report (default: on, unless REFIMPL_FLIGHT_RECORDER=0 in this environment).
     `stall` (seconds; needs the flight recorder): call it a hang as soon as every running rank has
-    waited that long inside the same communication call, without waiting for `timeout`.
+    waited that long inside the same communication call, without waiting for `timeout` (on NCCL,
+    where a call returns once posted: since the same last posted call).
     """
     if under_torchrun():
-        return [_run_this_torchrun_rank(fn, args, kwargs, backend)]
+        return [_run_this_torchrun_rank(fn, args, kwargs, backend, timeout)]
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if stall is not None and (stall <= 0 or flight_recorder_on is False):
@@ -121,15 +126,13 @@ def run(fn: Callable[..., Any], world_size: int = 2, *args, backend: str = "auto
         payload = tmp / "payload.pkl"
         payload.write_bytes(cloudpickle.dumps({"fn": fn, "args": args, "kwargs": kwargs}))
         payload.with_suffix(".path.json").write_text(json.dumps(sys.path))
-        if flight_recorder_on is None:
-            flight_recorder_on = os.environ.get(flight_recorder.ENV) != "0"
-        recorder = tmp / "flight" if flight_recorder_on else None
-        if recorder is not None:
-            recorder.mkdir()
-        ranks = [_start_rank(r, world_size, backend, store.port, payload, tmp, timeout, recorder)
+        watch = tools().watch(tmp / "flight", flight_recorder_on)   # the hang report's, or None
+        if stall is not None and watch is None:
+            raise ValueError("stall needs a watch on the ranks' calls (the lab's flight recorder)")
+        ranks = [_start_rank(r, world_size, backend, store.port, payload, tmp, timeout, watch)
                  for r in range(world_size)]
         try:
-            _wait_all(ranks, tmp, timeout, recorder, stall)
+            _wait_all(ranks, tmp, timeout, watch, stall, backend)
         finally:
             _kill_all(ranks)  # no-op for ranks that already exited
             if not quiet:
@@ -146,7 +149,7 @@ def _timedelta(seconds: float):
 
 
 def _start_rank(rank: int, world_size: int, backend: str, port: int, payload: Path, tmp: Path,
-                timeout: float, recorder: Path | None = None) -> _Rank:
+                timeout: float, watch=None) -> _Rank:
     env = dict(os.environ)
     env.update({
         _CHILD_MARK: "1",
@@ -155,8 +158,8 @@ def _start_rank(rank: int, world_size: int, backend: str, port: int, payload: Pa
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "REFIMPL_BACKEND": backend, "REFIMPL_TIMEOUT": str(timeout),
         "REFIMPL_PAYLOAD": str(payload), "REFIMPL_OUTDIR": str(tmp),
-        flight_recorder.ENV: str(recorder) if recorder is not None else "0",
     })
+    tools().rank_env(env, backend, watch)
     if backend == "nccl":
         # cuBLAS's deterministic mode needs a fixed workspace, set before cuBLAS starts
         # (refimpl.numerics).
@@ -170,18 +173,19 @@ def _start_rank(rank: int, world_size: int, backend: str, port: int, payload: Pa
         if sys.platform.startswith("linux"):
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     out, err = tmp / f"stdout{rank}.txt", tmp / f"stderr{rank}.txt"
-    zygote = _zygote_client.for_backend(backend)
-    if zygote is not None:      # forked from a warm interpreter: torch is already imported
-        return _Rank(rank, zygote.start(env, out, err), out, err)
+    starter = tools().starter(backend)
+    if starter is not None:      # e.g. forked from a warm interpreter: torch already imported
+        return _Rank(rank, starter.start(env, out, err), out, err)
     with open(out, "wb") as fo, open(err, "wb") as fe:
         proc = subprocess.Popen([sys.executable, "-m", "refimpl._rank"], env=env, stdout=fo,
                                 stderr=fe, stdin=subprocess.DEVNULL, start_new_session=True)
     return _Rank(rank, proc, out, err)
 
 
-def _wait_all(ranks: list[_Rank], tmp: Path, timeout: float, recorder: Path | None = None,
-              stall: float | None = None) -> None:
+def _wait_all(ranks: list[_Rank], tmp: Path, timeout: float, watch=None,
+              stall: float | None = None, backend: str = "gloo") -> None:
     deadline = time.monotonic() + timeout
+    posted = backend == "nccl"       # an NCCL call returns once posted, and waits after it
     pending = {r.rank: r for r in ranks}
     exited: list[int] = []
     waiting, since, next_look = None, 0.0, 0.0
@@ -197,22 +201,23 @@ def _wait_all(ranks: list[_Rank], tmp: Path, timeout: float, recorder: Path | No
                 first = _first_failure(ranks, tmp, default=r)
                 others = {x.rank: _how_it_failed(x, tmp) for x in ranks
                           if x is not first and x.proc.poll() not in (None, 0)}
-                raise RankFailedError(first.rank, _failure_text(first, tmp, first.proc.poll()), others,
-                                      exit_order=exited)
+                text = _failure_text(first, tmp, first.proc.poll())
+                if posted and watch is not None:   # NCCL's watchdog ended a hung collective
+                    text += "\n" + watch.report([x.rank for x in ranks], posted)
+                raise RankFailedError(first.rank, text, others, exit_order=exited)
         now = time.monotonic()
-        if stall is not None and recorder is not None and now >= next_look:
+        if stall is not None and now >= next_look:
             next_look = now + 0.25            # a look reads each running rank's 16 KiB ring
-            calls = flight_recorder.waiting_in(recorder, sorted(pending))
+            calls = watch.waiting(sorted(pending), posted)
             if calls != waiting:              # someone moved on (or not everyone waits yet)
                 waiting, since = calls, now
             elif calls is not None and now - since >= stall:
+                waited = "after the same posted" if posted else "in the same communication"
                 raise LaunchTimeoutError(
-                    f"ranks {sorted(pending)} each waited {stall:g} s in the same communication "
-                    f"call; killed all {len(ranks)} ranks\n"
-                    + flight_recorder.hang_report(recorder, sorted(pending)))
+                    f"ranks {sorted(pending)} each waited {stall:g} s {waited} call; killed all "
+                    f"{len(ranks)} ranks\n" + watch.report(sorted(pending), posted))
         if now > deadline:
-            where = ("\n" + flight_recorder.hang_report(recorder, sorted(pending))
-                     if recorder is not None else "")
+            where = "\n" + watch.report(sorted(pending), posted) if watch is not None else ""
             raise LaunchTimeoutError(
                 f"ranks {sorted(pending)} still running after {timeout:.0f} s; killed all "
                 f"{len(ranks)} ranks{where}")
@@ -271,7 +276,7 @@ def _failure_text(r: _Rank, tmp: Path, code: int) -> str:
 def _kill_all(ranks: list[_Rank]) -> None:
     for r in ranks:
         if r.proc.poll() is None:
-            if hasattr(r.proc, "kill_group"):   # forked by the zygote: it kills, it knows the pid
+            if not isinstance(r.proc, subprocess.Popen):   # a starter's: it kills, it knows the pid
                 r.proc.kill_group()
                 continue
             try:  # the rank's whole session: it may have started helpers of its own (a Popen
@@ -290,16 +295,27 @@ def _echo_output(ranks: list[_Rank]) -> None:
             print(f"[rank {r.rank}] {line}")
 
 
-def _run_this_torchrun_rank(fn, args, kwargs, backend: str):
-    """Under torchrun every process calls `run`; each runs `fn` once, for its own rank."""
+def _run_this_torchrun_rank(fn, args, kwargs, backend: str, timeout: float):
+    """Under torchrun every process calls `run`; each runs `fn` once, for its own rank, on the
+    backend asked for (gloo for a run kept on the CPU) and with the caller's `timeout` for its
+    process group: torchrun has no watchdog of ours, so the group's is the one that ends a hang."""
     import torch.distributed as dist
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     created = not dist.is_initialized()
     if created:
+        heap_policy()           # as our own ranks' (refimpl.host_heap): big blocks go back when freed
         # Multi-node: each node needs a GPU per *local* rank, not per rank of the whole world.
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        init_process_group(rank, world_size, pick_backend(local, backend))
+        chosen = pick_backend(local, backend)
+        if backend == "auto" and chosen == "gloo" and os.environ.get("LOCAL_RANK", "0") == "0":
+            import torch
+
+            why = gloo_fallback_warning(local, torch.cuda.device_count() if torch.cuda.is_available()
+                                        else 0, os.environ)
+            if why:
+                print(why, file=sys.stderr, flush=True)
+        init_process_group(rank, world_size, chosen, timeout=timeout)
     try:
         return fn(rank, world_size, *args, **kwargs)
     finally:
@@ -310,6 +326,22 @@ def _run_this_torchrun_rank(fn, args, kwargs, backend: str):
             # there, and a thread refused the GIL at exit ends the process with SIGABRT.
             gc.collect()
             dist.destroy_process_group()
+
+
+def gloo_fallback_warning(local_ranks: int, gpus: int, env) -> str | None:
+    """One line for a torchrun whose ranks see GPUs, but fewer than one each: NCCL needs a GPU per
+    rank, so they run on gloo (CPU). Under Slurm the usual cause is a task bound to one GPU
+    (--gpus-per-task 1, or a CUDA_VISIBLE_DEVICES per task) while torchrun starts a rank per GPU
+    of the node. None where there is no GPU (gloo is the plan) or one per rank."""
+    if gpus == 0 or gpus >= local_ranks:
+        return None
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    slurm = (f"; Slurm job {env['SLURM_JOB_ID']}: give each torchrun all its node's GPUs "
+             "(--gpus-per-node), not one per task") if env.get("SLURM_JOB_ID") else ""
+    return (f"refimpl: warning: {local_ranks} ranks on this node but this process sees {gpus} "
+            f"GPU{'s' if gpus != 1 else ''}" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible else "")
+            + f": NCCL needs one GPU per rank, so the ranks run on gloo (CPU){slurm} "
+            "(--device cpu where gloo is meant)")
 
 
 def process_group_kwargs(backend: str, local_rank: int, torch_version: str | None = None) -> dict:
@@ -330,23 +362,42 @@ def process_group_kwargs(backend: str, local_rank: int, torch_version: str | Non
     return {"device_id": torch.device("cuda", local_rank)}
 
 
+# How much sooner than the launcher an NCCL group times out: a quarter of the launch's time, at
+# most this many seconds (`group_timeout`).
+NCCL_TIMEOUT_MARGIN_S = 60.0
+
+
+def group_timeout(timeout: float, backend: str) -> float:
+    """The process group's timeout in a launch that gives up after `timeout` seconds. On NCCL
+    shorter, by a quarter of it and at most NCCL_TIMEOUT_MARGIN_S: a hung NCCL collective returned
+    when it was posted, so the launcher's stall watchdog may never see it, but NCCL's own
+    watchdog times it out, dumps its flight recorder and ends the rank while the launcher still
+    waits; with equal timeouts the launcher killed the ranks first. gloo's ranks block inside the
+    call, where the launcher's report finds them: its group keeps the launcher's timeout."""
+    if backend != "nccl":
+        return timeout
+    return timeout - min(NCCL_TIMEOUT_MARGIN_S, timeout / 4)
+
+
 def init_process_group(rank: int, world_size: int, backend: str, timeout: float = 600.0) -> None:
     """Join the default process group via MASTER_ADDR/MASTER_PORT; bind a GPU under NCCL."""
     import torch
     import torch.distributed as dist
 
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    # run()'s children: below the launcher's timeout on NCCL; torchrun's: the one asked for
+    group_wait = _timedelta(group_timeout(timeout, backend) if _CHILD_MARK in os.environ
+                            else timeout)
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
+    tools().joining(backend, launched=_CHILD_MARK in os.environ)   # e.g. the staged backend
     extra = process_group_kwargs(backend, local_rank)
-    if backend == "staged":     # registers the backend in this process (refimpl.shared_device)
-        from refimpl import shared_device  # noqa: F401
     if _CHILD_MARK in os.environ:
         # Our own child: join the store the caller hosts (it counts as one extra client).
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                               world_size + 1, is_master=False, timeout=_timedelta(timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=_timedelta(timeout), **extra)
+                                timeout=group_wait, **extra)
     elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun, whose agent hosts the store: the c10d rendezvous keeps ONE store for every
         # restart of the job, and env:// puts the ranks' keys (gloo's listening addresses, NCCL's
@@ -357,11 +408,10 @@ def init_process_group(rank: int, world_size: int, backend: str, timeout: float 
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                               world_size, is_master=False, timeout=_timedelta(timeout))
         dist.init_process_group(backend, store=dist.PrefixStore(f"refimpl/attempt{attempt}", store),
-                                rank=rank, world_size=world_size, timeout=_timedelta(timeout),
-                                **extra)
+                                rank=rank, world_size=world_size, timeout=group_wait, **extra)
     else:  # torchrun without an agent store: env:// (rank 0 hosts a fresh store each attempt)
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=_timedelta(timeout), **extra)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=group_wait,
+                                **extra)
 
 
 def device_for(backend: str):
@@ -371,7 +421,7 @@ def device_for(backend: str):
 
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
-    if backend == "staged":     # every rank on the one shared device (refimpl.shared_device)
+    if backend == "staged":     # every rank on the one shared device (refimpl.lab.runtime.shared_device)
         return torch.device(os.environ.get("REFIMPL_SHARED_DEVICE", "cpu"))
     if backend == "fake":       # the dry run (refimpl.lab.verify.dryrun): shapes only, no storage
         return torch.device("meta")

@@ -1,25 +1,9 @@
-"""The rank grid: every rank is one point of `arange(world).view(dp, pp, cp, tp)`.
+"""The rank grid: every rank is one point of `arange(world).view(dp, pp, cp, tp)` (picotron's
+grid; the seed's rule "model parallel inside a node, data parallel across nodes" as an index order).
 
-Composing parallelism (DESIGN.md, "Composing parallelism") starts from one grid, as picotron does:
-tensor-parallel peers are neighbouring ranks (tp innermost: one node on a cluster, where NVLink
-carries its per-layer all-reduces), data-parallel peers are the farthest apart (dp outermost:
-across nodes, where one gradient sync per step tolerates InfiniBand). That is the seed's placement
-rule, "model parallel inside a node, data parallel across nodes" (001, 3D parallelism), as an index
-order.
-
-    dims = ParallelDims(dp=2, pp=2, tp=2)          # validated in the launching process
+    dims = ParallelDims(dp=2, pp=2, tp=2)     # validated in the launching process
     dims.groups("tp")  -> [[0, 1], [2, 3], [4, 5], [6, 7]]
-    mesh = Mesh(dims, rank)                         # on each rank, after init_process_group
-    mesh.size("dp"), mesh.index("dp"), mesh.group("dp"), mesh.ranks("dp")
-
-Axes with a process group: "dp", "pp", "cp", "tp"; "dp_cp", the dp x cp ranks that share one
-model shard (ZeRO, FSDP and the gradient sync of context parallelism run over it); "ep", expert
-parallelism, consecutive chunks of `ep` ranks inside each dp_cp group (Megatron's choice); "edp",
-the ranks that hold the same experts (one per chunk), over which expert gradients are averaged.
-
-`replica` is an outermost axis of independent copies of the whole layout, each training the same
-global batch. Nothing in training needs it: the tests use it to prove that every collective stays
-inside its own group (a collective that leaked onto the default group would mix two replicas).
+    mesh = Mesh(dims, rank)                    # on each rank: mesh.size/index/group/ranks("dp")
 """
 from __future__ import annotations
 

@@ -1,29 +1,4 @@
-"""fp32 that means fp32 on a GPU: the settings every CUDA run of the loop uses.
-
-Equivalence is checked at fp32 round-off (relative error <= 1e-5, refimpl.lab.verify.equivalence).
-On NVIDIA GPUs since Ampere, PyTorch may run fp32 matmuls and convolutions in TF32 (10-bit
-mantissa, relative error ~5e-4 per product), and several CUDA kernels (atomics in index_add,
-scatter, embedding backward) sum in an order that changes from run to run. Either would make a
-strategy differ from `single` by more than round-off for reasons that are not the strategy's.
-So on CUDA:
-
-  * TF32 off for matmuls and cuDNN (fp32_precision = "ieee"; on older torch the allow_tf32 flags);
-  * deterministic algorithms where PyTorch has them (`use_deterministic_algorithms(True,
-    warn_only=True)`: an op with no deterministic kernel warns instead of failing), but only for
-    a run that an equivalence check compares (`deterministic_needed`): deterministic kernels are
-    slower (embedding backward and index_add lose their atomics), so a bf16 run, a benchmark or
-    a profile with them on would report a biased step time and MFU;
-  * cuBLAS told to use a fixed workspace (CUBLAS_WORKSPACE_CONFIG), which its deterministic mode
-    needs; it takes effect only if set before cuBLAS starts, so launch sets it for every rank too.
-
-Bit-exactness is claimed only where the arithmetic is the same operations in the same order (a
-data-parallel rank vs `single` accumulating its micro-batches, on the same device type). Across
-different batch shapes cuBLAS may pick other kernels, as MKL does on CPU: there the stated
-tolerance is fp32 round-off, 1e-5 relative, on GPU as on CPU. bf16 runs are compared with a
-tolerance of 1e-2 on the loss (8-bit mantissa) and are never called exact.
-
-The settings are process-wide (they are torch's); they are applied only when the run is on CUDA.
-"""
+"""fp32 that means fp32 on a GPU: the settings every CUDA run of the loop uses."""
 from __future__ import annotations
 
 import os

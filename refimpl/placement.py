@@ -1,39 +1,15 @@
 """Where each parameter lives, recorded on the parameter, and one function that reassembles the
 reference model's full state dict from any layout.
-
-A transform that slices or moves a parameter says so once, with `set_placement`:
-
-    replicated             every rank of the axis holds the whole tensor (the default: DP)
-    Shard(axis, dim, full) this rank holds its part of dim `dim`, cut evenly over `axis`'s group;
-                           `full` is the reference size of that dim (a padded vocabulary is
-                           longer on the ranks than in the reference, and is cut back);
-                           `repeats` > 1: each part on that many consecutive ranks
-    Owned(axis, segment,   the whole tensor of one of `count` equal modules (an expert), held by
-          index, count,    one rank of `axis`'s group: the others hold other indices under the
-          within)          same names but for `<segment>.<index>` (expert parallelism); `within`:
-                           a Shard the owner's copy is itself cut by (an expert split over tp)
-    stage-local            under a pipeline a rank holds only its stage's parameters: the full
-                           state dict is the union over the pp group
-
-Beside the placement, one more fact a transform records on a parameter: `mark_resharded`, a
-ZeRO-3/FSDP parameter whose full value exists only while its unit is gathered (a pipeline's zero
-bubble reads it).
-
-`gather_full_state_dict` applies these in one order -- undo the shards (all-gather over their
-axis), then merge the pipeline stages -- so ZeRO-3 (which first reassembles each unit's flat
-buffer over dp) and every model-parallel axis share it, and any checkpoint reshards onto any
-other layout: a checkpoint is always the reference's state dict.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from refimpl.labels import comm_span
+from refimpl.seam import dist
 
 ATTRIBUTE = "_refimpl_placement"
 
@@ -116,13 +92,12 @@ def placements(model: nn.Module) -> dict[str, Placement]:
     return found
 
 
-def unshard(tensor: torch.Tensor, shard: Shard, mesh, comm) -> torch.Tensor:
+def unshard(tensor: torch.Tensor, shard: Shard, mesh) -> torch.Tensor:
     """All-gather `tensor`'s parts over `shard.axis` along `shard.dim`; cut to the reference size."""
     group_size = mesh.size(shard.axis)
     if group_size > 1:
         parts = [torch.empty_like(tensor) for _ in range(group_size)]
-        with comm_span("all_gather", tensor.nbytes * group_size):
-            comm.all_gather(parts, tensor.contiguous(), group=mesh.group(shard.axis))
+        dist.all_gather(parts, tensor.contiguous(), group=mesh.group(shard.axis))
         tensor = torch.cat(parts[::shard.repeats], dim=shard.dim)
     return tensor.narrow(shard.dim, 0, shard.full)
 
@@ -144,7 +119,7 @@ def local_part(full: torch.Tensor, shape, where: Placement | None, mesh) -> torc
 
 
 def gather_full_state_dict(local: dict[str, torch.Tensor], model: nn.Module, mesh,
-                           comm, sharded: dict[str, Placement] | None = None
+                           sharded: dict[str, Placement] | None = None
                            ) -> dict[str, torch.Tensor]:
     """The reference's full state dict on every rank, from this rank's `local` state dict.
     `sharded`: the placements, where the model's tensors no longer carry them (`placements`).
@@ -159,11 +134,11 @@ def gather_full_state_dict(local: dict[str, torch.Tensor], model: nn.Module, mes
         where = sharded.get(name)
         if isinstance(where, Owned):
             if where.within is not None:     # first the owner's whole module (e.g. over tp)
-                tensor = unshard(tensor, where.within, mesh, comm)
-            full.update(gather_owned(name, tensor, where, mesh, comm))
+                tensor = unshard(tensor, where.within, mesh)
+            full.update(gather_owned(name, tensor, where, mesh))
             continue
         if where is not None:
-            tensor = unshard(tensor, where, mesh, comm)
+            tensor = unshard(tensor, where, mesh)
         full[name] = tensor.cpu().clone()
     if mesh.size("pp") > 1:
         full = merge_stages(full, mesh)
@@ -176,15 +151,14 @@ def _canonical(name: str, where: Placement | None, mesh) -> str:
     return name
 
 
-def gather_owned(name: str, tensor: torch.Tensor, owned: Owned, mesh, comm) -> dict[str, torch.Tensor]:
+def gather_owned(name: str, tensor: torch.Tensor, owned: Owned, mesh) -> dict[str, torch.Tensor]:
     """Every owner's module in this slot: one all-gather over `owned.axis`, renamed to each
     owner's index (rank r of the axis owns indices [r·count/size, (r+1)·count/size))."""
     size = mesh.size(owned.axis)
     if size == 1:
         return {name: tensor.cpu().clone()}
     copies = [torch.empty_like(tensor) for _ in range(size)]
-    with comm_span("all_gather", tensor.nbytes * size):
-        comm.all_gather(copies, tensor.contiguous(), group=mesh.group(owned.axis))
+    dist.all_gather(copies, tensor.contiguous(), group=mesh.group(owned.axis))
     per, slot = owned.count // size, owned.slot(size)
     return {owned.renamed(name, owner * per + slot): t.cpu().clone()
             for owner, t in enumerate(copies)}

@@ -1,25 +1,4 @@
-"""What the transforms hand the step runner: this rank's model, and how to run it.
-
-The model-parallel transforms (refimpl.compose.transforms) turn the reference GPT into this rank's
-share of it. Some of them change how a step must treat the result, and they say so here, in one
-frozen object passed explicitly, instead of attributes patched onto modules or functions:
-
-    module       this rank's model (reference parameter names, its own shards)
-    loss_fn      the loss on its logits: lm_loss, or tp's vocabulary-parallel cross-entropy, which
-                 reads logits split over the vocabulary without ever gathering them
-    shard_batch  cp: a rank's rows -> its chunks of every sequence (ring attention's layout)
-    pipeline     pp: a `Pipeline` -- how to run this rank's row of the schedule table over the
-                 micro-batches (in place of the plain accumulation loop), and how the stages'
-                 losses make the step's loss
-    aux_loss     the MoE layers' load-balancing loss of the last forward (0 for a dense model;
-                 a pipeline's runner adds each chunk's own after that chunk's forward)
-    after_step   after the optimizer: DeepSeek-V3's expert-bias nudge (a no-op otherwise)
-
-Frozen, so nothing downstream can change one field and forget another: a strategy that runs the
-pipeline inside something of its own (the bucketed `dp` arms its buckets around it; PyTorch's
-twins put their own schedule in its place) makes a new object with `with_pipeline_run`, which
-keeps every other field as it was.
-"""
+"""What the transforms hand the step runner: this rank's model, and how to run it."""
 from __future__ import annotations
 
 import functools

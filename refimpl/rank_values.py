@@ -4,23 +4,6 @@
     values = RankValues(reference, seed, dtype, mesh, device)   # or state=a checkpoint's
     rank_model = model_parallel(reference, ctx)                 # still shapes only
     materialize(rank_model.module, values)                      # or a strategy's own shards
-
-Building the whole reference on every rank and slicing it afterwards puts the whole model on
-every GPU first: at 7B, 25 GiB of fp32 weights per rank before ZeRO-3 shards anything. Here the
-reference and the model-parallel transforms work on `meta` tensors (shape, dtype, placement; no
-bytes), and each tensor a rank keeps gets its value afterwards, alone: its whole reference value
-is made on the host (the seeded init of refimpl.model.init, or the checkpoint's tensor), this
-rank's part of it cut by its placement (refimpl.placement.local_part: a tp slice, an expert it
-owns), copied to the device, and the host tensor dropped before the next one. A rank's peak is
-then what it keeps plus one tensor; ZeRO-3 and FSDP copy only their flat shard's range of each
-parameter, and make only the parameters that reach into it (refimpl.parallel.fsdp.sharded_unit).
-The values are those `single` starts from, bit for bit: it builds its model through the same
-function.
-
-On the dry run's `meta` device (refimpl.lab.verify.dryrun) nothing is drawn: each value is an empty
-meta tensor of the rank's shape, so the bytes a real rank would place are counted and none made
-(where a strategy copies a value into storage of its own, as ZeRO's flat buffer and shards do,
-the value is counted too while it lives: at most one tensor more than the device would hold).
 """
 from __future__ import annotations
 
@@ -36,7 +19,7 @@ from refimpl.placement import local_part, placement_of
 
 class PartialState(Mapping):
     """A reference state dict that can read one rank's part of a tensor without the whole
-    (a sharded checkpoint, refimpl.compose.sharded_checkpoint): `shape_of` without reading,
+    (a sharded checkpoint, refimpl.lab.checkpoint.sharded_checkpoint): `shape_of` without reading,
     `read_part(name, shape, where, mesh)` = local_part(self[name], shape, where, mesh)."""
 
     def shape_of(self, name: str) -> tuple:
@@ -77,12 +60,15 @@ class RankValues:
         """This rank's part of the reference's `name`, shaped like `like` (the rank model's
         tensor, whose placement says which part), on the host (perhaps a view of the whole);
         an empty meta tensor on meta."""
+        return self.part(name, like.shape, like.dtype, placement_of(like))
+
+    def part(self, name: str, shape, dtype: torch.dtype, where) -> torch.Tensor:
+        """`local`, from the tensor's shape, dtype and placement."""
         if self.device.type == "meta":
-            return torch.empty(like.shape, dtype=like.dtype, device="meta")
+            return torch.empty(shape, dtype=dtype, device="meta")
         if self.state is not None:
-            return part_of(self.state, name, like.shape, placement_of(like),
-                           self.mesh).to(like.dtype)
-        return local_part(self.whole(name, like.dtype), like.shape, placement_of(like), self.mesh)
+            return part_of(self.state, name, shape, where, self.mesh).to(dtype)
+        return local_part(self.whole(name, dtype), shape, where, self.mesh)
 
     def placed(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """`local` on the rank's device, in a contiguous tensor of its own (never a view that
@@ -91,6 +77,30 @@ class RankValues:
         if self.device.type == "meta":
             return value
         return torch.empty(like.shape, dtype=like.dtype, device=self.device).copy_(value)
+
+    def of(self, module: nn.Module) -> "LocalValues":
+        """`local` of each of `module`'s parameters, by name, made only when read: what a strategy
+        hands a mechanism that writes the values into storage of its own (ZeRO's flat buffer, a
+        ZeRO-3 shard reading only the parameters that reach into it). Taken before the mechanism
+        rebinds the parameters (its gathered buffer may be bf16: the values keep their dtype)."""
+        return LocalValues(self, {n: (p.shape, p.dtype, placement_of(p))
+                                  for n, p in module.named_parameters()})
+
+
+class LocalValues(Mapping):
+    """name -> this rank's value of that parameter (on the host), made when read."""
+
+    def __init__(self, values: RankValues, described: dict[str, tuple]):
+        self.values, self.described = values, described   # name -> (shape, dtype, placement)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.values.part(name, *self.described[name])
+
+    def __iter__(self):
+        return iter(self.described)
+
+    def __len__(self) -> int:
+        return len(self.described)
 
 
 def check_state(state: Mapping[str, torch.Tensor], shapes: Mapping[str, torch.Size]) -> None:

@@ -2,28 +2,14 @@
 
     layout = resolve(TrainConfig(strategy="pp-1f1b", nproc=4, tp=2))
     layout.cfg.pp, layout.cfg.schedule, layout.strategy    # 2, "1f1b", NaiveDataParallel
-
-A name is one of three kinds:
-
-  * a data-parallel flavour (`dp-naive`, `dp`, `zero1`, `zero2`, `zero3`, `fsdp`): its class
-    places the model on the dp axis; any other axis comes from the flags (`--tp --pp --cp --ep`);
-  * a shorthand (`tp`, `pp-<schedule>`, `ep`): a flavour (dp-naive's plain all-reduce after the
-    step) plus the axis it names, which takes the ranks the other axes leave when it was not
-    given (`--strategy tp --nproc 4` is tp = 4; `--strategy pp-1f1b --nproc 4 --tp 2` is
-    tp 2 x pp 2; `--strategy ep` puts every dp x cp rank in one ep group), and for pp-* its
-    schedule. So `--strategy pp-zbv --nproc 2` and `--strategy dp-naive --pp 2 --schedule zbv
-    --nproc 2` are the same layout, run by the same code;
-  * PyTorch's twins (`torch-*`), the comparators: their own classes; `torch-tp` and `torch-pp-*`
-    are shorthands too (the whole world on their axis).
-
-`resolve` is the one place a name is looked up: the launcher resolves a configuration once to
-validate it, and each rank once to run it (refimpl.train). The entries are "module:Class" strings,
-imported on first use, so naming every strategy does not import every parallelism.
 """
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cache
+from importlib.metadata import entry_points
 
 from refimpl.config import TrainConfig
 from refimpl.mesh import LayoutError
@@ -38,14 +24,47 @@ class Entry:
 
 
 NAIVE = "refimpl.parallel.dp.naive:NaiveDataParallel"
-TORCH_PP = "refimpl.parallel.pp.torch_pp:TorchPipelineParallel"
 # pp-<name>: the schedule it runs (refimpl.parallel.pp.schedules)
 PIPELINE_SHORTHANDS = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved",
                        "zb": "zb-h1", "interleaved-zb": "interleaved-zb", "zbv": "zbv",
                        "dualpipev": "dualpipev"}
-TORCH_PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
 
-STRATEGIES: dict[str, Entry] = {
+
+class Names(Mapping):
+    """The `--strategy` names: refimpl's own, then each plug-in's (the module docstring)."""
+
+    def __init__(self, own: dict[str, Entry]):
+        self.own, self.every = own, None
+
+    def loaded(self) -> dict[str, Entry]:
+        if self.every is None:
+            every = dict(self.own)
+            for plugin in plugins("refimpl.strategies"):
+                added = plugin()
+                if set(added) & set(every):
+                    raise ValueError(f"{plugin} names strategies already named: "
+                                     f"{sorted(set(added) & set(every))}")
+                every.update(added)
+            self.every = every
+        return self.every
+
+    def __getitem__(self, name: str) -> Entry:
+        return self.loaded()[name]
+
+    def __iter__(self):
+        return iter(self.loaded())
+
+    def __len__(self) -> int:
+        return len(self.loaded())
+
+
+@cache
+def plugins(group: str) -> tuple:
+    """The functions registered under the entry-point group `group`, each loaded once."""
+    return tuple(found.load() for found in {e.value: e for e in entry_points(group=group)}.values())
+
+
+STRATEGIES = Names({
     "single": Entry("refimpl.parallel.dp.single:Single"),
     # the data-parallel flavours
     "dp-naive": Entry(NAIVE),
@@ -58,21 +77,14 @@ STRATEGIES: dict[str, Entry] = {
     "tp": Entry(NAIVE, axis="tp"),
     **{f"pp-{name}": Entry(NAIVE, axis="pp", schedule=s) for name, s in PIPELINE_SHORTHANDS.items()},
     "ep": Entry(NAIVE, axis="ep"),
-    # PyTorch's twins
-    "torch-ddp": Entry("refimpl.parallel.dp.torch_ddp:TorchDDP"),
-    "torch-zero1": Entry("refimpl.parallel.zero.torch_zero1:TorchZero1"),
-    "torch-fsdp2": Entry("refimpl.parallel.fsdp.torch_fsdp2:TorchFSDP2"),
-    "torch-fsdp2-gradop": Entry("refimpl.parallel.fsdp.torch_fsdp2:TorchFSDP2GradOp"),
-    "torch-tp": Entry("refimpl.parallel.tp.torch_tp:TorchTensorParallel", axis="tp"),
-    "torch-fsdp2-tp": Entry("refimpl.compose.torch_fsdp2_tp:TorchFSDP2TP"),
-    **{f"torch-pp-{s}": Entry(TORCH_PP, axis="pp", schedule=s) for s in TORCH_PIPELINE_SCHEDULES},
-}
+})
 AXIS_NAMES = {"tp": "tensor", "pp": "pipeline", "ep": "expert"}
 
 
 @dataclass(frozen=True)
 class Resolved:
-    """A configuration with its shorthand filled in, and the class that runs it."""
+    """A configuration with its shorthand filled in, and the class that runs it (as the
+    variants' plug-ins make it for this configuration)."""
     cfg: TrainConfig
     strategy: type[Strategy]
 
@@ -104,7 +116,15 @@ def resolve(cfg: TrainConfig) -> Resolved:
             raise LayoutError(f"--strategy {cfg.strategy} runs the {entry.schedule} schedule; "
                               f"drop --schedule {cfg.schedule}")
         changes["schedule"] = entry.schedule
-    return Resolved(cfg.with_(**changes) if changes else cfg, strategy_class(cfg.strategy))
+    cfg = cfg.with_(**changes) if changes else cfg
+    return Resolved(cfg, variant(cfg, strategy_class(cfg.strategy)))
+
+
+def variant(cfg: TrainConfig, cls: type[Strategy]) -> type[Strategy]:
+    """`cls` as the "refimpl.variants" plug-ins make it for `cfg` (each may raise LayoutError)."""
+    for plugin in plugins("refimpl.variants"):
+        cls = plugin(cfg, cls)
+    return cls
 
 
 def _whole_world(cfg: TrainConfig, axis: str) -> int:

@@ -13,9 +13,9 @@ from typing import Callable, ContextManager
 
 import torch
 
-from refimpl.labels import comm_span, phase
 from refimpl.model import Batch
 from refimpl.rank_model import Pipeline
+from refimpl.seam import dist, phase
 
 
 def forward_backward(model: Callable, micro_batches: list[Batch], *, loss_fn: Callable,
@@ -37,8 +37,7 @@ def forward_backward(model: Callable, micro_batches: list[Batch], *, loss_fn: Ca
     return total
 
 
-def global_mean_loss(local: torch.Tensor, mesh, comm, pipeline: Pipeline | None = None
-                     ) -> torch.Tensor:
+def global_mean_loss(local: torch.Tensor, mesh, pipeline: Pipeline | None = None) -> torch.Tensor:
     """The mean over the global batch, on every rank.
 
     Data-parallel (and context-parallel) ranks hold equal numbers of tokens, so the mean of their
@@ -49,16 +48,12 @@ def global_mean_loss(local: torch.Tensor, mesh, comm, pipeline: Pipeline | None 
     language-model loss): `pipeline.sum_stages` all-reduces the parts over pp instead."""
     t = local.detach().clone()
     if mesh.size("dp_cp") > 1:
-        with comm_span("all_reduce", t.nbytes):
-            comm.all_reduce(t, group=mesh.group("dp_cp"))
+        dist.all_reduce(t, group=mesh.group("dp_cp"))
         t /= mesh.size("dp_cp")
     if mesh.size("pp") == 1:
         return t
     if pipeline.sum_stages:
-        with comm_span("all_reduce", t.nbytes):
-            comm.all_reduce(t, group=mesh.group("pp"))
+        dist.all_reduce(t, group=mesh.group("pp"))
     else:
-        with comm_span("broadcast", t.nbytes):
-            comm.broadcast(t, src=mesh.global_rank("pp", pipeline.loss_stage),
-                           group=mesh.group("pp"))
+        dist.broadcast(t, src=mesh.global_rank("pp", pipeline.loss_stage), group=mesh.group("pp"))
     return t

@@ -1,33 +1,10 @@
 """What a parallelism strategy is: placement plus synchronisation, around one step runner.
 
-The training loop (`refimpl.train`) is written once: data, seeding, timing, memory accounting,
-profiling and the JSON result. The step is written once too (`Strategy.train_step` below, with the
-runner in `refimpl.step`): this rank's micro-batches, forward and backward, the optimizer, the
-global loss. A strategy fills in only what makes it itself:
-
-  1. placement   `setup(module)`: how this rank's model lives on the dp axis. The reference model
-                 has already been through `refimpl.compose.transforms.model_parallel` (tensor,
-                 context and expert parallel, activation checkpointing, the pipeline split: each a
-                 function of the module and its axis's group), which hands back a `RankModel`
-                 (refimpl.rank_model); the strategy wraps its module for the dp axis (replicate:
-                 dp-naive, dp; shard: zero1/2/3, fsdp) and builds its optimizer;
-  2. sync        `micro_step(is_last)`, `sync_gradients()`, `optimizer_step()`: when and how the
-                 data-parallel ranks agree on the gradient, and who updates what;
-  3. gathering   `full_state_dict()`: the reference model's state dict, reassembled, so that any
-                 strategy's result can be compared with `single`'s and loaded by any other.
-
-Every rank is a point of one grid (`refimpl.mesh`): a data-parallel strategy works on the dp axis
-only (its rank and size are `mesh.index("dp")`, `mesh.size("dp")`, its collectives run on
-`mesh.group("dp_cp")`), never on the default group, so it composes with the other axes.
-
-Layout constraints are checked by `validate(cfg)` in the *launching* process, before any rank
-starts, so a layout that cannot work fails with one line instead of a hang.
-
-Why the loss is scaled by 1/W (and the gradients then summed), once for every strategy: DDP divides
-every gradient element by W after summing (Li et al. 2020, §4.2). Same maths; but 1/W applied once,
-at the top of backward, rounds once, where dividing N gradient elements rounds N times, and with
-W = 3 (1/3 is inexact in binary) that doubled the distance to `single`'s weights (~5e-6 vs ~1.1e-5
-after 3 steps). The torch twins keep DDP's way (`scales_loss_by_world = False`).
+A strategy fills in only what makes it itself: placement (`setup`: how this rank's model lives on
+the dp axis), sync (`micro_step`, `sync_gradients`, `optimizer_step`) and gathering
+(`full_state_dict`). Each rank's loss is divided by W and the gradients summed: the same maths as
+DDP's sum-then-divide (Li et al. 2020, §4.2), rounded once instead of once per element, which keeps
+W = 3 closer to `single` (1/3 is inexact in binary).
 """
 from __future__ import annotations
 
@@ -37,13 +14,13 @@ import torch
 import torch.nn as nn
 
 from refimpl.config import Option, RunContext, TrainConfig
-from refimpl.labels import phase
 from refimpl.memory import ModelStateBytes, measured_model_state
 from refimpl.mesh import LayoutError
 from refimpl.model import Batch
 from refimpl.placement import gather_full_state_dict
 from refimpl.rank_model import RankModel
 from refimpl.rank_values import RankValues, materialize
+from refimpl.seam import phase
 from refimpl.step import forward_backward, global_mean_loss
 
 
@@ -59,11 +36,6 @@ class Strategy:
     min_world_size: int = 1
     max_world_size: int | None = None
     options: dict[str, Option] = {}
-    # True: backward runs on loss / W and the gradients are summed (see the module docstring).
-    scales_loss_by_world: bool = True
-    # False for PyTorch's twins that parallelize the plain reference themselves (DTensor): they
-    # are handed the reference untouched instead of our transforms' result.
-    takes_our_transforms: bool = True
     # True: sums each parameter's gradient over its placement's data-parallel group
     # (refimpl.placement.data_parallel_axis: an expert's over "edp", the ranks holding the same
     # expert), so it runs a MoE model with --ep > 1; False: it would sum different experts.
@@ -75,15 +47,10 @@ class Strategy:
     # True: runs on a pipeline's stages (--pp > 1): its sync and gathering work on a stage's
     # parameters and its runner on the schedule's table (refimpl.parallel.pp.validate).
     on_a_pipeline: bool = False
-    # True for PyTorch's twins whose state is DTensors or replicas: --checkpoint-dir saves and
-    # resumes them through torch.distributed.checkpoint (refimpl.compose.dcp_checkpoint)
-    # instead of refimpl's sharded format, which reads our placements.
-    checkpoints_through_dcp: bool = False
 
     def __init__(self, ctx: RunContext):
         self.ctx = ctx
         self.mesh = ctx.mesh
-        self.comm = ctx.comm
 
     # --- layout -----------------------------------------------------------------------------------
 
@@ -105,6 +72,12 @@ class Strategy:
 
     def option(self, key: str):
         return self.ctx.cfg.options.get(key, self.options[key].default)
+
+    def transform(self, reference: nn.Module, transforms) -> RankModel:
+        """This rank's share of the reference (shapes only): `transforms(reference, ctx)`, the
+        model-parallel transforms in their order (refimpl.train hands in
+        refimpl.compose.transforms.model_parallel), whose result `place` then places."""
+        return transforms(reference, self.ctx)
 
     def place(self, rank_model: RankModel, values: RankValues) -> None:
         """Place the module the transforms handed over (shapes only: refimpl.rank_values), and
@@ -145,7 +118,7 @@ class Strategy:
         with phase("optimizer"):
             self.optimizer_step()
         rank_model.after_step()     # balance=bias (DeepSeek-V3): after the step; else no-op
-        return global_mean_loss(local, self.mesh, self.comm, rank_model.pipeline)
+        return global_mean_loss(local, self.mesh, rank_model.pipeline)
 
     def loss_with_moe_aux(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss, plus the MoE layers' auxiliary load-balancing loss of the forward that made
@@ -169,7 +142,7 @@ class Strategy:
     def loss_divisor(self) -> int:
         """W: backward runs on loss / W, gradients are summed over the dp x cp ranks (module
         docstring). A division, not a multiplication by 1/W: 1/3 would round once more."""
-        return self.mesh.size("dp_cp") if self.scales_loss_by_world else 1
+        return self.mesh.size("dp_cp")
 
     def micro_step(self, is_last: bool):
         """Context around each micro-batch's forward and backward: where a strategy says whether
@@ -191,7 +164,7 @@ class Strategy:
         Collective: every rank must call it. Every rank returns the same dict. The default
         reassembles the model's tensors from the placement each one records
         (refimpl.placement): a replicated model is already whole."""
-        return gather_full_state_dict(self.model.state_dict(), self.model, self.mesh, self.comm)
+        return gather_full_state_dict(self.model.state_dict(), self.model, self.mesh)
 
     def model_state(self) -> ModelStateBytes:
         """Bytes of parameters, gradients and optimizer states this rank holds right now (the

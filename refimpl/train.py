@@ -11,31 +11,25 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import statistics
 import time
 
 import torch
 
+import refimpl.comm as refimpl_comm
 from refimpl import launch
-from refimpl.compose import run_checkpoint
-from refimpl.compose.optim_reshard import full_optimizer_state, load_optimizer_state, validate_optimizer_state
-from refimpl.compose.shard_boxes import BoxedParts
 from refimpl.compose.transforms import model_parallel, validate_model_parallel
 from refimpl.config import RunContext, TrainConfig
-from refimpl.faults import injected, lose_this_rank
+from refimpl.loop_extras import extras_class
 from refimpl.memory import ActivationTracker
-from refimpl.mesh import Mesh
+from refimpl.mesh import LayoutError, Mesh
 from refimpl.model import build_model, converted, count_params, synthetic_batch
-from refimpl.model.hf import HubState
-from refimpl.model.moe import moe_step_record
 from refimpl.numerics import deterministic_needed, exact_fp32_on_cuda
-from refimpl.rank_model import RankModel
 from refimpl.rank_values import RankValues
 from refimpl.registry import Resolved, resolve
+from refimpl.seam import use_collectives
 from refimpl.strategy import Strategy
-from refimpl.trace.capture import StepProfiler, profiles_root
-from refimpl.trace.memory_events import StepPeak
-from refimpl.trace.run_record import record_run
 
 
 def validate(cfg: TrainConfig) -> Resolved:
@@ -46,128 +40,82 @@ def validate(cfg: TrainConfig) -> Resolved:
     cfg.validate()
     validate_model_parallel(cfg, layout.strategy)
     layout.strategy.validate(cfg)
-    if cfg.init_optimizer_state or cfg.return_optimizer_state:
-        validate_optimizer_state(cfg)
-    if cfg.checkpoint_dir:
-        run_checkpoint.validate_checkpointing(cfg, layout.strategy)
+    extras_class().validate(cfg, layout.strategy)
+    if cfg.collectives == "refimpl" and cfg.nproc > 1 and ranks_backend(cfg) == "nccl":
+        raise LayoutError("--collectives refimpl runs on gloo only (--device cpu): on NCCL its "
+                          "asynchronous lane would post from a second host thread on the default "
+                          "CUDA stream, in an order that can differ between ranks (a deadlock)")
     return layout
 
 
-def default_trace_dir(cfg: TrainConfig) -> str:
-    return str(profiles_root() / "cli" / f"{cfg.strategy}-n{cfg.nproc}")
+def ranks_backend(cfg: TrainConfig) -> str:
+    """The backend cfg's ranks will run on, known before any of them starts: the one launch.run
+    picks (under torchrun, for this node's ranks)."""
+    ranks = cfg.nproc
+    if launch.under_torchrun():
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    return launch.pick_backend(ranks, launch_backend(cfg))
 
 
-def setup_rank(rank: int, world_size: int, layout: Resolved, resume: dict | None = None,
-               placing=contextlib.nullcontext()) -> tuple[RunContext, Strategy, int]:
-    """This rank's context, its strategy placed from the reference model (and a checkpoint, if
-    any), and the reference's parameter count: everything before the first step. `layout`: the
-    run's configuration resolved (refimpl.registry.resolve); `resume`: a run checkpoint
-    (refimpl.compose.run_checkpoint) to continue, instead of init_state; `placing`: a context
-    open while the strategy places the rank's tensors, the only part of this that allocates
-    (the dry run's memory counter, refimpl.lab.verify.dryrun)."""
+def setup_rank(rank: int, world_size: int, layout: Resolved, state=None,
+               placing=contextlib.nullcontext(), initial=None) -> tuple[RunContext, Strategy, int]:
+    """This rank's context, its strategy placed from the reference model, and the reference's
+    parameter count: everything before the first step. `state` (or `initial(reference)`'s): what
+    to place instead of the seeded init, a full state dict or a checkpoint's pieces; `placing`: a
+    context open while the strategy places the rank's tensors (the dry run counts it)."""
     cfg = layout.cfg
     backend, device = _backend_and_device(cfg)
     exact_fp32_on_cuda(device, deterministic_needed(device, cfg.dtype, cfg.mixed_precision,
-                                                   cfg.return_state))
-    # This rank's point of the grid and one process group per axis (refimpl.mesh).
-    mesh = Mesh(cfg.dims, rank)
+                                                   cfg.return_state or bool(cfg.save_state)))
+    mesh = Mesh(cfg.dims, rank)     # this rank's point of the grid, one process group per axis
     ctx = RunContext(rank, world_size, backend, device, cfg, mesh)
+    use_collectives(refimpl_comm if cfg.collectives == "refimpl" else None)   # refimpl.seam
     torch.manual_seed(cfg.seed)
-    # The reference as shapes only (meta): no rank holds it whole (a 7B model is 25 GiB in fp32).
-    # Each tensor a rank keeps gets its value as the strategy places it (refimpl.rank_values):
-    # the seeded init `single` starts from too, or a checkpoint's. --dtype float64: every copy
-    # and buffer below follows the reference's dtype.
+    # The reference as shapes only (meta): no rank holds it whole. Each tensor a rank keeps gets
+    # its value as the strategy places it (refimpl.rank_values): the seeded init, or `state`'s.
     reference = converted(build_model(cfg.model, cfg.seed, device="meta"), dtype=ctx.param_dtype)
-    state = None
-    if resume is not None:
-        state = resume.get("weights")     # a twin's (DCP) loads its weights after placing
-    elif cfg.init_state is not None:
-        # A checkpoint is the reference's full state dict, whatever strategy and world size wrote
-        # it: every rank places its own part of it, so it reshards on load. Memory-mapped, so a
-        # tensor is read from the file when it is placed, not all of them at once.
-        state = torch.load(cfg.init_state, map_location="cpu", mmap=True)
-    elif cfg.init_hf is not None:
-        # a Hugging Face folder (Llama, Mixtral): each rank reads from the safetensors files the
-        # slices it keeps (refimpl.model.hf.HubState, read by boxes)
-        state = BoxedParts(HubState(cfg.init_hf, reference))
+    if initial is not None:
+        state = initial(reference)
     values = RankValues(reference, cfg.seed, mesh, device, state)
-    n_params = count_params(reference)
     strategy = layout.strategy(ctx)
+    n_params = count_params(reference)      # before the transforms cut it in place
     # The model-parallel transforms in their fixed order (refimpl.compose.transforms), on the
-    # shapes, then the strategy's data-parallel placement, which gives them values. PyTorch's
-    # DTensor twins parallelize the plain reference: it is made whole on the device for them.
+    # shapes, then the strategy's data-parallel placement, which gives them values.
     with placing:
-        strategy.place(model_parallel(reference, ctx) if strategy.takes_our_transforms
-                       else RankModel(reference), values)
-    if resume is not None:                     # AdamW's state and the generator, as they were
-        run_checkpoint.restore(strategy, resume)
-    elif cfg.init_optimizer_state is not None:   # AdamW's m, v too, placed for this layout
-        load_optimizer_state(strategy, torch.load(cfg.init_optimizer_state, map_location="cpu"))
+        strategy.place(strategy.transform(reference, model_parallel), values)
     return ctx, strategy, n_params
 
 
 def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
-    """Train on this rank; run by `launch.run` on every rank (or once, for `single`). The name
-    is resolved here, once per run: the axes a shorthand names, and the strategy's class."""
-    return _train_resolved(rank, world_size, resolve(cfg))
-
-
-def _train_resolved(rank: int, world_size: int, layout: Resolved) -> dict:
+    """Train on this rank; run by `launch.run` on every rank (or once, for `single`)."""
+    layout = resolve(cfg)         # the axes a shorthand names, and the strategy's class
     cfg = layout.cfg
-    resume = run_checkpoint.load_latest(cfg.checkpoint_dir)
-    ctx, strategy, n_params = setup_rank(rank, world_size, layout, resume)
-    device = ctx.device
-    # Resumed: the data continues at the checkpoint's step, the losses before it are its own.
-    first = resume["step"] if resume is not None else 0
-    losses = list(resume["losses"]) if resume is not None else []
-
-    step_times, activation_peak, moe_records = [], 0, []
-    trace_dir = (cfg.trace_dir or default_trace_dir(cfg)) if cfg.profile else None
-    peak = StepPeak(ctx.device, enabled=cfg.record_memory and not cfg.profile)
-    with StepProfiler(trace_dir, rank, max(cfg.steps - first, 1), device=device) as profiler, peak:
-        for step in range(first, cfg.steps):
+    extras = extras_class()(cfg, rank, world_size)     # the lab's (refimpl.loop_extras)
+    ctx, strategy, n_params = setup_rank(rank, world_size, layout, initial=extras.start)
+    extras.placed(strategy)
+    losses, step_times, activation_peak = list(extras.losses), [], 0
+    with extras.steps(ctx, strategy, extras.first) as on_step:
+        for step in range(extras.first, cfg.steps):
             batch = synthetic_batch(cfg.model, cfg.global_batch, cfg.seq_len, cfg.seed, step)
             tracker = ActivationTracker(exclude=strategy.activation_exclusions())
-            peak.step_begins(step)
             _sync(ctx)
-            start = time.perf_counter()
-            if injected(cfg, "rank-dies") and step == 1 and rank == 1:
-                lose_this_rank(rank, world_size)        # the fault: a lost node, mid-run
+            begin = time.perf_counter()
             with tracker:
                 loss = strategy.train_step(batch)
             _sync(ctx)
-            step_times.append(time.perf_counter() - start)
+            step_times.append(time.perf_counter() - begin)
             losses.append(float(loss))
-            moe = moe_step_record(strategy.model)     # None for a dense model
-            if moe is not None:
-                moe_records.append(moe)
             activation_peak = max(activation_peak, tracker.peak)
-            profiler.step()
-            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                run_checkpoint.save(strategy, step + 1, losses, cfg.checkpoint_dir)
-    run_checkpoint.wait()       # the last save in flight is on disk before the run reports
-
+            on_step(step, losses)
     state = strategy.model_state()
-    result = {
-        "rank": rank,
-        "losses": losses,
-        "step_times": step_times,
-        "n_params": n_params,
-        "memory": {"params": int(state.params), "grads": int(state.grads),
-                   "optimizer": int(state.optimizer), "activations_peak": int(activation_peak),
-                   "total": int(state.total + activation_peak),
-                   **peak.result(kept_bytes=int(state.total))},
-        "trace_dir": trace_dir,
-        "resumed_from": first,
-    }
-    if moe_records:   # MoE: per step, tokens per expert (routed, and received by this rank)
-        result["moe"] = moe_records
+    result = {"rank": rank, "losses": losses, "step_times": step_times, "n_params": n_params,
+              "memory": {"params": int(state.params), "grads": int(state.grads),
+                         "optimizer": int(state.optimizer), "activations_peak": int(activation_peak),
+                         "total": int(state.total + activation_peak)},
+              "trace_dir": None}
     if cfg.return_state:
         result["state_dict"] = strategy.full_state_dict()
-    if cfg.return_optimizer_state:
-        result["optimizer_state"] = full_optimizer_state(strategy)
-    if trace_dir is not None:   # traces are flushed: leave a summary and scalars beside them
-        record_run(trace_dir, rank, world_size, cfg.strategy, result)
+    extras.finish(strategy, result)
     return result
 
 
@@ -183,7 +131,8 @@ def train_on_ranks(cfg: TrainConfig, timeout: float = 900.0, quiet: bool = True,
     if launch.under_torchrun():
         # torchrun started one process per rank; each trains, then all exchange their results
         # so that every process can print the same merged JSON.
-        (per_rank,) = launch.run(_train_rank_and_share, cfg.nproc, cfg)
+        (per_rank,) = launch.run(_train_rank_and_share, cfg.nproc, cfg, timeout=timeout,
+                                 backend=launch_backend(cfg))
     elif cfg.nproc == 1 and cfg.strategy == "single":
         per_rank = [in_this_process(train_rank, 0, 1, cfg)]   # the reference needs no group
     else:
@@ -211,11 +160,8 @@ def train_several_on_ranks(cfgs: list[TrainConfig], timeout: float = 900.0,
         raise ValueError("train_several_on_ranks needs the same nproc for every configuration")
     if len({launch_backend(cfg) for cfg in cfgs}) != 1:
         raise ValueError("train_several_on_ranks needs every configuration on the same device")
-    if launch.under_torchrun():
-        runs = launch.run(_train_several, cfgs[0].nproc, cfgs)
-    else:
-        runs = launch.run(_train_several, cfgs[0].nproc, cfgs, timeout=timeout, quiet=quiet,
-                          backend=launch_backend(cfgs[0]))
+    runs = launch.run(_train_several, cfgs[0].nproc, cfgs, timeout=timeout, quiet=quiet,
+                      backend=launch_backend(cfgs[0]))
     return [merge_results(cfg, [rank_runs[i] for rank_runs in runs]) for i, cfg in enumerate(cfgs)]
 
 
@@ -266,11 +212,10 @@ def merge_results(cfg: TrainConfig, per_rank: list[dict]) -> dict:
     }
     if cfg.checkpoint_dir:   # the step the run started from (0: no checkpoint was there)
         out["resumed_from"] = first["resumed_from"]
-    if cfg.return_state:
-        out["state_dict"] = first["state_dict"]
-    if cfg.return_optimizer_state:
-        out["optimizer_state"] = first["optimizer_state"]
-    if "moe" in first:   # per rank, per step (refimpl.model.moe.moe_step_record)
+    for key in ("state_dict", "optimizer_state"):     # rank 0's gathered copy, where asked
+        if key in first:
+            out[key] = first[key]
+    if "moe" in first:   # per rank, per step (the lab loop's moe_step_record)
         out["moe"] = [r["moe"] for r in per_rank]
     return out
 
@@ -290,15 +235,3 @@ def _backend_and_device(cfg: TrainConfig) -> tuple[str, torch.device]:
 def _sync(ctx: RunContext) -> None:
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
-
-
-def train_several_recording_memory(cfgs, record_memory: list[bool], timeout: float = 900.0):
-    """train_several_on_ranks with `record_memory` set where asked; each such result gains
-    `transient_peak` (rank -> bytes), as notebooks 04-05 read it."""
-    cfgs = [c.with_(record_memory=bool(m)) for c, m in zip(cfgs, record_memory, strict=True)]
-    results = train_several_on_ranks(cfgs, timeout=timeout)
-    for cfg, result in zip(cfgs, results):
-        if cfg.record_memory:
-            result["transient_peak"] = {r: m["transient_peak"]
-                                        for r, m in enumerate(result["memory"])}
-    return results

@@ -25,11 +25,11 @@ import tempfile
 
 from refimpl.lab.measure import pp_measure as measure
 from refimpl.lab.measure.ratio_log import record
+from refimpl.lab.pipeline.simulate import simulated_bubble
+from refimpl.lab.trace import profiling
 from refimpl.launch import run
 from refimpl.model import GPTConfig
 from refimpl.parallel.pp.schedules import bubble_fraction, chunks_per_rank
-from refimpl.parallel.pp.simulate import simulated_bubble
-from refimpl.trace import profiling
 
 SCHEDULES = "gpipe,1f1b,interleaved,zb-h1,interleaved-zb,zbv,dualpipev"
 

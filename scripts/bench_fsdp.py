@@ -11,7 +11,7 @@ Same model, same global batch, same rows per rank. Two launches:
            median of its steps after the first of each pass, the slowest rank's per step;
   memory   each strategy once more, with the CPU allocator's events recorded: peak per rank =
            model state kept between steps + the most a step allocated on top of it
-           (refimpl.trace.memory_events).
+           (refimpl.lab.trace.memory_events).
 
 Goal: our step time <= 1.1 x fully_shard's with no more peak memory. A benchmark, not a test:
 it asserts nothing, and its times move with the machine's load (the ratios much less).
@@ -24,8 +24,9 @@ import statistics
 import pandas as pd
 
 from refimpl.config import TrainConfig
+from refimpl.lab.loop import train_several_recording_memory
 from refimpl.lab.measure.ratio_log import record
-from refimpl.train import train_several_on_ranks, train_several_recording_memory
+from refimpl.train import train_several_on_ranks
 
 # (label, strategy, options, the twin it is compared with)
 CONTENDERS = [

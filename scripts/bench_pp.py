@@ -34,12 +34,12 @@ import time
 import torch.distributed as dist
 
 from refimpl.lab.measure.ratio_log import record
+from refimpl.lab.twins.torch_pp import TWIN_SCHEDULES, TorchPipeline, check_torch_layout
 from refimpl.launch import device_for, run
 from refimpl.model import GPTConfig, build_model, synthetic_batch
 from refimpl.parallel.pp.runner import run_schedule
 from refimpl.parallel.pp.schedules import bubble_fraction, chunks_per_rank, placement, schedule_table
 from refimpl.parallel.pp.stage import build_chunks
-from refimpl.parallel.pp.torch_pp import TWIN_SCHEDULES, TorchPipeline, check_torch_layout
 
 
 def chunks_of(schedule, args) -> int:

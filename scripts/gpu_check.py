@@ -232,7 +232,7 @@ def toolchain_missing(include: Path | None = None) -> str | None:
 def _profiled_step(add, gpu, out):
     from refimpl.config import TrainConfig
     from refimpl.lab import plots
-    from refimpl.trace import profiling
+    from refimpl.lab.trace import profiling
     from refimpl.train import train_on_ranks
 
     trace_dir = out / "trace-single"
@@ -276,7 +276,7 @@ def _nccl_step(add, gpu, out):
     import torch
 
     from refimpl.config import TrainConfig
-    from refimpl.trace import profiling
+    from refimpl.lab.trace import profiling
     from refimpl.train import train_on_ranks
 
     if not gpu or torch.cuda.device_count() < 2:
@@ -367,7 +367,7 @@ def _async_tp(add, gpu, out):
 
 def _tp_overlap(add, gpu, out):
     """refimpl's `--set tp_overlap=true` against tp + SP on 2 ranks, beside the α-β model's saving
-    with this machine's σ (refimpl.cost.tp_comm.transfer_engine_share) and σ measured
+    with this machine's σ (refimpl.lab.predict.tp_comm.transfer_engine_share) and σ measured
     (tp_overlap.transfer_beside_matmul). The ranks are wherever 2 ranks run here: CPU ranks on
     gloo with one GPU, whose host has cores to spare (σ = 1), or 2 GPUs on NCCL. That is the case
     this project's 2-core machines cannot show: there σ = 0 and the model predicts no saving."""
@@ -392,7 +392,7 @@ def _hta(add, gpu, out):
     except ImportError:
         add("HTA", "comm/comp overlap", "skipped: HolisticTraceAnalysis not installed")
         return
-    from refimpl.trace import profiling
+    from refimpl.lab.trace import profiling
     from tests.test_gpu_trace import _trace
 
     synthetic = out / "trace-synthetic"

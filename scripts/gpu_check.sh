@@ -14,8 +14,13 @@
 #   STOP=500             starts after STOP seconds, and each is cut at BUDGET - 15 (the table's)
 #   NOTEBOOKS="00_memory_arithmetic 01_collectives"   notebooks run under nbval
 #
+#   GPU_CHECK_PLAN=1     run nothing: write each stage's command line to $DIR/plan.txt (the GPU
+#                        machine's stages, whatever this machine has)
+#
 # The stages, ordered so the most is learned first; each under its own timeout, each one row of the
-# table (ok, FAILED, TIMED OUT, or not run when the budget is spent):
+# table (scripts/gpu_check_stages.sh: ok, FAILED, TIMED OUT past its own cap, not finished (budget)
+# when the check's budget ended it first, not run when the budget is spent). Every stage's tests
+# are selected with -m "not full", as make test's are:
 #   machine    refimpl env, the numerics settings
 #   (a) issue 35's defects: the rank's CUDA setup (tests/test_cuda_setup.py), labels and bytes of a
 #       backward on autograd's thread (tests/test_backward_thread.py), and from
@@ -25,7 +30,7 @@
 #   (b) CUDA memory against the arithmetic (scripts/gpu_check.py memory)
 #   (c) a CUDA-profiled step: kernels labelled, backward's too (profiled_step)
 #   (d) fp32 and bf16 steps (steps); MFU of a Llama 3.2 1B-shaped model in bf16, eager and compiled
-#   (e) several ranks on the one GPU (REFIMPL_SHARED_DEVICE=cuda:0): all of tests/test_nccl_rules.py
+#   (e) several ranks on the one GPU (REFIMPL_SHARED_DEVICE=cuda:0): the rest of tests/test_nccl_rules.py
 #   then the copy ceilings, NCCL (>= 2 GPUs), the 2-rank equivalence, HTA, async TP (>= 2 GPUs);
 #   tp_overlap against tp where the alpha-beta model predicts a saving (a host with spare cores);
 #   the GPU-facing tests;
@@ -33,8 +38,9 @@
 # On a CPU machine the GPU parts print "skipped: no GPU". On one GPU, NCCL (one GPU per rank)
 # cannot run >= 2 ranks: the suite's multi-rank runs stay on gloo (CPU) and the table says so.
 # The table is printed however the check ends (a stage failing or timing out, Ctrl-C, a TERM):
-# the EXIT trap prints it. Exit status: 0 when nothing FAILED, was INTERRUPTED or TIMED OUT
-# (the suite's timeout excepted: it has the time left, whatever that is).
+# the EXIT trap prints it. Exit status: 0 when nothing FAILED, was INTERRUPTED or TIMED OUT past
+# its own cap; a stage the budget ended first ("not finished (budget)", the suite always) is not a
+# failure, unless a test had failed before the cut.
 set -u
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -50,68 +56,15 @@ fi
 mkdir -p "$DIR/logs" || exit 2
 : > "$DIR/status.txt"
 START=$SECONDS
-CURRENT=""          # the stage in flight, named in the table if the check is stopped inside it
-STAGE_PID=""        # its timeout process, stopped (with the stage) if the check is
-
-say() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "${4:-}" >> "$DIR/status.txt"; echo "[gpu_check] $1: $2: $3"; }
-
-finish() {
-  trap - EXIT INT TERM
-  if [ -n "$STAGE_PID" ]; then kill -TERM "$STAGE_PID" 2>/dev/null; wait "$STAGE_PID" 2>/dev/null; fi
-  if [ -n "$CURRENT" ]; then say "${CURRENT%%|*}" "${CURRENT#*|}" "INTERRUPTED (the check was stopped inside it)"; fi
-  say total "wall time" "$((SECONDS - START)) s (budget ${BUDGET} s)"
-  {
-    echo
-    echo "## refimpl GPU check"
-    echo
-    "$PYTHON" scripts/gpu_check.py table "$DIR" 2>"$DIR/logs/table.log" ||
-      awk -F'\t' 'BEGIN {print "| section | figure | value |"; print "|---|---|---|"}
-                  {print "| " $1 " | " $2 " | " $3 " |"}' "$DIR/status.txt"
-    echo
-    echo "(files: $DIR: table.md, env.json, figures-*.json, rank_timeline.html, cuda_memory.csv, logs/)"
-  } | tee "$DIR/table.md"
-  # the suite's own TIMED OUT is its budget, not a fault; any other stage's is
-  if grep -qE "FAILED|INTERRUPTED" "$DIR/status.txt" "$DIR"/figures-*.json 2>/dev/null ||
-     grep -v "^(f) suite" "$DIR/status.txt" | grep -q "TIMED OUT"; then
-    exit 1
-  fi
-  exit 0
-}
+TABLE_S=15          # the table's share of the budget
+PLAN=${GPU_CHECK_PLAN:-0}
+. scripts/gpu_check_stages.sh   # say, stage, finish: the rows, the budget, the exit status
 trap finish EXIT
 trap 'exit 130' INT TERM
 
-# stage SECTION NAME CAP ATTACH -- command...: run it under min(CAP, what the budget leaves), its
-# output in logs/, its outcome one row. ATTACH: the file of its rows (figures JSON, JUnit XML), or -.
-stage() {
-  local section=$1 name=$2 cap=$3 attach=$4; shift 5
-  local elapsed=$((SECONDS - START))
-  if [ "$elapsed" -ge "$STOP" ]; then
-    say "$section" "$name" "not run: ${elapsed} s spent, no stage starts after ${STOP} s"; return
-  fi
-  local left=$((BUDGET - 15 - elapsed)) t0=$SECONDS rc line
-  local limit=$((cap < left ? cap : left))
-  local log="$DIR/logs/$(echo "$section-$name" | tr -c 'A-Za-z0-9_.\n-' '_' | cut -c1-80).log"
-  [ "$attach" = "-" ] && attach=""
-  CURRENT="$section|$name"
-  # in the background, waited for: a signal to this script then runs its trap at once, rather
-  # than once the stage has ended
-  timeout -k 5 "$limit" "$@" >"$log" 2>&1 &
-  STAGE_PID=$!
-  wait $STAGE_PID
-  rc=$?
-  CURRENT="" STAGE_PID=""
-  line=$(grep -E "[0-9]+ (passed|failed|error)" "$log" | tail -1)
-  case $rc in
-    0) say "$section" "$name" "ok in $((SECONDS - t0)) s${line:+: $line}" "$attach" ;;
-    124|137)
-      local reached
-      reached=$(grep -o '\[ *[0-9]*%\]' "$log" | tail -1)
-      say "$section" "$name" "TIMED OUT after ${limit} s${reached:+ at $reached}${line:+: $line} (see ${log#$DIR/})" "$attach" ;;
-    *) say "$section" "$name" "FAILED (exit $rc) in $((SECONDS - t0)) s${line:+: $line} (see ${log#$DIR/})" "$attach" ;;
-  esac
-}
-
-PYTEST=(env OMP_NUM_THREADS=1 "$PYTHON" -m pytest -q -p no:cacheprovider)
+# Every stage's tests are make test's: -m "not full" (the `full` ones are beyond its budget; make
+# test-full runs them).
+PYTEST=(env OMP_NUM_THREADS=1 "$PYTHON" -m pytest -q -p no:cacheprovider -m "not full")
 
 if [ -n "${WHEELS:-}" ]; then
   stage setup wheels 90 - -- "$PYTHON" -m pip install -q --no-index --find-links "$WHEELS" --no-deps \
@@ -124,6 +77,7 @@ export REFIMPL_PROFILES="$DIR/profiles"          # notebooks' traces go here, no
 export MPLBACKEND=Agg
 GPU=0
 "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null && GPU=1
+[ "$PLAN" = 1 ] && GPU=1        # the plan shows the GPU machine's stages
 # The staged backend's device: every rank on cuda:0 on a GPU machine, the CPU elsewhere (make test's)
 SHARED=$([ $GPU = 1 ] && echo cuda:0 || echo cpu)
 
@@ -133,10 +87,13 @@ stage machine "figures: machine, numerics" 60 figures-machine.json -- \
   "$PYTHON" scripts/gpu_check.py figures "$DIR" machine machine numerics
 
 # (a) The defects issue 35 fixed, first: they are why this check exists.
-# From test_nccl_rules, the tests of those defects and of the helpers run on a staged world (the
-# strategies' runs are stage (e)'s); the other two files whole.
+# From test_nccl_rules, the tests of those defects and of the helpers run on a staged world; the
+# other two files whole. The tests that read the strategies' one staged launch (every layout, the
+# bf16 twins, the recorded memory, the fault: `audit_dirs`) are stage (e)'s, which runs the rest of
+# the file, so that launch runs once.
 DEFECTS="test_cuda_setup or test_backward_thread or strict_stream or stream_order or argument_rules"
-DEFECTS="($DEFECTS or offload or refuses or nccl_s_rules) and not posting_order_alone"
+STRATEGIES="posting_order_alone or every_tensor_a_rank or bf16 or profiled_run or memory_is_recorded"
+DEFECTS="($DEFECTS or offload or refuses or nccl_s_rules) and not ($STRATEGIES or wrong_number_fault)"
 stage "(a) issue 35" "CUDA setup, backward's thread, NCCL rules (ranks on $SHARED, staged)" 240 junit-a.xml -- \
   env REFIMPL_SHARED_DEVICE="$SHARED" "${PYTEST[@]}" --junitxml="$DIR/junit-a.xml" \
   tests/test_cuda_setup.py tests/test_backward_thread.py tests/test_nccl_rules.py -k "$DEFECTS"
@@ -151,14 +108,16 @@ stage "(d) steps" "fp32 and bf16 steps" 120 figures-steps.json -- \
 stage "(d) MFU" "Llama 3.2 1B shape, bf16, one GPU: eager, then compiled blocks" 240 figures-mfu.json -- \
   "$PYTHON" scripts/gpu_check.py figures "$DIR" mfu mfu_eager mfu_compiled
 
-# (e) Several ranks on the one GPU (refimpl.shared_device): every strategy, schedule and twin of
-# tests/test_nccl_rules.py on cuda:0 tensors, 2 and 4 ranks, collectives staged through gloo; a
-# tensor off the device fails the call as NCCL would. make test runs the same file on the CPU.
+# (e) Several ranks on the one GPU (refimpl.lab.runtime.shared_device): the rest of tests/test_nccl_rules.py
+# (what (a) did not run): every strategy, schedule and twin on cuda:0 tensors in one launch of 2
+# ranks (the 4-rank one is `full`), the bf16 twins against gloo's, the recorded memory, a planted
+# fault found; collectives staged through gloo; a tensor off the device fails the call as NCCL
+# would. make test runs the same file on the CPU.
 if [ $GPU = 1 ]; then
-  stage "(e) shared GPU" "ranks sharing cuda:0 (test_nccl_rules, staged)" 300 - -- \
-    env REFIMPL_SHARED_DEVICE=cuda:0 "${PYTEST[@]}" tests/test_nccl_rules.py
+  stage "(e) shared GPU" "ranks sharing cuda:0 (the rest of test_nccl_rules, staged)" 300 - -- \
+    env REFIMPL_SHARED_DEVICE=cuda:0 "${PYTEST[@]}" tests/test_nccl_rules.py -k "not ($DEFECTS)"
 else
-  say "(e) shared GPU" "ranks sharing cuda:0 (test_nccl_rules, staged)" \
+  say "(e) shared GPU" "ranks sharing cuda:0 (the rest of test_nccl_rules, staged)" \
     "skipped: no GPU (make test runs this file with the ranks on the CPU)"
 fi
 
@@ -181,5 +140,5 @@ if "$PYTHON" -c "import xdist" 2>/dev/null; then
   XDIST="-n $workers --dist loadfile"
 fi
 stage "(f) suite" "pytest tests/ -m 'not full' -x ${XDIST}, with the time left" "$BUDGET" - -- \
-  "${PYTEST[@]}" tests/ -x $XDIST -m "not full" --ignore=tests/test_e2e_browser.py
+  "${PYTEST[@]}" tests/ -x $XDIST --ignore=tests/test_e2e_browser.py
 # the EXIT trap prints the table

@@ -13,7 +13,7 @@ and plotly would still fetch from CDNs is replaced or dropped here:
     copied into report/mathjax/ (when that package is missing, nbconvert's CDN link stays);
   * require.js (nbconvert's template) and plotly's per-figure MathJax 3 tag: dropped, nothing here
     needs them;
-  * the widget state (the progress bars of refimpl.progress): dropped before the export, with each
+  * the widget state (the progress bars of refimpl.lab.progress): dropped before the export, with each
     widget output's view, leaving its text. nbconvert's template otherwise adds a loader that
     fetches @jupyter-widgets/html-manager's embed-amd.js from unpkg.com, and no installed package
     ships that bundle. A finished progress bar has nothing left to show that its text does not.

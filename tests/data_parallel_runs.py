@@ -64,6 +64,9 @@ def configs(world: int, family: str) -> dict[str, TrainConfig]:
             "zero2-bf16": base(2, "zero2", mixed_precision="bf16", dtype="float32"),
             "dp-checkpointing": base(2, "dp", activation_checkpointing=True),
             "zero2-checkpointing": base(2, "zero2", activation_checkpointing=True),
+            # two backwards per step: each adds into the gradient (shard), none overwrites it
+            "zero1-micro2": base(2, "zero1", options=SMALL_BUCKETS, micro_batches=2),
+            "zero2-micro2": base(2, "zero2", options=SMALL_BUCKETS, micro_batches=2),
         })
     if world == 3 and family == "zero":
         # Resharding: the full state zero2 wrote on 2 ranks starts a dp run on 3.

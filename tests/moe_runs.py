@@ -11,13 +11,15 @@ import torch
 import torch.distributed as dist
 
 from refimpl import launch
+from refimpl.lab.measure.moe_traffic import all_to_all_bytes, meter_experts
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
-from refimpl.model.moe import all_to_all_bytes, moe_aux_loss, moe_layers, update_expert_bias
+from refimpl.model.moe import moe_aux_loss, moe_layers, update_expert_bias
 from refimpl.parallel.ep.dispatch import (
     is_expert_param,
     parallelize_experts,
 )
 from refimpl.placement import GroupMesh, gather_full_state_dict
+from refimpl.seam import use_collectives
 
 BASE = GPTConfig(vocab_size=96, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4)
 CASES = {
@@ -43,7 +45,15 @@ def train_moe(cfg: GPTConfig, rank: int = 0, world: int = 1, group=None, comm=No
         for layer in moe_layers(model):       # expert 3 is never chosen: it receives no tokens
             layer.expert_bias[3] = -10.0
     if group is not None:
-        parallelize_experts(model, group, comm=comm or dist)
+        meter_experts(parallelize_experts(model, group))
+    use_collectives(comm)          # None: torch.distributed's; refimpl.comm: the rebuilt ones
+    try:
+        return _train(model, cfg, rank, world, group)
+    finally:
+        use_collectives(None)
+
+
+def _train(model, cfg: GPTConfig, rank: int, world: int, group) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
     out = {"losses": [], "keep": [], "routed": [], "received": [], "dropped": [], "bytes": []}
     for step in range(STEPS):
@@ -67,7 +77,7 @@ def train_moe(cfg: GPTConfig, rank: int = 0, world: int = 1, group=None, comm=No
         out["received"].append([layer.stats.received.clone() for layer in layers])
         out["dropped"].append([layer.stats.dropped for layer in layers])
         out["bytes"].append(all_to_all_bytes(model))
-    out["state"] = gather_full_state_dict(model.state_dict(), model, GroupMesh(ep=group), dist)
+    out["state"] = gather_full_state_dict(model.state_dict(), model, GroupMesh(ep=group))
     return out
 
 
@@ -77,7 +87,7 @@ def _name(cfg: GPTConfig) -> str:
 
 def _all_cases_rank(rank: int, world: int, use_refimpl_comm: bool = False) -> dict:
     import refimpl.comm as rcomm
-    from refimpl.comm import CommLog
+    from refimpl.lab.instrument.labels import CommLog
 
     group = dist.new_group(list(range(world)))
     results = {name: train_moe(case_config(name), rank, world, group) for name in CASES}

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from refimpl.lab.trace import profiling
 from refimpl.launch import run
-from refimpl.trace import profiling
 
 
 def _one_backward(rank: int, world_size: int, on_thread: bool) -> dict:
@@ -31,20 +31,21 @@ def _one_backward(rank: int, world_size: int, on_thread: bool) -> dict:
     import torch.distributed as dist
 
     import refimpl.comm as comm
-    from refimpl import flight_recorder
-    from refimpl.labels import CommLog, phase
+    from refimpl.lab.instrument.labels import CommLog, phase
+    from refimpl.lab.runtime import flight_recorder
     from refimpl.parallel.dp.flat_param import FlatParams
     from refimpl.parallel.dp.grad_buckets import GradBuckets, all_reduce_sum
-    from refimpl.parallel.ep.dispatch import AllToAll, Traffic
+    from refimpl.parallel.ep.dispatch import AllToAll
+    from refimpl.seam import use_collectives
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
     layout = FlatParams(list(model.named_parameters()), world_size)
-    buckets = GradBuckets(layout, 64 * 4, reduce=partial(all_reduce_sum, group=dist.group.WORLD,
-                                                         comm=comm))
+    use_collectives(comm)       # every collective below through refimpl.comm's, counted
+    buckets = GradBuckets(layout, 64 * 4, reduce=partial(all_reduce_sum, group=dist.group.WORLD))
     buckets.attach(layout.empty())
     x = torch.randn(2 * world_size, 8) + rank
-    moved = AllToAll.apply(model(x), dist.group.WORLD, comm, Traffic(), "dispatch", (2, 2))
+    moved = AllToAll.apply(model(x), dist.group.WORLD, "dispatch")
     loss = moved.square().sum()
     errors = []
 
@@ -175,7 +176,7 @@ def test_a_real_ddp_backward_launched_from_autograds_thread_is_labelled(tmp_path
 def test_logs_open_on_two_threads_close_in_either_order():
     # Seen from a thread with nothing open (autograd's): the logs open anywhere, innermost last;
     # one closing first on another thread leaves the other open.
-    from refimpl.labels import CommLog, open_logs
+    from refimpl.lab.instrument.labels import CommLog, open_logs
 
     a_open, b_open, a_closed, b_close = (threading.Event() for _ in range(4))
     logs = {}

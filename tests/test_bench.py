@@ -1,4 +1,4 @@
-"""refimpl.cost.alpha_beta, refimpl.lab.measure.bench and refimpl.cost.strategy_cost: the arithmetic, no
+"""refimpl.cost.alpha_beta, refimpl.lab.measure.bench and refimpl.lab.predict.strategy_cost: the arithmetic, no
 ranks needed."""
 import math
 
@@ -6,8 +6,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from refimpl.cost import alpha_beta, strategy_cost
+from refimpl.cost import alpha_beta
 from refimpl.lab.measure import bench
+from refimpl.lab.predict import strategy_cost
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])

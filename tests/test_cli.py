@@ -52,6 +52,7 @@ def test_peak_is_what_a_rank_held_during_a_step():
     (["--strategy", "dp", "--set", "bucket_mb=0"], "bucket_mb must be > 0"),
     (["--collectives", "nccl"], "--collectives must be one of"),
     (["--timeout", "-1"], "--timeout must be > 0"),
+    (["--device", "tpu"], "device must be auto, cpu or cuda"),
     (["--nproc", "2"], "at most 1"),
     (["--global-batch", "6", "--micro-batches", "4"], "multiple of --micro-batches"),
     (["--heads", "7"], "divisible by n_heads"),
@@ -72,3 +73,20 @@ def test_the_exit_code_reaches_the_shell():
     assert proc.returncode == 2 and "unknown strategy" in proc.stderr
 
 
+
+
+def test_under_torchrun_device_cpu_and_timeout_reach_the_process_group(monkeypatch, capsys):
+    """`torchrun ... -m refimpl train --device cpu --timeout 77` on a node with GPUs enough for
+    NCCL: the ranks' group is gloo's (the run is kept on the CPU), with the asked-for timeout."""
+    import torch
+
+    from refimpl.lab.cli import main
+    from tests.test_launch import _torchrun_env, record_process_groups
+
+    _torchrun_env(monkeypatch)
+    made = record_process_groups(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)    # 8 GPUs: NCCL by default
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert main(["train", "--device", "cpu", "--timeout", "77", "--steps", "1", "--json"]) == 0
+    assert made == [("gloo", 77.0)]
+    assert json.loads(capsys.readouterr().out)["world_size"] == 1

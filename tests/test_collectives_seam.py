@@ -40,7 +40,7 @@ def test_refimpl_collectives_train_like_single(seam_runs):
 
 
 def _train_counting(rank, world_size, cfg):
-    from refimpl.comm import CommLog
+    from refimpl.lab.instrument.labels import CommLog
     from refimpl.train import train_rank
 
     with CommLog() as counted:

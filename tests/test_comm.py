@@ -8,6 +8,7 @@ import functools
 import pytest
 import torch
 
+from refimpl.lab.instrument.labels import CommLog
 from refimpl.launch import run
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
@@ -39,7 +40,7 @@ def _async_checks(rank: int, world_size: int) -> dict:
     out["queued_equal"] = (torch.equal(b, want) and torch.equal(d, want)
                            and torch.equal(c, torch.arange(10.0) + world_size - 1))
     # the counter follows an asynchronous collective onto the worker thread
-    with comm.CommLog() as counted:
+    with CommLog() as counted:
         comm.all_reduce(torch.ones(12 * world_size), async_op=True).wait()
     out["async_counted"] = counted.sent["all_reduce"]
     return out

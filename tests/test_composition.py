@@ -17,12 +17,12 @@ import torch
 
 from refimpl.config import TrainConfig
 from refimpl.lab.measure import moe_collectives
+from refimpl.lab.trace.profiling import load_trace
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single
 from refimpl.lab.verify.reshard import placed_state, save_checkpoint
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig
 from refimpl.registry import resolve
-from refimpl.trace.profiling import load_trace
 from refimpl.train import train_on_ranks, train_several_on_ranks, validate
 from tests.models import SMALL
 
@@ -232,7 +232,8 @@ def test_cli_checkpoint_flags(tmp_path):
                                       "--save-optimizer-state", str(tmp_path / "c.pt"),
                                       "--init-optimizer-state", str(tmp_path / "d.pt")])
     cfg = config_from_args(args)
-    assert cfg.return_state and cfg.init_state == str(tmp_path / "b.pt")
-    assert cfg.return_optimizer_state and cfg.init_optimizer_state == str(tmp_path / "d.pt")
+    assert cfg.save_state == str(tmp_path / "a.pt") and cfg.init_state == str(tmp_path / "b.pt")
+    assert cfg.save_optimizer_state == str(tmp_path / "c.pt")
+    assert cfg.init_optimizer_state == str(tmp_path / "d.pt")
     assert main(["train", "--strategy", "zero1", "--nproc", "4",
                  "--init-state", str(tmp_path / "missing.pt")]) == 2

@@ -6,8 +6,9 @@ import pandas as pd
 import pytest
 import torch
 
-from refimpl.cost import allocator, compute, dp_scaling, links, zero_family
+from refimpl.cost import allocator, compute, links, zero_family
 from refimpl.lab.measure.caching_allocator import CachingAllocator, replay
+from refimpl.lab.predict import dp_scaling
 
 
 def test_petaflop_day_and_chinchilla():
@@ -135,9 +136,9 @@ def test_bottleneck_table_predicts_from_two_ranks():
 
 
 def test_op_counts_see_the_recomputed_forward():
+    from refimpl.lab.trace import op_counts
     from refimpl.model import GPTConfig, build_model, synthetic_batch
     from refimpl.model.activation_checkpointing import checkpoint_blocks
-    from refimpl.trace import op_counts
 
     cfg = GPTConfig()
     data = synthetic_batch(cfg, 2, 16, seed=0, step=0)
@@ -167,7 +168,7 @@ def test_all_reduce_lower_bound():
 
 def test_profiled_config_writes_under_the_group(tmp_path, monkeypatch):
     from refimpl.config import TrainConfig
-    from refimpl.trace import capture
+    from refimpl.lab.trace import capture
 
     monkeypatch.setenv("REFIMPL_PROFILES", str(tmp_path))
     cfg = capture.profiled(TrainConfig(strategy="dp", nproc=2), "03_data_parallel", "dp")
@@ -179,7 +180,7 @@ def test_profiles_land_in_the_repos_folder_whatever_the_cwd(monkeypatch, tmp_pat
     from pathlib import Path
 
     import refimpl
-    from refimpl.trace import capture
+    from refimpl.lab.trace import capture
 
     monkeypatch.delenv("REFIMPL_PROFILES", raising=False)
     monkeypatch.chdir(tmp_path)
@@ -191,7 +192,7 @@ def test_profiles_land_in_the_repos_folder_whatever_the_cwd(monkeypatch, tmp_pat
 def test_rank_activation_bytes_is_what_autograd_saves(dtype):
     """cp = 1 here, to the byte, in the model's dtype (the cp > 1 count is checked on the loop's
     ranks in tests/test_cp.py)."""
-    from refimpl.cost.cp_comm import rank_activation_bytes
+    from refimpl.lab.predict.cp_comm import rank_activation_bytes
     from refimpl.memory import measure_step_activations
     from refimpl.model import GPTConfig, build_model
     from refimpl.model.data import synthetic_batch
@@ -224,7 +225,7 @@ def test_small_models_predicted_share_falls_with_width():
 
 
 def test_decomposed_ring_hides_the_shorter_of_transfer_and_matmul():
-    from refimpl.cost.tp_comm import decomposed_ring_seconds
+    from refimpl.lab.predict.tp_comm import decomposed_ring_seconds
 
     # 4 ranks, 1 MB chunks on a 1 GB/s link with 10 us per hop: a step's transfer is 1.01 ms
     for matmul_s, hidden in ((2e-3, 1.01e-3), (1e-4, 1e-4)):
@@ -235,7 +236,7 @@ def test_decomposed_ring_hides_the_shorter_of_transfer_and_matmul():
 
 
 def test_only_the_share_of_a_transfer_on_hardware_of_its_own_is_hidden():
-    from refimpl.cost.tp_comm import decomposed_ring_seconds, transfer_engine_share
+    from refimpl.lab.predict.tp_comm import decomposed_ring_seconds, transfer_engine_share
 
     # σ = 0: every byte copied by the core that multiplies: the decomposition is the serial time
     t = decomposed_ring_seconds(4, 1e6, 2e-3, 1e-5, 1e9, engine_share=0.0)

@@ -28,7 +28,7 @@ def _full_inputs():
 def _ring_rank(rank: int, world: int, balanced: bool) -> dict:
     import torch.distributed as dist
 
-    from refimpl.labels import CommLog
+    from refimpl.lab.instrument.labels import CommLog
     from refimpl.parallel.cp.ring import ring_attention
 
     group = dist.new_group(list(range(world)))
@@ -115,7 +115,7 @@ def test_loop_with_context_parallel_equals_single(strategy, nproc, cp, checkpoin
     3 AdamW steps is single's to the 1e-9 gate (in fp32 the same reordering, amplified by AdamW,
     leaves ~1.5e-5, whatever the layout: refimpl.lab.verify.equivalence.fp32_noise_floor)."""
     from refimpl.config import TrainConfig
-    from refimpl.cost.cp_comm import rank_activation_bytes
+    from refimpl.lab.predict.cp_comm import rank_activation_bytes
     from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single
     from refimpl.train import train_on_ranks
 

@@ -13,7 +13,7 @@ from refimpl import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Run the zygote's own imports (refimpl._zygote.warm_imports) in a fresh interpreter with every
+# Run the zygote's own imports (refimpl.lab.runtime.zygote.warm_imports) in a fresh interpreter with every
 # Python entry point into CUDA watched: torch.cuda's initialisation and its device queries (which
 # on a CUDA build initialise the driver, and on a CPU build are the only trace a call leaves).
 _WATCHED = r"""
@@ -38,7 +38,7 @@ for name in ("_lazy_init", "init", "is_available", "device_count", "current_devi
 for name in ("_cuda_init", "_cuda_getDeviceCount", "_cuda_setDevice"):
     watch(torch._C, name)
 
-from refimpl._zygote import warm_imports
+from refimpl.lab.runtime.zygote import warm_imports
 warm_imports()
 json.dump({"calls": calls, "initialized": torch.cuda.is_initialized()}, sys.stdout)
 """

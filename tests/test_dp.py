@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from refimpl.config import TrainConfig
+from refimpl.lab.trace.profiling import load_trace, summarize
 from refimpl.lab.verify.equivalence import compare_states
 from refimpl.memory import model_state_bytes
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig, build_model
 from refimpl.parallel.dp.flat_param import FlatParams
 from refimpl.parallel.dp.grad_buckets import assign_buckets
-from refimpl.trace.profiling import load_trace, summarize
 from refimpl.train import validate
 from tests.data_parallel_runs import ELEMENT, assert_matches_single, reference, runs_on, single_accumulating
 

@@ -12,7 +12,7 @@
   `single` in float64 (zb-h1 in make test; zbv, dualpipev, interleaved-zb and REFIMPL_P2P_TAGS=one,
   NCCL's pairing by posting order, behind the `full` marker);
 * dp2 x tp2 x pp2 under `dp` (interleaved, sequence parallel: `full`); tp x pp under the split
-  schedules is tests/test_composition.py's (W reads tp's linears through `observe_matmul`).
+  schedules is tests/test_composition.py's (W reads tp's linears through `watch_matmul`).
 """
 import atexit
 import functools
@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from refimpl.config import TrainConfig
+from refimpl.lab.trace.profiling import load_trace
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single
 from refimpl.model import build_model, lm_loss, synthetic_batch
 from refimpl.parallel.dp.flat_param import FlatParams
@@ -33,7 +34,6 @@ from refimpl.parallel.dp.grad_buckets import GradBuckets
 from refimpl.parallel.pp.schedules import schedule_table
 from refimpl.parallel.pp.stage import PipelineStageModel, build_chunks
 from refimpl.parallel.pp.zero_bubble import WeightGradRecord, record_weight_grads
-from refimpl.trace.profiling import load_trace
 from refimpl.train import train_several_on_ranks
 from tests.models import SMALL
 
@@ -121,7 +121,7 @@ def bucket_launches(name):
     df = load_trace(results("make test")[name]["trace_dir"], include_ops=True)
     out = {}
     for rank, d in df[df.step == df.step.max()].groupby("rank"):
-        actions = d[d.name.str.match(r"^pp:[BW]\d")].sort_values("start_us")
+        actions = d[d.name.str.match(r"^pp:[BW]\d+(\.\d+)?$")].sort_values("start_us")
         spans = list(zip(actions.start_us, actions.start_us + actions.dur_us))
         launches = []
         for start in d[d.name.str.startswith("comm:all_reduce")].sort_values("start_us").start_us:
@@ -142,7 +142,7 @@ def test_dp_buckets_leave_while_the_pipeline_still_runs_its_backwards():
         # The V: chunk 1's W's end before chunk 0's, so its buckets leave before the last action.
         assert actions[-1].endswith(".0") and min(launches) < len(actions) - 1, (rank, actions, launches)
         # The action that finishes chunk 1's last weight gradients: its last W, or the B before
-        # that W when the two ran as one whole backward (runner.whole_backwards: W then is empty).
+        # that W when the two ran as one whole backward (backward.whole_backwards: W then is empty).
         first = min(launches)
         finishing = actions[first] if actions[first].startswith("pp:W") else actions[first + 1]
         assert finishing == "pp:W" + actions[first][4:] and finishing.endswith(".1"), (rank, actions, first)

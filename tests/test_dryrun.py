@@ -167,7 +167,7 @@ def test_llama3_70b_runs_the_llama_block_and_meets_the_planners_gates():
     # GPT-2 stand-in; the planner's model states are within 1 % of it, its peak within 10 % (its
     # activations are the Llama block's own count, refimpl.memory.llama_block_activation_bytes)
     from refimpl.lab.plan.against_dryrun import compare
-    from refimpl.model.presets import MODELS
+    from refimpl.lab.predict.presets import MODELS
 
     cfg = preset_config("llama3-70b", TrainConfig(strategy="zero1", nproc=64, tp=8, pp=4))
     assert (cfg.model.arch, cfg.model.kv_heads, cfg.model.swiglu_hidden) == ("llama", 8, 28672)
@@ -188,7 +188,7 @@ def test_a_zero3_rank_of_7b_builds_only_its_shard():
     from refimpl.lab.plan.against_dryrun import layout_of
     from refimpl.lab.plan.moe import unit_params
     from refimpl.lab.plan.predict import predict_memory
-    from refimpl.model.presets import get_model
+    from refimpl.lab.predict.presets import get_model
 
     cfg = default_batch(preset_config("7b", TrainConfig(strategy="zero3", nproc=8, device="cpu")))
     mem = dry_run(cfg, rank=0, step=False)["memory"]

@@ -38,7 +38,7 @@ def test_a_moe_preset_runs_in_refimpls_block():
 def planner_shape(preset: str):
     """The preset's shape as the dry run builds it (refimpl.lab.verify.dryrun.moe_form): refimpl's
     block, multi-head attention, experts of width mlp_ratio * h."""
-    from refimpl.model.presets import get_model
+    from refimpl.lab.predict.presets import get_model
 
     shape, _ = get_model(preset)
     ratio = round(shape.mlp_width / shape.d_model)

@@ -68,3 +68,20 @@ def test_reference_device_follows_the_comparisons_ranks():
     if not torch.cuda.is_available():
         with pytest.raises(LayoutError, match="no GPU"):
             validate(TrainConfig(device="cuda"))
+
+
+def test_the_reference_runs_where_the_ranks_run(monkeypatch):
+    """Ranks sharing one GPU (the staged backend) compute on it, so their reference does too; a
+    run kept on the CPU (device "cpu") has a CPU reference even where GPUs are enough for NCCL."""
+    from refimpl.lab.verify.equivalence import reference_config
+
+    monkeypatch.setenv("REFIMPL_SHARED_DEVICE", "cuda:0")
+    assert ranks_device(2) == "cuda"
+    assert reference_config(TrainConfig(strategy="dp", nproc=2)).device == "cuda"
+    monkeypatch.setenv("REFIMPL_SHARED_DEVICE", "cpu")
+    assert ranks_device(2) == "cpu"
+    monkeypatch.delenv("REFIMPL_SHARED_DEVICE")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)    # a node with 8 GPUs
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert ranks_device(2) == "cuda" and ranks_device(2, "cpu") == "cpu"
+    assert reference_config(TrainConfig(strategy="dp", nproc=2, device="cpu")).device == "cpu"

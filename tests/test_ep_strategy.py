@@ -5,8 +5,8 @@ import functools
 import pytest
 
 from refimpl.config import TrainConfig
-from refimpl.cost.strategy_cost import ep_buffer_bytes
 from refimpl.lab.measure.ep_load import all_to_all_frame, dropped_by_step, expert_frame, rank_frame
+from refimpl.lab.predict.strategy_cost import ep_buffer_bytes
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single, reference_run
 from refimpl.model import GPTConfig
 from refimpl.registry import resolve

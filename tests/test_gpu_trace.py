@@ -5,12 +5,13 @@ One profiled step of 1000 µs on the CPU: forward (0-400), comm:all_reduce (400-
 elementwise kernel 500-600. So the GPU computes 300 µs, communicates 300 µs, 100 µs of them at
 once, and idles 500 µs -- while the CPU ranges alone would say the comm took 50 µs, never hidden.
 """
+import functools
 import json
 from pathlib import Path
 
 import pytest
 
-from refimpl.trace import kernels, profiling
+from refimpl.lab.trace import kernels, profiling
 
 CPU_TID, COMPUTE_STREAM, NCCL_STREAM = 11, 7, 20
 
@@ -88,7 +89,7 @@ def test_busy_split_handles_windows_and_nesting():
 
 def test_timelines_draw_the_kernels_in_a_gpu_lane(run):
     from refimpl.lab import plots
-    from refimpl.trace import views
+    from refimpl.lab.trace import views
 
     df = profiling.load_trace(run)
     spans = views.timeline(df, views.StepWindow(1, 1))["spans"]
@@ -176,3 +177,45 @@ def test_pipeline_actions_are_read_off_the_gpu_on_a_cuda_trace(run):
     (run / "rank0.1.pt.trace.json").write_text(json.dumps(trace))
     slots = action_slots(profiling.load_trace(run, include_ops=True))
     assert slots.attrs["clock"] == "cpu ranges" and slots.end.iloc[0] == 0.4
+
+
+def _staged_trace():
+    """A staged run on cuda:0 (refimpl.lab.runtime.shared_device): one step of 1000 µs; the batch goes up
+    (HtoD at 0-5), forward's GEMM runs 100-300, the all-reduce copies its bucket to the host
+    (DtoH 410-430) and back (HtoD 685-700) inside the backend's `staged:copy` ranges, with gloo on
+    the host between them, and backward's kernel runs 750-850. No NCCL kernel anywhere."""
+    launch = functools.partial(_x, "cudaLaunchKernel", dur=2, tid=CPU_TID, cat="cuda_runtime")
+    memcpy = functools.partial(_x, tid=COMPUTE_STREAM, cat="gpu_memcpy", pid=0, device=0)
+    return {"baseTimeNanoseconds": 1_000_000_000, "traceEvents": [
+        _x("ProfilerStep#1", 0, 1000, CPU_TID),
+        _x("forward", 0, 400, CPU_TID),
+        _x("comm:all_reduce 4096B", 400, 300, CPU_TID),
+        _x(kernels.STAGING_COPY, 400, 20, CPU_TID),
+        _x(kernels.STAGING_COPY, 680, 20, CPU_TID),
+        _x("backward", 700, 200, CPU_TID),
+        launch(ts=0, correlation=5), launch(ts=10, correlation=1), launch(ts=405, correlation=2),
+        launch(ts=682, correlation=3), launch(ts=710, correlation=4),
+        memcpy("Memcpy HtoD (Pageable -> Device)", 0, 5, correlation=5),
+        _x("sm90_xmma_gemm_f32f32_tf32f32_f32_nn", 100, 200, COMPUTE_STREAM, cat="kernel", pid=0,
+           correlation=1, device=0),
+        memcpy("Memcpy DtoH (Device -> Pageable)", 410, 20, correlation=2),
+        memcpy("Memcpy HtoD (Pageable -> Device)", 685, 15, correlation=3),
+        _x("void at::native::vectorized_elementwise_kernel<4>", 750, 100, COMPUTE_STREAM,
+           cat="kernel", pid=0, correlation=4, device=0),
+    ]}
+
+
+def test_the_staged_backends_copies_are_its_communication(tmp_path):
+    """On a GPU the staged backend's only device work is its copies: read as compute, a staged
+    run's communication would be 0 % of its step."""
+    (tmp_path / "rank0.1.pt.trace.json").write_text(json.dumps(_staged_trace()))
+    df = profiling.load_trace(tmp_path)
+    gpu = df[df.category.isin(["gpu", "gpu_comm"])].set_index("start_us")
+    assert gpu.category.to_dict() == {0.0: "gpu", 100.0: "gpu", 410.0: "gpu_comm",
+                                      685.0: "gpu_comm", 750.0: "gpu"}
+    (row,) = profiling.summarize(df).itertuples()
+    assert row.source == "gpu kernels"
+    assert (row.comm_us, row.compute_us, row.overlap_us) == (35.0, 305.0, 0.0)
+    # the bandwidth table times the call (blocking on a GPU: copies and gloo), not the copies
+    (op,) = profiling.comm_table(df).itertuples()
+    assert (op.op, op.bytes, op.time_us) == ("all_reduce", 4096, 300.0)

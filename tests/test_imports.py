@@ -5,27 +5,26 @@ downward, no module is part of an import circle, and a parallelism never imports
 The layers, bottom first, in DESIGN's order. A module may import its own layer and the layers below
 it, never one above:
 
-    foundation   launch (+ the rank entry point), env, numerics, progress, mesh, the staged
-                 backend, the flight recorder, faults, and labels: the profiler range names every
-                 layer puts on its work (the MoE layer's phases, a collective's span), so they sit
-                 below all of them; refimpl.trace reads them
-    model        the GPT, the MoE layer (routing only: its collectives are parallel/ep's), the
-                 presets of published models, activation checkpointing, the data
-    memory       what a run holds (arithmetic, measured, CUDA)
-    trace        capture, loading, summaries, kernels, merged timelines
-    comm         collectives rebuilt from send/recv, the byte log
-    cost         alpha-beta, bytes per collective, hardware datasheets, ceilings
+    foundation   launch (+ the rank entry point, the launcher's plug-in seam, the heap policy),
+                 numerics, mesh, and the seam (refimpl.seam: every layer's collectives and phases
+                 go through it, so it sits below all of them)
+    model        the GPT, the MoE layer (routing only: its collectives are parallel/ep's),
+                 activation checkpointing, the data
+    memory       what a run holds (arithmetic, measured)
+    comm         collectives rebuilt from send/recv
+    cost         alpha-beta, bytes per collective, hardware datasheets
     interface    config, placement, rank_model, rank_values, step, strategy: what every strategy plugs into
     parallel     one folder per parallelism (dp < zero < fsdp may share; tp, pp, cp and ep import
                  no other)
     compose      the transforms in their order, optimizer resharding, composed twins
     registry     the --strategy names (DESIGN puts it with parallel/; it names compose's twin too,
                  so it sits above compose)
-    train        the one loop
+    train        the one loop (+ its plug-in seam, loop_extras)
     bench        DESIGN's contract name for the alpha-beta fit and the bus-bandwidth factor
-    zygote       the launcher's fork server
   THE LAB (refimpl/lab/), above every core layer: the core never imports it
-    lab measure  sweeps and measurements, checkpoint conversions, the machine's facts
+    lab measure  the runtime (zygote, flight recorder, staged backend), labels and byte counts,
+                 traces, sweeps and measurements, predictions, checkpoints, the loop's additions,
+                 the pipeline's tools, PyTorch's twins and notebook 10's faults (the plug-ins)
     lab verify   equivalence, the bisector, the dry run, the layout matrix
     lab plan     the planner (it reads the dry run, never the other way round)
     lab tools    plots, the TensorBoard plugin, the CLI
@@ -42,24 +41,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "refimpl"
 
 LAYERS = [
-    ("foundation", ("launch", "shared_device", "staged_stream", "_rank", "_zygote_client",
-                    "device_audit", "flight_recorder", "faults", "labels", "numerics",
-                    "progress", "mesh", "__init__")),
+    ("foundation", ("launch", "launch_tools", "host_heap", "_rank", "seam", "numerics", "mesh",
+                    "__init__")),
     ("model", ("model",)),
     ("memory", ("memory",)),
-    ("trace", ("trace",)),
     ("comm", ("comm",)),
     ("cost", ("cost",)),
     ("interface", ("config", "placement", "rank_model", "rank_values", "step", "strategy")),
     ("parallel", ("parallel",)),
     ("compose", ("compose",)),
     ("registry", ("registry",)),
-    ("train", ("train",)),
+    ("train", ("loop_extras", "train")),
     ("bench", ("bench",)),
-    # _zygote: the fork server, a process of its own that preloads the loop for the ranks it forks
-    ("zygote", ("_zygote",)),
     # THE LAB (refimpl/lab/): it imports the core, the core never imports it
-    ("lab measure", ("lab", "lab.measure", "lab.checkpoint", "lab.env")),
+    ("lab measure", ("lab", "lab.runtime", "lab.instrument", "lab.trace", "lab.measure",
+                     "lab.checkpoint", "lab.predict", "lab.progress", "lab.env", "lab.twins",
+                     "lab.faults", "lab.pipeline", "lab.loop")),
     ("lab verify", ("lab.verify",)),
     ("lab plan", ("lab.plan",)),
     ("lab tools", ("lab.plots", "lab.tb_plugin", "lab.cli", "__main__")),
@@ -74,8 +71,9 @@ PARALLEL_MAY_IMPORT = {
 ALLOWED_LAZY = {
     "lab.cli": "the CLI imports a subcommand's modules only when that subcommand runs",
     "_rank": "a rank imports the launcher after its environment (threads, device) is set",
-    "_zygote": "the zygote forks ranks; each imports its entry point after the fork",
-    "launch": "a rank registers the staged backend (shared_device) only when it is asked for",
+    "lab.runtime.zygote": "the zygote forks ranks; each imports its entry point after the fork",
+    "lab.runtime.tools": "a rank registers the staged backend, or audits its factories, only when "
+                         "it is asked for",
     "lab.tb_plugin.plugin": "TensorBoard loads the plugin at start; pandas/plotly wait for a request",
     "lab.tb_plugin.runs": "as lab.tb_plugin.plugin",
 }
@@ -263,12 +261,12 @@ def test_the_checks_name_what_they_find():
                "parallel.pp.stage": {"parallel.pp.runner", "parallel.dp.naive"},   # tp/pp/cp/ep
                "parallel.pp.runner": {"parallel.pp.stage"},    # a circle        # import no dp
                "lab.verify.dryrun": {"lab.plan.cli"},          # verify sits below plan
-               "model.moe": {"trace.capture"},                 # model sits below trace
+               "model.moe": {"comm.ring"},                     # model sits below comm
                "train": {"lab.verify.equivalence"}}            # the core into the lab
     assert upward(made_up) == [
         "refimpl.lab.verify.dryrun (lab verify) imports refimpl.lab.plan.cli (lab plan)",
         "refimpl.model.gpt (model) imports refimpl.parallel.tp.layers (parallel)",
-        "refimpl.model.moe (model) imports refimpl.trace.capture (trace)",
+        "refimpl.model.moe (model) imports refimpl.comm.ring (comm)",
         "refimpl.train (train) imports refimpl.lab.verify.equivalence (lab verify)"]
     assert core_into_lab(made_up) == ["refimpl/train.py (core) imports refimpl.lab.verify.equivalence (lab)"]
     assert crossing(made_up) == ["refimpl.parallel.pp.stage imports refimpl.parallel.dp.naive",
@@ -277,7 +275,8 @@ def test_the_checks_name_what_they_find():
 
 
 def test_a_strategy_named_in_a_string_is_an_import():
-    """The registry imports its strategies by "module:Class" name: the check sees those edges."""
+    """The registry imports its strategies by "module:Class" name, and so does the twins' plug-in:
+    the check sees those edges."""
     edges, _ = _edges()
     assert "parallel.dp.naive" in edges["registry"]
-    assert "compose.torch_fsdp2_tp" in edges["registry"]
+    assert "lab.twins.torch_fsdp2_tp" in edges["lab.twins.plugin"]

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from refimpl._zygote_client import current_pid as zygote_pid
+from refimpl.lab.runtime.zygote_client import current_pid as zygote_pid
 from refimpl.launch import LaunchTimeoutError, RankFailedError, run
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
@@ -66,7 +66,7 @@ def _lose_rank_one_after_its_peer(rank, world_size):
     import torch
     import torch.distributed as dist
 
-    from refimpl.faults import lose_this_rank
+    from refimpl.lab.faults import lose_this_rank
 
     if rank == 1:   # its links go first; it is killed 1.5 s after rank 0's traceback
         lose_this_rank(rank, world_size)
@@ -196,8 +196,7 @@ def test_an_edited_source_restarts_the_zygote(monkeypatch):
     """The zygote has refimpl imported; a changed refimpl file must restart it, so a rank never
     runs code older than the files on disk (notebook users edit refimpl between launches). A
     stand-in Zygote records each start: no process is needed to check the rule."""
-    from refimpl import _zygote_client as zc
-
+    from refimpl.lab.runtime import zygote_client as zc
     class Started:
         def __init__(self, env):
             self.env, self.sources = env, zc.source_stamp()
@@ -216,3 +215,64 @@ def test_an_edited_source_restarts_the_zygote(monkeypatch):
     assert zc.for_backend("gloo") is first             # unchanged sources: kept
     second = zc.for_backend("gloo")                    # a file changed (stamp b): restarted
     assert second is not first and zc.for_backend("gloo") is second
+
+
+def _torchrun_env(monkeypatch, rank=0, world=1):
+    """This process as rank `rank` of a torchrun job (env://, a free port), not one of our children."""
+    import socket
+
+    from refimpl import launch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": rank,
+                       "LOCAL_WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}.items():
+        monkeypatch.setenv(key, str(value))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.delenv(launch._CHILD_MARK, raising=False)
+    monkeypatch.delenv("REFIMPL_SHARED_DEVICE", raising=False)   # make test's staged default
+
+
+def record_process_groups(monkeypatch) -> list:
+    """(backend, timeout) of each process group refimpl.launch makes here; it is made on gloo
+    whatever was asked (this machine may have no GPU)."""
+    from refimpl import launch
+
+    made, real = [], launch.init_process_group
+
+    def init(rank, world_size, backend, timeout=600.0):
+        made.append((backend, timeout))
+        real(rank, world_size, "gloo", timeout=timeout)
+
+    monkeypatch.setattr(launch, "init_process_group", init)
+    return made
+
+
+def test_under_torchrun_the_backend_and_timeout_asked_for_are_used(monkeypatch):
+    _torchrun_env(monkeypatch)
+    made = record_process_groups(monkeypatch)
+    out = run(_all_reduce_rank, 2, 1.0, backend="gloo", timeout=42.0)
+    assert out[0]["sum"] == 1.0 and made == [("gloo", 42.0)]
+
+
+def test_a_torchrun_seeing_fewer_gpus_than_ranks_says_it_falls_back_to_gloo(monkeypatch, capsys):
+    """A Slurm task bound to one GPU while torchrun starts two ranks: NCCL is out, and the ranks
+    run on gloo -- said in one line on stderr, not silently."""
+    import torch
+
+    from refimpl.launch import gloo_fallback_warning
+
+    _torchrun_env(monkeypatch)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    made = record_process_groups(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    run(_all_reduce_rank, 2, 1.0)
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert made == [("gloo", 600.0)] and "2 ranks on this node but this process sees 1 GPU" in line
+    assert "CUDA_VISIBLE_DEVICES=3" in line and "Slurm job 77" in line and "gloo" in line
+    assert gloo_fallback_warning(8, 8, {}) is None      # one GPU per rank: NCCL
+    assert gloo_fallback_warning(2, 0, {}) is None      # a CPU node: gloo is the plan

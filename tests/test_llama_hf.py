@@ -3,7 +3,7 @@ LlamaForCausalLM and MixtralForCausalLM, with the same weights, in float64.
 
 Same logits, same loss, same gradients (relative error <= 1e-10), on small configs built here
 (nothing is downloaded); and the checkpoint round trip both ways through `save_pretrained`'s
-folder format (refimpl.model.hf).
+folder format (refimpl.lab.checkpoint.hf).
 
 One thing of transformers' is changed for the float64 comparison, and the tests say so:
 transformers computes RMSNorm's statistic and Mixtral's router softmax in float32 whatever the
@@ -22,12 +22,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from refimpl.lab.checkpoint.hf import config_from_hf, hf_config, hub_name, load_hf, save_hf  # noqa: E402
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch  # noqa: E402
-from refimpl.model.hf import config_from_hf, hf_config, hub_name, load_hf, save_hf  # noqa: E402
 
 LLAMA = GPTConfig(arch="llama", vocab_size=96, seq_len=16, d_model=32, n_heads=4, n_kv_heads=2,
                   n_layers=2, ffn_hidden=48, rope_theta=500000.0, norm_eps=1e-6)
-# dropless (capacity E/k: nothing overflows, as in Mixtral), no balance loss (see refimpl.model.hf)
+# dropless (capacity E/k: nothing overflows, as in Mixtral), no balance loss (see refimpl.lab.checkpoint.hf)
 MIXTRAL = GPTConfig(arch="llama", vocab_size=96, seq_len=16, d_model=32, n_heads=4, n_kv_heads=1,
                     n_layers=2, ffn_hidden=40, n_experts=4, top_k=2, capacity_factor=2.0,
                     balance="none", rope_theta=1e6)
@@ -166,9 +166,9 @@ def test_parameter_counts_equal_transformers():
 @pytest.mark.parametrize("name", ["llama2-7b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3-405b",
                                   "mixtral-8x7b", "mixtral-8x22b"])
 def test_preset_counts_equal_transformers(name):
-    # the planner's presets (refimpl.model.presets) against transformers' own count of the same
+    # the planner's presets (refimpl.lab.predict.presets) against transformers' own count of the same
     # published config, to the parameter (models built on the meta device: no memory)
-    from refimpl.model.presets import MODELS
+    from refimpl.lab.predict.presets import MODELS
     shape, _ = MODELS[name]
     common = dict(vocab_size=shape.vocab_size, hidden_size=shape.d_model,
                   intermediate_size=shape.mlp_width, num_hidden_layers=shape.n_layers,
@@ -193,7 +193,7 @@ def test_a_transformers_llama_trained_by_refimpl_goes_back_to_transformers(tmp_p
     # back; transformers reloads it and gives the logits refimpl's trained model gives.
 
     from refimpl.config import TrainConfig
-    from refimpl.model.hf import read_config
+    from refimpl.lab.checkpoint.hf import read_config
     from refimpl.train import train_on_ranks
 
     cfg = replace(LLAMA, n_layers=4)
@@ -258,8 +258,8 @@ def test_init_hf_reads_only_the_slice_a_rank_keeps(tmp_path):
     # --init-hf places from BoxedParts(HubState): each rank's part is read as a box of the file
     # (safetensors' get_slice), equal to cutting the whole tensor, and the bytes it holds are its
     # part's alone (a view of a whole tensor read first would hold all of it)
-    from refimpl.compose.shard_boxes import BoxedParts
-    from refimpl.model.hf import HubState
+    from refimpl.lab.checkpoint.hf import HubState
+    from refimpl.lab.checkpoint.shard_boxes import BoxedParts
     from refimpl.placement import Shard, local_part
 
     ours = build_model(LLAMA, seed=2).to(torch.float64)

@@ -68,7 +68,7 @@ def _train_guarded(rank, world_size, cfgs):
     """train_rank for each configuration, recording collectives issued without a group."""
     import torch.distributed as dist
 
-    from refimpl.comm.torch_names import current_name
+    from refimpl.seam import current_name
     from refimpl.train import train_rank
 
     ungrouped = []

@@ -210,7 +210,7 @@ def _parallelize_three_experts(rank, world):
 
 @pytest.mark.parametrize("experts,k,tie", [(8, 2, False), (4, 1, True)])
 def test_moe_has_e_over_k_mlps_of_parameters_for_the_flops_of_its_dense_twin(experts, k, tie):
-    from refimpl.cost.moe_arithmetic import dense_twin, gpt_counts, measured_forward_flops
+    from refimpl.lab.predict.moe_arithmetic import dense_twin, gpt_counts, measured_forward_flops
 
     # capacity factor 1: the experts' fixed buffers hold E * C = k * T rows (refimpl.model.moe_slots)
     cfg = GPTConfig(n_experts=experts, top_k=k, capacity_factor=1.0, tie_embeddings=tie)
@@ -233,7 +233,7 @@ def test_moe_has_e_over_k_mlps_of_parameters_for_the_flops_of_its_dense_twin(exp
 @pytest.mark.parametrize("name,total_tol,active_tol", [("Mixtral 8x7B", 0.005, 0.005),
                                                        ("DeepSeek-V3", 0.005, 0.02)])
 def test_published_moe_sizes_from_their_configs(name, total_tol, active_tol):
-    from refimpl.cost.moe_arithmetic import PUBLISHED
+    from refimpl.lab.predict.moe_arithmetic import PUBLISHED
 
     fn, total, active = PUBLISHED[name]
     c = fn()
@@ -255,7 +255,7 @@ def test_bad_moe_layouts_are_one_line_layout_errors(changes, ep, words):
 
 
 def test_ep_traffic_row_four_all_to_alls_per_layer_of_k_t_rows():
-    from refimpl.cost.strategy_cost import ep_traffic
+    from refimpl.lab.predict.strategy_cost import ep_traffic
 
     row = ep_traffic(tokens_per_rank=100, hidden=8, n_layers=3, top_k=2, ep=4, bytes_per_value=4)
     (op, message, calls), = row["calls"]
@@ -264,7 +264,7 @@ def test_ep_traffic_row_four_all_to_alls_per_layer_of_k_t_rows():
 
 
 def test_ep_buffer_bytes_whole_buffers_of_min_c_t_rows_per_expert():
-    from refimpl.cost.strategy_cost import ep_buffer_bytes
+    from refimpl.lab.predict.strategy_cost import ep_buffer_bytes
 
     # 2 ranks of 100 tokens, E = 4, k = 2, cf = 2: C = ceil(2*200/4*2) = 200, B = min(200, 100)
     got = ep_buffer_bytes(100, 2, 4, 2, 2.0, hidden=8, n_layers=3, ep=2, bytes_per_value=4)

@@ -4,7 +4,7 @@ import sys
 
 SCRIPT = r'''
 import os
-from refimpl.trace.native_stderr import filtered_native_stderr
+from refimpl.lab.trace.native_stderr import filtered_native_stderr
 with filtered_native_stderr():
     os.write(2, b"USDT:2026-12-01 00:33:24 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
     os.write(2, b"a real warning\n")

@@ -8,13 +8,13 @@
   too) and the rebuilt collectives must then still equal `single` at float64's gate: a wrong pairing gives another
   tensor (an error far above 1e-9) or a hang (the launcher's timeout).
 * **Every call through a device-checking backend.** The runs use the staged backend
-  (refimpl.shared_device, REFIMPL_SHARED_DEVICE=cpu here): each collective and message checks that
+  (refimpl.lab.runtime.shared_device, REFIMPL_SHARED_DEVICE=cpu here): each collective and message checks that
   its tensors are on the rank's device and goes through gloo on host copies. On a GPU machine
   scripts/gpu_check.sh runs this file with REFIMPL_SHARED_DEVICE=cuda:0: several ranks on one GPU,
   every tensor on it, which NCCL itself cannot do (one rank per GPU).
 * **NCCL's stream order.** The staged backend runs each group's operations one at a time in
   posting order, a send completing only once the peer's receive has started
-  (refimpl.staged_stream), so a posting order that would hang on NCCL hangs in these runs too,
+  (refimpl.lab.runtime.staged_stream), so a posting order that would hang on NCCL hangs in these runs too,
   and fails at the stream's timeout naming the blocked operation: the pipeline's old one-ahead
   posting does (`test_the_strict_stream_hangs_the_old_posting...`), every run below does not.
   Not only the training loop: the notebooks' own helpers and the bench scripts' ranks run on a
@@ -34,12 +34,12 @@
   is found by the comparison with `single` (the last block's weights, exactly); the bisector on
   the staged backend is `full` (a launch of its own).
 * **NCCL's argument rules.** The staged backend also refuses a non-contiguous tensor, a dtype
-  NCCL has no type for and a reduce op it lacks (refimpl.shared_device), so every run here keeps
+  NCCL has no type for and a reduce op it lacks (refimpl.lab.runtime.shared_device), so every run here keeps
   them; notebook 01's comparison handed torch a transposed tensor before.
 * **The rank's device.** On a GPU server torch's default device stays the CPU while a rank computes
   on cuda:k, so a factory call without `device=` makes a CPU tensor NCCL refuses. Under
   REFIMPL_DEVICE_AUDIT every rank records such calls made from refimpl's code
-  (refimpl.device_audit); apart from the few made on the host on purpose (HOST_BY_DESIGN), there
+  (refimpl.lab.runtime.device_audit); apart from the few made on the host on purpose (HOST_BY_DESIGN), there
   must be none, in any strategy's set-up or step.
 * **Everything else runs staged too.** `make test` sets REFIMPL_SHARED_DEVICE=cpu (the Makefile's
   STAGED) for the whole suite, so every launch of every test and notebook, notebook 10's faults,
@@ -142,7 +142,7 @@ HOST_BY_DESIGN = {
     # the rank grid arange(world).view(dp, pp, cp, tp): arithmetic on rank numbers, never sent
     ("refimpl/mesh.py", "grid"),
     # the same grid for torch-fsdp2-tp's 2-D DeviceMesh, which keeps its mesh on the host
-    ("refimpl/compose/torch_fsdp2_tp.py", "dp_tp_device_mesh"),
+    ("refimpl/lab/twins/torch_fsdp2_tp.py", "dp_tp_device_mesh"),
 }
 
 
@@ -166,7 +166,7 @@ BF16 = {"fsdp bf16": (bf16("fsdp", 2), {"all_gather_into_tensor bfloat16",      
         # ring attention's K/V blocks go round in bf16, one tag (REFIMPL_P2P_TAGS=one)
         "ring attention cp2 bf16": (bf16("dp-naive", 2, 1, cp=2), {"send bfloat16", "recv bfloat16"})}
 PROFILED, RECORDING = "tp + sp bf16", "fsdp bf16"      # the one with --profile, with record_memory
-# skip-grad-sync (refimpl.faults, notebook 10): dp-naive leaves the last block out of its
+# skip-grad-sync (refimpl.lab.faults, notebook 10): dp-naive leaves the last block out of its
 # all-reduce; one step, so exactly that block's weights leave single's
 FAULT = cfg("dp-naive", 2, 1, fault="skip-grad-sync").with_(steps=1)
 
@@ -196,7 +196,7 @@ def _train_seeing_dtypes(rank: int, world: int, cfgs: list) -> list:
 
     seen = set()
     if dist.get_backend() == "staged":
-        from refimpl.shared_device import StagedGloo
+        from refimpl.lab.runtime.shared_device import StagedGloo
 
         check = StagedGloo._check
 
@@ -286,7 +286,7 @@ def test_posting_order_alone_pairs_every_message(world, name, audit_dirs):
 
 
 def by_design(site: str) -> bool:
-    """`site` is "path:line function factory" (refimpl.device_audit)."""
+    """`site` is "path:line function factory" (refimpl.lab.runtime.device_audit)."""
     where, function, _ = site.split(" ")
     return any(where.startswith(path) and function == fn for path, fn in HOST_BY_DESIGN)
 
@@ -362,13 +362,13 @@ def test_every_layout_in_bf16_under_nccl_s_rules_is_gloo_s_run(world, name):
 
 
 def test_the_profiled_run_labels_its_communication_as_on_gloo(audit_dirs, on_gloo):
-    """--profile (refimpl.trace.capture.StepProfiler) under the staged backend: every profiled step
+    """--profile (refimpl.lab.trace.capture.StepProfiler) under the staged backend: every profiled step
     of each rank has its phases and the same `comm:<op> <bytes>B` labels, one for one, as the
     same run profiled on plain gloo (the collectives run on the stream's worker thread there, the
     labels on the caller's), SP's all-gathers and reduce-scatters and tp's all-reduce among them.
     (gloo's own events, `c10d::...`, are on plain gloo's trace only: the staged backend's gloo
     calls run on its stream's thread, which the profiler does not record.)"""
-    from refimpl.trace.profiling import load_trace
+    from refimpl.lab.trace.profiling import load_trace
 
     staged, gloo = results(2, audit_dirs[2])[0][PROFILED], on_gloo[PROFILED]
     assert staged["trace_dir"] != gloo["trace_dir"]
@@ -389,7 +389,7 @@ def test_the_profiled_run_labels_its_communication_as_on_gloo(audit_dirs, on_glo
 
 
 def test_memory_is_recorded_under_nccl_s_rules(audit_dirs):
-    """record_memory (refimpl.trace.memory_events.StepPeak: the allocator's events on CPU,
+    """record_memory (refimpl.lab.trace.memory_events.StepPeak: the allocator's events on CPU,
     max_memory_allocated on CUDA) under the staged backend: a peak on every rank, above what the
     rank keeps (fsdp gathers each block's bf16 weights for a moment); the run itself is gloo's
     (test_bf16_under_nccl_s_rules_is_gloo_s_run_bit_for_bit)."""
@@ -399,7 +399,7 @@ def test_memory_is_recorded_under_nccl_s_rules(audit_dirs):
 
 
 def test_a_wrong_number_fault_is_found_under_nccl_s_rules(audit_dirs):
-    """Notebook 10's skip-grad-sync (refimpl.faults) under the staged backend: the comparison with
+    """Notebook 10's skip-grad-sync (refimpl.lab.faults) under the staged backend: the comparison with
     `single` still finds it and where it is. One step: the loss (computed before the update)
     is single's, and exactly the last block's tensors leave float64's gate, each by far."""
     from refimpl.lab.verify.equivalence import reference_run
@@ -418,7 +418,7 @@ def test_the_bisector_finds_the_fault_under_nccl_s_rules(monkeypatch):
     """refimpl.lab.verify.bisect on the staged backend (every rank's recording hook, its gathers of
     the weights each step): it names skip-grad-sync where it names it on gloo
     (tests/test_when_it_goes_wrong.py): step 0's optimizer, the last block."""
-    from refimpl import faults
+    from refimpl.lab import faults
     from refimpl.lab.verify import bisect as bisector
 
     for name, value in ((faults.ENV, "1"), ("REFIMPL_P2P_TAGS", "one"),
@@ -489,7 +489,7 @@ def test_the_staged_backend_refuses_a_tensor_off_the_rank_s_device():
 
     import torch
 
-    from refimpl.shared_device import StagedGloo
+    from refimpl.lab.runtime.shared_device import StagedGloo
 
     on_meta = StagedGloo(torch.distributed.HashStore(), 0, 1, timedelta(seconds=30), torch.device("meta"))
     with pytest.raises(RuntimeError, match="NCCL would refuse it"):
@@ -509,7 +509,7 @@ def test_a_failed_staged_collective_raises_where_it_is_waited_on():
 
     import torch
 
-    from refimpl.shared_device import StagedGloo
+    from refimpl.lab.runtime.shared_device import StagedGloo
 
     group = StagedGloo(torch.distributed.HashStore(), 0, 1, timedelta(seconds=30), torch.device("cpu"))
     group.stream.failed = "planted: the peer is gone"
@@ -521,8 +521,8 @@ def test_a_failed_staged_collective_raises_where_it_is_waited_on():
 
 def _both_plans_on_the_strict_stream(rank: int, world: int) -> dict:
     """One rank of 1F1B on 2 stages (m = 4) on a staged group, under its stream order: the runner's
-    own choice for the backend (links.posting: the global order, nccl_order.rank_order), then the
-    old one-ahead posting (REFIMPL_PP_POST=ahead: receives of this entry and the next posted before
+    own choice for the backend (links.Links: the global order, order.rank_order), then the
+    old one-ahead posting (lab.pipeline.posting.AheadLinks: receives of this entry and the next posted before
     the entry, each send as its action ends). The launch is a gloo one (`_on_gloo_ranks`); the
     group is the staged backend's."""
     import time
@@ -530,7 +530,7 @@ def _both_plans_on_the_strict_stream(rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from refimpl import shared_device  # noqa: F401  (registers the staged backend in this rank)
+    from refimpl.lab.pipeline.posting import AheadLinks
     from refimpl.model import build_model, lm_loss, synthetic_batch
     from refimpl.parallel.pp.runner import run_schedule, schedule_table
     from refimpl.parallel.pp.stage import build_chunks
@@ -562,20 +562,17 @@ def _both_plans_on_the_strict_stream(rank: int, world: int) -> dict:
     dist.barrier(group)
     group.stream.timeout = 2.0      # from here no wait is legitimately longer (a tiny model's F/B)
     start = time.monotonic()
-    os.environ["REFIMPL_PP_POST"] = "ahead"
     try:
-        run_schedule(chunks, table, micro, group)
+        run_schedule(chunks, table, micro, group, links=AheadLinks)
         out["old plan"] = "finished"
     except RuntimeError as e:
         out["old plan"] = str(e)
-    finally:
-        del os.environ["REFIMPL_PP_POST"]
     print(f"rank {rank}: the old plan failed after {time.monotonic() - start:.1f} s")
     return out
 
 
 def test_the_strict_stream_hangs_the_old_posting_and_runs_the_global_order(gloo_launch):
-    """refimpl.staged_stream under the staged backend: each group's operations run in posting
+    """refimpl.lab.runtime.staged_stream under the staged backend: each group's operations run in posting
     order, one at a time, a send only once its receive has started. The runner's order finishes
     and its loss equals single's; the old one-ahead posting deadlocks exactly as nccl_order's
     docstring says (stage 0 waits in B0's receive with F1's send behind it, stage 1 in F1's
@@ -593,14 +590,14 @@ def test_the_strict_stream_hangs_the_old_posting_and_runs_the_global_order(gloo_
 
 
 def test_the_staged_backend_refuses_what_nccl_refuses():
-    """NCCL's argument rules beyond the device (refimpl.shared_device): contiguous tensors, a dtype
+    """NCCL's argument rules beyond the device (refimpl.lab.runtime.shared_device): contiguous tensors, a dtype
     NCCL has, a reduce op NCCL has. gloo accepts each of these calls."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    from refimpl.shared_device import StagedGloo
+    from refimpl.lab.runtime.shared_device import StagedGloo
 
     group = StagedGloo(torch.distributed.HashStore(), 0, 1, timedelta(seconds=30), torch.device("cpu"))
     with pytest.raises(RuntimeError, match="non-contiguous.*Tensors must be contiguous"):
@@ -629,9 +626,9 @@ def test_zero2_offload_reduces_on_the_rank_s_device():
     import torch
     import torch.distributed as dist
 
+    from refimpl.lab.runtime.shared_device import StagedGloo
     from refimpl.parallel.dp.flat_param import FlatParams
-    from refimpl.parallel.zero.stages import StreamingReduce
-    from refimpl.shared_device import StagedGloo
+    from refimpl.parallel.zero.streaming_reduce import StreamingReduce
 
     group = StagedGloo(torch.distributed.HashStore(), 0, 1, timedelta(seconds=30), torch.device("cpu"))
     params = [torch.nn.Parameter(torch.ones(5)), torch.nn.Parameter(torch.ones(7))]
@@ -708,8 +705,8 @@ def _fsdp2_offload_gather(rank: int, world: int) -> dict:
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-    from refimpl import shared_device
-    from refimpl.parallel.fsdp.torch_fsdp2 import full_tensor_on
+    from refimpl.lab.runtime import shared_device
+    from refimpl.lab.twins.torch_fsdp2 import full_tensor_on
 
     group = dist.group.WORLD
     if group.device.type == "cpu":

@@ -4,13 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refimpl.cost import cp_comm, tp_comm
 from refimpl.cost.hardware import get_hardware
 from refimpl.lab.measure.pp_replay import bubble_sweep, over_ideal, replay
 from refimpl.lab.plan import composition
+from refimpl.lab.predict import cp_comm, tp_comm
+from refimpl.lab.predict.presets import get_model
 from refimpl.model import GPTConfig
 from refimpl.model.capacity_rules import displaced_first_choices, global_keep, per_group_keep
-from refimpl.model.presets import get_model
 
 
 def test_one_tp_ratio_for_notebooks_06_and_09():
@@ -118,7 +118,7 @@ def test_ring_overlap_condition():
 
 
 def test_dense_comparison_counts_agree():
-    from refimpl.cost.moe_arithmetic import dense_comparison
+    from refimpl.lab.predict.moe_arithmetic import dense_comparison
 
     cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=1, n_experts=4, top_k=2,
                     capacity_factor=2.0)
@@ -128,7 +128,7 @@ def test_dense_comparison_counts_agree():
 
 
 def test_boundary_gradient_sketch_and_fix():
-    from refimpl.parallel.pp import boundary
+    from refimpl.lab.pipeline import boundary
 
     torch.manual_seed(0)
     first, last = torch.nn.Linear(8, 8), torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(8, 1))
@@ -187,7 +187,7 @@ def test_ring_rank_counts_blocks_and_saves_one_slice():
 
 
 def test_operators_do_not_grow_with_the_micro_batch():
-    from refimpl.cost.micro_batch import operator_calls
+    from refimpl.lab.measure.micro_batch import operator_calls
     from refimpl.model import build_model, synthetic_batch
 
     cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=1)

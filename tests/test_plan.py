@@ -13,8 +13,8 @@ from refimpl.lab.plan.cli import plan_main
 from refimpl.lab.plan.cpu import cpu_layouts, train_config
 from refimpl.lab.plan.predict import predict, predict_memory
 from refimpl.lab.plan.published import TECHNIQUES_2021, compare_with_megatron, published_grid_ranks
+from refimpl.lab.predict.presets import MODELS, ModelShape, megatron_flops
 from refimpl.model import GPTConfig
-from refimpl.model.presets import MODELS, ModelShape, megatron_flops
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_with_every_technique_the_published_grid_is_in_the_top_five():
 def test_bloom_and_llama3_are_presets_of_their_published_size():
     """BLOOM 176B (176.2B parameters, Le Scao et al. 2022) in this planner's 4h-MLP, multi-head
     form, and Llama 3 405B as released (its Llama block, counted exactly): within 1.5 %
-    (refimpl.model.presets says what BLOOM's form leaves out)."""
+    (refimpl.lab.predict.presets says what BLOOM's form leaves out)."""
     for name, billions in (("bloom-176b", 176.2), ("llama3-405b", 405)):
         assert MODELS[name][0].n_params / 1e9 == pytest.approx(billions, rel=0.015), name
 
@@ -73,8 +73,8 @@ def test_ring_hops_are_exposed_at_short_sequences_and_zero2_reduces_every_micro_
 
 
 def test_gpt3_on_1024_gpus_takes_about_34_days():
-    from refimpl.model.presets import GPT3_ON_1024 as g
-    from refimpl.model.presets import training_days_of
+    from refimpl.lab.predict.presets import GPT3_ON_1024 as g
+    from refimpl.lab.predict.presets import training_days_of
 
     shape, _ = MODELS[g["model"]]
     df = plan(**shape.to_dict(), global_batch=g["global_batch"], gpus=g["gpus"], **TECHNIQUES_2021)
@@ -138,9 +138,9 @@ def test_1f1b_first_stage_holds_p_micro_batches():
 ])
 def test_planner_cp_activations_are_what_a_ring_rank_saves(d_model, heads, seq, rows, cp, precision):
     """One block's activations under ring attention, as the planner predicts them for refimpl's
-    block, are refimpl.cost.cp_comm.rank_activation_bytes' (which test_cp checks against what
+    block, are refimpl.lab.predict.cp_comm.rank_activation_bytes' (which test_cp checks against what
     autograd saves), to the byte: a block is the difference between a 2- and a 1-block model."""
-    from refimpl.cost.cp_comm import rank_activation_bytes
+    from refimpl.lab.predict.cp_comm import rank_activation_bytes
 
     act = {"fp32": 4, "bf16": 2}[precision]
     planner, ring = [], []

@@ -5,11 +5,7 @@ The bubble is measured by replaying each table (pp_simulate), never restated fro
 import pandas as pd
 import pytest
 
-from refimpl.mesh import LayoutError
-from refimpl.parallel.pp.actions import parse_entry
-from refimpl.parallel.pp.runner import whole_backwards
-from refimpl.parallel.pp.schedules import SCHEDULES, bubble_fraction, bubble_over_ideal, schedule_table
-from refimpl.parallel.pp.simulate import (
+from refimpl.lab.pipeline.simulate import (
     ScheduleError,
     check_table,
     idle_fraction,
@@ -17,6 +13,10 @@ from refimpl.parallel.pp.simulate import (
     simulate,
     simulated_bubble,
 )
+from refimpl.mesh import LayoutError
+from refimpl.parallel.pp.actions import parse_entry
+from refimpl.parallel.pp.backward import whole_backwards
+from refimpl.parallel.pp.schedules import SCHEDULES, bubble_fraction, bubble_over_ideal, schedule_table
 
 SIZES = [(2, 1), (2, 2), (2, 4), (3, 3), (3, 5), (4, 1), (4, 2), (4, 4), (4, 8), (8, 16)]
 
@@ -169,7 +169,7 @@ def test_dualpipev_pairs_a_forward_with_the_other_chunks_backward():
 
 
 def test_every_frontier_table_runs_under_one_tag_because_receives_follow_the_sender():
-    from refimpl.parallel.pp.simulate import inbox, messages, posting_order_mismatch
+    from refimpl.lab.pipeline.simulate import inbox, messages, posting_order_mismatch
 
     for s in ("gpipe", "1f1b", "interleaved", "zb-h1", "interleaved-zb"):
         assert posting_order_mismatch(schedule_table(4, 8, s, 2 if s.startswith("inter") else 1)) is None
@@ -193,7 +193,7 @@ def test_an_overlapped_pair_is_one_f_and_one_b():
 
 
 def test_pipedream_without_a_flush_needs_the_forwards_weights():
-    from refimpl.parallel.pp import weight_stashing
+    from refimpl.lab.pipeline import weight_stashing
 
     rows = schedule_table(4, 8, "1f1b")
     # 1F1B's steady state: stage s has p - s inputs in flight and updates p - s - 1 times between
@@ -263,7 +263,7 @@ def test_posting_in_one_global_order_cannot_hang_under_nccls_rules():
     """Every table on 2-4 stages: the runner's NCCL order (nccl_order.rank_order, one operation at
     a time) finishes when each rank's operations run in posting order and a send waits for its
     receive, on one stream per rank and on one per pair; the ahead-posting it replaced hangs."""
-    from refimpl.parallel.pp import nccl_order
+    from refimpl.lab.pipeline import nccl_order
     from refimpl.parallel.pp.schedules import placement
     checked = 0
     for schedule, p, m, table in _every_table():
@@ -280,9 +280,9 @@ def test_posting_in_one_global_order_cannot_hang_under_nccls_rules():
 def test_the_global_order_is_each_senders_order_and_each_receivers_posting_order():
     """Each rank's part of the order sends in its own production order (simulate.messages) and
     holds every message of the step exactly once."""
-    from refimpl.parallel.pp import nccl_order
+    from refimpl.lab.pipeline import nccl_order
+    from refimpl.lab.pipeline.simulate import messages
     from refimpl.parallel.pp.schedules import placement
-    from refimpl.parallel.pp.simulate import messages
     for schedule, p, m, table in _every_table():
         where = placement(schedule)
         sent, _ = messages(table, where)

@@ -4,6 +4,7 @@ import functools
 import tempfile
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from refimpl.lab.measure.pp_measure import (
@@ -13,13 +14,13 @@ from refimpl.lab.measure.pp_measure import (
     profile_pipeline,
     simulated_bubble_from,
 )
+from refimpl.lab.trace.profiling import load_trace
+from refimpl.lab.twins.torch_pp import TorchPipeline, check_torch_layout
 from refimpl.launch import run
 from refimpl.mesh import LayoutError
 from refimpl.model import build_model, synthetic_batch
 from refimpl.parallel.pp.schedules import schedule_table
 from refimpl.parallel.pp.stage import build_chunks
-from refimpl.parallel.pp.torch_pp import TorchPipeline, check_torch_layout
-from refimpl.trace.profiling import load_trace
 from tests.test_pp import BATCH, SEED, SEQ, config, reference, rel_err
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
@@ -99,3 +100,35 @@ def test_activation_peak_is_in_flight_times_one_micro_batch(schedule, m):
         assert abs(row["activation_peak"] - predicted) <= 0.01 * predicted
     gpipe_first, one_f_one_b_first = profiled("gpipe", 4)[0][0], profiled("1f1b", 4)[0][0]
     assert gpipe_first["activation_peak"] > 1.9 * one_f_one_b_first["activation_peak"]  # 4 vs 2 held
+
+
+def twin_under_autocast(rank, world, m):
+    """The first step's loss of PyTorch's gpipe without and with the step runner's bf16 autocast,
+    the dtypes its stage's Linear layers computed in, and ours (run_schedule) under the same bf16."""
+    from refimpl.parallel.pp.runner import run_schedule
+
+    group = dist.new_group(list(range(world)))
+    micro = synthetic_batch(config(4), BATCH, SEQ, SEED, 0).micro_batches(m)
+    bf16 = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
+    out = {}
+    for name, autocast in (("fp32", None), ("bf16", bf16)):
+        chunks = build_chunks(build_model(config(4), SEED), world, rank, 1)
+        seen = set()
+        for layer in (mod for c in chunks for mod in c.modules() if isinstance(mod, torch.nn.Linear)):
+            layer.register_forward_hook(lambda mod, a, o: None if o.is_meta else seen.add(o.dtype))
+        loss = TorchPipeline(chunks, group, world, "gpipe", m).forward_backward(micro, autocast=autocast)
+        out[name] = (float(loss), seen)
+    chunks = build_chunks(build_model(config(4), SEED), world, rank, 1)
+    ours = run_schedule(chunks, schedule_table(world, m, "gpipe"), micro, group, autocast=bf16)
+    out["ours bf16"] = None if ours is None else float(ours)
+    return out
+
+
+def test_the_twin_runs_under_the_step_runners_autocast():
+    """--mixed-precision bf16 reaches PyTorch's stages: their matmuls compute in bf16, and the loss
+    is ours under bf16 (the same forward, summed in another order), not fp32's."""
+    ranks = run(twin_under_autocast, 2, 2, quiet=True)
+    assert all(r["fp32"][1] == {torch.float32} and r["bf16"][1] == {torch.bfloat16} for r in ranks)
+    (fp32, _), (bf16, _), ours = ranks[1]["fp32"], ranks[1]["bf16"], ranks[1]["ours bf16"]
+    assert abs(bf16 - ours) <= 1e-9 * ours
+    assert abs(bf16 - fp32) > 1e-7 * fp32, (bf16, fp32)

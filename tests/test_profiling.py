@@ -2,16 +2,16 @@
 import pandas as pd
 import pytest
 
+from refimpl.lab.trace.profiling import comm_table, load_trace, summarize
 from refimpl.launch import run
-from refimpl.trace.profiling import comm_table, load_trace, summarize
 
 
 def _profiled_all_reduce(rank, world_size, out_dir, steps):
     import torch
     import torch.distributed as dist
 
-    from refimpl.labels import comm_span, phase
-    from refimpl.trace.capture import StepProfiler
+    from refimpl.lab.instrument.labels import comm_span, phase
+    from refimpl.lab.trace.capture import StepProfiler
 
     x = torch.randn(256, 256)
     with StepProfiler(out_dir, rank, steps) as prof:
@@ -65,7 +65,7 @@ def test_time_split_counts_overlap_only_on_another_thread():
 
 def test_a_backend_range_on_the_compute_thread_is_in_flight_not_a_call():
     # The staged backend records gloo:<op> on the caller's thread, from the call until the
-    # collective completes (refimpl.shared_device): that is communication hidden under the
+    # collective completes (refimpl.lab.runtime.shared_device): that is communication hidden under the
     # forward, where a comm: label there is the thread inside a call, not computing.
     rows = [(0, "ProfilerStep#1", "step", 0, 100, 1, 1), (0, "forward", "forward", 0, 100, 1, 1)]
     in_flight = summarize(_frame(rows + [(0, "gloo:all_reduce", "comm", 20, 30, 1, 1)])).iloc[0]

@@ -1,7 +1,7 @@
 """The progress bar writes nothing to stderr in a notebook kernel; tqdm's text bar elsewhere."""
 import pytest
 
-from refimpl import progress
+from refimpl.lab import progress
 
 
 def test_outside_a_kernel_it_is_tqdms_text_bar():

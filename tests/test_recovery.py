@@ -1,4 +1,4 @@
-"""Recovery (refimpl.compose.run_checkpoint): a run resumed from step k is the uninterrupted run, under
+"""Recovery (refimpl.lab.checkpoint.run_checkpoint): a run resumed from step k is the uninterrupted run, under
 any layout, and a kill in the middle of writing a checkpoint leaves the previous one whole.
 
 The torchrun scenario (a rank killed with kill -9, torchrun --max-restarts 1 restarts the job, it
@@ -15,9 +15,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from refimpl.compose import run_checkpoint, sharded_checkpoint
 from refimpl.config import TrainConfig
-from refimpl.lab.checkpoint import dcp_convert
+from refimpl.lab.checkpoint import dcp_convert, run_checkpoint, sharded_checkpoint
 from refimpl.lab.verify import checkpoint_memory
 from refimpl.lab.verify.equivalence import compare_states
 from refimpl.mesh import LayoutError
@@ -195,10 +194,10 @@ def _check_shard_plus_one_tensor(found: list[dict], nproc: int) -> None:
         print(f"rank {r}: save +{f['save_peak']} B (file {f['written']} B), load peak "
               f"{f['load_peak']} B = kept {f['kept']} B + {f['load_peak'] - f['kept']} B; "
               f"whole state {whole} B, largest tensor {largest} B")
-        # a save copies what this rank writes (pieces it holds, read back from its file) and
-        # nothing else; a load holds, beside what it keeps, the tensor it assembles and the
-        # slice of it read from a file
-        assert f["written"] <= f["save_peak"] <= f["written"] + 1024
+        # a save on the CPU writes this rank's own tensors: no copy of them (it once copied all
+        # it wrote, beside them in the same memory; issue 52); a load holds, beside what it
+        # keeps, the tensor it assembles and the slice of it read from a file
+        assert f["save_peak"] <= largest
         assert f["kept"] <= f["load_peak"] <= f["kept"] + 2 * largest + 1024
     # every rank writes its share of the whole state, to within one tensor
     assert sum(f["written"] for f in found) == whole

@@ -5,8 +5,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from refimpl.config import TrainConfig
+from refimpl.lab.trace.run_record import EVENT_SUFFIX, read_run_summary
 from refimpl.model import GPTConfig
-from refimpl.trace.run_record import EVENT_SUFFIX, read_run_summary
 from refimpl.train import train_on_ranks
 from tests.trace_runs import REAL_RUN, shared_logdir
 

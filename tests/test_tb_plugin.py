@@ -11,9 +11,9 @@ import pytest
 from tensorboard.plugins.base_plugin import TBContext
 from werkzeug.test import Client
 
+from refimpl.lab.instrument.labels import PHASES
 from refimpl.lab.tb_plugin.plugin import STATIC, RankTimelinePlugin, plotly_js_path
-from refimpl.labels import PHASES
-from refimpl.trace.profiling import load_trace, summarize
+from refimpl.lab.trace.profiling import load_trace, summarize
 from tests.trace_runs import BIG_RUN as BIG
 from tests.trace_runs import GRAD_NUMEL, shared_logdir
 from tests.trace_runs import REAL_RUN as REAL

@@ -1,4 +1,4 @@
-"""PyTorch's composed twin on dp2 x tp2 x pp2 (refimpl.compose.torch_fsdp2_tp with --pp): FSDP2
+"""PyTorch's composed twin on dp2 x tp2 x pp2 (refimpl.lab.twins.torch_fsdp2_tp with --pp): FSDP2
 over dp, DTensor TP over tp, torch.distributed.pipelining over pp, in torchtitan's order, beside
 our fsdp on the same grid. make test runs one of them (1F1B +sp, in tests/test_composition.py);
 this file, all `full` (one 8-rank launch), the other schedules PyTorch's FSDP2 composes with and

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from refimpl.labels import CommLog
+from refimpl.lab.instrument.labels import CommLog
 from refimpl.memory import activation_bytes_per_layer, block_activation_bytes, tp_block_activation_bytes
 from refimpl.model import GPTConfig
 from refimpl.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
@@ -20,7 +20,10 @@ from tests.tp_runs import BLOCK_CFG, B, S, checks_on
 FOUR = pytest.param(4, marks=pytest.mark.full)
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 
-VOCAB = {2: 512, 4: 510}           # 510 on 4 ranks: the vocabulary is padded to 512 and masked
+# A vocabulary t does not divide is padded to 512 and the padding masked (tp/vocab.py): on 2 ranks
+# in make test (so a masking bug fails here, not only in make test-full), on 4 in make test-full.
+VOCAB = {2: 511, 4: 510}
+VPAD = 512
 FP32 = 1e-6                        # one layer, one pass: fp32 round-off of a different sum order
 
 
@@ -133,17 +136,17 @@ def test_placements_and_per_rank_parameters(world):
     place = r["placements"]
     assert place["blocks.0.attn.q.weight"] == (Shard("tp", 0, 160), False)
     assert place["blocks.0.attn.o.weight"] == (Shard("tp", 1, 160), False)
-    assert place["lm_head.weight"] == (Shard("tp", 0, 510 if world == 4 else 512), False)
+    assert place["lm_head.weight"] == (Shard("tp", 0, VOCAB[world]), False)
     # replicated, with gradients partial over the sequence under SP (summed over tp in backward)
     for name in ("blocks.0.ln1.weight", "blocks.0.mlp.down.bias", "embed.pos.weight"):
         assert place[name] == (None, True)
     assert place["blocks.0.mlp.up.bias"] == (Shard("tp", 0, 640), False)
     # Everything inside the column/row pairs and the vocabulary is split; LayerNorms, row biases
     # and positions are replicated (cfg defaults: d=160, 4 layers, vocab padded to 512, seq 64).
-    d, L, vpad = 160, 4, 512
+    d, L = 160, 4
     replicated = L * (4 * d + 2 * d) + 2 * d + 64 * d
     assert r["local_numel"] == replicated + (r["reference_numel"] - replicated
-                                             + (vpad - (510 if world == 4 else 512)) * 2 * d) / world
+                                             + (VPAD - VOCAB[world]) * 2 * d) / world
 
 
 @pytest.mark.parametrize("world", [2, FOUR])
@@ -179,8 +182,8 @@ def test_layout_problems_name_the_constraint():
 
 
 def test_tp_cost_model_reproduces_the_fit_and_the_papers():
-    from refimpl.cost import alpha_beta, tp_comm
-
+    from refimpl.cost import alpha_beta
+    from refimpl.lab.predict import tp_comm
     alpha, beta, m = 30e-6, 2e9, 1 << 20
     hop, link = alpha_beta.hop_model_from_fit(alpha, beta)
     assert alpha_beta.ring_seconds("all_reduce", m, 2, hop, link) == pytest.approx(alpha + m / beta)

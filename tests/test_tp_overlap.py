@@ -75,10 +75,10 @@ def _mlp_ring(rank, world):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from refimpl.labels import CommLog
+    from refimpl.lab.instrument.labels import CommLog
     from refimpl.model.config import GPTConfig
     from refimpl.model.layers import MLP
-    from refimpl.parallel.tp.layers import ParallelMLP
+    from refimpl.parallel.tp.blocks import ParallelMLP
     from refimpl.parallel.tp.mappings import split_sequence
 
     torch.manual_seed(0)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from refimpl.trace.merge import MERGED_NAME, merge_traces
-from refimpl.trace.profiling import load_trace, trace_files
+from refimpl.lab.trace.merge import MERGED_NAME, merge_traces
+from refimpl.lab.trace.profiling import load_trace, trace_files
 from tests.trace_runs import write_synthetic_run
 
 

@@ -7,14 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refimpl import faults, flight_recorder
 from refimpl.config import TrainConfig
+from refimpl.lab import faults
 from refimpl.lab.cli import main as cli
+from refimpl.lab.runtime import flight_recorder
 from refimpl.lab.verify import bisect as bisector
 from refimpl.launch import LaunchTimeoutError
 from refimpl.mesh import LayoutError
 from refimpl.model import GPT, GPTConfig
-from refimpl.train import train_on_ranks
+from refimpl.train import train_on_ranks, validate
 from tests.models import SMALL
 
 # --- the flight recorder, on rings written by hand --------------------------------------------
@@ -97,16 +98,18 @@ def test_bisector_counts_one_tp_rank_unless_sequence_parallel():
 # --- faults are refused outside the debugging notebook and tests --------------------------------
 
 def test_faults_run_only_where_asked_and_on_their_layout(monkeypatch):
+    """The launcher's layout check (refimpl.train.validate) refuses them: the faults' plug-in of
+    the registry (refimpl.lab.faults.variant) checks them as it picks the fault's class."""
     cfg = TrainConfig(strategy="dp-naive", nproc=2, fault="skip-grad-sync")
     monkeypatch.delenv(faults.ENV, raising=False)
     with pytest.raises(LayoutError, match="injects a bug on purpose"):
-        cfg.validate()
+        validate(cfg)
     monkeypatch.setenv(faults.ENV, "1")
-    cfg.validate()
+    validate(cfg)
     with pytest.raises(LayoutError, match="needs --strategy dp-naive"):
-        cfg.with_(strategy="zero1").validate()
+        validate(cfg.with_(strategy="zero1"))
     with pytest.raises(LayoutError, match="unknown fault"):
-        cfg.with_(fault="typo").validate()
+        validate(cfg.with_(fault="typo"))
 
 
 # --- bad files: one line, exit 2, before any rank starts ---------------------------------------

@@ -12,14 +12,15 @@ from functools import cache
 import pytest
 
 from refimpl.config import TrainConfig
-from refimpl.cost.volume import total_volume
+from refimpl.lab.loop import train_several_recording_memory
+from refimpl.lab.measure.volume import total_volume
+from refimpl.lab.trace.profiling import comm_table, load_trace, summarize
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single
 from refimpl.memory import model_state_bytes, sharded_state_bytes
 from refimpl.mesh import LayoutError
 from refimpl.model import build_model, count_params
 from refimpl.parallel.fsdp.zero3 import gpt_units
-from refimpl.trace.profiling import comm_table, load_trace, summarize
-from refimpl.train import train_several_recording_memory, validate
+from refimpl.train import validate
 from tests.models import SMALL
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
@@ -212,6 +213,35 @@ def test_volume_in_paper_units_and_transient_memory_from_the_trace():
     # time; SHARD_GRAD_OP holds every unit from its forward to its backward.
     peak = {(s, o): max(runs_on(2)["memory", s, o]["transient_peak"].values()) for s, o in MEMORY}
     assert peak["zero3", ()] < peak["fsdp", ()] < peak["fsdp", GRAD_OP], peak
+
+
+def forward_calls(strategy: str) -> dict:
+    """Per rank and profiled step: the forward phase's labelled calls in the order they were made,
+    ("all_gather", bytes) or ("wait", None) -- a prefetch's wait on its all-gather."""
+    df = load_trace(run(strategy, 2)["trace_dir"])
+    df = df[df.step.notna()]
+    calls = {}
+    for (rank, step), g in df.groupby(["rank", "step"]):
+        comm = g[(g.category == "comm") & g.name.str.startswith("comm:")]
+        for f in g[g.category == "forward"].itertuples():
+            inside = comm[(comm.start_us >= f.start_us) & (comm.start_us < f.start_us + f.dur_us)]
+            calls.setdefault((rank, step), []).extend(
+                (op, None if op == "wait" else int(b)) for op, b in zip(inside.op, inside.bytes))
+    assert len(calls) == 2 * (STEPS - 1), calls.keys()
+    return calls
+
+
+def test_forward_prefetch_gathers_the_next_unit_while_this_one_computes():
+    # fsdp: unit i's pre-hook waits for its own all-gather, then posts unit i+1's (FSDP §3.3), so
+    # every all-gather after the first is posted before the wait of the unit before it; zero3
+    # gathers each unit when it is reached. Both gather every unit once, in forward order.
+    gathered = [("all_gather", -(-n // 2) * 2 * ELEMENT) for n in unit_sizes()]
+    for calls in forward_calls("zero3").values():
+        assert calls == gathered, calls
+    for calls in forward_calls("fsdp").values():
+        waited = [gathered[0]] + [c for pair in zip(gathered[1:], [("wait", None)] * len(gathered))
+                                  for c in pair]
+        assert calls == waited, calls
 
 
 def test_prefetch_hides_communication():

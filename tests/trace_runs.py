@@ -20,9 +20,9 @@ def profiled_allreduce(rank: int, world_size: int, out: str, steps: int) -> dict
     import torch
     import torch.distributed as dist
 
-    from refimpl.labels import comm_span, phase
-    from refimpl.trace.capture import StepProfiler
-    from refimpl.trace.run_record import record_run
+    from refimpl.lab.instrument.labels import comm_span, phase
+    from refimpl.lab.trace.capture import StepProfiler
+    from refimpl.lab.trace.run_record import record_run
 
     torch.manual_seed(rank)
     x = torch.randn(128 * (rank + 1), 128)     # rank r computes (r+1)x as much

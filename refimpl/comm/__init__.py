@@ -14,10 +14,9 @@ swapped for the other in any strategy. Only `torch.distributed.isend/irecv` move
     all_to_all(_single)       pairwise exchange                 pairwise.py
     send, recv, isend, irecv  torch's own, counted              p2p.py
 
-`CommLog` (refimpl.labels) records the calls, and the bytes each rank sends per collective
-(counted in counter.py); `async_op=True`
-returns a `Work` whose `.wait()` blocks until the result is in place (work.py). Every collective
-is labelled `comm:<name>` for torch.profiler.
+`async_op=True` returns a `Work` whose `.wait()` blocks until the result is in place (work.py).
+Each collective and message passes refimpl.seam's `span`/`message`, where the lab labels it
+`comm:<name>` for torch.profiler and counts its bytes (refimpl.lab.instrument.CommLog).
 """
 from torch.distributed import ReduceOp
 
@@ -33,10 +32,9 @@ from refimpl.comm.ring import (
 )
 from refimpl.comm.tree import broadcast, reduce
 from refimpl.comm.work import Work
-from refimpl.labels import CommLog
 
 __all__ = [
-    "ReduceOp", "CommLog", "Work",
+    "ReduceOp", "Work",
     "broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather", "all_gather_into_tensor",
     "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
     "send", "recv", "isend", "irecv",

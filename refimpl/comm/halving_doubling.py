@@ -1,28 +1,4 @@
-"""All-reduce by recursive halving and doubling (the "butterfly"), beside the ring.
-
-Rabenseifner's algorithm (Thakur, Rabenseifner & Gropp 2005, "Optimization of collective
-communication operations in MPICH", section 4.5; Rabenseifner 2004): on p = 2^k ranks,
-
-* reduce-scatter by recursive halving: in round j (distance d = p/2, p/4, ..., 1) rank v pairs with
-  v XOR d, keeps one half of the range it is still responsible for, sends the other half to its
-  partner and adds the partner's copy of its own half. After log2 p rounds rank v holds chunk v,
-  reduced over all ranks.
-* all-gather by recursive doubling: the same pairs in reverse order (d = 1, 2, ..., p/2), each rank
-  sending everything it has, so the owned range doubles each round.
-
-Bytes each rank sends: M/2 + M/4 + ... = (p-1)/p * M per half, 2(p-1)/p * M in all, the ring's
-(and the lower bound's) figure; but in 2 log2 p messages instead of the ring's 2(p-1). In the
-alpha-beta model:  T = 2 log2(p) alpha + 2 (p-1)/p M / beta. This file counts the messages and bytes
-(`messages_per_rank`, `bytes_on_critical_path`); refimpl.cost.alpha_beta turns them into seconds,
-beside the ring's formula (`halving_doubling_seconds`, `crossover_bytes`).
-
-Not a power of two (n = p + r, p the largest power of two <= n): the standard fold-in (MPICH, same
-section). Of the first 2r ranks, each even one sends its whole vector to the odd one above it and
-sits out; the odd one adds it. The remaining p ranks run the algorithm above, and at the end each
-odd rank of the first 2r sends the whole result back to its even partner. The price is two extra
-full-size messages on the critical path: T = (2 log2 p + 2) alpha + (2 + 2 (p-1)/p) M / beta, which
-is why the ring wins for large messages on such counts (refimpl.cost.alpha_beta.crossover_bytes).
-"""
+"""All-reduce by recursive halving and doubling (the "butterfly"), beside the ring."""
 from __future__ import annotations
 
 import math
@@ -66,40 +42,46 @@ def halving_doubling_all_reduce_(flat: torch.Tensor, op, g: GroupView) -> None:
             reduce_into(flat, incoming, op)
     v = virtual_rank(rank, n)
     if v is not None:
-        sizes = [c.numel() for c in flat.tensor_split(p)]
-        offsets = [0] + [sum(sizes[: i + 1]) for i in range(p)]
-
-        def span(lo: int, hi: int) -> torch.Tensor:  # chunks lo..hi-1 as one slice of flat
-            return flat[offsets[lo]: offsets[hi]]
-
-        lo, hi = 0, p
-        # the first round's kept half is the largest (tensor_split puts the longer chunks first)
-        scratch = torch.empty(offsets[max(p // 2, 1)], dtype=flat.dtype, device=flat.device)
-        d = p // 2
-        while d >= 1:                                 # recursive halving: reduce-scatter
-            partner, mid = v ^ d, (lo + hi) // 2
-            keep, give = ((lo, mid), (mid, hi)) if v & d == 0 else ((mid, hi), (lo, mid))
-            mine = span(*keep)
-            incoming = scratch[: mine.numel()]
-            exchange(g, sends=[(span(*give), real_rank(partner, n))],
-                     recvs=[(incoming, real_rank(partner, n))])
-            reduce_into(mine, incoming, op)
-            lo, hi = keep
-            d //= 2
-        finish(span(lo, hi), op, n)                   # AVG: divide the chunk we own, once
-        d = 1
-        while d < p:                                  # recursive doubling: all-gather
-            partner = v ^ d
-            other = (hi, 2 * hi - lo) if v & d == 0 else (2 * lo - hi, lo)
-            exchange(g, sends=[(span(lo, hi), real_rank(partner, n))],
-                     recvs=[(span(*other), real_rank(partner, n))])
-            lo, hi = min(lo, other[0]), max(hi, other[1])
-            d *= 2
+        _butterfly(flat, op, g, v, p)
     if rank < 2 * r:                                  # fold-out: odds hand the result back
         if rank % 2:
             exchange(g, sends=[(flat, rank - 1)])
         else:
             exchange(g, recvs=[(flat, rank + 1)])
+
+
+def _butterfly(flat: torch.Tensor, op, g: GroupView, v: int, p: int) -> None:
+    """Butterfly member v of p (a power of two): halving reduce-scatter, then doubling all-gather."""
+    n = g.size
+    sizes = [c.numel() for c in flat.tensor_split(p)]
+    offsets = [0] + [sum(sizes[: i + 1]) for i in range(p)]
+
+    def span(lo: int, hi: int) -> torch.Tensor:      # chunks lo..hi-1 as one slice of flat
+        return flat[offsets[lo]: offsets[hi]]
+
+    lo, hi = 0, p
+    # the first round's kept half is the largest (tensor_split puts the longer chunks first)
+    scratch = torch.empty(offsets[max(p // 2, 1)], dtype=flat.dtype, device=flat.device)
+    d = p // 2
+    while d >= 1:                                     # recursive halving: reduce-scatter
+        partner, mid = v ^ d, (lo + hi) // 2
+        keep, give = ((lo, mid), (mid, hi)) if v & d == 0 else ((mid, hi), (lo, mid))
+        mine = span(*keep)
+        incoming = scratch[: mine.numel()]
+        exchange(g, sends=[(span(*give), real_rank(partner, n))],
+                 recvs=[(incoming, real_rank(partner, n))])
+        reduce_into(mine, incoming, op)
+        lo, hi = keep
+        d //= 2
+    finish(span(lo, hi), op, n)                       # AVG: divide the chunk we own, once
+    d = 1
+    while d < p:                                      # recursive doubling: all-gather
+        partner = v ^ d
+        other = (hi, 2 * hi - lo) if v & d == 0 else (2 * lo - hi, lo)
+        exchange(g, sends=[(span(lo, hi), real_rank(partner, n))],
+                 recvs=[(span(*other), real_rank(partner, n))])
+        lo, hi = min(lo, other[0]), max(hi, other[1])
+        d *= 2
 
 
 def messages_per_rank(n: int) -> int:

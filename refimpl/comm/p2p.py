@@ -1,20 +1,4 @@
-"""The only communication every other file in `refimpl.comm` is allowed to use: send and receive.
-
-Two pieces:
-
-* `GroupView` turns `group=None | ProcessGroup` into (this rank's index in the group, the group's
-  size), the numbers every algorithm is written in. Peers are always addressed by *group* rank
-  (`group_dst=` / `group_src=`), so the same ring runs unchanged on the world or on a tensor- or
-  data-parallel subgroup, whose members' global ranks may be 1, 3, 5, 7.
-* `post` starts a set of non-blocking receives and sends at once, as one group; `exchange` also
-  waits for them.
-  Posting both sides before waiting is what keeps a ring from deadlocking: with blocking `send`
-  every rank would wait for its right neighbour to call `recv`, which it never does because it is
-  itself stuck in `send` (the classic cyclic wait).
-
-`send`, `recv`, `isend`, `irecv` are torch.distributed's own, wrapped only to count bytes, so
-pipeline code can use `comm.send` and have its traffic counted like every collective's.
-"""
+"""The only communication every other file in `refimpl.comm` is allowed to use: send and receive."""
 from __future__ import annotations
 
 import os
@@ -23,8 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from refimpl.comm.counter import op_scope, record_recv, record_send
-from refimpl.labels import comm_span
+from refimpl.seam import message, span
 
 # Collectives send with their own tag so that a pipeline stage's user-level send/recv (tag 0)
 # between the same two ranks can never be matched with a message that belongs to a ring.
@@ -104,21 +87,21 @@ def post(g: GroupView, sends=(), recvs=()) -> Posted:
             buf = torch.empty_like(tensor, memory_format=torch.contiguous_format)
             copy_back.append((tensor, buf))
         ops.append(("recv", buf, peer))
-        record_recv(buf.numel() * buf.element_size())
+        message("received", buf.numel() * buf.element_size())
     for tensor, peer in sends:
         if tensor.numel() == 0:
             continue
         buf = tensor.contiguous()
         ops.append(("send", buf, peer))
-        record_send(buf.numel() * buf.element_size())
+        message("sent", buf.numel() * buf.element_size())
     tag = wire_tag(COLLECTIVE_TAG)
     backend = dist.get_backend(g.group) if ops else None
     if backend in ("nccl", "staged"):
         # One group (batch_isend_irecv): NCCL runs the operations between two ranks in posting
         # order and a send may wait for its receive, so a receive and a send to the same peer
         # posted one by one would wait for each other (a 2-rank ring, every pairwise exchange);
-        # in a group they start together (refimpl.parallel.pp.nccl_order has the rule). The
-        # staged backend keeps that rule (refimpl.staged_stream runs the batch as one group).
+        # in a group they start together (refimpl.parallel.pp.order has the rule). The
+        # staged backend keeps that rule (refimpl.lab.runtime.staged_stream runs the batch as one group).
         works = dist.batch_isend_irecv([
             dist.P2POp(dist.irecv if kind == "recv" else dist.isend, buf, group=g.group, group_peer=peer, tag=tag)
             for kind, buf, peer in ops])
@@ -144,35 +127,23 @@ def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-# Point-to-point traffic is counted under one name, "p2p", in both `sent` and `received`, and
-# labelled comm:send / comm:recv (comm:isend / comm:irecv: posting only) in a trace.
 def send(tensor, dst=None, group=None, tag=0, group_dst=None):
-    """torch.distributed.send, counted and labelled."""
-    with op_scope("p2p"), comm_span("send", nbytes(tensor), group=group,
-                                         peer=_global(dst, group, group_dst), tag=tag):
-        record_send(nbytes(tensor))
+    with span("send", nbytes(tensor), group, _global(dst, group, group_dst), tag):
         return dist.send(tensor, dst, group, wire_tag(tag), group_dst=group_dst)
 
 
 def recv(tensor, src=None, group=None, tag=0, group_src=None):
-    """torch.distributed.recv, counted and labelled."""
-    with op_scope("p2p"), comm_span("recv", nbytes(tensor), group=group,
-                                         peer=_global(src, group, group_src), tag=tag):
-        record_recv(nbytes(tensor))
+    with span("recv", nbytes(tensor), group, _global(src, group, group_src), tag):
         return dist.recv(tensor, src, group, wire_tag(tag), group_src=group_src)
 
 
 def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
-    """torch.distributed.isend, counted; the returned handle's wait() is the caller's."""
-    with op_scope("p2p"), comm_span("isend", nbytes(tensor), group=group,
-                                         peer=_global(dst, group, group_dst), tag=tag):
-        record_send(nbytes(tensor))
+    """The returned handle's wait() is the caller's."""
+    with span("isend", nbytes(tensor), group, _global(dst, group, group_dst), tag):
         return dist.isend(tensor, dst, group, wire_tag(tag), group_dst=group_dst)
 
 
 def irecv(tensor, src=None, group=None, tag=0, group_src=None):
-    """torch.distributed.irecv, counted; the returned handle's wait() is the caller's."""
-    with op_scope("p2p"), comm_span("irecv", nbytes(tensor), group=group,
-                                         peer=_global(src, group, group_src), tag=tag):
-        record_recv(nbytes(tensor))
+    """The returned handle's wait() is the caller's."""
+    with span("irecv", nbytes(tensor), group, _global(src, group, group_src), tag):
         return dist.irecv(tensor, src, group, wire_tag(tag), group_src=group_src)

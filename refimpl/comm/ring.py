@@ -1,20 +1,5 @@
-"""Ring reduce-scatter, ring all-gather, and ring all-reduce = the two of them back to back.
-
-The ring (Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of
-workstations"; the same schedule as Baidu's and Horovod's ring-allreduce): ranks 0..n-1 sit on a
-ring, each sends only to its right neighbour and receives only from its left. The tensor is cut
-into n chunks. In each of n-1 steps every rank passes one chunk on, so every link is busy all the
-time and no rank is a hotspot.
-
-* reduce-scatter: at step s rank r sends chunk (r-s-1) and receives chunk (r-s-2), which it
-  reduces into its own copy; after n-1 steps rank r holds chunk r reduced over all ranks.
-* all-gather: rank r starts with chunk r; at step s it forwards chunk (r-s) and receives chunk
-  (r-s-1); after n-1 steps everyone holds every chunk.
-
-Bytes each rank sends: (n-1)/n * M for either half, 2(n-1)/n * M for all-reduce, which is the
-lower bound for any all-reduce (Patarasuk & Yuan, section 3) and independent of n for large n.
-Chunks come from `tensor_split`, so a size that does not divide by n gives chunks that differ by
-one element; a size smaller than n gives empty chunks, which are never sent.
+"""Ring reduce-scatter, ring all-gather, and ring all-reduce = the two of them back to back
+(seed 000 §2.1-2.3). Each of n ranks sends (n-1)/n·M per phase: 2(n-1)/n·M for the all-reduce.
 """
 from __future__ import annotations
 
@@ -82,7 +67,7 @@ def ring_reduce_scatter_(chunks: list[torch.Tensor], op, g: GroupView) -> None:
             # Segment j's send and receive as one group. Under NCCL's order (a rank's operations
             # run in posting order; a send completes only once its receive has started) sends
             # posted before the receives would hang every ring: each rank's first send waits for
-            # a receive its neighbour posted behind its own sends (refimpl.staged_stream).
+            # a receive its neighbour posted behind its own sends (refimpl.lab.runtime.staged_stream).
             return post(g, sends=[(outgoing[j], right)], recvs=[(incoming[j], left)])
 
         arriving = segment_pair(0)

@@ -1,18 +1,4 @@
-"""Broadcast and reduce on a binomial tree.
-
-Binomial tree (Thakur, Rabenseifner & Gropp 2005, "Optimization of collective communication
-operations in MPICH", section 4.1 for broadcast, 4.4 for reduce): number the ranks relative to the
-root, v = (rank - root) mod n. In round k (mask = 2^k) every rank that already has the data,
-v < mask, sends it to v + mask. The set of ranks holding the data doubles each round, so n ranks
-are covered in ceil(log2 n) rounds instead of the n-1 sends of a root that serves everyone itself.
-
-Reduce runs the same tree backwards: in round k a rank whose bit k is set sends its partial result
-to v - mask and drops out; the others receive, combine, and carry on. After ceil(log2 n) rounds the
-root (v = 0) holds the reduction of everyone.
-
-Cost: ceil(log2 n) * (alpha + M/beta). For long messages MPICH switches to scatter + all-gather
-(van de Geijn) to get closer to 2M/beta; we keep the tree, whose picture is the point here.
-"""
+"""Broadcast and reduce on a binomial tree."""
 from __future__ import annotations
 
 import torch

@@ -1,18 +1,4 @@
-"""How a collective is issued: labelled for the profiler, counted, and optionally asynchronous.
-
-`async_op=True` must return at once with a handle whose `.wait()` blocks until the result is in
-place; that is what lets a data-parallel backward start reducing one bucket of gradients while it
-computes the next. A ring cannot be posted all at once (each step forwards what the previous step
-received), so the whole collective runs on a worker thread instead.
-
-There is exactly one such worker per process (`_LANE`), and it runs collectives strictly in the
-order they were issued. That order is the contract that makes asynchronous collectives correct:
-every rank issues the same collectives in the same order, each rank's lane executes them in that
-order, so the k-th message a rank receives from a peer always belongs to the k-th collective. It is
-the CPU stand-in for the single CUDA stream on which NCCL serialises its collectives. A blocking
-call first waits for the lane to empty, for the same reason. The lane is process-wide state by
-necessity (one ordering per process, like one stream per device); it holds no data, only order.
-"""
+"""How a collective is issued: labelled for the profiler, counted, and optionally asynchronous."""
 from __future__ import annotations
 
 import contextvars
@@ -20,10 +6,10 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
+import torch.distributed as dist
 
-from refimpl.comm.counter import op_scope
 from refimpl.comm.p2p import GroupView
-from refimpl.labels import comm_span
+from refimpl.seam import span
 
 
 class Work:
@@ -95,13 +81,17 @@ class _Lane:
 
 _LANE = _Lane()
 
+LANE_ON_NCCL = ("refimpl.comm's asynchronous collectives run on gloo only: on NCCL their host "
+                "thread would post on the default CUDA stream, in an order that can differ between "
+                "ranks (a deadlock); use torch.distributed's collectives (--collectives torch)")
+
 
 def issue(name: str, group, async_op: bool, body, nbytes: int | None = None):
     """Run `body(GroupView)` as collective `name`: now, or on the lane when `async_op`.
 
     Returns None (blocking) or a `Work` (async), as torch.distributed does; a rank outside `group`
     does nothing and gets None, again as torch does. The trace label is `comm:<name> <nbytes>B`
-    (refimpl.trace.profiling's convention), nbytes being the collective's message size M as nccl-tests
+    (refimpl.lab.trace.profiling's convention), nbytes being the collective's message size M as nccl-tests
     counts it, so a trace alone gives each call's bandwidth.
     """
     g = GroupView.of(group)
@@ -109,10 +99,12 @@ def issue(name: str, group, async_op: bool, body, nbytes: int | None = None):
         return None
 
     def task():
-        with comm_span(name, nbytes), op_scope(name):
+        with span(name, nbytes, group):
             body(g)
 
     if async_op:
+        if dist.get_backend(group) == "nccl":
+            raise RuntimeError(LANE_ON_NCCL)
         return _LANE.submit(task)
     _LANE.drain()
     task()

@@ -3,5 +3,4 @@
     transforms.py       the transforms in one fixed order, and their layout checks before launch
     tp_cp.py            ring attention over tensor-parallel heads (tp x cp)
     optim_reshard.py    optimizer state (AdamW's m, v) gathered to reference names and re-placed
-    torch_fsdp2_tp.py   torch-fsdp2-tp: PyTorch's composed twin (FSDP2 over DTensor TP; with --pp, pipelining)
 """

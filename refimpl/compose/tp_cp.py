@@ -1,28 +1,12 @@
 """Ring attention over tensor-parallel heads (tp x cp): context parallelism on a tp model.
 
-Tensor parallelism splits attention by heads and context parallelism splits it by tokens; the two
-cuts are orthogonal because attention mixes tokens only *within* a head. So a rank at (cp c, tp t)
-computes, after its column-parallel W_Q, W_K, W_V, the a/tp heads of tp rank t for the two sequence
-chunks of cp rank c, and rings exactly that K/V shard -- [b, a/tp, s/cp, d_head] -- among its cp
-peers, the ranks with the same tp index (as in Megatron-LM, whose cp groups are the ranks of one
-tp rank, so each ring carries one head shard). Every ring step
-is refimpl.parallel.cp.ring.ring_attention unchanged, called on a/tp heads; W_O stays row-parallel
-over tp. A rank's ring carries 1/tp of what plain cp would send.
+TP splits attention by heads and CP by tokens, and attention mixes tokens only within a head, so
+a rank at (cp c, tp t) rings its a/tp heads' K/V shard, [b, a/tp, s/cp, d_head], among its cp
+peers (as Megatron-LM, whose cp groups are the ranks of one tp rank): each ring step is
+refimpl.parallel.cp.ring.ring_attention on a/tp heads and carries 1/tp of plain cp's bytes.
+Under SP the all-gather before W_Q, W_K, W_V rebuilds the cp rank's s/cp tokens in head-tail order.
 
-    tp collectives   per block: f / g around attention and the MLP (all-reduce, or all-gather and
-                     reduce-scatter under --sequence-parallel), on the local s/cp tokens
-    cp messages      per block: the K/V shard, cp - 1 hops forward; backward 2cp - 1 (the K/V
-                     again, cp - 1 hops, and their gradients home, cp hops), each 1/tp of plain
-                     cp's (tests/test_dryrun.py counts them on meta tensors)
-
-Sequence parallelism composes: between the blocks each rank holds s/(cp·tp) tokens -- its tp
-slice of its cp rank's two chunks; the all-gather before W_Q, W_K, W_V rebuilds the cp rank's
-s/cp tokens in their head-tail order, which is what the ring expects, and the reduce-scatter after
-W_O cuts them again. The position table is looked up with global positions (the cp slice's), then
-the tp rank's part of them (tp.vocab.VocabParallelEmbedding.position_ids).
-
-Gradients: the weights a cp rank holds are its tp rank's shard, the same on every cp peer, so they
-are summed over dp x cp by the data-parallel strategy exactly as without tp.
+    apply_context_parallel_over_tp(model, cp_group, rank, cp)   # after parallelize_tp
 """
 from __future__ import annotations
 
@@ -31,11 +15,12 @@ import functools
 import torch
 import torch.nn as nn
 
-from refimpl.labels import phase
 from refimpl.model.gqa import grouped_qkv
 from refimpl.parallel.cp.ring import positions, ring_attention
-from refimpl.parallel.tp.layers import ParallelGroupedAttention, ParallelSelfAttention, enter_region
+from refimpl.parallel.tp.attention import ParallelGroupedAttention, ParallelSelfAttention
+from refimpl.parallel.tp.mappings import enter_region
 from refimpl.parallel.tp.vocab import VocabParallelEmbedding
+from refimpl.seam import phase
 
 
 class RingParallelSelfAttention(nn.Module):
@@ -46,12 +31,12 @@ class RingParallelSelfAttention(nn.Module):
         super().__init__()
         self.q, self.k, self.v, self.o = attn.q, attn.k, attn.v, attn.o
         self.n_heads, self.label = attn.n_heads, attn.label          # the local heads: a / tp
-        self.group, self.sequence_parallel, self.comm = attn.group, attn.sequence_parallel, attn.comm
+        self.group, self.sequence_parallel = attn.group, attn.sequence_parallel
         self.cp_group, self.balanced = cp_group, balanced
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with phase(self.label):
-            x = enter_region(x, self.group, self.sequence_parallel, self.comm)
+            x = enter_region(x, self.group, self.sequence_parallel)
             out = ring_attention(self.q(x), self.k(x), self.v(x), self.n_heads, self.cp_group,
                                  balanced=self.balanced)
             return self.o(out)
@@ -67,12 +52,12 @@ class RingParallelGroupedAttention(nn.Module):
         self.q, self.k, self.v, self.o = attn.q, attn.k, attn.v, attn.o
         self.n_heads, self.n_kv_heads, self.theta = attn.n_heads, attn.n_kv_heads, attn.theta
         self.label = attn.label
-        self.group, self.sequence_parallel, self.comm = attn.group, attn.sequence_parallel, attn.comm
+        self.group, self.sequence_parallel = attn.group, attn.sequence_parallel
         self.cp_group, self.rank, self.cp, self.balanced = cp_group, rank, cp, balanced
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with phase(self.label):
-            x = enter_region(x, self.group, self.sequence_parallel, self.comm)
+            x = enter_region(x, self.group, self.sequence_parallel)
             where = _cp_positions(x.shape[1], x.device, rank=self.rank, cp=self.cp,
                                   balanced=self.balanced)
             q, k, v = grouped_qkv(self.q(x), self.k(x), self.v(x), self.n_heads,

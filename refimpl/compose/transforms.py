@@ -26,7 +26,6 @@ import functools
 import torch.nn as nn
 
 from refimpl.compose.tp_cp import apply_context_parallel_over_tp, tp_cp_layout_problem
-from refimpl.faults import injected
 from refimpl.mesh import LayoutError
 from refimpl.model import lm_loss
 from refimpl.model.activation_checkpointing import checkpoint_blocks
@@ -44,7 +43,6 @@ from refimpl.parallel.tp.parallelize import (
     tp_loss_for,
     tp_overlap_problem,
 )
-from refimpl.parallel.tp.torch_plan import torch_plan_problem
 from refimpl.rank_model import Pipeline, RankModel
 
 
@@ -54,26 +52,15 @@ def validate_model_parallel(cfg, strategy) -> None:
     if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):
         raise LayoutError(f"--seq-len {cfg.seq_len} must be divisible by 2 x cp = {2 * cfg.cp}: "
                           "ring attention cuts each sequence into 2·cp equal chunks")
-    if cfg.tp > 1 and not strategy.takes_our_transforms:
-        problem = torch_plan_problem(cfg.model, cfg.tp)
-        if problem:
-            raise LayoutError(f"{cfg.strategy}: {problem}")
     validate_moe(cfg.model, cfg.dims.ep)
     if cfg.dims.ep > 1 and not strategy.experts_over_edp:
-        # PyTorch's twins sum every gradient over dp x cp: expert 0's into expert 2's weights.
+        # a strategy that sums every gradient over dp x cp: expert 0's into expert 2's weights
         raise LayoutError(f"--ep {cfg.dims.ep}: strategy {cfg.strategy!r} would sum different "
                           "experts' gradients over dp x cp (use ep, dp-naive, dp, zero1/2/3 or fsdp)")
     problem = batch_scope_problem(cfg.model, dp=cfg.dims.dp, cp=cfg.cp,
                                   micro_batches=cfg.micro_batches)
     if problem:
         raise LayoutError(problem)
-    if cfg.model.n_experts and cfg.pp > 1 and cfg.strategy.startswith("torch-pp-"):
-        raise LayoutError(f"--experts with {cfg.strategy}: PyTorch's schedules run the stages "
-                          "themselves and backpropagate the last stage's loss only, so a stage's MoE "
-                          "aux loss cannot join it and its expert load is not single's (use pp-*)")
-    if cfg.tp > 1 and cfg.model.n_experts and not strategy.takes_our_transforms:
-        raise LayoutError(f"--tp with --experts: {cfg.strategy!r} applies DTensor's tp plan to the "
-                          "plain reference, which names no MoE layer (ours split each expert)")
     if cfg.sequence_parallel and cfg.tp == 1:
         raise LayoutError("--sequence-parallel needs --tp > 1 (it splits what tensor parallelism "
                           "leaves replicated)")
@@ -99,10 +86,8 @@ def model_parallel(model: nn.Module, ctx) -> RankModel:
     loss_fn, seq_split = lm_loss, 1
     if mesh.size("tp") > 1:
         parallelize_tp(model, mesh.group("tp"), sequence_parallel=cfg.sequence_parallel,
-                       comm=ctx.comm, sum_norm_grads=not injected(cfg, "sp-norm-unsummed"),
                        overlap=bool(cfg.options.get("tp_overlap", False)))
-        # reads the vocabulary-split logits; the fault vocab-unmasked leaves the padding in
-        loss_fn = tp_loss_for(model.lm_head, mask_padding=not injected(cfg, "vocab-unmasked"))
+        loss_fn = tp_loss_for(model.lm_head)      # reads the vocabulary-split logits
         seq_split = mesh.size("tp") if cfg.sequence_parallel else 1
     batch_chunks = None
     if mesh.size("cp") > 1:   # ring attention in every block, global positions
@@ -116,18 +101,18 @@ def model_parallel(model: nn.Module, ctx) -> RankModel:
         # holds (ring attention's head-tail chunks), to count a sequence's capacity in order.
         pieces = [chunk_ids(r, mesh.size("cp")) for r in range(mesh.size("cp"))]
         for layer in moe_layers(model):
-            layer.sequences = ChunkedSequences(pieces, mesh.group("cp"), comm=ctx.comm)
+            layer.sequences = ChunkedSequences(pieces, mesh.group("cp"))
     if mesh.size("ep") > 1:
         # Tokens come from every dp x cp rank (the capacity is global); experts move over "ep".
-        parallelize_experts(model, mesh.group("ep"), mesh.group("dp_cp"), comm=ctx.comm)
+        parallelize_experts(model, mesh.group("ep"), mesh.group("dp_cp"))
     elif cfg.model.n_experts and mesh.size("dp_cp") > 1:
-        share_routing_counts(model, mesh.group("dp_cp"), comm=ctx.comm)   # global capacity
+        share_routing_counts(model, mesh.group("dp_cp"))   # global capacity
     if cfg.activation_checkpointing:
         checkpoint_blocks(model)
     pipeline = None
     if mesh.size("pp") > 1:
         model = split_for_pipeline(model, ctx, seq_split)
-        pipeline = Pipeline(functools.partial(pipeline_forward_backward, model, fault=cfg.fault),
+        pipeline = Pipeline(functools.partial(pipeline_forward_backward, model),
                             loss_stage=model.loss_stage,           # the last stage, or a V's first
                             sum_stages=bool(cfg.model.n_experts))  # MoE: every stage adds its aux
     return RankModel(model, loss_fn=loss_fn, shard_batch=batch_chunks, pipeline=pipeline)

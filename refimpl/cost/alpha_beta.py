@@ -1,26 +1,6 @@
-"""The alpha-beta model of a collective, written once: its time formulas and its fit to a sweep.
-
-A message of M bytes from one rank to another takes alpha + M / beta: a fixed latency alpha
-(software, NIC, switch) plus its bytes at the link's bandwidth beta (Thakur, Rabenseifner & Gropp
-2005, "Optimization of collective communication operations in MPICH", section 2). A collective
-algorithm is then the number of message steps on its critical path and the bytes each rank sends:
-
-    T = steps * alpha + bytes per rank / beta
-
-The ring (Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of
-workstations"; Thakur et al. 2005, section 4): an all-gather or a reduce-scatter on n ranks is n-1
-steps, each passing one M/n chunk on; an all-reduce is one, then the other:
-
-    all_reduce                  2(n-1) * alpha + 2(n-1)/n * M / beta
-    all_gather, reduce_scatter   (n-1) * alpha +  (n-1)/n * M / beta
-
-The bytes per rank are refimpl.cost.collective_bytes' one table, which is also nccl-tests' bus
-bandwidth factor (`busbw_factor`). Rabenseifner's halving-doubling all-reduce (Thakur et al. 2005,
-section 4.5) takes 2 log2 p steps instead; refimpl.comm.halving_doubling counts its messages and
-bytes, `halving_doubling_seconds` prices them.
-
-alpha and beta come from a sweep (refimpl.lab.measure.bench): `fit_alpha_beta` fits T = alpha + M / beta
-to the measured times, and `hop_model_from_fit` reads a ring's alpha per step out of such a fit.
+"""The alpha-beta model of a collective, written once (seed 000 §2.2): a message of n bytes takes
+T = alpha + n / beta; a ring all-reduce of M bytes on p ranks 2(p-1)·alpha + 2(p-1)/p · M / beta.
+Its time formulas and its fit to a sweep (`fit_alpha_beta`, the contract's refimpl.bench name).
 """
 from __future__ import annotations
 

@@ -1,18 +1,4 @@
-"""Training compute at cluster scale: PetaFLOP-days, compute-optimal data, days on a cluster (seed §1.2).
-
-The FLOP count itself is `refimpl.memory.training_flops` (6·N·D plus attention), the days at a
-given rate `refimpl.memory.training_days`, and each GPU's dense bf16 peak the datasheet number in
-refimpl.cost.hardware's presets ("a100-80gb", "h100-sxm", "h200"); this file turns them into the
-units and wall-clock figures the seed and the papers quote.
-
-* PetaFLOP-day (seed §1.2; Brown et al. 2020, GPT-3, Appendix D): 10^15 FLOP/s for one day,
-  8.64·10^19 FLOPs.
-* Model FLOPs utilisation, MFU (Chowdhery et al. 2022, PaLM, §4.1 and Appendix B): achieved model
-  FLOPs per second over the hardware's peak.
-* Compute-optimal data (Hoffmann et al. 2022, "Training Compute-Optimal Large Language Models",
-  Chinchilla): about 20 tokens per parameter at the compute-optimal frontier (their Table 3:
-  70B parameters -> 1.4T tokens).
-"""
+"""Training compute at cluster scale: PetaFLOP-days, compute-optimal data, days on a cluster (seed §1.2)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,28 +1,4 @@
-"""What one accelerator and its links can do: the one table of GPU datasheet numbers.
-
-The planner (refimpl.lab.plan) predicts with these presets; refimpl.cost.compute turns their peak
-rates into cluster-scale figures, refimpl.cost.tp_comm their links into TP's comm/compute ratio.
-Each preset is per GPU, from NVIDIA's datasheets (the URL next to each). Datasheets quote NVLink as
-the bidirectional total; a ring all-reduce sends and receives at the same time, so the rate one
-direction carries -- half the quoted total, NVLink's links x 25 GB/s (refimpl.cost.links) -- is
-what the alpha-beta model's beta is. InfiniBand is one ConnectX NIC per GPU in the DGX systems (DGX
-datasheets): its line rate in Gb/s / 8 per direction (refimpl.cost.links.gbit).
-
-Two fractions are assumptions, not datasheet numbers, and are stated here once:
-  GEMM_FRACTION = 0.75   large, well-shaped bf16 GEMMs sustain ~70-80% of the tensor-core peak
-                         (NVIDIA, "Matrix Multiplication Background User's Guide", Deep Learning
-                         Performance docs: A100 GEMM throughput vs size).
-  LINK_FRACTION = 0.8    NCCL's all-reduce bus bandwidth reaches ~80% of the link rate on DGX
-                         systems (nccl-tests, doc/PERFORMANCE.md, bus bandwidth vs hardware peak).
-Latencies (alpha) are orders of magnitude of NCCL's small-message times, also assumptions.
-`cpu_preset` replaces every one of these by a measurement on this machine
-(refimpl.lab.measure.this_machine.measure_cpu_preset).
-
-Memory is in one unit for every device: the capacity the driver reports, `nvidia-smi`'s
-memory.total in MiB (MIB below). The datasheets' "80GB" and "141GB" are labels, not byte counts:
-an A100 80GB reports 81920 MiB (80 GiB exactly), an H100 SXM 80GB 81559 MiB (79.6 GiB), an H200
-141GB 143771 MiB (140.4 GiB; read as 141e9 bytes it would be 131 GiB, 9 GiB short of the card).
-"""
+"""What one accelerator and its links can do: the one table of GPU datasheet numbers."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,23 +1,4 @@
-"""Interconnects (seed §2.3, 토폴로지와 하드웨어): bandwidth per direction from each link's spec.
-
-Bandwidths are computed from the standards' line rates, so the table shows where each figure comes
-from rather than a pasted number:
-
-    PCIe 4.0 / 5.0 x16     16 / 32 GT/s per lane, 128b/130b encoding (PCI-SIG base specs 4.0, 5.0)
-    NVLink 3 (A100)        12 links x 25 GB/s per direction = 300 GB/s (600 GB/s both ways;
-                           NVIDIA A100 datasheet)
-    NVLink 4 (H100)        18 links x 25 GB/s per direction = 450 GB/s (900 GB/s both ways;
-                           NVIDIA H100 datasheet)
-    NVSwitch (DGX H100)    every GPU reaches every other at its full NVLink 4 rate (NVIDIA DGX H100
-                           user guide: 4 third-generation NVSwitches); the all-to-all point of a node
-    InfiniBand HDR / NDR   200 / 400 Gb/s per 4x port (InfiniBand Trade Association roadmap)
-    Ethernet 100 / 400 GbE 100 / 400 Gb/s (IEEE 802.3)
-
-Latencies are orders of magnitude for a small message end to end, not datasheet figures: under a
-microsecond on NVLink and PCIe within a node, 1-2 us across an InfiniBand switch with RDMA, and
-tens of microseconds for TCP over Ethernet (RoCE, RDMA over Ethernet, gets within a few us). A
-collective library adds its own software latency on top (several us per NCCL call).
-"""
+"""Interconnects (seed §2.3, 토폴로지와 하드웨어): bandwidth per direction from each link's spec."""
 from __future__ import annotations
 
 import pandas as pd

@@ -1,22 +1,4 @@
-"""The rest of the ZeRO family (seed §3.2), as arithmetic: ZeRO++, ZeRO-Infinity, DeepSpeed configs.
-
-ZeRO++ (Wang et al. 2023, "ZeRO++: Extremely Efficient Collective Communication for Giant Model
-Training") attacks ZeRO-3's 3Ψ per step (all-gather for forward, all-gather for backward,
-reduce-scatter of gradients; Rajbhandari et al. 2020 §7) with three changes:
-
-* qwZ, quantised weights: the forward all-gather carries int8 blocks instead of fp16, half the bytes;
-* hpZ, hierarchical partitioning: each node keeps a second, node-local fp16 shard of the weights,
-  so the backward all-gather stays inside the node (NVLink), off the inter-node network, at the
-  price of 2Ψ / (GPUs per node) more bytes per GPU;
-* qgZ, quantised gradients: the reduce-scatter carries int4 values (all-to-all based), a quarter.
-
-ZeRO-Infinity (Rajbhandari et al. 2021, "ZeRO-Infinity: Breaking the GPU Memory Wall for Extreme
-Scale Deep Learning") offloads the model states (16 bytes per parameter in mixed-precision Adam:
-fp16 weights and gradients, fp32 master, momentum and variance) to CPU memory and NVMe.
-Offloading the *parameters* is ZeRO-3-Offload / ZeRO-Infinity (and FSDP's CPUOffload); the
-earlier ZeRO-Offload (Ren et al. 2021) keeps the fp16 parameters on the GPU and offloads the
-optimizer states and gradients only.
-"""
+"""The rest of the ZeRO family (seed §3.2), as arithmetic: ZeRO++, ZeRO-Infinity, DeepSpeed configs."""
 from __future__ import annotations
 
 import json

@@ -5,6 +5,8 @@
     measure/     sweeps and measurements the notebooks and benchmarks run (collectives, bubbles, MFU,
                  CUDA memory, ceilings)
     checkpoint/  checkpoint conversions
+    twins/       PyTorch's twins (torch-*), --strategy names through the registry's plug-in seam
+    faults/      notebook 10's bugs on purpose (--set fault=NAME), picked through the same seam
     plots/, tb_plugin/, cli.py, env.py   figures, TensorBoard's rank timeline, `python -m refimpl`
 
 The lab imports the core; the core (refimpl/ outside this folder) never imports the lab

@@ -78,6 +78,9 @@ def train_flags() -> argparse.ArgumentParser:
                            "interleaved-zb, zbv, dualpipev")
     grid.add_argument("--virtual-stages", type=int, default=1,
                       help="model chunks per pipeline rank (interleaved schedule)")
+    f.add_argument("--device", default="auto",
+                   help="cpu: ranks on gloo even where GPUs are enough for NCCL (under torchrun "
+                   "too); auto: NCCL when every rank has a GPU; cuda: a one-process run on the GPU")
     f.add_argument("--collectives", default="torch",
                    help="torch, or refimpl: every collective rebuilt from send/recv (refimpl.comm)")
     f.add_argument("--set", dest="options", action="append", type=_parse_option, default=[],
@@ -130,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _absolute(path: str | None) -> str | None:
+    """A path the ranks resolve as this process does (a forked rank may run elsewhere)."""
+    return os.path.abspath(path) if path else None
+
+
 def config_from_args(args):
     from refimpl.config import TrainConfig
     from refimpl.mesh import LayoutError
@@ -143,10 +151,10 @@ def config_from_args(args):
     # MoE knobs are the model's, not a strategy's: --set balance=aux|bias|none, aux_alpha, bias_gamma,
     # capacity_scope=batch|sequence
     moe = {key: options.pop(key) for key in MODEL_OPTIONS if key in options}
-    fault = options.pop("fault", None)     # --set fault=<name>: a bug on purpose (refimpl.faults)
+    fault = options.pop("fault", None)     # --set fault=<name>: a bug on purpose (refimpl.lab.faults)
     try:
         if args.init_hf:   # the checkpoint's config.json says the model, not the shape flags
-            from refimpl.model.hf import read_config
+            from refimpl.lab.checkpoint.hf import read_config
             hub = read_config(args.init_hf)
             model = replace(hub, **moe) if moe else hub
         else:
@@ -161,15 +169,16 @@ def config_from_args(args):
                        global_batch=args.global_batch, seq_len=args.seq_len, seed=args.seed,
                        lr=args.lr, micro_batches=args.micro_batches,
                        mixed_precision=args.mixed_precision, dtype=args.dtype,
+                       device=args.device,
                        activation_checkpointing=args.checkpointing, profile=args.profile,
                        trace_dir=args.trace_dir, model=model, options=options,
                        tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
                        sequence_parallel=args.sequence_parallel, collectives=args.collectives,
                        schedule=args.schedule, virtual_stages=args.virtual_stages, fault=fault,
                        init_state=args.init_state, init_hf=args.init_hf,
-                       return_state=bool(args.save_state),
+                       save_state=_absolute(args.save_state),
                        init_optimizer_state=args.init_optimizer_state,
-                       return_optimizer_state=bool(args.save_optimizer_state),
+                       save_optimizer_state=_absolute(args.save_optimizer_state),
                        checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir,
                        record_memory=not args.profile)   # memory[r].peak (not under --profile)
 
@@ -210,18 +219,11 @@ def main(argv=None) -> int:
     except LayoutError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # --save-state / --save-optimizer-state: rank 0 wrote them (refimpl.lab.checkpoint.export)
     result = train_on_ranks(cfg, timeout=args.timeout)
     result.pop("per_rank")
-    state = result.pop("state_dict", None)
-    optimizer_state = result.pop("optimizer_state", None)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0                                  # under torchrun, rank 0 speaks for all
-    if args.save_state:
-        from refimpl.lab.verify.reshard import save_checkpoint
-        save_checkpoint(state, args.save_state)
-    if args.save_optimizer_state:
-        import torch
-        torch.save(optimizer_state, args.save_optimizer_state)
     if args.json:
         print(json.dumps(result))
     else:

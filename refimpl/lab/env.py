@@ -19,7 +19,7 @@ import subprocess
 from dataclasses import asdict, dataclass
 
 GiB = 2 ** 30
-SHARED_DEVICE = "REFIMPL_SHARED_DEVICE"   # refimpl.shared_device.ENV (not imported: it loads torch)
+SHARED_DEVICE = "REFIMPL_SHARED_DEVICE"   # refimpl.lab.runtime.shared_device.ENV (not imported: it loads torch)
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Machine:
 
     def backend_for(self, nproc: int) -> str:
         """The backend `launch.run(fn, nproc)` picks: the staged one when every rank shares one
-        device (REFIMPL_SHARED_DEVICE, refimpl.shared_device), else NCCL only when every rank has
+        device (REFIMPL_SHARED_DEVICE, refimpl.lab.runtime.shared_device), else NCCL only when every rank has
         its own GPU."""
         if nproc < 1:
             raise ValueError(f"nproc must be >= 1, got {nproc}")

@@ -1,19 +1,4 @@
-"""The reference model: a tiny GPT, deterministic from a seed.
-
-Every strategy in `refimpl.parallel` starts from the same `build_model(config, seed)`,
-and trains on the same `synthetic_batch(config, step)`, so "same losses, same weights" is a fair
-test. The model is deliberately plain (pre-norm blocks, explicit attention, GELU MLP) so that each
-weight matrix is one that a strategy can shard, slice or move by name:
-
-    embed.tok, embed.pos          token and position embeddings
-    blocks[i].attn.{q,k,v,o}      W_Q, W_K, W_V (column-parallel in TP), W_O (row-parallel)
-    blocks[i].mlp.{up,down}       A (column-parallel) and B (row-parallel) of Y = GELU(XA)B
-    final_norm, lm_head           (lm_head shares embed.tok's weight when tie_embeddings)
-
-Attention is written out (scores -> mask -> softmax -> @V) instead of calling a fused kernel: the
-s x s score and probability tensors it saves for backward are the O(s^2) activation term that
-notebook 00 measures against Korthikanti et al. 2022.
-"""
+"""The reference model: a tiny GPT, deterministic from a seed."""
 from __future__ import annotations
 
 import torch

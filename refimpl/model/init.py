@@ -1,18 +1,4 @@
-"""The reference's initial values, one parameter at a time, each from its own seeded generator.
-
-GPT-2's init (Radford et al. 2019; nanoGPT's `_init_weights`): N(0, 0.02) for every matrix and
-embedding, zero biases, unit LayerNorm (and Llama's RMSNorm) weights; every buffer starts at zero (a MoE layer's
-expert_bias, the one buffer the model has).
-
-Why one generator per parameter, seeded by (seed, the parameter's reference name), and not one
-stream drawn in construction order: a rank then makes exactly the values of the parameters it
-keeps, in any order, without building the others first. A 7B model is 25 GiB in fp32; a rank of
-ZeRO-3 over 8 keeps 1/8 of it, a pipeline stage its own blocks (refimpl.rank_values). `single`
-builds its model through the same function (`build_model`), so every layout still starts from
-the same weights, bit for bit. Megatron-LM's `_initialize_affine_weight_cpu` draws each master
-weight whole on the host and slices it in the same spirit; there the stream is shared, so every
-rank draws every weight.
-"""
+"""The reference's initial values, one parameter at a time, each from its own seeded generator."""
 from __future__ import annotations
 
 import contextlib

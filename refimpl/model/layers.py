@@ -51,3 +51,18 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.gelu(self.up(x)))
+
+
+class WatchedLinear(nn.Module):
+    """A linear layer whose matmul is not its whole forward (tensor parallelism's, whose SP
+    collectives hide the matmul's X and Y from a forward hook). It reports X and Y itself and owns
+    its weight-gradient formula: what ZB-H1's deferred W (refimpl.parallel.pp.zero_bubble) needs."""
+
+    def watch_matmul(self, watcher) -> None:
+        """Call `watcher(module, x, y)` after each matmul (None: stop)."""
+        raise NotImplementedError
+
+    def weight_grads(self, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
+        """The parameters' gradients from the matmul's X and dY."""
+        raise NotImplementedError
+

@@ -1,69 +1,34 @@
 """Mixture of experts: the MLP that a router splits into E experts, k of them active per token.
 
-Seed (001, 전문가 병렬화): a router (게이팅 네트워크) sends each token to a few expert networks, so
-the parameter count grows with E while the compute per token grows only with k. Seed (003): the
-hard part is load balancing (로드 밸런싱) -- a router that favours a few experts leaves the others,
-and the devices holding them, idle.
+Seed 001 (전문가 병렬화): a router (게이팅 네트워크) sends each token to a few experts, so the
+parameters grow with E and the compute per token with k; seed 003: the hard part is load
+balancing (로드 밸런싱). The router, capacity and aux loss: refimpl.model.moe_routing. The bias
+(DeepSeek-V3, Liu et al. 2024, sec. 2.1.2): b_i shifts the choice only and moves by -gamma if
+expert i was overloaded in the step, +gamma if under (`--set balance=aux|bias|none`).
 
-One MoE layer, top to bottom (the numbers are the papers' formulas):
-
-  router      logits = x W_r (no bias), probabilities p = softmax(logits) over the E experts.
-  top-k       choose the k largest scores per token (k = 1: Switch Transformer, Fedus et al. 2021;
-              k = 2: GShard, Lepikhin et al. 2020). Ties go to the lower expert index (a stable
-              sort), so every layout picks the same experts for the same scores.
-  gates       k = 1: the gate is p itself (Switch, section 2.1: the router learns through it);
-              k > 1: p renormalised over the chosen experts (GShard, Mixtral).
-  capacity    C = ceil(k * T / E * capacity_factor) (Switch, eq. 3 with GShard's k*T slots for
-              top-k; T = tokens in one forward of the whole batch: the global batch, or one
-              micro-batch of it). An expert takes assignments in batch order (token, then slot)
-              until it holds C; the rest overflow: they skip the expert and the token keeps only
-              its residual path (Block adds x back). Overflows are counted.
-  aux loss    Switch, eq. 4-6: alpha * E * sum_i f_i P_i, with f_i the fraction of assignments
-              routed to expert i (a count, no gradient) and P_i the mean router probability of
-              expert i (differentiable). Minimal (= alpha) when the load is uniform.
-  bias        DeepSeek-V3 (Liu et al. 2024, section 2.1.2, auxiliary-loss-free balancing): a
-              per-expert bias b_i is added to the scores *for choosing only* (gates still come from
-              p); at the end of each step b_i moves by -gamma if expert i was overloaded, +gamma if
-              under, the load being the whole step's (every micro-batch's tokens, on every rank).
-
-`--set balance=aux|bias|none` picks the balancing: aux (the default) adds the loss, bias nudges,
-none does neither (the load then drifts: notebook 08 shows it).
-
-The layer only *routes*; who runs the experts is its `dispatch`: `LocalExperts` here (every expert
-on this process), or refimpl.parallel.ep.dispatch's all-to-all over an ep group. Both receive
-the assignments sorted by expert and in global batch order, so a layout never changes the maths.
-The capacity and f_i are global (counts gathered over the ranks that hold tokens): that is what
-makes an expert-parallel run drop exactly the tokens the single process drops.
-
-No host read. C comes from the batch's shape (the routed count is k*T, every token-holding rank
-holding as many tokens), so the kept assignments travel in buffers of a size known before the
-step (refimpl.model.moe_slots: each expert's slots, padded with zero rows that change no
-gradient); counts, stats and the aux loss stay on the device. `MoEStats`'s `dropped` and
-`imbalance` and the all-to-all byte counters are host reads, made only after the step
-(`moe_step_record`, notebooks). Every rule here has a capacity (capacity_factor > 0): there is no
-dropless mode, which could not have fixed sizes (its buffers would be the routed counts).
-
-Scope (`--set capacity_scope=batch|sequence`). `batch`, the default, is the rule above: C and f_i
-over one forward's tokens, in batch order. It equals single only where a forward holds single's
-tokens in single's order; data parallelism with micro-batches (a forward holds the i-th
-micro-batch of each rank's rows) and context parallelism (a rank holds two chunks of each
-sequence) break that, and `batch_scope_problem` refuses them before launch unless nothing can
-overflow (capacity_factor >= E/k) and, for the first, balance != aux. `sequence` counts C and the
-aux loss per sequence (refimpl.model.moe_sequence, DeepSeek-V3's sequence-wise balance loss): a
-sequence is the same in every layout, so every layout equals single under it.
+The layer only routes; its `dispatch` runs the experts: `LocalExperts` here, or the all-to-all of
+refimpl.parallel.ep.dispatch. Counts are global (gathered over the token-holding ranks), so a
+layout drops exactly the tokens single drops; the buffers have sizes known from the shapes
+(refimpl.model.moe_slots), so nothing is read on the host. `capacity_scope=sequence` counts C
+and the aux loss per sequence instead (refimpl.model.moe_sequence).
 """
 from __future__ import annotations
 
 import contextlib
-import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from refimpl.labels import phase
 from refimpl.model.config import GPTConfig
 from refimpl.model.moe_layout import BALANCE, SCOPES, batch_scope_problem, validate_moe  # noqa: F401
+from refimpl.model.moe_routing import (  # noqa: F401
+    MoEStats,
+    Routing,
+    expert_capacity,
+    route,
+    switch_aux_loss,
+    within_capacity,
+)
 from refimpl.model.moe_sequence import (
     WholeSequences,
     keep_per_sequence,
@@ -72,6 +37,7 @@ from refimpl.model.moe_sequence import (
 )
 from refimpl.model.moe_slots import destinations, one_hot, pack, unpack
 from refimpl.model.parts import feed_forward
+from refimpl.seam import phase
 
 
 class _Recompute:
@@ -93,87 +59,11 @@ def recompute_contexts():
     return contextlib.nullcontext(), _recomputing()
 
 
-@dataclass(frozen=True)
-class Routing:
-    """The router's decision for T tokens: `experts[t, j]` is token t's j-th choice."""
-    experts: torch.Tensor   # [T, k] long
-    gates: torch.Tensor     # [T, k] weights of the chosen experts' outputs (differentiable)
-    probs: torch.Tensor     # [T, E] softmax of the router logits (differentiable)
-
-
-@dataclass(frozen=True)
-class MoEStats:
-    """What one forward of one MoE layer did, for the whole global batch (every rank agrees)."""
-    routed: torch.Tensor    # [E] assignments the router sent to each expert
-    kept: torch.Tensor      # [E] assignments each expert processed (<= capacity)
-    capacity: int
-    received: torch.Tensor  # [source ranks, E_local] rows this rank's experts got from each rank
-
-    @property
-    def dropped(self) -> int:
-        return int((self.routed - self.kept).sum())
-
-    @property
-    def imbalance(self) -> float:
-        """max / mean of the routed load: 1.0 is perfect balance, E means one expert takes all."""
-        return float(self.routed.max() / self.routed.float().mean())
-
-
-def route(logits: torch.Tensor, top_k: int, bias: torch.Tensor | None = None) -> Routing:
-    """Top-k gating. `bias` (DeepSeek-V3) shifts the choice, never the gate values."""
-    # At least fp32 (bf16 logits under autocast are widened), float64 kept as it is.
-    probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)
-    scores = probs.detach() if bias is None else probs.detach() + bias
-    # A stable descending sort keeps equal scores in index order: deterministic tie-breaking.
-    chosen = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :top_k]
-    picked = probs.gather(1, chosen)
-    gates = picked if top_k == 1 else picked / picked.sum(dim=-1, keepdim=True)
-    return Routing(chosen, gates.to(logits.dtype), probs)
-
-
-def expert_capacity(n_tokens: int, n_experts: int, top_k: int, capacity_factor: float) -> int:
-    """C = ceil(k * T / E * capacity_factor): the most assignments one expert takes per forward."""
-    return math.ceil(top_k * n_tokens / n_experts * capacity_factor)
-
-
-def within_capacity(experts_flat: torch.Tensor, n_experts: int, offsets: torch.Tensor,
-                    capacity: int) -> torch.Tensor:
-    """Which assignments fit: an assignment's place in its expert's queue is the number of earlier
-    assignments to that expert (`offsets`: those of the ranks before this one; then this rank's,
-    in batch order). Places >= capacity overflow."""
-    place = one_hot(experts_flat, n_experts).cumsum(dim=0) - 1 + offsets
-    return place.gather(1, experts_flat[:, None]).squeeze(1) < capacity
-
-
-def switch_aux_loss(probs: torch.Tensor, routed: torch.Tensor, alpha: float) -> torch.Tensor:
-    """alpha * E * sum_i f_i * P_i (Switch eq. 4). `routed` are the global counts, so f is the
-    global fraction; P is this rank's mean, so the mean of the ranks' losses is the global loss."""
-    n_experts = probs.shape[1]
-    f = routed.to(probs.dtype) / routed.sum()
-    return alpha * n_experts * (f * probs.mean(dim=0)).sum()
-
-
-@dataclass
-class Traffic:
-    """What this rank's expert-parallel all-to-alls sent to other ranks since the last reset (a
-    local dispatch sends nothing). `sent`: every byte on the wire, the fixed-size buffers whole,
-    padding included (known from the shapes). `routed_dispatch`, `routed_combine`: the bytes of
-    real rows among them, per all-to-all kind (device tensors, counted without a host read).
-    What the wire carries beyond the routed rows is padding (`all_to_all_bytes`)."""
-    sent: int = 0
-    routed_dispatch: int = 0
-    routed_combine: int = 0
-
-
 class LocalExperts:
-    """Every expert lives in this process, and so does every token: the single-process
-    reference's dispatch. (A data-parallel replica's counts the other ranks' tokens too:
-    refimpl.parallel.ep.counts.SharedCounts.)"""
+    """Every expert and every token in this process: the single-process reference's dispatch.
+    (A data-parallel replica's counts the other ranks' tokens too: refimpl.parallel.ep.counts.)"""
 
     first = 0          # the global index of this rank's first expert
-
-    def __init__(self):
-        self.traffic = Traffic()
 
     def gather_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Counts per expert of every token-holding rank ([ranks, E]) and this rank's row."""
@@ -182,22 +72,16 @@ class LocalExperts:
     def __call__(self, x: torch.Tensor, counts: torch.Tensor, room: int | None,
                  experts: nn.ModuleDict) -> tuple:
         """x: [E, B, d], expert e's kept assignments in its first counts[e] rows, zero padding
-        after them (refimpl.model.moe_slots). Returns the experts' outputs in the same layout, and
-        the rows each of this rank's experts processed, per source rank ([1, E]). `room` (the
-        most rows one expert gets in all) matters only to an expert-parallel dispatch."""
+        after them. Returns the experts' outputs in the same layout, and the rows each expert
+        processed per source rank ([1, E]). `room` matters only to an expert-parallel dispatch."""
         # Every expert runs on its B rows (padding included), so its gradient is never None.
         return torch.stack([experts[str(e)](part) for e, part in enumerate(x)]), counts[None]
 
 
 class MoEMLP(nn.Module):
-    """The MLP of a block when cfg.n_experts > 0: router + E experts (each the dense MLP's shape).
-
-    Parameter names: `router.weight`, `experts.<e>.up.weight`, ... (a ModuleDict keyed by the
-    expert's global index, so an expert-parallel rank that keeps experts 2 and 3 still calls them
-    `experts.2`, `experts.3`). Buffer `expert_bias` (DeepSeek-V3's b, zero unless balance=bias).
-    After a forward: `aux_loss` (0 unless balance=aux), `stats` (MoEStats), `keep` ([T, k] which of
-    this rank's assignments reached their expert).
-    """
+    """The MLP of a block when cfg.n_experts > 0: router + E experts, keyed by their global
+    index (an ep rank keeping experts 2 and 3 still calls them `experts.2`, `experts.3`). After a
+    forward: `aux_loss` (0 unless balance=aux), `stats` (MoEStats), `keep` ([T, k] kept or not)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -306,37 +190,3 @@ def update_expert_bias(model: nn.Module) -> None:
     """After the optimizer step: nudge every layer's bias (balance=bias; a no-op otherwise)."""
     for layer in moe_layers(model):
         layer.update_bias()
-
-
-def moe_step_record(model: nn.Module) -> dict | None:
-    """What the MoE layers did in the last forward, as plain lists for the loop's JSON result
-    (None for a dense model). The expert-parallel all-to-all byte counters are read and reset:
-    call once per step, after backward (the backward's all-to-alls are counted too)."""
-    layers = moe_layers(model)
-    if not layers or layers[0].stats is None:
-        return None
-    return {"routed": [layer.stats.routed.tolist() for layer in layers],
-            "kept": [layer.stats.kept.tolist() for layer in layers],
-            "received": [layer.stats.received.tolist() for layer in layers],
-            "dropped": [layer.stats.dropped for layer in layers],
-            "capacity": layers[0].stats.capacity,
-            "first_expert": layers[0].dispatch.first,
-            "all_to_all_bytes": all_to_all_bytes(model)}
-
-
-def all_to_all_bytes(model: nn.Module, reset: bool = True) -> dict[str, int]:
-    """Bytes this rank's expert-parallel all-to-alls (dispatch and combine, forward and backward)
-    sent to other ranks since the last reset, summed over the MoE layers (zero for local experts):
-    `sent`, everything on the wire; `routed_dispatch` + `routed_combine`, the real rows among
-    them; `padding`, the rest (the empty slots of the fixed-size buffers, refimpl.model.moe_slots)."""
-    total = Traffic()
-    for layer in moe_layers(model):
-        t = layer.dispatch.traffic
-        total.sent += t.sent
-        total.routed_dispatch += t.routed_dispatch
-        total.routed_combine += t.routed_combine
-        if reset:   # in place: a pending backward still holds this object
-            t.sent = t.routed_dispatch = t.routed_combine = 0
-    # the routed counts are device tensors (rows counted without a host read): read here
-    routed = {"routed_dispatch": int(total.routed_dispatch), "routed_combine": int(total.routed_combine)}
-    return {"sent": total.sent, **routed, "padding": total.sent - sum(routed.values())}

@@ -1,35 +1,13 @@
-"""Capacity and balance statistics per sequence (`--set capacity_scope=sequence`): a rule that no
-layout can change.
+"""Capacity and the aux loss per sequence (`--set capacity_scope=sequence`): a rule no layout changes.
 
-Why. Under the default scope (`batch`, refimpl.model.moe) an expert's capacity and the aux loss's
-f_i count the tokens of one forward, queued in batch order. Which tokens one forward holds is a
-property of the layout: with data parallelism and micro-batches, a forward holds the i-th
-micro-batch of *each* rank's rows, which is not single's i-th micro-batch; under context
-parallelism a rank holds two chunks of every sequence, not a run of the batch. Either changes who
-overflows, and the first also changes f_i.
-
-A sequence is never cut by data parallelism, micro-batches or pipeline stages (they all cut the
-batch by rows), and context parallelism cuts it into pieces whose places in it are known. So
-counting per sequence makes the arithmetic the same in every layout:
-
-  capacity   C = ceil(k * S / E * capacity_factor) per expert *per sequence* (S: the sequence's
-             tokens); inside a sequence an expert takes assignments in position order (token, then
-             slot) until it holds C. GShard (Lepikhin et al. 2020, sec. 2.2) fills capacity per
-             group of tokens; here a group is one sequence, so it cannot depend on the devices.
-  aux loss   Switch's alpha * E * sum_i f_i P_i (Fedus et al. 2021, eq. 4-6) for each sequence,
-             then the mean over sequences: DeepSeek-V3's sequence-wise balance loss (Liu et al.
-             2024, sec. 2.1.2, eq. 17-20: alpha * sum_i f_i P_i with f_i = E/(k S) * count_i, the
-             same product). The mean over a step's sequences is what single's micro-batch loop
-             sums, 1/m at a time, and what the dp ranks' 1/W-scaled losses add up to.
-  cp         a cp rank holds pieces of every sequence (refimpl.parallel.cp.ring.chunk_ids). The cp
-             group all-gathers the per-(sequence, piece) counts, [rows, pieces, E]: each rank then
-             knows how many assignments the earlier pieces queued at every expert (its places),
-             and the whole sequence's counts (f_i). P_i is the mean over this rank's tokens of the
-             sequence; every cp rank holds as many, so the mean of their losses (the dp x cp
-             gradient sum with 1/W) is the sequence's.
-
-DeepSeek-V3's bias rule needs nothing here: it nudges b_i from the load of the whole step
-(refimpl.model.moe.MoEMLP.update_bias), which no layout changes either.
+Data parallelism, micro-batches and pipeline stages cut the batch by rows, never a sequence, and
+context parallelism cuts it into pieces whose places are known; so, counted per sequence:
+  capacity   C = ceil(k * S / E * capacity_factor) per expert per sequence (S: its tokens), filled
+             in position order (GShard, Lepikhin et al. 2020, sec. 2.2, one group per sequence)
+  aux loss   Switch's alpha * E * sum_i f_i P_i per sequence, then the mean over sequences
+             (DeepSeek-V3's sequence-wise balance loss, Liu et al. 2024, sec. 2.1.2, eq. 17-20)
+  cp         the cp group all-gathers the per-(sequence, piece) counts [rows, pieces, E]: each rank
+             learns its places in every expert's queue and the whole sequence's f_i
 """
 from __future__ import annotations
 

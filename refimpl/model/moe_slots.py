@@ -1,29 +1,12 @@
-"""Fixed-size expert buffers: how the MoE layer moves its tokens without reading a count on the host.
+"""Fixed-size expert buffers: tokens move without a count read on the host.
 
-Why. Under a capacity, an expert takes at most C assignments per forward, and C comes from the
-batch's shape alone (refimpl.model.moe: C = ceil(k * T / E * capacity_factor)). So every buffer
-can have a size known before the step starts, as in GShard (Lepikhin et al. 2020, sec. 3.2: the
-dispatch tensor is [E, C, d]) and Switch (Fedus et al. 2021, sec. 2.1): no `int(counts)`, no
-`.tolist()` for split sizes, no `nonzero`. Under NCCL each such read would stop the host until the
-GPU stream drains (the project's rule: no host read inside a step), and on fake tensors
-(refimpl.lab.verify.dryrun) it cannot be answered at all.
-
-The layout. A rank's kept assignments are written into a flat buffer of E * B rows, expert-major:
-expert e's rows are [e * B, (e + 1) * B), and an assignment's row inside them is its *slot*, the
-number of this rank's kept assignments to e before it (a running count: the cumulative sum of the
-one-hot, GShard's "position in expert"). The rows nobody fills stay zero: they are padding.
-Dropped assignments go to one extra row past the end (the "dump"), cut off before the experts run.
-
-  B   the most kept assignments one expert can get from this rank: min(C, T) under the batch
-      scope (never more than C in all, nor more than one per token), min(rows * C, T) under
-      the sequence scope (C per sequence).
-
-Both moves are gathers (index_select), which autograd saves as an index only.
-
-Padding changes no gradient. A padded row's output is never read back (`unpack` gathers only
-real rows; the dump reads a zero row), so its output gradient is exactly zero; an expert's weight
-and bias gradients are sums over rows of (input x output gradient) and of the output gradient, so
-each padded row adds exact zeros (tests/test_moe_slots.py checks it in float64).
+Under a capacity an expert takes at most C assignments, and C comes from the batch's shape, so
+every buffer has a size known before the step (GShard, Lepikhin et al. 2020, sec. 3.2: the
+dispatch tensor is [E, C, d]; Switch, Fedus et al. 2021, sec. 2.1). A rank's kept assignments go
+into E * B rows, expert-major; an assignment's row is its slot, the number of kept assignments to
+its expert before it (a cumulative sum of the one-hot). Unfilled rows stay zero (padding: their
+output is never read, so they add exact zeros to every gradient); dropped ones go to a dump row.
+  B   min(C, T) under the batch scope, min(rows * C, T) under the sequence scope.
 """
 from __future__ import annotations
 

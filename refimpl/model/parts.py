@@ -7,9 +7,6 @@ attention and feed-forward layer a "gpt" or a "llama" block is made of.
     feed-forward      GELU MLP: up, down (mlp_ratio·h)  SwiGLU: gate, up, down (ffn_hidden)
     positions         learned table (embed.pos)         rotary, inside attention
     experts (E > 0)   E GELU MLPs                       E SwiGLUs (Mixtral)
-
-Parameter names stay the same where the role is the same (ln1, attn.q/k/v/o, mlp.up/down,
-final_norm, lm_head), so every transform that finds a weight by its role finds Llama's too.
 """
 from __future__ import annotations
 

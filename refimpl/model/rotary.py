@@ -1,14 +1,4 @@
-"""Rotary position embeddings (Su et al. 2021, "RoFormer", §3.4): Llama's positions.
-
-No position table is learned. Each pair of a head's channels (i, i + d/2) is rotated by the angle
-p·θ_i, θ_i = theta^(-2i/d), p the token's position in its sequence, in the queries and the keys
-alike, so the score q·k depends on the two positions only through their difference.
-
-The angles are computed in float32 whatever the model's dtype, as Meta's and Hugging Face's code
-do: they are constants of the position, not learned values, and computing them the same way is
-what makes refimpl's logits equal Hugging Face's. A rank that holds only some tokens (context
-parallelism) passes their own positions.
-"""
+"""Rotary position embeddings (Su et al. 2021, "RoFormer", §3.4): Llama's positions."""
 from __future__ import annotations
 
 import torch

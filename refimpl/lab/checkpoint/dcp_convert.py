@@ -4,8 +4,8 @@
     python -m refimpl train --strategy torch-fsdp2 --checkpoint-dir twin-ckpt ...   # resumes
 
 Why a conversion rather than one format: ours records each piece as a box of the reference's
-tensor, read by our placements (refimpl.compose.sharded_checkpoint); DCP records chunks of
-DTensors and loads through get_state_dict/set_state_dict (refimpl.compose.dcp_checkpoint). The
+tensor, read by our placements (refimpl.lab.checkpoint.sharded_checkpoint); DCP records chunks of
+DTensors and loads through get_state_dict/set_state_dict (refimpl.lab.checkpoint.dcp_checkpoint). The
 two say the same thing -- every tensor's global shape and where its parts are -- so the converter
 is a one-process twin: it builds the reference model and AdamW as a twin would, takes
 get_state_dict's state dict as the template (the names, the optimizer's param_groups), fills
@@ -24,11 +24,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from refimpl.compose import dcp_checkpoint
-from refimpl.compose.optim_reshard import MOMENTS
-from refimpl.compose.run_checkpoint import FORMAT, RUN_KEYS, checkpoint_path, commit
-from refimpl.compose.sharded_checkpoint import ShardedCheckpoint, rank_file
 from refimpl.config import TrainConfig
+from refimpl.lab.checkpoint import dcp_checkpoint
+from refimpl.lab.checkpoint.optim_reshard import MOMENTS
+from refimpl.lab.checkpoint.run_checkpoint import FORMAT, RUN_KEYS, checkpoint_path, commit
+from refimpl.lab.checkpoint.sharded_checkpoint import ShardedCheckpoint, rank_file
 from refimpl.model import GPTConfig, build_model, converted
 from refimpl.strategy import make_optimizer
 

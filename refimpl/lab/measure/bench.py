@@ -37,8 +37,8 @@ from refimpl.lab.measure.ceilings import (  # noqa: F401
     max_message_bytes,
     memcpy_bandwidth,
 )
+from refimpl.lab.progress import progress_bar  # a widget in a notebook, text in a terminal
 from refimpl.launch import device_for, run
-from refimpl.progress import progress_bar  # a widget in a notebook, text in a terminal
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send_recv")
 IMPLS = ("torch", "refimpl")
@@ -107,7 +107,7 @@ def _call(c, op: str, x, out, rank: int, n: int) -> None:
     elif op == "send_recv":  # every rank sends to its right neighbour, receives from its left
         # Even ranks send first, odd ranks receive first: under NCCL's order (a rank's operations
         # run in posting order, a send completes once its receive has started) every rank
-        # receiving first would hang the ring (refimpl.staged_stream; nccl_order.replay agrees).
+        # receiving first would hang the ring (refimpl.lab.runtime.staged_stream; nccl_order.replay agrees).
         send, recv = (lambda: c.isend(x, dst=(rank + 1) % n)), (lambda: c.irecv(out, src=(rank - 1) % n))
         works = [send(), recv()] if rank % 2 == 0 else [recv(), send()]
         for w in works:

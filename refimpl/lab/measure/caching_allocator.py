@@ -20,7 +20,7 @@ Fragmentation is then the peak reserve minus the peak of what the blocks held: m
 aside that no tensor ever used at the same time, because the holes between live blocks were too
 small, or of the wrong pool, for the requests that came. `replay` feeds it the allocation stream of a
 real step: the `[memory]` events the profiler records on this machine's allocator
-(profile_memory=True; refimpl.trace.memory_events), each with its address and size, in order.
+(profile_memory=True; refimpl.lab.trace.memory_events), each with its address and size, in order.
 The CPU allocator that recorded them does not cache (it hands large buffers back to the system at
 once), so the CPU figures are what *this* sequence of tensors would cost under CUDA's rules; on a
 GPU, torch.cuda.memory_stats()'s "reserved_bytes.all.peak" is the allocator's own count of it.
@@ -36,8 +36,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from refimpl.cost.allocator import MIN_BLOCK, SMALL_SIZE, block_bytes, segment_bytes
+from refimpl.lab.trace.profiling import read_trace
 from refimpl.model import build_model, lm_loss, synthetic_batch
-from refimpl.trace.profiling import read_trace
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from refimpl.launch import device_for
 from refimpl.memory import ActivationTracker
 from refimpl.model import attention
-from refimpl.parallel.cp.ring import ring_attention, shard_sequence
+from refimpl.parallel.cp.ring import ring_attention, score_blocks_per_rank, shard_sequence
 
 
 def _inputs(batch: int, seq: int, width: int, seed: int):
@@ -48,3 +48,12 @@ def full_attention_saved_bytes(*, batch: int = 1, seq: int = 64, heads: int = 4,
     with ActivationTracker() as saved:
         attention(q, k, v, heads).sum().backward()
     return saved.peak
+
+
+def work_table(cp: int):
+    """score_blocks_per_rank for both layouts as a DataFrame (rank, layout, score_blocks)."""
+    import pandas as pd
+
+    return pd.DataFrame([{"rank": r, "layout": name, "score_blocks": n}
+                         for name, balanced in (("head-tail", True), ("contiguous", False))
+                         for r, n in enumerate(score_blocks_per_rank(cp, balanced))])

@@ -2,7 +2,7 @@
 
 Seed (003): load balancing is the hard part of MoE -- a router that favours a few experts leaves
 the devices holding the others idle. This module turns a run's per-step MoE records
-(`result["per_rank"][r]["moe"]`, written by the loop from refimpl.model.moe.moe_step_record)
+(`result["per_rank"][r]["moe"]`, written by the loop from refimpl.lab.measure.moe_traffic.moe_step_record)
 into tables a notebook plots and asserts on:
 
   expert_frame   one row per (step, layer, expert): assignments routed there, and kept

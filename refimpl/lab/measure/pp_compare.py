@@ -24,9 +24,9 @@ import pandas as pd
 import torch
 
 from refimpl.lab.measure import pp_measure as measure
+from refimpl.lab.pipeline.simulate import messages, simulated_bubble
 from refimpl.model import GPTConfig, build_model, synthetic_batch
 from refimpl.parallel.pp.schedules import bubble_fraction, placement, schedule_table
-from refimpl.parallel.pp.simulate import messages, simulated_bubble
 from refimpl.parallel.pp.stage import build_chunks, partition
 
 

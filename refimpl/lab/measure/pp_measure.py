@@ -27,6 +27,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from refimpl.lab.pipeline.posting import chosen_links
+from refimpl.lab.pipeline.simulate import TimedAction, dependencies, idle_fraction, simulate
+from refimpl.lab.trace.capture import StepProfiler
 from refimpl.launch import device_for
 from refimpl.memory import ActivationTracker
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
@@ -40,9 +43,7 @@ from refimpl.parallel.pp.schedules import (
     rank_of,
     schedule_table,
 )
-from refimpl.parallel.pp.simulate import TimedAction, dependencies, idle_fraction, simulate
 from refimpl.parallel.pp.stage import build_chunks
-from refimpl.trace.capture import StepProfiler
 
 
 def profile_pipeline(rank: int, world: int, cfg: GPTConfig, schedule: str, micro_batches: int, *,
@@ -66,7 +67,7 @@ def profile_pipeline(rank: int, world: int, cfg: GPTConfig, schedule: str, micro
             dist.barrier(group)     # start every rank's step together: the bubble is then the schedule's
             start = time.perf_counter()
             with ActivationTracker(exclude=params) as tracker:
-                loss = run_schedule(chunks, table, micro, group, where=where)
+                loss = run_schedule(chunks, table, micro, group, where=where, links=chosen_links())
             dist.barrier(group)
             times.append(time.perf_counter() - start)
             peaks.append(tracker.peak)
@@ -106,15 +107,19 @@ def predicted_activation_peak(row: list[str], per_micro_batch: list[int]) -> int
     return peak
 
 
+# An action's range ("pp:F3", "pp:B1.0"); not the wait for its message ("pp:F3 recv", refimpl.parallel.pp.links).
+ACTION_RANGE = r"^pp:[FBW]\d+(?:\.\d+)?$"
+
+
 def action_slots(df):
     """From `load_trace(run, include_ops=True)`: one row per pipeline action per profiled step,
     columns step, rank, action, start, end (ms from the step's first action on any rank).
 
     Which clock: on CPU ranks an action's `pp:` range times its work. On a CUDA run the range only
     times the kernel launches and NCCL's wait does not block the host, so the action is read off
-    the GPU's own timeline instead: the compute kernels it launched (refimpl.trace.kernels
+    the GPU's own timeline instead: the compute kernels it launched (refimpl.lab.trace.kernels
     .gpu_spans, through the correlation ids). `slots.attrs["clock"]` says which was read."""
-    acts = df[df["name"].str.startswith("pp:") & df["step"].notna()].copy()
+    acts = df[df["name"].str.match(ACTION_RANGE) & df["step"].notna()].copy()
     on_gpu = "gpu_start_us" in acts and acts["gpu_start_us"].notna().any()
     if on_gpu:
         acts = acts[acts["gpu_start_us"].notna()]

@@ -1,7 +1,7 @@
 """What a pipeline sends point to point, from the tables and from a traced run (notebook 07 §5).
 
 Per micro-batch every stage boundary carries the activation forward and its gradient back: b·s·h
-values each way (Narayanan et al. 2021, §3.2; refimpl.cost.tp_comm.pp_boundary_bytes), against
+values each way (Narayanan et al. 2021, §3.2; refimpl.lab.predict.tp_comm.pp_boundary_bytes), against
 tensor parallelism's 8·b·s·h·(t−1)/t per *layer*. With p ranks and v chunks per rank (interleaved
 1F1B) a micro-batch crosses v·p − 1 boundaries instead of p − 1, so a step sends
 2·m·(v·p − 1) messages: about v times 1F1B's (Narayanan et al. 2021, §2.2.2, the price of the

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pandas as pd
 
+from refimpl.lab.pipeline.simulate import idle_fraction, simulate
 from refimpl.parallel.pp.actions import parse_entry
 from refimpl.parallel.pp.schedules import bubble_fraction, bubble_over_ideal, schedule_table
-from refimpl.parallel.pp.simulate import idle_fraction, simulate
 
 
 def equal_costs(schedule: str, virtual_stages: int = 1) -> dict:

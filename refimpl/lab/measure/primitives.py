@@ -88,7 +88,7 @@ def run_one(primitive: str, x: torch.Tensor, rank: int, n: int, c) -> torch.Tens
             return x.clone()
         out = torch.empty_like(x)
         # rank 0 sends first and rank 1 receives first: both sending first would hang under
-        # NCCL's order (a send completes once its receive has started; refimpl.staged_stream)
+        # NCCL's order (a send completes once its receive has started; refimpl.lab.runtime.staged_stream)
         send, recv = (lambda: c.isend(x, dst=1 - rank)), (lambda: c.irecv(out, src=1 - rank))
         works = [send(), recv()] if rank == 0 else [recv(), send()]
         for w in works:

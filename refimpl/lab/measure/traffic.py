@@ -20,6 +20,7 @@ import torch
 import refimpl.comm as comm
 from refimpl.comm import halving_doubling
 from refimpl.comm.ring import ALGORITHMS
+from refimpl.lab.instrument.labels import CommLog
 from refimpl.launch import device_for
 
 HALVING_DOUBLING = "all_reduce (halving-doubling)"
@@ -86,7 +87,7 @@ def measure_sent(rank: int, world_size: int, numel: int) -> dict:
 
     n = world_size
     piece = numel // n
-    with torch.device(device_for(dist.get_backend())), comm.CommLog() as counted:
+    with torch.device(device_for(dist.get_backend())), CommLog() as counted:
         x = torch.ones(numel)
         comm.all_reduce(x.clone())
         comm.reduce_scatter_tensor(torch.empty(piece), x[: piece * n].clone())
@@ -107,7 +108,7 @@ def all_reduce_sent(numel: int, algorithm: str) -> tuple[int, int]:
 
     A counter of its own: both algorithms are the collective "all_reduce" to the counter.
     """
-    with comm.CommLog() as counted:
+    with CommLog() as counted:
         comm.all_reduce(torch.ones(numel), algorithm=algorithm)
     return counted.sent.get("all_reduce", 0), counted.messages.get("all_reduce", 0)
 

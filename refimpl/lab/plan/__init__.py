@@ -22,4 +22,4 @@ from refimpl.cost.hardware import GPUS, Hardware, cpu_preset, get_hardware  # no
 from refimpl.lab.plan.predict import Layout, predict  # noqa: F401
 from refimpl.lab.plan.published import compare_with_megatron  # noqa: F401
 from refimpl.lab.plan.search import best_per_grid, enumerate_layouts, plan  # noqa: F401
-from refimpl.model.presets import MODELS, ModelShape, megatron_runs  # noqa: F401
+from refimpl.lab.predict.presets import MODELS, ModelShape, megatron_runs  # noqa: F401

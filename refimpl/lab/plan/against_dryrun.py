@@ -17,8 +17,8 @@ import pandas as pd
 from refimpl.config import TrainConfig
 from refimpl.cost.hardware import MEMORY_HEADROOM, get_hardware
 from refimpl.lab.plan.predict import Layout, predict_memory
+from refimpl.lab.predict.presets import get_model
 from refimpl.lab.verify.dryrun import default_batch, dry_run, preset_config
-from refimpl.model.presets import get_model
 
 ZERO_STAGE = {"dp": 0, "dp-naive": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
 CATEGORIES = {"params": "params_bytes", "grads": "grads_bytes", "optimizer": "optimizer_bytes",

@@ -17,7 +17,7 @@ import sys
 
 from refimpl.cost.hardware import GPUS
 from refimpl.lab.plan.search import RECOMPUTE, plan
-from refimpl.model.presets import MODELS, get_model
+from refimpl.lab.predict.presets import MODELS, get_model
 
 SHOWN = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "zero_stage": "zero",
          "micro_batch_size": "mbs", "micro_batches": "m", "recompute": "recompute",

@@ -32,14 +32,14 @@ import torch
 
 from refimpl.cost.alpha_beta import ring_seconds
 from refimpl.cost.hardware import Hardware
-from refimpl.cost.tp_comm import (
+from refimpl.lab.predict.presets import ModelShape
+from refimpl.lab.predict.tp_comm import (
     LayerShape,
     bytes_per_layer,
     comm_and_compute_seconds,
     flops_per_layer,
     pp_boundary_bytes,
 )
-from refimpl.model.presets import ModelShape
 
 
 def collectives_per_step(trace: pd.DataFrame, rank: int = 0) -> pd.DataFrame:
@@ -65,7 +65,7 @@ def placement_rule(shape: ModelShape, hw: Hardware, *, tp: int, pp: int, dp: int
 
     tp: 4 all-reduces of the activations (b·s·d values) per layer per micro-batch, 2 in forward and
         2 in backward (Shoeybi et al. 2019, §3), against that layer's share of the compute:
-        refimpl.cost.tp_comm.comm_and_compute_seconds, the one ratio notebook 06 prints too.
+        refimpl.lab.predict.tp_comm.comm_and_compute_seconds, the one ratio notebook 06 prints too.
     dp: one all-reduce of this rank's bf16 gradients, 2·Ψ/(tp·pp) bytes, per step, against the
         step's compute on this rank: L layers of tp_comm.flops_per_layer for B sequences / (dp·tp·pp).
     """

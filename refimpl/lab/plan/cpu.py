@@ -30,9 +30,9 @@ from refimpl.lab.plan.cpu_calibration import (  # noqa: F401  (re-exported: the 
 )
 from refimpl.lab.plan.predict import PRECISIONS, Layout, micro_batch_work, predict
 from refimpl.lab.plan.search import enumerate_layouts, rank_layouts
+from refimpl.lab.predict.presets import ModelShape
 from refimpl.lab.verify.step_time import step_times_in_rounds
 from refimpl.model import GPT, GPTConfig
-from refimpl.model.presets import ModelShape
 from refimpl.train import train_several_on_ranks
 
 ZERO_STRATEGY = {0: "dp", 1: "zero1", 2: "zero2", 3: "zero3"}
@@ -69,7 +69,7 @@ def _tensors(module) -> int:
 def grad_messages(cfg: GPTConfig, lay: Layout) -> int:
     """How many collectives the loop's gradient sync sends per step (the planner's default, 1, is
     a bucketed sync): dp-naive all-reduces each tensor; zero1/zero2 reduce each owner's shard to
-    it, one reduce per rank of dp x cp (refimpl/parallel/zero/stages.py); `dp`'s one bucket holds the
+    it, one reduce per rank of dp x cp (refimpl/parallel/zero/shards.py); `dp`'s one bucket holds the
     tiny model's gradients whole."""
     if cpu_strategy(lay.zero_stage, lay.pp) == "dp-naive":
         return stage_tensors(cfg, lay.pp)

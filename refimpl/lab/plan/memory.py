@@ -8,11 +8,11 @@ measures), times the micro-batches 1F1B keeps in flight. refimpl.lab.plan.predic
 from __future__ import annotations
 
 import refimpl.lab.plan.moe as moe  # what a mixture of experts adds
-from refimpl.cost.cp_comm import ring_block_delta_bytes
 from refimpl.lab.plan.layout import Layout
+from refimpl.lab.predict.cp_comm import ring_block_delta_bytes
+from refimpl.lab.predict.presets import ModelShape
 from refimpl.memory import activation_bytes_per_layer, model_state_bytes
 from refimpl.memory.arithmetic import llama_block_activation_bytes, tp_block_activation_bytes
-from refimpl.model.presets import ModelShape
 
 PRECISIONS = {
     # mixed-precision Adam (the ZeRO paper's K = 12), 16-bit activations: what GPU trainings use.
@@ -68,7 +68,7 @@ def dense_layer_activation_bytes(shape, lay, batch, act_bytes, recompute, activa
                                               sequence_parallel=lay.sequence_parallel,
                                               dtype_bytes=act_bytes)
         if lay.cp > 1:   # ring attention saves its output once more and a log-sum-exp per
-            # query, not the probabilities nor the mask: the bytes refimpl.cost.cp_comm counts
+            # query, not the probabilities nor the mask: the bytes refimpl.lab.predict.cp_comm counts
             # for one cp rank, on this tp rank's share of the heads
             block += ring_block_delta_bytes(s, b, shape.d_model / lay.tp, shape.n_heads / lay.tp,
                                             dtype_bytes=act_bytes)

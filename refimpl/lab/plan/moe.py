@@ -18,13 +18,13 @@ Activations: the expert MLP's saved tensors are per routed slot, top_k x capacit
 token (with balanced routing a rank's E/ep experts receive, summed, that many of its ep group's
 tokens / ep: the same count as its own tokens, whatever ep is). Time: the experts' GEMMs are top_k
 MLPs per token (no capacity padding: the FLOPs of the tokens kept), plus the dispatch and combine
-all-to-alls of refimpl.cost.strategy_cost.ep_traffic on the ep group, which nothing hides (the
+all-to-alls of refimpl.lab.predict.strategy_cost.ep_traffic on the ep group, which nothing hides (the
 experts need their tokens before they can start).
 """
 from __future__ import annotations
 
-from refimpl.cost.strategy_cost import ep_traffic
 from refimpl.lab.plan.dp_sync import dp_sync_seconds
+from refimpl.lab.predict.strategy_cost import ep_traffic
 from refimpl.memory import model_state_bytes
 
 

@@ -21,8 +21,8 @@ from refimpl.cost.hardware import MEMORY_HEADROOM, Hardware
 from refimpl.lab.plan.dp_sync import dp_sync_seconds
 from refimpl.lab.plan.layout import Layout
 from refimpl.lab.plan.memory import PRECISIONS, layer_activation_bytes, predict_memory, stage_params
+from refimpl.lab.predict.presets import ModelShape
 from refimpl.memory import training_flops
-from refimpl.model.presets import ModelShape
 
 
 def micro_batch_work(shape: ModelShape, lay: Layout, act_bytes: int) -> dict:

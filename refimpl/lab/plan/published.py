@@ -1,4 +1,4 @@
-"""The planner against published trainings: Narayanan et al. 2021, Table 1 (refimpl.model.presets).
+"""The planner against published trainings: Narayanan et al. 2021, Table 1 (refimpl.lab.predict.presets).
 
 `compare_with_megatron()` searches, for each of the ten runs, the layouts their techniques allowed
 (TECHNIQUES_2021: tensor + pipeline + data parallelism, full recomputation, no ZeRO, no sequence
@@ -21,7 +21,7 @@ import pandas as pd
 from refimpl.cost.hardware import GPUS
 from refimpl.cost.links import gbit
 from refimpl.lab.plan.search import best_per_grid, plan
-from refimpl.model.presets import GPT3_ON_1024, MODELS, megatron_runs
+from refimpl.lab.predict.presets import GPT3_ON_1024, MODELS, megatron_runs
 
 TECHNIQUES_2021 = dict(zero_stages=(0,), recompute=("full",), sequence_parallel=(False,),
                        cp_sizes=(1,), precision="fp16")   # fp16 with loss scaling, 16-bit grads
@@ -80,7 +80,7 @@ OTHER_RUNS = [
     # per data-parallel rank (2048, 16M tokens, a step), bf16, FSDP, 400 TFLOP/s per GPU. Its
     # pipeline gives the first and the last stage one block fewer (§3.3.2, for memory and compute
     # balance): 16 stages of 8 slots, 126 blocks. The preset's multi-head ring moves 16 times the
-    # K/V bytes of Llama 3's 8 heads (refimpl.model.presets), so every cp > 1 layout is predicted
+    # K/V bytes of Llama 3's 8 heads (refimpl.lab.predict.presets), so every cp > 1 layout is predicted
     # slower than it would be; with cp left out of the search altogether (cp_sizes=(1,)) their
     # grid still ranks in the top five (4th; BLOOM's 5th), so the count does not hang on it.
     {"name": "llama3-405b", "slots": 128, "gpus": 16384, "tp": 8, "pp": 16, "gpu": "h100-sxm"},

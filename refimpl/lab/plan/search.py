@@ -17,7 +17,7 @@ import pandas as pd
 
 from refimpl.cost.hardware import get_hardware
 from refimpl.lab.plan.predict import Layout, predict
-from refimpl.model.presets import ModelShape
+from refimpl.lab.predict.presets import ModelShape
 
 RECOMPUTE = ("none", "selective", "full")
 COLUMNS = ["dp", "tp", "pp", "cp", "ep", "zero_stage", "micro_batch_size", "micro_batches", "recompute",
@@ -88,7 +88,7 @@ def plan(*, n_layers: int, d_model: int, n_heads: int, vocab_size: int, seq_len:
     `gpu`: a preset name ("a100-80gb", "h100-sxm", "h200") or a Hardware (e.g. cpu_preset(...)).
     `space`: narrows the search, as enumerate_layouts' keywords (e.g. zero_stages=(0,),
     recompute=("full",) for the techniques of 2021; ep_sizes=(1, 8)). A mixture of experts:
-    n_experts > 0 and the fields of refimpl.model.presets.ModelShape that go with it.
+    n_experts > 0 and the fields of refimpl.lab.predict.presets.ModelShape that go with it.
     """
     shape = ModelShape(n_layers, d_model, n_heads, vocab_size, seq_len, tied_embeddings,
                        n_experts, top_k, ffn_hidden, capacity_factor, kv_heads, block)

@@ -16,7 +16,7 @@ def rank_timeline(df, title: str = "Per-rank timeline", max_events: int = 4000,
                   colors: dict | None = None) -> go.Figure:
     """One lane per rank; each labelled range a horizontal bar coloured by its category.
 
-    `df` is refimpl.trace.profiling.load_trace(...); ranges are drawn on a shared time axis (ms).
+    `df` is refimpl.lab.trace.profiling.load_trace(...); ranges are drawn on a shared time axis (ms).
     A CUDA run's kernels get a second lane per rank, "rank r GPU" (NCCL kernels as gpu_comm).
     `colors`: category -> colour, for other categories than the phases (e.g. MoE's labels).
     """
@@ -38,7 +38,7 @@ def rank_timeline(df, title: str = "Per-rank timeline", max_events: int = 4000,
 def pipeline_gantt(df, title: str = "Pipeline schedule") -> go.Figure:
     """One lane per pipeline rank; each action (F3, B3, W3, F3.1) a bar labelled with its name.
 
-    `df` columns: rank, action, start, end (unit times from refimpl.parallel.pp.simulate, or ms
+    `df` columns: rank, action, start, end (unit times from refimpl.lab.pipeline.simulate, or ms
     from a trace): forward blue, backward orange, weight gradient (zero-bubble W) purple; the
     white gaps are the bubble.
     """
@@ -58,7 +58,7 @@ def pipeline_gantt(df, title: str = "Pipeline schedule") -> go.Figure:
 def time_split_bars(summary, title: str = "Where a step's time goes") -> go.Figure:
     """Stacked bars per (strategy, rank): compute only, comm hidden under compute, comm only, idle.
 
-    `summary` is refimpl.trace.profiling.summarize(...) for several runs, concatenated with a
+    `summary` is refimpl.lab.trace.profiling.summarize(...) for several runs, concatenated with a
     `strategy` column.
     """
     parts = [("compute_frac", "compute only", PHASE_COLORS["forward"]),

@@ -93,9 +93,9 @@ class RankTimelinePlugin(base_plugin.TBPlugin):
 
     @wrappers.Request.application
     def _serve_runs(self, request):
-        from refimpl.trace.profiling import trace_files
-        from refimpl.trace.run_record import SUMMARY_NAME
-        from refimpl.trace.views import run_label
+        from refimpl.lab.trace.profiling import trace_files
+        from refimpl.lab.trace.run_record import SUMMARY_NAME
+        from refimpl.lab.trace.views import run_label
 
         runs = [{"run": run_label(run.resolve(), self.logdir), "ranks": len(trace_files(run)),
                  "has_summary": (run / SUMMARY_NAME).exists()}
@@ -103,11 +103,11 @@ class RankTimelinePlugin(base_plugin.TBPlugin):
         return _json(request, {"runs": runs})
 
     def _data_route(self, view: str):
-        """A route computing `refimpl.trace.views.<view>(df, window)` for ?run=&steps=."""
+        """A route computing `refimpl.lab.trace.views.<view>(df, window)` for ?run=&steps=."""
 
         @wrappers.Request.application
         def serve(request):
-            from refimpl.trace import views as trace_views
+            from refimpl.lab.trace import views as trace_views
 
             try:
                 run = self.cache.resolve(request.args.get("run", ""))
@@ -129,8 +129,8 @@ class RankTimelinePlugin(base_plugin.TBPlugin):
 
     @wrappers.Request.application
     def _serve_memory(self, request):
-        from refimpl.trace.run_record import read_run_summary
-        from refimpl.trace.views import memory
+        from refimpl.lab.trace.run_record import read_run_summary
+        from refimpl.lab.trace.views import memory
 
         try:
             run = self.cache.resolve(request.args.get("run", ""))
@@ -140,7 +140,7 @@ class RankTimelinePlugin(base_plugin.TBPlugin):
 
     @wrappers.Request.application
     def _serve_merged(self, request):
-        from refimpl.trace.merge import merged_trace
+        from refimpl.lab.trace.merge import merged_trace
 
         try:
             run = self.cache.resolve(request.args.get("run", ""))

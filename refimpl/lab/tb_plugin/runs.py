@@ -57,12 +57,12 @@ class RunCache:
         return run
 
     def frame(self, run: Path):
-        """The run's labelled ranges (see refimpl.trace.profiling.load_trace).
+        """The run's labelled ranges (see refimpl.lab.trace.profiling.load_trace).
 
         A page asks four routes of the same run at once, and the warm-up thread may be loading it
         too: one lock per run makes them all wait for a single parse instead of doing four.
         """
-        from refimpl.trace.profiling import load_trace
+        from refimpl.lab.trace.profiling import load_trace
 
         with self._lock:
             run_lock = self._run_locks.setdefault(run, threading.Lock())
@@ -86,7 +86,7 @@ class RunCache:
     def _load_all(self) -> None:
         # What the routes import costs seconds too (pandas, torch, plotly for the palette).
         import refimpl.lab.plots  # noqa: F401
-        import refimpl.trace.views  # noqa: F401
+        import refimpl.lab.trace.views  # noqa: F401
 
         for run in find_runs(self.logdir):
             try:

@@ -37,12 +37,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from refimpl.config import TrainConfig
+from refimpl.lab.loop import setup_rank
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, reference_config
 from refimpl.launch import run
 from refimpl.mesh import LayoutError
 from refimpl.model import synthetic_batch
 from refimpl.registry import resolve
-from refimpl.train import in_this_process, launch_backend, setup_rank, validate
+from refimpl.train import in_this_process, launch_backend, validate
 
 FP32_TOLERANCE = 1e-6     # tight on purpose: what it flags is then sorted by the float64 rerun
 _WATCHED = re.compile(r"(?:^|\.)(embed|blocks\.\d+|final_norm)$")

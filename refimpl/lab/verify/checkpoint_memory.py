@@ -1,13 +1,15 @@
 """What a rank holds while it saves and loads a sharded checkpoint: its shard plus one tensor.
 
 A checkpoint gathered whole (torch.save of the full state dict) puts the whole model, and AdamW's
-m and v, on one rank: at 70B, 840 GB in fp32. The sharded format (refimpl.compose.sharded_checkpoint)
-is built so that no rank ever does: a rank writes copies of the pieces it holds, and a rank
-resuming under any layout reads, one tensor at a time, the parts it places. This measures it:
+m and v, on one rank: at 70B, 840 GB in fp32. The sharded format (refimpl.lab.checkpoint.sharded_checkpoint)
+is built so that no rank ever does: a rank writes the pieces it holds (on a GPU, from host
+copies), and a rank resuming under any layout reads, one tensor at a time, the parts it places.
+This measures it:
 
     found = measure(write_cfg, read_cfg, directory)   # one launch, per rank:
     found[r]["save_peak"]    tensor bytes allocated at the worst moment of a save, beyond what
-                             the rank held before it (its host copies of what it writes)
+                             the rank held before it (on the CPU none to speak of: it writes
+                             its own tensors)
     found[r]["written"]      the bytes of the rank's file (weights, m, v it is the first holder of)
     found[r]["load_peak"]    bytes alive at the worst moment of placing the checkpoint under
                              read_cfg's layout (weights, m and v, buffers), and
@@ -25,8 +27,8 @@ import gc
 from safetensors import safe_open
 
 from refimpl import launch
-from refimpl.compose import run_checkpoint, sharded_checkpoint
 from refimpl.config import TrainConfig
+from refimpl.lab.checkpoint import run_checkpoint, sharded_checkpoint
 from refimpl.lab.measure.live_memory import LiveBytes
 from refimpl.model import synthetic_batch
 from refimpl.registry import resolve
@@ -51,7 +53,8 @@ def _measure_rank(rank: int, world_size: int, write_cfg: TrainConfig, read_cfg: 
     gc.collect()
     resume = run_checkpoint.load_latest(directory)
     with LiveBytes(count_meta=False) as loading:
-        _, strategy, _ = setup_rank(rank, world_size, resolve(read_cfg), resume)
+        _, strategy, _ = setup_rank(rank, world_size, resolve(read_cfg), resume.get("weights"))
+        run_checkpoint.restore(strategy, resume)
     return {"save_peak": saving.peak, "written": _file_bytes(path / sharded_checkpoint.rank_file(rank)),
             "load_peak": loading.peak, "kept": loading.current}
 

@@ -30,7 +30,7 @@ back is what the train CLI reports for that rank, by category -- params, grads, 
 activations_peak (autograd's saved tensors, refimpl.memory.ActivationTracker), and `peak`, the most
 bytes alive at any moment of the step (refimpl.lab.measure.live_memory.LiveBytes: the model states, and every
 storage an op creates, until it is freed) -- and `comm`: every collective this rank called, bytes per
-op per axis of the grid (the labels' convention, refimpl.labels: the whole message). Before the
+op per axis of the grid (the labels' convention, refimpl.lab.instrument.labels: the whole message). Before the
 step, `build_peak`: the most bytes alive while the strategy placed the rank's tensors (the
 reference and the transforms are shapes only, in a real run too: refimpl.rank_values), and
 `built`, what that left; a rank's peak over its life is the larger of build_peak and peak.
@@ -49,19 +49,20 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from refimpl.comm.torch_names import current_name
 from refimpl.config import TrainConfig
+from refimpl.lab.loop import setup_rank
 from refimpl.lab.measure.live_memory import LiveBytes
+from refimpl.lab.predict.presets import get_model
 from refimpl.lab.verify.fast_meta import fast_meta_kernels
 from refimpl.lab.verify.on_meta import OnMeta, values_not_drawn
 from refimpl.memory import ActivationTracker
 from refimpl.mesh import LayoutError
 from refimpl.model import Batch, GPTConfig
-from refimpl.model.presets import get_model
-from refimpl.train import setup_rank, validate
+from refimpl.seam import current_name
+from refimpl.train import validate
 
-# The collectives refimpl's code calls through torch.distributed (as `dist.X` or `ctx.comm.X`,
-# looked up at call time), and which argument is "the message" (refimpl.labels' convention).
+# The collectives refimpl's code calls through torch.distributed (as `dist.X`, through refimpl.seam,
+# looked up at call time), and which argument is "the message" (refimpl.lab.instrument.labels' convention).
 MESSAGE_ARG = {"all_reduce": 0, "broadcast": 0, "reduce": 0, "all_gather_into_tensor": 0,
                "reduce_scatter_tensor": 1, "all_to_all_single": 1, "all_gather": 0,
                "isend": 0, "irecv": 0, "send": 0, "recv": 0}
@@ -70,7 +71,7 @@ AXIS_ORDER = ("tp", "cp", "pp", "dp", "dp_cp", "ep", "edp")
 
 
 def preset_config(name: str, cfg: TrainConfig) -> TrainConfig:
-    """`cfg` with the planner preset `name`'s shape (refimpl.model.presets) as its model and its
+    """`cfg` with the planner preset `name`'s shape (refimpl.lab.predict.presets) as its model and its
     full sequence length. The global batch stays `cfg`'s: one micro-batch per pipeline stage in
     flight is what memory depends on, not the preset's thousand sequences (see `default_batch`).
     A mixture of experts is built as `moe_form` says."""
@@ -211,7 +212,7 @@ def recording_collectives(mesh):
     out = {"bytes": defaultdict(lambda: defaultdict(int)),
            "calls": defaultdict(lambda: defaultdict(int))}
     # each call is counted under refimpl's name of the op, whichever name the installed torch
-    # gives it (refimpl.comm.torch_names: reduce_scatter_single is reduce_scatter_tensor)
+    # gives it (refimpl.seam: reduce_scatter_single is reduce_scatter_tensor)
     current = {name: current_name(name) for name in MESSAGE_ARG}
     originals = {current[name]: getattr(dist, current[name]) for name in MESSAGE_ARG}
 
@@ -247,7 +248,7 @@ def recording_collectives(mesh):
 def add_arguments(parser) -> None:
     """`dryrun` takes the train flags plus these (refimpl.lab.cli builds it from train's)."""
     parser.add_argument("--model", default=None,
-                        help="a planner preset (refimpl.model.presets: 70b, gpt3-175b, ...)")
+                        help="a planner preset (refimpl.lab.predict.presets: 70b, gpt3-175b, ...)")
     parser.add_argument("--rank", type=int, default=0, help="the rank of the grid to run")
 
 

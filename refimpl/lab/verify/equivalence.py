@@ -5,13 +5,15 @@ one-process reference. The proof runs in float64 (`TrainConfig(dtype="float64")`
 1e-9 cannot depend on the processor; fp32 runs are gated at a multiple of the processor's own fp32
 noise (`fp32_noise_floor`); bit-exact where the arithmetic is the same sequence of operations.
 The reference runs on the device the ranks use (`ranks_device`): CPU when they are on gloo, the
-GPU when they are on NCCL; on CUDA with TF32 off and deterministic kernels (refimpl.numerics), so
-the same gates hold there (TF32's 10-bit mantissa would put fp32 near 1e-3).
+GPU when they are on NCCL or share one GPU (the staged backend); on CUDA with TF32 off and
+deterministic kernels (refimpl.numerics), so the same gates hold there (TF32's 10-bit mantissa
+would put fp32 near 1e-3).
 `compare_with_single` runs both and reports the worst relative errors, so a notebook can assert
 them and a test can assert them on world sizes 2, 4 and one that does not divide evenly.
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -19,7 +21,9 @@ import torch
 
 from refimpl.config import TrainConfig
 from refimpl.launch import pick_backend
-from refimpl.train import train_on_ranks
+from refimpl.train import launch_backend, train_on_ranks
+
+SHARED_DEVICE = "REFIMPL_SHARED_DEVICE"      # refimpl.lab.runtime.shared_device.ENV (the staged backend's)
 
 TOLERANCE = 1e-5
 # float64: reordered sums differ by ~1e-16 relative and AdamW's amplification leaves the weights
@@ -127,20 +131,26 @@ _reference_cache: OrderedDict = OrderedDict()
 REFERENCE_CACHE_SIZE = 32
 
 
-def ranks_device(nproc: int) -> str:
-    """The device type `nproc` ranks compute on ("cuda" under NCCL, one GPU per rank; else
-    "cpu"): a reference for them must run there too, or a GPU's kernels would be compared with
-    a CPU's and the differences would be the devices', not the strategy's."""
-    return "cuda" if pick_backend(nproc) == "nccl" else "cpu"
+def ranks_device(nproc: int, device: str = "auto") -> str:
+    """The device type `nproc` ranks of a run with `TrainConfig.device` = `device` compute on:
+    "cpu" where the run keeps them on gloo (device "cpu", or too few GPUs), "cuda" under NCCL
+    (one GPU per rank), and the shared device's type under the staged backend
+    (REFIMPL_SHARED_DEVICE=cuda:0: every rank on that GPU). A reference for them must run there
+    too, or a GPU's kernels would be compared with a CPU's and an fp32 gate would measure the
+    devices' difference against a CPU's noise floor, not the strategy's."""
+    backend = pick_backend(nproc, launch_backend(TrainConfig(device=device)))   # as the run's
+    if backend == "staged":
+        return torch.device(os.environ[SHARED_DEVICE]).type
+    return "cuda" if backend == "nccl" else "cpu"
 
 
 def reference_config(cfg: TrainConfig) -> TrainConfig:
     """`single` on the same model, data, steps and micro-batching as `cfg`, on the device its
-    ranks use, without any fault (refimpl.faults)."""
+    ranks use, without any fault (refimpl.lab.faults)."""
     return cfg.with_(strategy="single", nproc=1, return_state=True, profile=False,
                      trace_dir=None, options={}, tp=1, pp=1, cp=1, ep=1, replicas=1,
                      sequence_parallel=False, schedule=None, virtual_stages=1, fault=None,
-                     device=ranks_device(cfg.nproc),
+                     device=ranks_device(cfg.nproc, cfg.device),
                      # a resumed run equals the uninterrupted one: single from step 0
                      checkpoint_every=0, checkpoint_dir=None)
 

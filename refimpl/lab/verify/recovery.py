@@ -1,4 +1,4 @@
-"""A rank lost mid-run, on purpose: the failure that recovery (refimpl.compose.run_checkpoint) is for.
+"""A rank lost mid-run, on purpose: the failure that recovery (refimpl.lab.checkpoint.run_checkpoint) is for.
 
     lost = train_until_killed(cfg.with_(checkpoint_every=2, checkpoint_dir=d), kill_after=4)
     resumed = train_on_ranks(other_layout.with_(checkpoint_dir=d))   # continues from step 4
@@ -17,8 +17,8 @@ import os
 import signal
 
 from refimpl import launch
-from refimpl.compose import run_checkpoint
 from refimpl.config import TrainConfig
+from refimpl.lab.checkpoint import run_checkpoint
 from refimpl.train import train_rank, validate
 
 

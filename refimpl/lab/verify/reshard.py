@@ -6,7 +6,7 @@ and every strategy places it from the reference model when it starts (`TrainConf
 refimpl.train loads it into the reference before `setup`). So a run saved under zero3 x tp2 resumes
 under pp2 x dp2 with no conversion step: the seed's recovery point (체크포인트에서 재시작) across
 layouts. AdamW's m, v and step travel the same way, in reference names and full shapes
-(refimpl.compose.optim_reshard; `TrainConfig.return_optimizer_state` / `init_optimizer_state`):
+(refimpl.lab.checkpoint.optim_reshard; `TrainConfig.return_optimizer_state` / `init_optimizer_state`):
 with them the resumed optimizer continues where it stopped; without them its moments restart from
 zero (on every layout alike, so the run still equals `single` resumed from the same weights).
 What neither carries: the data order (a resumed run starts again at batch 0) and the RNG state.
@@ -21,10 +21,11 @@ from __future__ import annotations
 import torch
 
 from refimpl import launch
-from refimpl.compose.optim_reshard import full_optimizer_state
 from refimpl.config import TrainConfig
+from refimpl.lab.checkpoint.optim_reshard import full_optimizer_state
+from refimpl.lab.loop import setup_rank
 from refimpl.registry import resolve
-from refimpl.train import setup_rank, validate
+from refimpl.train import validate
 
 
 def save_checkpoint(state: dict[str, torch.Tensor], path) -> None:

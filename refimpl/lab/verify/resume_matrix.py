@@ -1,6 +1,6 @@
 """The layout matrix's resume pass: every layout resumes from a checkpoint another layout wrote.
 
-A sharded checkpoint (refimpl.compose.sharded_checkpoint) is written as the writer's pieces (its
+A sharded checkpoint (refimpl.lab.checkpoint.sharded_checkpoint) is written as the writer's pieces (its
 tp slices, its stages, its ZeRO/FSDP flat ranges) and read as the reader's: a bug in either
 half lives in one pairing of a writer's sharding with a reader's. So the pass pairs layouts:
 
@@ -12,7 +12,7 @@ under its own layout and world size, finds the checkpoint, trains the rest, and 
 matrix's gate against single's uninterrupted run (float64: losses and every weight at 1e-9;
 refimpl.lab.verify.matrix_run). A reader that found no checkpoint is wrong, not equal. Two layouts
 pair only if a resumed run may change between them (the same model, batch and precision:
-refimpl.compose.run_checkpoint.RUN_KEYS); `resume_pairs` chains each group of those in a cycle,
+refimpl.lab.checkpoint.run_checkpoint.RUN_KEYS); `resume_pairs` chains each group of those in a cycle,
 so every layout of the group is written once and read once, each time under another layout.
 Writers run one launch per world size, then readers one per world size: four to six launches.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import tempfile
 
+from refimpl.lab.twins.base import through_dcp
 from refimpl.lab.verify.layout_matrix import Layout, refusal
 from refimpl.lab.verify.matrix_run import LAYOUT_TIMEOUT, Outcome, reference_key, run_one_world
 from refimpl.mesh import LayoutError
@@ -46,11 +47,11 @@ def resumable(layout: Layout) -> bool:
 def resume_pairs(layouts: list[Layout]) -> list[tuple[Layout, Layout]]:
     """(writer, reader) pairs: within each group of layouts a run may resume across (the same
     single reference, the same format: PyTorch's twins write torch.distributed.checkpoint's,
-    refimpl.compose.dcp_checkpoint), each layout's checkpoint read by the next one, the last's
+    refimpl.lab.checkpoint.dcp_checkpoint), each layout's checkpoint read by the next one, the last's
     by the first. A group of one reads its own (save and restore, no resharding)."""
     groups: dict[tuple, list[Layout]] = {}
     for layout in filter(resumable, layouts):
-        dcp = strategy_class(layout["strategy"]).checkpoints_through_dcp
+        dcp = through_dcp(strategy_class(layout["strategy"]))
         groups.setdefault((reference_key(layout.config()), dcp), []).append(layout)
     return [(group[i], group[(i + 1) % len(group)])
             for group in groups.values() for i in range(len(group))]

@@ -3,7 +3,7 @@
 The lecture: "작은 모델은 오히려 병렬화로 속도를 올리기 어렵다. 층 수도 적고 행렬도 작아 쪼갤 여지가
 없기 때문이다" (few layers, small matrices: nothing worth splitting). Tensor parallelism shows it
 most plainly. On t ranks each rank computes 1/t of a layer's 72·b·s·h²·(1 + s/(6h)) FLOPs
-(refimpl.cost.tp_comm.flops_per_layer), but every rank still all-reduces the whole b·s·h
+(refimpl.lab.predict.tp_comm.flops_per_layer), but every rank still all-reduces the whole b·s·h
 activation four times per layer, and every all-reduce pays the ring's latency however small its
 message. Compute grows as h², traffic as h, latency not at all: the narrower the model, the larger
 the share of a step its ranks spend communicating, and the less the split buys.
@@ -13,7 +13,7 @@ the share of a step its ranks spend communicating, and the less the split buys.
   * the activation all-reduces of the residual stream, counted and sized (to compare with
     tp_comm's (4L + 2) messages of b·s·h values: 4 per layer, the embedding's and the LM head's);
   * per step, the communication and the compute time of the rank that waited least inside the
-    collectives (refimpl.cost.dp_scaling.per_step_times: under gloo a rank that arrives first
+    collectives (refimpl.lab.predict.dp_scaling.per_step_times: under gloo a rank that arrives first
     waits inside the call for the other, which is not transfer time).
 `predicted_shares` puts beside them what the arithmetic says the communication share is, with no
 run: the α-β ring model (a fit on this machine's ranks, notebook 02's method) against the FLOPs at
@@ -25,10 +25,10 @@ from __future__ import annotations
 import pandas as pd
 
 from refimpl.config import DTYPES, TrainConfig
-from refimpl.cost import tp_comm
-from refimpl.cost.dp_scaling import per_step_times
+from refimpl.lab.predict import tp_comm
+from refimpl.lab.predict.dp_scaling import per_step_times
+from refimpl.lab.trace import capture, profiling
 from refimpl.model import GPTConfig
-from refimpl.trace import capture, profiling
 from refimpl.train import train_on_ranks, train_several_on_ranks
 
 # From tiny to about the 4M parameters a test can afford: 2 blocks, widths 64, 192, 384.

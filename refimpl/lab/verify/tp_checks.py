@@ -4,7 +4,7 @@ notebook 06 assert on. `all_checks` runs on every rank of a launch (`launch.run(
 Each check builds the reference layer (the same on every rank: same seed), its tensor-parallel
 version from it, runs both on the same input, and returns plain numbers: relative errors against
 the reference (gathered over tp where the TP result is sharded), the communication log
-(refimpl.labels.CommLog) and the activation bytes autograd saved.
+(refimpl.lab.instrument.labels.CommLog) and the activation bytes autograd saved.
 """
 from __future__ import annotations
 
@@ -16,20 +16,22 @@ import torch.nn as nn
 
 from refimpl.config import TrainConfig
 from refimpl.cost.collective_bytes import wire_bytes
-from refimpl.labels import CommLog
+from refimpl.lab.instrument.labels import CommLog
 from refimpl.launch import device_for
 from refimpl.memory import measure_block_activations
 from refimpl.model import Block, GPTConfig, build_model, lm_loss, synthetic_batch
-from refimpl.parallel.tp.layers import (
-    ColumnParallelLinear,
-    ParallelGroupedAttention,
-    ParallelMLP,
-    ParallelSelfAttention,
-    RowParallelLinear,
+from refimpl.parallel.tp.attention import ParallelGroupedAttention, ParallelSelfAttention
+from refimpl.parallel.tp.blocks import ParallelMLP
+from refimpl.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
+from refimpl.parallel.tp.mappings import group_rank
+from refimpl.parallel.tp.parallelize import (
+    gather_tp_state_dict,
+    parallelize_tp,
+    sequence_partial,
+    tp_lm_loss,
 )
-from refimpl.parallel.tp.mappings import group_rank, is_sequence_partial
-from refimpl.parallel.tp.parallelize import gather_tp_state_dict, parallelize_tp, tp_lm_loss
 from refimpl.placement import GroupMesh, placement_of, unshard
+from refimpl.seam import phase
 from refimpl.strategy import make_optimizer
 
 BLOCK_CFG = GPTConfig(d_model=64, n_heads=8, n_layers=1, seq_len=16)
@@ -57,7 +59,7 @@ def _grad_errors(ref: nn.Module, tp: nn.Module, group) -> float:
 
 def _full(t: torch.Tensor, p: torch.Tensor, group) -> torch.Tensor:
     shard = placement_of(p)
-    return t if shard is None else unshard(t, shard, GroupMesh(tp=group), dist)
+    return t if shard is None else unshard(t, shard, GroupMesh(tp=group))
 
 
 def linear_checks(group, device="cpu") -> dict:
@@ -78,8 +80,10 @@ def linear_checks(group, device="cpu") -> dict:
         layer = build()
         xin = (x if feed_full else _mine(x, -1, group)).clone().requires_grad_()
         with CommLog() as log:
-            y = layer(xin)
-            y.backward(dy if out_full else _mine(dy, -1, group))
+            with phase("forward"):      # a collective's pass is the phase open around it
+                y = layer(xin)
+            with phase("backward"):
+                y.backward(dy if out_full else _mine(dy, -1, group))
         want_y = lin(x) if out_full else _mine(lin(x), -1, group)
         want_dx = xr.grad if feed_full else _mine(xr.grad, -1, group)
         out[name] = {"y": rel(y, want_y), "dx": rel(xin.grad, want_dx),
@@ -104,8 +108,10 @@ def block_checks(group, t: int, device="cpu") -> dict:
             ref_part(xr).backward(dy)
             xin = (_mine(x, 1, group) if sp else x).clone().requires_grad_()
             with CommLog() as log:
-                y = tp_part(xin)
-                y.backward(_mine(dy, 1, group) if sp else dy)
+                with phase("forward"):
+                    y = tp_part(xin)
+                with phase("backward"):
+                    y.backward(_mine(dy, 1, group) if sp else dy)
             want_y = ref_part(x)
             out[(part, sp)] = {
                 "y": rel(y, _mine(want_y, 1, group) if sp else want_y),
@@ -164,8 +170,10 @@ def model_checks(group, t: int, vocab: int, dtype=torch.float32, steps: int = 3,
         for step in range(steps):
             batch = synthetic_batch(cfg, 8, 32, 0, step).to(device)
             with CommLog() as log:
-                loss = tp_lm_loss(model, model(batch.inputs), batch.targets)
-                loss.backward()
+                with phase("forward"):
+                    loss = tp_lm_loss(model, model(batch.inputs), batch.targets)
+                with phase("backward"):
+                    loss.backward()
             if grad_err is None:
                 grads = gather_tp_state_dict(model, group, grads=True)
                 grad_err = max(rel(grads[n], g) for n, g in ref_grads.items())
@@ -173,6 +181,7 @@ def model_checks(group, t: int, vocab: int, dtype=torch.float32, steps: int = 3,
             opt.step(), opt.zero_grad()
             losses.append(float(loss))
         final = gather_tp_state_dict(model, group)
+        partial = {id(p) for p in sequence_partial(model, sp and t > 1)}
         ref_state = {k: v.cpu() for k, v in ref.state_dict().items()}
         diff = sum(float((final[k].double() - v.double()).pow(2).sum()) for k, v in ref_state.items())
         norm = sum(float(v.double().pow(2).sum()) for v in ref_state.values())
@@ -182,7 +191,7 @@ def model_checks(group, t: int, vocab: int, dtype=torch.float32, steps: int = 3,
                    "keys_equal": final.keys() == ref_state.keys(), "log": first_log,
                    "local_numel": local_numel, "reference_numel": sum(
                        p.numel() for p in ref.parameters()),
-                   "placements": {n: (placement_of(p), is_sequence_partial(p))
+                   "placements": {n: (placement_of(p), id(p) in partial)
                                   for n, p in model.named_parameters()}}
     return out
 

@@ -27,12 +27,12 @@ import torch.distributed as dist
 
 from refimpl.config import DTYPES, TrainConfig
 from refimpl.cost.alpha_beta import busbw_factor, fit_alpha_beta, hop_model_from_fit
-from refimpl.cost.tp_comm import hidden_per_ring_step, transfer_engine_share
 from refimpl.lab.env import cpu_cores
 from refimpl.lab.measure.bench import message_sizes, sweep
+from refimpl.lab.predict.tp_comm import hidden_per_ring_step, transfer_engine_share
+from refimpl.lab.trace import capture, profiling
 from refimpl.lab.verify.step_time import step_times_in_rounds
 from refimpl.launch import device_for, pick_backend, run
-from refimpl.trace import capture, profiling
 
 OVERLAP = {"tp_overlap": True}
 

@@ -2,23 +2,10 @@
 
     model = apply_context_parallel(build_model(cfg, seed), group)   # group: the cp axis's
     local = shard_batch(batch, rank, cp)                             # its two chunks of each row
-    loss = lm_loss(model(local.inputs), local.targets)               # mean over its tokens
 
-Only two things in the model see more than one token at a time, so only they change:
-  * attention: each block's CausalSelfAttention becomes RingSelfAttention -- the same q, k, v, o
-    Linear modules (parameter names unchanged) around refimpl.parallel.cp.ring.ring_attention
-    (Llama's grouped-query attention: RingGroupedAttention);
-  * positions: a token's position is its place in the full sequence, not in the slice (the
-    position table's row, or Llama's rotary angle).
-Everything else (LayerNorm, MLP, the head, the loss) works token by token. On a tensor-parallel
-model (tp x cp) refimpl.compose.tp_cp makes the same two changes to tp's layers instead: each tp
-rank rings its own heads' K/V.
-
-Gradients: every cp rank holds the same weights and sees different tokens, exactly as data-parallel
-ranks see different rows, so the gradients are synchronised over dp × cp together (the mesh's
-"dp_cp" axis, as Megatron-LM's distributed optimizer does). With the loss of each of the cp slices
-scaled by 1/cp and the gradients summed, the result is the full sequence's mean-loss gradient
-because the head-tail layout gives every rank the same number of tokens.
+Only what sees more than one token at a time changes: attention becomes ring attention (the same
+q, k, v, o projections) and a token's position is its place in the whole sequence. Every cp rank
+holds the same weights and other tokens, so gradients are summed over dp x cp together ("dp_cp").
 """
 from __future__ import annotations
 
@@ -50,7 +37,7 @@ class RingGroupedAttention(nn.Module):
     and K rotated by this rank's tokens' global positions (its two chunks of each sequence),
     then K and V widened to one head per query head before the ring. The ring therefore carries
     n_heads / n_kv_heads times the K/V bytes a ring of the key/value heads alone would (that
-    ring, and its bytes in refimpl.cost.cp_comm, are not built here)."""
+    ring, and its bytes in refimpl.lab.predict.cp_comm, are not built here)."""
 
     def __init__(self, attn: nn.Module, group, rank: int, cp: int, balanced: bool = True):
         super().__init__()

@@ -1,36 +1,13 @@
-"""Context parallelism: ring attention over a cp process group (seed 001: 컨텍스트 병렬화).
+"""Ring attention over a cp process group (seed 001: 컨텍스트 병렬화; Liu et al. 2023, sec. 3).
 
-Each of the cp ranks holds a slice of the sequence -- its tokens' Q, K and V. Attention needs every
-query to see every earlier key, so the K/V blocks travel around the ring: at step t rank r works on
-the K/V that rank r - t brought in, while it already sends them on to r + 1 (Liu et al. 2023,
-"Ring Attention with Blockwise Transformers", §3). A rank never holds more than two K/V blocks, so
-activation memory per rank falls as 1/cp, and the transfer of the next block overlaps the
-computation of the current one.
-
-Online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022, §3.1): a query's output
-over all keys is assembled from partial outputs over key blocks. A block gives o_j = softmax(S_j) V_j
-and lse_j = log sum exp S_j per query; two partials merge as
+Each rank holds two chunks of every sequence (head-tail: chunks r and 2cp-1-r, so every rank
+computes 2cp + 1 score blocks under the causal mask). The K/V blocks go round the ring: at step t
+rank r computes with the block rank r - t brought while it already sends that block on to r + 1.
+Partial outputs merge by their log-sum-exp (online softmax, FlashAttention sec. 3.1):
 
     lse = logaddexp(lse_1, lse_2),   o = exp(lse_1 - lse) o_1 + exp(lse_2 - lse) o_2
 
-which is exactly softmax over the union of the keys, whatever order the blocks arrive in.
-
-Causal load balance ("head-tail", Megatron-LM context parallel; Brandon et al. 2023 "Striped
-Attention" makes the same point): with a causal mask, rank r holding the r-th contiguous slice
-computes r + 1 slices' worth of scores, so the last rank does cp times the first's work. Cutting
-the sequence into 2·cp chunks and giving rank r chunks r and 2cp-1-r pairs a cheap head with an
-expensive tail: every rank computes 2cp + 1 chunk blocks. `score_blocks_per_rank` counts both.
-
-Deadlock: every send is an isend posted together with its irecv (refimpl.comm.p2p.post), in the
-same order on every rank. With blocking sends, each rank would wait for its right neighbour to
-receive while that neighbour waits for its own right neighbour: a cycle (see comm/p2p.py).
-
-Backward (FlashAttention's, ring-shaped): it needs the K/V blocks again, so it rings them once more,
-and dK, dV of a block are accumulated by every rank that used it -- the accumulator travels with
-its block and arrives home after cp hops. Recomputing the forward under autograd instead would
-make autograd's graph contain the sends, which torch.distributed's p2p calls do not differentiate;
-an explicit backward also keeps only O (not the probabilities) per rank: P is recomputed from the
-saved log-sum-exp, block by block.
+Backward rings the K/V blocks again; a block's dK, dV travel with it and are home after cp hops.
 """
 from __future__ import annotations
 
@@ -38,8 +15,8 @@ import math
 
 import torch
 
-from refimpl.comm.counter import op_scope
 from refimpl.comm.p2p import GroupView, post
+from refimpl.seam import span
 
 # --- the sequence layout -----------------------------------------------------------------------
 
@@ -126,7 +103,7 @@ class _Ring:
     def shift(self, tensor):
         """Start passing `tensor` one hop along the ring; returns (pending, incoming buffer)."""
         incoming = torch.empty_like(tensor)
-        with op_scope("cp"):
+        with span("cp"):
             pending = post(self.g, sends=[(tensor, (self.rank + 1) % self.size)],
                            recvs=[(incoming, (self.rank - 1) % self.size)])
         return pending, incoming
@@ -215,11 +192,3 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: i
     out = RingAttention.apply(q, k, v, group, balanced, stats)
     return out.transpose(1, 2).reshape(b, s, width)
 
-
-def work_table(cp: int):
-    """score_blocks_per_rank for both layouts as a DataFrame (rank, layout, score_blocks)."""
-    import pandas as pd
-
-    return pd.DataFrame([{"rank": r, "layout": name, "score_blocks": n}
-                         for name, balanced in (("head-tail", True), ("contiguous", False))
-                         for r, n in enumerate(score_blocks_per_rank(cp, balanced))])

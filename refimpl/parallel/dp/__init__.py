@@ -7,7 +7,6 @@
     data_parallel.py DataParallel: those buckets around any nn.Module (a learner's own model)
     wrapping.py      what every module-level wrapper checks first (one line per bad use)
     bucketed.py      dp: ours, bucketed and overlapped with backward (DDP's design): DataParallel
-    torch_ddp.py     torch-ddp: PyTorch's DistributedDataParallel, the twin
 """
 from refimpl.parallel.dp.data_parallel import DataParallel
 

@@ -1,30 +1,4 @@
-"""`dp`: data parallelism as DDP does it -- bucketed all-reduce, overlapped with backward.
-
-Same maths as `dp-naive` (replicate, split the batch, average the gradients, identical AdamW step
-on every rank), different schedule (Li et al. 2020, "PyTorch Distributed", §3.2):
-
-  * gradients live in one flat buffer cut into buckets of `bucket_mb` MiB (default 25, as DDP);
-    each parameter's .grad is a view into it, so there is no copy in or out of a bucket;
-  * a bucket's all-reduce is launched asynchronously (async_op=True) from the gradient hook of its
-    last parameter, while autograd still computes the gradients of earlier layers; the buckets go
-    out in reverse parameter order, the same order on every rank;
-  * every handle is waited on before the optimizer step;
-  * with --micro-batches k, the rank's rows are split into k micro-batches whose gradients
-    accumulate locally; only the last backward communicates (DDP's `no_sync`);
-  * a MoE model under --ep keeps its experts' gradients in a second buffer whose buckets are
-    all-reduced over "edp", the ranks holding the same experts (refimpl.placement).
-
-Under a pipeline (--pp, any schedule) the step's whole table is one micro-step: each stage's
-parameters are counted ready at their last accumulation of the step (the last B of their chunk, or
-the last W under a split schedule: refimpl.parallel.pp.stage's `gradient_accumulations`), so each
-stage's buckets leave during its cool-down, while its remaining backwards still compute.
-
-The mechanism is refimpl.parallel.dp.DataParallel, the wrapper for any nn.Module, around this
-rank's GPT with the loop's options (summed rather than averaged gradients, no broadcast).
-
-Options: bucket_mb (MiB). The default tiny model (5.6 MB of fp32 gradients) fits one 25 MiB bucket,
-so nothing overlaps; try --set bucket_mb=0.25 to see several buckets leave during backward.
-"""
+"""`dp`: data parallelism as DDP does it -- bucketed all-reduce, overlapped with backward."""
 from __future__ import annotations
 
 import weakref
@@ -50,9 +24,9 @@ class BucketedDataParallel(Strategy):
         # refimpl.parallel.dp.DataParallel, the wrapper a learner puts around a model of their own,
         # with the loop's choices: the gradients summed (each rank's loss was divided by W), over
         # dp x cp -- and a MoE model's experts (--ep) over edp, in buckets of their own -- every
-        # rank already holding the same model (no broadcast), through the collectives' seam.
+        # rank already holding the same model (no broadcast).
         self.ddp = DataParallel(model, bucket_mb=float(self.option("bucket_mb")), average=False,
-                                broadcast=False, comm=self.comm,
+                                broadcast=False,
                                 reduce_over=lambda p: mesh.group(data_parallel_axis(p)))
         self.optimizer = make_optimizer(self.model.parameters(), self.ctx.cfg)
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from refimpl.rank_values import set_data
+from refimpl.seam import dist
 
 
 @dataclass(frozen=True)
@@ -61,14 +62,14 @@ class FlatParams:
         """Each slot's tensor, shaped like its parameter, as a view into `flat` (no copy)."""
         return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
 
-    def gathered(self, shard: torch.Tensor, group, comm) -> torch.Tensor:
+    def gathered(self, shard: torch.Tensor, group) -> torch.Tensor:
         """A new whole flat buffer from every rank's `shard` of it: one all-gather over `group`
         (None: this rank holds the only shard, which is copied)."""
         whole = self.empty(shard.dtype, shard.device)
         if group is None:
             whole.copy_(shard)
         else:
-            comm.all_gather_into_tensor(whole, shard.contiguous(), group=group)
+            dist.all_gather_into_tensor(whole, shard.contiguous(), group=group)
         return whole
 
     def bind(self, flat: torch.Tensor) -> None:
@@ -86,12 +87,13 @@ class FlatParams:
         return flat[rank * self.shard_numel:(rank + 1) * self.shard_numel]
 
     @torch.no_grad()
-    def filled_shard(self, read, rank: int, dtype=None, device="cpu") -> torch.Tensor:
+    def filled_shard(self, read, rank: int, dtype=None, device="cpu", out=None) -> torch.Tensor:
         """Rank `rank`'s slice [r·S, (r+1)·S) of the flat buffer, made slot by slot: `read(slot)`
         (the slot's whole tensor) is called only for the slots reaching into it, so one tensor is
         alive beside the shard, never the whole buffer (a rank builds only its own shard); the
-        padding stays zero."""
-        shard = torch.zeros(self.shard_numel, dtype=dtype or self.dtype, device=device)
+        padding stays zero. `out`: a zero shard to fill instead of a new one."""
+        shard = torch.zeros(self.shard_numel, dtype=dtype or self.dtype, device=device) \
+            if out is None else out
         lo = rank * self.shard_numel
         hi = lo + self.shard_numel
         for slot in self.slots:

@@ -1,37 +1,4 @@
-"""Gradient buckets: communication that starts while backward is still running.
-
-PyTorch's DDP (Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel
-Training", §3.2) makes two observations this module reproduces:
-
-  * bucketing (§3.2.2): one all-reduce per tensor pays the per-call latency α once per tensor;
-    concatenating gradients into buckets of ~25 MB pays it once per bucket, and large messages reach
-    the link's bandwidth;
-  * overlap (§3.2.3): gradients become ready in roughly the reverse of the order the parameters are
-    used in forward, so buckets are filled in reverse parameter order, and a bucket's collective is
-    launched (async) the moment its last gradient has been accumulated, while autograd goes on
-    computing the gradients of earlier layers. Collectives must be issued in the same order on
-    every rank, so bucket k is launched only after bucket k-1, even if it became ready first.
-
-Buckets here are contiguous ranges of one flat gradient buffer (refimpl.parallel.dp.flat_param), and
-every parameter's `.grad` is a view into it, so autograd accumulates straight into the bucket and
-no copy is needed (DDP's `gradient_as_bucket_view=True`, §4.2 of the paper describes the copy it
-saves). With gradient accumulation, only the last micro-step's backward launches communication;
-the earlier ones just accumulate locally (DDP's `no_sync`).
-
-Under a pipeline (refimpl.parallel.pp) there is no per-micro-batch backward to gate: a schedule
-runs its backwards interleaved with forwards, one chunk's after another's, so a rank's parameters
-become final at different actions of the step (an interleaved or V rank's later chunk finishes
-its backwards while the earlier one is still in its cool-down). The step is then one micro_step
-told how many times each parameter will be accumulated (`accumulations`: once per backward of
-its chunk, or per W of a split schedule); a parameter counts as ready at its last accumulation,
-so a bucket leaves as soon as the last backward (or W) touching its parameters has produced them,
-while the rest of the schedule still runs.
-
-What a bucket's collective *is* belongs to the strategy: `all_reduce_sum` for DP,
-`reduce_sum_to_owner` for ZeRO-1 and ZeRO-2 (`cut_at` then splits buckets at shard boundaries so that each
-bucket has exactly one owner). Both sum: the 1/world of the average was applied to each rank's
-loss (refimpl.strategy's docstring explains why not to every gradient element, as DDP does).
-"""
+"""Gradient buckets: communication that starts while backward is still running."""
 from __future__ import annotations
 
 import contextlib
@@ -40,10 +7,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
-from refimpl.labels import comm_span
 from refimpl.parallel.dp.flat_param import FlatParams
+from refimpl.seam import dist
 
 
 @dataclass
@@ -53,7 +19,7 @@ class Bucket:
     end: int
     params: list[int]          # indices of the parameters with elements in [start, end)
     pending: int = 0           # gradients not yet accumulated in this backward
-    work: dist.Work | None = field(default=None, repr=False)
+    work: object = field(default=None, repr=False)   # the collective's handle, in flight
 
     @property
     def numel(self) -> int:
@@ -96,26 +62,23 @@ class _Done:
         return True
 
 
-def all_reduce_sum(bucket: Bucket, grads: torch.Tensor, *, group, comm=dist, divisor: int = 1):
+def all_reduce_sum(bucket: Bucket, grads: torch.Tensor, *, group, divisor: int = 1):
     """Every rank of `group` gets the bucket's summed gradient (async); divided first by
     `divisor` where the caller wants the mean and did not scale the loss (DataParallel, as DDP)."""
     if divisor != 1:
         grads.div_(divisor)
     if group is None:
         return _Done()
-    with comm_span("all_reduce", grads.nbytes):
-        return comm.all_reduce(grads, group=group, async_op=True)
+    return dist.all_reduce(grads, group=group, async_op=True)
 
 
 def reduce_sum_to_owner(bucket: Bucket, grads: torch.Tensor, *, shard_numel: int,
-                        owners: list[int], group, comm=dist):
+                        owners: list[int], group):
     """Only the rank whose shard holds this bucket gets its summed gradient (async).
     `owners[i]` is the global rank holding shard i (torch's `dst` is a global rank)."""
     if group is None:
         return _Done()
-    with comm_span("reduce", grads.nbytes):
-        return comm.reduce(grads, dst=owners[bucket.start // shard_numel], group=group,
-                           async_op=True)
+    return dist.reduce(grads, dst=owners[bucket.start // shard_numel], group=group, async_op=True)
 
 
 class GradBuckets:
@@ -129,7 +92,7 @@ class GradBuckets:
     """
 
     def __init__(self, layout: FlatParams, cap_bytes: float,
-                 reduce: Callable[[Bucket, torch.Tensor], dist.Work], cut_at=()):
+                 reduce: Callable[[Bucket, torch.Tensor], object], cut_at=()):
         self.layout = layout
         self.reduce = reduce
         self.buckets = assign_buckets(layout, cap_bytes, cut_at=cut_at)
@@ -217,10 +180,9 @@ class GradBuckets:
                 if not self._ready[i]:
                     self._rebind(i)
             self._launch(lambda b: True)
-        with comm_span("wait"):
-            for b in self.buckets:
-                if b.work is not None:
-                    b.work.wait()
-                    b.work = None
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
         self._sync = False
 

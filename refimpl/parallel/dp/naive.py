@@ -17,9 +17,8 @@ here). `dp` (refimpl.parallel.dp.bucketed) fixes both with buckets launched from
 from __future__ import annotations
 
 from refimpl.config import Option
-from refimpl.faults import injected
-from refimpl.labels import comm_span
 from refimpl.placement import data_parallel_axis
+from refimpl.seam import dist
 from refimpl.strategy import Strategy
 
 
@@ -32,15 +31,8 @@ class NaiveDataParallel(Strategy):
     options = {"tp_overlap": Option(False, bool)}
 
     def sync_gradients(self) -> None:
-        last = f"blocks.{self.ctx.cfg.model.n_layers - 1}."
-        for name, p in self.model.named_parameters():
+        for p in self.model.parameters():
             # over dp x cp; an expert's over edp, the ranks holding the same expert (--ep)
             group = self.mesh.group(data_parallel_axis(p))
-            if injected(self.ctx.cfg, "expert-grad-over-dp"):
-                group = self.mesh.group("dp_cp")   # the fault: experts summed with other experts
-            if group is None:
-                continue
-            if injected(self.ctx.cfg, "skip-grad-sync") and name.startswith(last):
-                continue      # the fault: this block's replicas keep their own gradients
-            with comm_span("all_reduce", p.grad.nbytes):
-                self.comm.all_reduce(p.grad, group=group)
+            if group is not None:
+                dist.all_reduce(p.grad, group=group)

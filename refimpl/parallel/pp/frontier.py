@@ -3,26 +3,13 @@
     schedule_table(2, 4, "zbv")[0]        -> ["F0.0", "F1.0", "F2.0", "F0.1", "B0.1", "W0.1", ...]
     schedule_table(2, 4, "dualpipev")[0]  -> [..., "F3.0&B1.1", "W1.1", "F2.1&B0.0", ...]
 
-  interleaved-zb  Interleaved 1F1B's F/B order (schedules._interleaved) with every backward split
-                  into B and W as in ZB-H1 (Qi et al. 2023, sec. 2): a W runs whenever the next
-                  F/B cannot start yet, or when the rank holds as many micro-batch chunks (F done,
-                  W not yet) as interleaved 1F1B's first rank ever does (its memory, no more).
-  zbv             Qi et al. 2023, sec. 6 (ZB-V): two chunks per rank placed as a V, pieces r and
-                  2p-1-r, so the first and the last piece share rank 0 and every rank's chunks
-                  each see the same amount of work ahead and behind. The order is the paper's
-                  figure: rank r warms up with 2(p-r)-1 forwards of chunk 0, then alternates chunk 1
-                  and chunk 0 forwards while chunk 1's first backwards come back; in the steady
-                  state each chunk runs F, B, W in turn; the W's left at the end fill the drain.
-                  Its peak is 2p chunk micro-batches, p whole-stage micro-batches: 1F1B's.
-  dualpipev       DeepSeek-V3 (2024), sec. 3.2.1 and the DualPipe repository's "V" variant: the same
-                  V placement; in the steady state a forward of one chunk runs *together* with a
-                  backward of the other ("F5.0&B1.1", one entry), so that on a GPU each one's
-                  communication hides under the other's compute. Backwards are whole (B then its W
-                  at once) except in the drain, where half of them defer W as zero bubble does.
-                  Needs m >= 2p.
-
-The V tables are built for n = max(m, 2p-1) micro-batches and the ones >= m dropped (zbv): with
-fewer micro-batches than the warm-up wants, the missing ones simply do not exist.
+  interleaved-zb  interleaved 1F1B's F/B order, each backward split into B and W as in ZB-H1, a W
+                  run when the next F/B cannot start or the rank holds interleaved 1F1B's peak
+  zbv             Qi et al. 2023, sec. 6: two chunks per rank as a V (pieces r and 2p-1-r); the
+                  paper's figure, phase by phase; peak 2p chunk micro-batches (1F1B's)
+  dualpipev       DeepSeek-V3, sec. 3.2.1 (DualPipe's "V"): the same V, a forward of one chunk run
+                  with a backward of the other ("F5.0&B1.1"); needs m >= 2p
+The V tables are built for max(m, 2p-1) micro-batches and the ones >= m dropped.
 """
 from __future__ import annotations
 
@@ -50,7 +37,8 @@ def frontier_table(p: int, m: int, schedule: str, v: int) -> list[list[str]]:
 # --- zero bubble (zb-h1: v = 1; interleaved-zb): list scheduling of the W's -------------------------
 
 def zero_bubble_rows(p, m, v):
-    """ZB-H1 (v = 1) and interleaved-zb by list scheduling with unit F = B = W: each rank keeps
+    """interleaved-zb by list scheduling with unit F = B = W (v = 1 gives schedules.zb_h1's table):
+    each rank keeps
     (interleaved) 1F1B's F/B order; when its next F/B cannot start yet it runs the oldest pending W
     instead, and it must run one first when the next action is a forward and it holds as many
     micro-batch chunks as (interleaved) 1F1B's first rank ever does (the memory limit: p for v = 1)."""

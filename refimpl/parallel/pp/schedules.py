@@ -1,36 +1,14 @@
-"""Pipeline schedules as data: which forward (F), backward (B) and weight-gradient (W) each stage runs,
-in what order. Pure Python: no torch, no process group.
+"""Pipeline schedules as data: the forwards (F), backwards (B) and weight gradients (W) each stage
+runs, in order (seed 000, sec. 3.4). Pure Python: no torch, no process group.
 
     schedule_table(4, 8, "1f1b")[3]  ->  ["F0", "B0", "F1", "B1", ...]     # the last stage
-    schedule_table(2, 4, "interleaved", virtual_stages=2)[0] -> ["F0.0", "F1.0", "F0.1", ...]
 
-An action is F/B/W, the micro-batch, and (several chunks per rank only) ".c", the model chunk on
-this rank. Chunk c of rank r is *virtual stage* (piece) k = c*p + r (Narayanan et al. 2021, sec. 2.2):
-the model is cut into p*v pieces dealt round-robin, so a micro-batch visits every rank v times. The
-V schedules (zbv, dualpipev) place the two chunks of rank r as pieces r and 2p-1-r instead
-(`piece_of`): the micro-batch goes down the ranks and comes back up, so rank 0 holds the first and
-the last piece. A table entry "F5.0&B1.1" is two actions that run together, an overlapped F&B pair
-(DualPipe): the runner posts both receives, then computes one while the other's messages travel.
-
-The schedules (seed 000, sec. 3.4; p stages, m micro-batches):
-  gpipe        Huang et al. 2019: every forward, then every backward. Holds all m micro-batches'
-               activations at once.
-  1f1b         PipeDream-Flush / Megatron (Narayanan et al. 2021, sec. 2.1): stage s warms up with
-               min(p-s-1, m) forwards, then alternates one forward, one backward, then cools down.
-               Same bubble as GPipe, but at most p-s micro-batches in flight. Any m >= 1.
-  interleaved  Narayanan et al. 2021, sec. 2.2: 1F1B over v chunks per rank, micro-batches taken
-               p at a time per chunk. Constraint (as Megatron's first version): m a multiple of p.
-               The bubble shrinks v times, the p2p traffic grows v times.
-  zb-h1        Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 2 (ZB-H1): backward split
-               into B (gradient of the stage's input: the previous stage waits for it) and W
-               (gradient of the weights: nobody waits for it). B keeps 1F1B's order; each W is
-               deferred into what would be idle time, but never beyond p micro-batches in flight
-               (F done, W not yet) -- 1F1B's peak memory, that of its first stage.
-  interleaved-zb, zbv, dualpipev   the frontier: refimpl.parallel.pp.frontier (their docstrings).
-
-The order is built by replaying the step with unit times (`_list_schedule`): the same replay that
-`refimpl.parallel.pp.simulate.simulate` uses to *check* the tables, so a table that deadlocks or
-breaks a dependency cannot be produced silently.
+Row r is rank r's actions; "F3.1" is micro-batch 3 on the rank's chunk 1 (refimpl.parallel.pp.actions).
+  gpipe        Huang et al. 2019: every forward, then every backward.
+  1f1b         Narayanan et al. 2021, sec. 2.1: min(p-s-1, m) forwards, then one F one B, then the rest.
+  interleaved  Narayanan et al. 2021, sec. 2.2: 1F1B over v chunks per rank; m a multiple of p.
+  zb-h1        Qi et al. 2023, sec. 2: 1F1B with B split from W, and each W deferred.
+  interleaved-zb, zbv, dualpipev: refimpl.parallel.pp.frontier.
 """
 from __future__ import annotations
 
@@ -54,9 +32,11 @@ from refimpl.parallel.pp.actions import (  # noqa: F401
     placement,
     rank_of,
 )
-from refimpl.parallel.pp.frontier import frontier_table, zero_bubble_rows
+from refimpl.parallel.pp.frontier import frontier_table
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "interleaved-zb", "zbv", "dualpipev")
+
+
 def check_layout(stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1) -> None:
     """Raise LayoutError (one line) if this schedule cannot run with these sizes."""
     if schedule not in SCHEDULES:
@@ -79,9 +59,26 @@ def check_layout(stages: int, micro_batches: int, schedule: str, virtual_stages:
 
 
 def pipeline_schedule(cfg) -> str:
-    """The schedule a layout runs: --schedule (a pp-* shorthand sets it: refimpl.registry), else
-    1f1b."""
+    """The schedule a layout runs: --schedule (a pp-* shorthand sets it: refimpl.registry), else 1f1b."""
     return cfg.schedule or "1f1b"
+
+
+def one_f_one_b(p: int, m: int, stage: int) -> list[Action]:
+    """1F1B: warm up with the forwards of the stages after this one, then alternate."""
+    return _one_f_one_b(_forwards(m), _backwards(m), min(p - stage - 1, m))
+
+
+def zb_h1(p: int, m: int, stage: int) -> list[Action]:
+    """ZB-H1: 1F1B's order, each W_i deferred until after B_(i+d). d = stage fills exactly the
+    time stage s would wait (p in flight on every stage, 1F1B's first stage's memory); with m < p
+    the pipeline never fills and p - m stages fewer need the room."""
+    d = max(0, stage - max(0, p - m))
+    order = []
+    for a in one_f_one_b(p, m, stage):
+        order.append(a)
+        if a.kind == "B" and a.micro_batch >= d:
+            order.append(Action("W", a.micro_batch - d))
+    return order + [Action("W", i) for i in range(max(0, m - d), m)]
 
 
 def schedule_table(stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1) -> list[list[str]]:
@@ -89,15 +86,14 @@ def schedule_table(stages: int, micro_batches: int, schedule: str, virtual_stage
     check_layout(stages, micro_batches, schedule, virtual_stages)
     p, m, v = stages, micro_batches, virtual_stages
     if schedule == "gpipe":
-        orders = [[Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
-                  for _ in range(p)]
+        orders = [_forwards(m) + _backwards(m) for _ in range(p)]
     elif schedule == "1f1b":
-        orders = [_one_f_one_b(_forwards(m), _backwards(m), min(p - s - 1, m)) for s in range(p)]
+        orders = [one_f_one_b(p, m, s) for s in range(p)]
     elif schedule == "interleaved":
         orders = [_one_f_one_b(_interleaved(p, m, v, "F"), _interleaved(p, m, v, "B"),
                                min(interleaved_warmup(p, s, v), v * m)) for s in range(p)]
-    elif schedule == "zb-h1":     # the interleaved zero-bubble construction on one chunk
-        orders = [[entry[0] for entry in row] for row in zero_bubble_rows(p, m, 1)]
+    elif schedule == "zb-h1":
+        orders = [zb_h1(p, m, s) for s in range(p)]
     else:
         return frontier_table(p, m, schedule, v)
     return [[a.text(schedule == "interleaved") for a in order] for order in orders]
@@ -108,23 +104,13 @@ def schedule_table(stages: int, micro_batches: int, schedule: str, virtual_stage
 def bubble_fraction(stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1) -> float:
     """Idle share of the step, (idle time) / (step time), when every micro-batch costs the same.
 
-    gpipe, 1f1b   (p-1) / (m+p-1)      the fill and drain take p-1 slots of F+B (GPipe, sec. 2.2)
-    interleaved   (p-1) / (v*m+p-1)    each slot is a chunk, 1/v of a stage (Narayanan 2021, sec 2.2)
-    zb-h1         (p-1) / (3m+p-1)     with F = B = W: only p-1 units of one F+B-W remain idle
-                                       (Qi et al. 2023, sec. 2.2: bubble (p-1)(F+B-W)).
-                                       Needs m >= p: with fewer, the first W cannot start before
-                                       the first B returns and the step is longer than this says.
-    interleaved-zb (p-1) / (3vm+p-1)   both at once: chunks of 1/v, and F = B = W within each
-    zbv           (p-1) / (6m+p-1)     two chunks, F = B = W: as interleaved-zb with v = 2, with 1F1B's
-                                       memory (interleaved-zb holds 2p + p - 1 chunks). Needs
-                                       m >= 2p - 1, the V's full warm-up; with fewer it is longer.
-    dualpipev     p / (6m+p)           one chunk unit per rank more than zbv (p > 1): an overlapped
-                                       pair starts when both its inputs are there, so the later one
-                                       sets it. DeepSeek's count, (p-1)(F&B + B - 3W), is in units
-                                       whose F&B pair is cheaper than F + B: on a GPU the pair hides
-                                       its communication, and that is what the overlap buys.
-    Each is checked, not restated: tests replay the tables (simulate.simulated_bubble).
-    """
+    gpipe, 1f1b     (p-1) / (m+p-1)      GPipe, sec. 2.2
+    interleaved     (p-1) / (v*m+p-1)    Narayanan et al. 2021, sec. 2.2
+    zb-h1           (p-1) / (3m+p-1)     F = B = W (Qi et al. 2023, sec. 2.2); needs m >= p
+    interleaved-zb  (p-1) / (3vm+p-1)
+    zbv             (p-1) / (6m+p-1)     needs m >= 2p - 1
+    dualpipev       p / (6m+p)           a pair waits for the later of its two inputs
+    The tests replay every table to check these (refimpl.lab.pipeline.simulate)."""
     check_layout(stages, micro_batches, schedule, virtual_stages)
     p, m, v = stages, micro_batches, virtual_stages
     if schedule == "dualpipev":
@@ -135,11 +121,7 @@ def bubble_fraction(stages: int, micro_batches: int, schedule: str, virtual_stag
 
 
 def bubble_over_ideal(stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1) -> float:
-    """Narayanan et al. 2021's normalisation: bubble time / ideal (bubble-free) time.
-
-    (p-1)/m for gpipe and 1f1b, (p-1)/(v*m) interleaved, (p-1)/(3m) zb-h1. It is f/(1-f) for the
-    `bubble_fraction` f above: the same bubble divided by the work instead of by the whole step, so
-    it can exceed 1 (p=8, m=4: 1.75 of the ideal, while the step is 64% idle).
-    """
+    """Narayanan et al. 2021's normalisation, bubble time / ideal time: f / (1 - f) for the
+    bubble_fraction f ((p-1)/m for gpipe and 1f1b); it can exceed 1."""
     f = bubble_fraction(stages, micro_batches, schedule, virtual_stages)
     return f / (1 - f)

@@ -1,13 +1,9 @@
 """Cutting the GPT into pipeline stages (seed 000, sec. 3.4: 스테이지 / partition).
 
-The model is a chain: embedding -> blocks[0..L-1] -> final_norm -> lm_head -> loss. With p ranks and
-v virtual stages per rank it is cut into K = p*v consecutive pieces of whole blocks; the embedding
-goes on the first piece, final_norm, lm_head and the loss on the last. Piece k lives on rank k % p
-as its chunk k // p (Narayanan et al. 2021's round-robin assignment; v = 1 is the plain pipeline),
-or, for the V schedules (zbv, dualpipev), rank r holds pieces r and 2p-1-r (schedules.piece_of).
-
-Each piece keeps the reference model's parameter names ("blocks.5.mlp.up.weight"), so the full
-state dict is just the union of every stage's, and a checkpoint moves between layouts unchanged.
+embedding -> blocks -> final_norm -> lm_head is cut into p*v pieces of whole blocks; piece k lives
+on rank k % p as its chunk k // p (Narayanan et al. 2021), or on a V (zbv, dualpipev) rank r holds
+pieces r and 2p-1-r. Each piece keeps the reference's parameter names, so the full state dict is
+the union of every stage's.
 """
 from __future__ import annotations
 

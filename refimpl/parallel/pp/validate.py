@@ -1,16 +1,7 @@
-"""A pipeline's layout constraints, checked in the launching process (compose.transforms), one
-line each, before any rank starts.
+"""A pipeline's layout constraints, checked in the launching process, one line each.
 
-The pipeline is an axis, not a strategy: `--pp P` (or a `pp-<schedule>` shorthand, which is
-dp-naive with the whole world on pp: refimpl.registry) puts P stages on the grid, and the
-data-parallel flavour on the dp axis runs over each stage's parameters. The runner
-(refimpl.parallel.pp.runner) takes the step's micro-batches through the schedule's table; the loss
-lives on the stage with the last piece (the last stage; stage 0 on a V) and the step broadcasts it
-over pp (a MoE model: every stage adds its layers' aux losses, summed over pp instead). With
-dp > 1 the stages' gradients are all-reduced over dp after the schedule, as dp-naive does; under
-`--strategy dp --pp P` the buckets leave during each stage's cool-down instead
-(refimpl.parallel.dp.bucketed). Every rank holds only its stage's parameters; the default
-`full_state_dict` merges them over the pp group.
+The pipeline is an axis: `--pp P` (or a `pp-<schedule>` shorthand: dp-naive with the whole world on
+pp) puts P stages on the grid, and the data-parallel flavour on the dp axis runs over each stage.
 """
 from __future__ import annotations
 

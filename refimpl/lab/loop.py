@@ -1,0 +1,120 @@
+"""The lab's additions to the one loop (refimpl.train), through refimpl.loop_extras: run checkpoints
+(save every K steps, resume), an initial state (--init-state, --init-hf, --init-optimizer-state),
+the profiler's traces and a run record beside them, the step's transient memory peak, MoE records,
+and AdamW's gathered state. Registered under the entry-point group "refimpl.loop" (pyproject.toml).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from refimpl import train
+from refimpl.lab.checkpoint import run_checkpoint
+from refimpl.lab.checkpoint.export import export_state
+from refimpl.lab.checkpoint.hf import HubState
+from refimpl.lab.checkpoint.optim_reshard import (
+    full_optimizer_state,
+    load_optimizer_state,
+    validate_optimizer_state,
+)
+from refimpl.lab.checkpoint.shard_boxes import BoxedParts
+from refimpl.lab.measure.moe_traffic import meter_experts, moe_step_record
+from refimpl.lab.trace.capture import StepProfiler, profiles_root
+from refimpl.lab.trace.memory_events import StepPeak
+from refimpl.lab.trace.run_record import record_run
+from refimpl.loop_extras import LoopExtras
+
+
+def setup_rank(rank: int, world_size: int, layout, placing=contextlib.nullcontext()):
+    """refimpl.train.setup_rank with the lab's initial state and what is placed after it (a run
+    checkpoint's optimizer, --init-state, --init-hf, --init-optimizer-state)."""
+    extras = LabExtras(layout.cfg, rank, world_size)
+    ctx, strategy, n_params = train.setup_rank(rank, world_size, layout, placing=placing,
+                                               initial=extras.start)
+    extras.placed(strategy)
+    return ctx, strategy, n_params
+
+
+def default_trace_dir(cfg) -> str:
+    return str(profiles_root() / "cli" / f"{cfg.strategy}-n{cfg.nproc}")
+
+
+class LabExtras(LoopExtras):
+
+    @staticmethod
+    def validate(cfg, strategy_class) -> None:
+        if cfg.init_optimizer_state or cfg.return_optimizer_state or cfg.save_optimizer_state:
+            validate_optimizer_state(cfg)
+        if cfg.checkpoint_dir:
+            run_checkpoint.validate_checkpointing(cfg, strategy_class)
+
+    def start(self, reference):
+        """A run checkpoint to continue (the data at its step, its losses), else a full state dict
+        (memory-mapped: a tensor is read when placed) or a Hugging Face folder (read by boxes)."""
+        cfg = self.cfg
+        self.resume = run_checkpoint.load_latest(cfg.checkpoint_dir)
+        if self.resume is not None:      # a twin's (DCP) loads its weights after placing
+            self.first, self.losses = self.resume["step"], tuple(self.resume["losses"])
+            return self.resume.get("weights")
+        if cfg.init_state is not None:
+            return torch.load(cfg.init_state, map_location="cpu", mmap=True)
+        if cfg.init_hf is not None:
+            return BoxedParts(HubState(cfg.init_hf, reference))
+        return None
+
+    def placed(self, strategy) -> None:
+        if self.resume is not None:                     # AdamW's state and the generator
+            run_checkpoint.restore(strategy, self.resume)
+        elif self.cfg.init_optimizer_state is not None:   # AdamW's m, v, placed for this layout
+            load_optimizer_state(strategy, torch.load(self.cfg.init_optimizer_state,
+                                                      map_location="cpu"))
+
+    @contextlib.contextmanager
+    def steps(self, ctx, strategy, first: int):
+        cfg = self.cfg
+        self.moe = []
+        meter_experts(strategy.model)      # the all-to-all bytes of moe_step_record
+        self.trace_dir = (cfg.trace_dir or default_trace_dir(cfg)) if cfg.profile else None
+        self.peak = StepPeak(ctx.device, enabled=cfg.record_memory and not cfg.profile)
+        with StepProfiler(self.trace_dir, self.rank, max(cfg.steps - first, 1),
+                          device=ctx.device) as profiler, self.peak:
+            self.peak.step_begins(first)
+
+            def on_step(step: int, losses: list[float]) -> None:
+                record = moe_step_record(strategy.model)     # None for a dense model
+                if record is not None:
+                    self.moe.append(record)
+                profiler.step()
+                if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                    run_checkpoint.save(strategy, step + 1, losses, cfg.checkpoint_dir)
+                self.peak.step_begins(step + 1)
+
+            yield on_step
+        run_checkpoint.wait()       # the last save in flight is on disk before the run reports
+
+    def finish(self, strategy, result: dict) -> None:
+        memory = result["memory"]
+        memory.update(self.peak.result(kept_bytes=memory["total"] - memory["activations_peak"]))
+        result["trace_dir"] = self.trace_dir
+        result["resumed_from"] = self.first
+        if self.moe:   # MoE: per step, tokens per expert (routed, and received by this rank)
+            result["moe"] = self.moe
+        if self.cfg.return_optimizer_state:
+            result["optimizer_state"] = full_optimizer_state(strategy)
+        if self.cfg.save_state or self.cfg.save_optimizer_state:   # rank 0 writes, one tensor
+            export_state(strategy, self.cfg.save_state, self.cfg.save_optimizer_state)   # at a time
+        if self.trace_dir is not None:   # traces are flushed: a summary and scalars beside them
+            record_run(self.trace_dir, self.rank, self.world_size, self.cfg.strategy, result)
+
+
+def train_several_recording_memory(cfgs, record_memory: list[bool], timeout: float = 900.0):
+    """train_several_on_ranks with `record_memory` set where asked; each such result gains
+    `transient_peak` (rank -> bytes), as notebooks 04-05 read it."""
+    cfgs = [c.with_(record_memory=bool(m)) for c, m in zip(cfgs, record_memory, strict=True)]
+    results = train.train_several_on_ranks(cfgs, timeout=timeout)
+    for cfg, result in zip(cfgs, results):
+        if cfg.record_memory:
+            result["transient_peak"] = {r: m["transient_peak"]
+                                        for r, m in enumerate(result["memory"])}
+    return results

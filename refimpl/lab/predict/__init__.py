@@ -1,0 +1,1 @@
+"""Predictions per strategy and published models' shapes: what the notebooks and the planner compare runs with\n(the core keeps the formulas every one of them builds on: refimpl.memory, refimpl.cost)."""

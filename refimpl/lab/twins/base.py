@@ -1,0 +1,48 @@
+"""What every PyTorch twin shares, and the traits only a twin has.
+
+A twin is PyTorch's own implementation of one of our strategies, run through the same loop
+(refimpl.train) as the comparator. It differs from ours in three ways the core does not need to
+know about, so they live here:
+
+  * PyTorch's wrappers (DDP, FSDP2, the pipelining schedules) divide the summed gradients by the
+    world size themselves (Li et al. 2020, §4.2): the loss is not scaled by 1/W (`loss_divisor`);
+  * the DTensor twins (torch-tp, torch-fsdp2-tp) parallelize the plain reference themselves:
+    they are handed it untouched instead of our transforms' result (`takes_our_transforms`);
+  * those whose state is DTensors or replicas checkpoint through torch.distributed.checkpoint
+    (refimpl.lab.checkpoint.dcp_checkpoint), not refimpl's sharded format (`through_dcp`).
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from refimpl.rank_model import RankModel
+from refimpl.strategy import Strategy
+
+
+class TorchTwin(Strategy):
+    """A strategy PyTorch implements. The twins set the two traits below."""
+
+    # False: DTensor's parallelize_module runs on the plain reference (not our tp/cp/ep shards)
+    takes_our_transforms: bool = True
+    # True: --checkpoint-dir saves and resumes it through torch.distributed.checkpoint
+    checkpoints_through_dcp: bool = False
+
+    def transform(self, reference: nn.Module, transforms) -> RankModel:
+        if self.takes_our_transforms:
+            return super().transform(reference, transforms)
+        return RankModel(reference)
+
+    @property
+    def loss_divisor(self) -> int:
+        return 1          # PyTorch divides the summed gradients by W itself
+
+
+def through_dcp(strategy_cls: type[Strategy]) -> bool:
+    """Whether `strategy_cls` checkpoints through torch.distributed.checkpoint (a twin that says so)."""
+    return issubclass(strategy_cls, TorchTwin) and strategy_cls.checkpoints_through_dcp
+
+
+def on_our_transforms(strategy_cls: type[Strategy]) -> bool:
+    """Whether `strategy_cls` runs on our model-parallel transforms' shards (every strategy of
+    ours; a twin unless it parallelizes the plain reference itself)."""
+    return not issubclass(strategy_cls, TorchTwin) or strategy_cls.takes_our_transforms

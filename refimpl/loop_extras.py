@@ -1,0 +1,46 @@
+"""What may be added to the one loop (refimpl.train) from outside it: the lab's checkpoints, traces,
+initial states and records reach the loop through this one record, never through the loop's code.
+
+`LoopExtras` is the plain loop's: it adds nothing. A plug-in registered under the entry-point group
+"refimpl.loop" replaces it (refimpl/lab/loop.py); the loop calls the same five methods either way.
+"""
+from __future__ import annotations
+
+import contextlib
+from importlib.metadata import entry_points
+
+
+class LoopExtras:
+    """The loop's five hooks, for one rank's run of `cfg`."""
+
+    first: int = 0                 # the step the run starts at (a resumed run: its checkpoint's)
+    losses: tuple = ()             # the losses of the steps before it
+
+    def __init__(self, cfg, rank: int, world_size: int):
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+
+    @staticmethod
+    def validate(cfg, strategy_class) -> None:
+        """In the launching process: raise LayoutError (one line) for a run the extras refuse."""
+
+    def start(self, reference):
+        """The state to place instead of the seeded init (None: the seed's); may set `first` and
+        `losses` (a resumed run)."""
+        return None
+
+    def placed(self, strategy) -> None:
+        """After the strategy placed the model: what it must be given beyond the weights."""
+
+    def steps(self, ctx, strategy, first: int):
+        """A context around the steps; it yields `on_step(step, losses)`, called after each with
+        the losses so far."""
+        return contextlib.nullcontext(lambda step, losses: None)
+
+    def finish(self, strategy, result: dict) -> None:
+        """The rank's result, once the steps are done: fields to add."""
+
+
+def extras_class() -> type[LoopExtras]:
+    """The plug-in's class where one is installed (the lab's), else the plain loop's."""
+    found = [plugin.load() for plugin in entry_points(group="refimpl.loop")]
+    return found[0] if found else LoopExtras

@@ -1,0 +1,77 @@
+"""The MoE router: top-k gating, the capacity and the load-balancing loss.
+
+  router     p = softmax(x W_r) over the E experts; top-k picks the k largest (k = 1: Switch,
+             Fedus et al. 2021; k = 2: GShard, Lepikhin et al. 2020), ties to the lower index
+  gates      k = 1: p itself (Switch, sec. 2.1); k > 1: p renormalised over the chosen experts
+  capacity   C = ceil(k * T / E * capacity_factor) (Switch eq. 3, GShard's k*T slots); an expert
+             takes assignments in batch order until it holds C, the rest overflow
+  aux loss   alpha * E * sum_i f_i P_i (Switch eq. 4-6): f_i the routed share, P_i the mean p_i
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from refimpl.model.moe_slots import one_hot
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The router's decision for T tokens: `experts[t, j]` is token t's j-th choice."""
+    experts: torch.Tensor   # [T, k] long
+    gates: torch.Tensor     # [T, k] weights of the chosen experts' outputs (differentiable)
+    probs: torch.Tensor     # [T, E] softmax of the router logits (differentiable)
+
+
+def route(logits: torch.Tensor, top_k: int, bias: torch.Tensor | None = None) -> Routing:
+    """Top-k gating. `bias` (DeepSeek-V3) shifts the choice, never the gate values."""
+    # At least fp32 (bf16 logits under autocast are widened), float64 kept as it is.
+    probs = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(dim=-1)
+    scores = probs.detach() if bias is None else probs.detach() + bias
+    # A stable descending sort keeps equal scores in index order: deterministic tie-breaking.
+    chosen = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    picked = probs.gather(1, chosen)
+    gates = picked if top_k == 1 else picked / picked.sum(dim=-1, keepdim=True)
+    return Routing(chosen, gates.to(logits.dtype), probs)
+
+
+def expert_capacity(n_tokens: int, n_experts: int, top_k: int, capacity_factor: float) -> int:
+    """C = ceil(k * T / E * capacity_factor): the most assignments one expert takes per forward."""
+    return math.ceil(top_k * n_tokens / n_experts * capacity_factor)
+
+
+def within_capacity(experts_flat: torch.Tensor, n_experts: int, offsets: torch.Tensor,
+                    capacity: int) -> torch.Tensor:
+    """Which assignments fit: an assignment's place in its expert's queue is the number of earlier
+    assignments to that expert (`offsets`: those of the ranks before this one; then this rank's,
+    in batch order). Places >= capacity overflow."""
+    place = one_hot(experts_flat, n_experts).cumsum(dim=0) - 1 + offsets
+    return place.gather(1, experts_flat[:, None]).squeeze(1) < capacity
+
+
+def switch_aux_loss(probs: torch.Tensor, routed: torch.Tensor, alpha: float) -> torch.Tensor:
+    """alpha * E * sum_i f_i * P_i (Switch eq. 4). `routed` are the global counts, so f is the
+    global fraction; P is this rank's mean, so the mean of the ranks' losses is the global loss."""
+    n_experts = probs.shape[1]
+    f = routed.to(probs.dtype) / routed.sum()
+    return alpha * n_experts * (f * probs.mean(dim=0)).sum()
+
+
+@dataclass(frozen=True)
+class MoEStats:
+    """What one forward of one MoE layer did, for the whole global batch (every rank agrees)."""
+    routed: torch.Tensor    # [E] assignments the router sent to each expert
+    kept: torch.Tensor      # [E] assignments each expert processed (<= capacity)
+    capacity: int
+    received: torch.Tensor  # [source ranks, E_local] rows this rank's experts got from each rank
+
+    @property
+    def dropped(self) -> int:
+        return int((self.routed - self.kept).sum())
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean of the routed load: 1.0 is perfect balance, E means one expert takes all."""
+        return float(self.routed.max() / self.routed.float().mean())

@@ -1,0 +1,83 @@
+"""The feed-forward layer split over tp (seed §3.3, FFN 블록): Y = GELU(X·A)·B with A column- and
+B row-parallel, so rank r computes GELU(X·A_r)·B_r alone; one reduction forward, one backward.
+Llama's SwiGLU splits W_gate and W_up alike, so the product ⊙ stays local.
+
+    block.mlp = parallel_feed_forward(block.mlp, group, sequence_parallel=sp, label="tp:blocks.0.mlp")
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from refimpl.model.swiglu import SwiGLU
+from refimpl.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, default_group
+from refimpl.parallel.tp.mappings import enter_region, group_size
+from refimpl.parallel.tp.overlap import gather_linears
+from refimpl.seam import phase
+
+
+def column_outputs(x: torch.Tensor, layers, group, sequence_parallel: bool,
+                   overlap: bool = False) -> tuple:
+    """Column layers built `input_in_region`, fed one X that enters the region once (Q, K, V;
+    SwiGLU's gate and up): one all-reduce of X's gradient, not one per layer. With overlap (SP
+    only) the all-gather is decomposed under all their matmuls (tp/overlap.py)."""
+    if overlap and sequence_parallel and group_size(group) > 1:
+        return gather_linears(x, layers, group)
+    x = enter_region(x, group, sequence_parallel)
+    return tuple(layer(x) for layer in layers)
+
+
+class ParallelMLP(nn.Module):
+    """GELU(X·A_r)·B_r on rank r, reduced over ranks by the row layer."""
+
+    def __init__(self, up: ColumnParallelLinear, down: RowParallelLinear, label: str = "tp:mlp"):
+        super().__init__()
+        self.up, self.down, self.label = up, down, label     # label: the block's profiler range
+
+    @classmethod
+    def from_mlp(cls, mlp: nn.Module, group=None, sequence_parallel: bool = False,
+                 overlap: bool = False, label: str = "tp:mlp") -> "ParallelMLP":
+        up = ColumnParallelLinear.from_linear(mlp.up, group, sequence_parallel=sequence_parallel,
+                                              overlap=overlap)
+        down = RowParallelLinear.from_linear(mlp.down, group, sequence_parallel=sequence_parallel,
+                                             overlap=overlap)
+        return cls(up, down, label)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with phase(self.label):
+            return self.down(F.gelu(self.up(x)))
+
+
+class ParallelSwiGLU(nn.Module):
+    """(SiLU(X·W_gate,r) ⊙ X·W_up,r)·W_down,r: X enters the region once for gate and up."""
+
+    def __init__(self, gate: ColumnParallelLinear, up: ColumnParallelLinear,
+                 down: RowParallelLinear, group, sequence_parallel: bool,
+                 overlap: bool = False, label: str = "tp:mlp"):
+        super().__init__()
+        self.gate, self.up, self.down, self.label = gate, up, down, label
+        self.group, self.sequence_parallel, self.overlap = group, sequence_parallel, overlap
+
+    @classmethod
+    def from_swiglu(cls, mlp: SwiGLU, group=None, sequence_parallel: bool = False,
+                    overlap: bool = False, label: str = "tp:mlp") -> "ParallelSwiGLU":
+        gate, up = (ColumnParallelLinear.from_linear(lin, group, input_in_region=True)
+                    for lin in (mlp.gate, mlp.up))
+        down = RowParallelLinear.from_linear(mlp.down, group, sequence_parallel=sequence_parallel,
+                                             overlap=overlap)
+        return cls(gate, up, down, default_group(group), sequence_parallel, overlap, label)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with phase(self.label):
+            gate, up = column_outputs(x, (self.gate, self.up), self.group,
+                                      self.sequence_parallel, self.overlap)
+            return self.down(F.silu(gate) * up)
+
+
+def parallel_feed_forward(mlp: nn.Module, group=None, sequence_parallel: bool = False,
+                          overlap: bool = False, label: str = "tp:mlp") -> nn.Module:
+    """The tensor-parallel form of a dense feed-forward layer (GELU MLP or SwiGLU)."""
+    if isinstance(mlp, SwiGLU):
+        return ParallelSwiGLU.from_swiglu(mlp, group, sequence_parallel, overlap, label)
+    return ParallelMLP.from_mlp(mlp, group, sequence_parallel, overlap, label)

@@ -1,0 +1,118 @@
+"""ZeRO stages 1 and 2 over one data-parallel group (Rajbhandari et al. 2020, §5.1-5.2; seed §3.2,
+샤드 데이터 병렬화). Rank r owns [r·S, (r+1)·S) of the flat parameters, S = ceil(Ψ/N). One step:
+
+  1. reduce-scatter   this rank's shard of the gradient, summed over the group     (Ψ)
+  2. optimizer        AdamW on that shard only (P_os, 옵티마이저 상태 분할)
+  3. all-gather       every updated shard to every rank                            (Ψ)
+
+2Ψ in all, DP's volume (§7.2.1). Stage 1 keeps the full flat gradient; stage 2 (P_os+g, 그래디언트
+분할) only its shard. With buckets the reduce-scatter is one reduce per bucket to the rank owning
+it, during backward (refimpl.parallel.dp.grad_buckets; DeepSpeed's stage 2 does the same).
+"""
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+import torch
+
+from refimpl.parallel.dp.grad_buckets import GradBuckets, reduce_sum_to_owner
+from refimpl.parallel.zero.sharded_optimizer import ShardedOptimizer
+from refimpl.parallel.zero.streaming_reduce import StreamingReduce
+from refimpl.seam import dist
+
+
+class ZeroShards:
+    """Both stages over one group: ShardedOptimizer's flat shards (`optimizer`, partition="flat")
+    and this rank's `grad_shard`. `group` None: one rank on the axis holds everything.
+    `bucket_bytes` None: one reduce-scatter after backward, nothing overlapped."""
+
+    def __init__(self, optimizer: ShardedOptimizer, group, bucket_bytes: float | None):
+        self.optimizer, self.group, self.bucket_bytes = optimizer, group, bucket_bytes
+        self.layout, self.index, self.device = optimizer.layout, optimizer.rank, optimizer.flat.device
+
+    def reduce_scatter(self, flat_grad: torch.Tensor) -> None:
+        """1. The whole flat gradient summed over the group; this rank keeps its shard."""
+        summed = flat_grad.new_empty(self.layout.shard_numel)   # the output may not alias the input
+        if self.group is None:
+            summed.copy_(flat_grad)
+        else:
+            dist.reduce_scatter_tensor(summed, flat_grad, group=self.group)
+        self.grad_shard.copy_(summed)
+
+    def step(self) -> None:
+        """2. The optimizer on this rank's shard; 3. the all-gather of every updated shard."""
+        self.optimizer.step_shard(self.grad_shard)
+        if self.group is not None:      # in place: this rank's shard is already where it belongs
+            dist.all_gather_into_tensor(self.optimizer.flat, self.optimizer.shard, group=self.group)
+        self.grad_shard.zero_()
+
+    def reduce_to_owner(self):
+        """A bucket's collective: summed onto the rank owning its range (together: step 1)."""
+        size = 1 if self.group is None else dist.get_world_size(self.group)
+        owners = [dist.get_global_rank(self.group, r) for r in range(size)] if size > 1 else [0]
+        return partial(reduce_sum_to_owner, shard_numel=self.layout.shard_numel, owners=owners,
+                       group=self.group)
+
+    def bucket_cuts(self) -> list[int]:
+        # A bucket never straddles two ranks' shards, so each has exactly one owner.
+        return [r * self.layout.shard_numel for r in range(1, self.optimizer.world_size)]
+
+
+class Zero1Shards(ZeroShards):
+    """Stage 1: full gradients accumulate in one flat buffer; only this rank's shard is summed."""
+
+    def __init__(self, optimizer: ShardedOptimizer, group, bucket_bytes: float | None):
+        super().__init__(optimizer, group, bucket_bytes)
+        self.flat_grad = self.layout.empty(device=self.device)
+        self.grad_shard = self.layout.shard(self.flat_grad, self.index)   # a view: no copy
+        self.buckets = None
+        if bucket_bytes is None:
+            self.layout.bind_grads(self.flat_grad)
+        else:
+            self.buckets = GradBuckets(self.layout, bucket_bytes, reduce=self.reduce_to_owner(),
+                                       cut_at=self.bucket_cuts())
+            self.buckets.attach(self.flat_grad)
+
+    def micro_step(self, is_last: bool):
+        return contextlib.nullcontext() if self.buckets is None else self.buckets.micro_step(is_last)
+
+    def finish_gradient_synchronization(self) -> None:
+        if self.buckets is None:
+            self.reduce_scatter(self.flat_grad)
+        else:       # each bucket went to its owner: this rank's shard of flat_grad holds the sum
+            self.buckets.wait()
+
+    def step(self) -> None:
+        super().step()
+        self.flat_grad.zero_()
+
+
+class Zero2Shards(ZeroShards):
+    """Stage 2: no full gradient buffer; with buckets, each leaves during backward and is freed."""
+
+    def __init__(self, optimizer: ShardedOptimizer, group, bucket_bytes: float | None):
+        super().__init__(optimizer, group, bucket_bytes)
+        # The only gradient memory that outlives a step; on the host under offload (ZeRO-Offload
+        # streams the reduced gradients straight to the CPU optimizer).
+        self.grad_shard = (optimizer.master.grad if optimizer.offload else torch.zeros(
+            self.layout.shard_numel, dtype=self.layout.dtype, device=self.device))
+        self.stream = None if bucket_bytes is None else StreamingReduce(
+            self.layout, bucket_bytes, self.bucket_cuts(), self.reduce_to_owner(),
+            self.grad_shard, self.index)
+
+    def micro_step(self, is_last: bool):
+        if self.stream is not None:
+            self.stream.start()          # every micro-batch's gradients go out (and are freed)
+        return contextlib.nullcontext()
+
+    def finish_gradient_synchronization(self) -> None:
+        if self.stream is not None:
+            self.stream.wait()
+            return
+        # The textbook order: autograd left full gradients; flatten them, free them, reduce.
+        params = self.layout.params
+        flat_grad = self.layout.flatten([p.grad for p in params], device=self.device)
+        for p in params:
+            p.grad = None
+        self.reduce_scatter(flat_grad)

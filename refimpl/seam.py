@@ -1,0 +1,131 @@
+"""The one seam between the mechanisms and the tools that watch them (DESIGN.md, "Layout").
+
+    from refimpl.seam import dist, phase
+    dist.all_reduce(p.grad, group=group)       # reads exactly like torch.distributed
+    with phase("forward"): ...                  # a named range of a step
+
+`dist` is torch.distributed until told otherwise: `use_collectives(refimpl.comm)` runs every
+mechanism on the collectives rebuilt from send/recv (`--collectives refimpl`). `phase` opens a
+profiler range while a profiler records. `span` is what refimpl.comm's own algorithms open around
+each collective and point-to-point call, `message` what they call for each message they put on or
+take off the wire. With nothing attached, each is the plain thing (or nothing).
+
+The lab attaches its instruments (trace labels, byte counts, the flight recorder) by replacing
+`SEAM.calls`, `SEAM.phase`, `SEAM.span` and `SEAM.message`, as plug-ins registered under the entry-point group
+"refimpl.seam": functions `attach(SEAM)`, loaded once, on first use. The core never names them.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from importlib.metadata import entry_points
+
+import torch.autograd.profiler as profiler
+import torch.distributed as torch_dist
+
+# torch 2.13 renamed two collectives and warns on the old names; the torch of many GPU servers
+# (2.11) has only the old ones. Mechanisms call the old names; they go to the current one.
+RENAMED = {"all_gather_into_tensor": "all_gather_single",
+           "reduce_scatter_tensor": "reduce_scatter_single"}
+
+
+def current_name(name: str) -> str:
+    """The name torch.distributed's `name` has in the installed torch."""
+    new = RENAMED.get(name)
+    return new if new is not None and hasattr(torch_dist, new) else name
+
+
+class TorchCollectives:
+    """torch.distributed under current names, each looked up at call time (so a wrapper put on
+    torch.distributed's functions, the dry run's or a test's, still sees every call)."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch_dist, current_name(name))
+
+
+_NOTHING = nullcontext()
+
+
+def plain_phase(name: str):
+    """A profiler range named `name` while a profiler records; nothing otherwise (an idle
+    record_function still costs microseconds, and a pipeline step opens dozens)."""
+    return profiler.record_function(name) if profiler._is_profiler_enabled else _NOTHING
+
+
+def no_span(op: str, nbytes: int | None = None, group=None, peer: int | None = None,
+            tag: int | None = None):
+    return _NOTHING
+
+
+def no_message(direction: str, nbytes: int) -> None:
+    return None
+
+
+def lookup(collectives, name: str):
+    """`name` from `collectives`; what they do not define (get_rank, ReduceOp, ...) from torch's."""
+    found = getattr(collectives, name, None)
+    return found if found is not None else getattr(torch_dist, current_name(name))
+
+
+class Current:
+    """The collectives the seam points at now (what `dist.<name>` finds with nothing attached)."""
+
+    def __init__(self, seam: "Seam"):
+        self.seam = seam
+
+    def __getattr__(self, name: str):
+        return lookup(self.seam.collectives, name)
+
+
+class Seam:
+    def __init__(self):
+        self.collectives = TorchCollectives()   # or refimpl.comm (use_collectives)
+        self.calls = Current(self)               # what dist.<name> resolves on
+        self.phase = plain_phase
+        self.span = no_span
+        self.message = no_message
+        self.loaded = False
+
+    def load_plugins(self) -> None:
+        if not self.loaded:
+            self.loaded = True
+            for plugin in entry_points(group="refimpl.seam"):
+                plugin.load()(self)
+
+
+SEAM = Seam()
+
+
+class _Dist:
+    def __getattr__(self, name: str):
+        if not SEAM.loaded:
+            SEAM.load_plugins()
+        return getattr(SEAM.calls, name)
+
+
+dist = _Dist()
+
+
+def phase(name: str):
+    if not SEAM.loaded:
+        SEAM.load_plugins()
+    return SEAM.phase(name)
+
+
+def span(op: str, nbytes: int | None = None, group=None, peer: int | None = None,
+         tag: int | None = None):
+    if not SEAM.loaded:
+        SEAM.load_plugins()
+    return SEAM.span(op, nbytes, group, peer, tag)
+
+
+def message(direction: str, nbytes: int) -> None:
+    """One message of a rebuilt collective: direction "sent" or "received"."""
+    if not SEAM.loaded:
+        SEAM.load_plugins()
+    SEAM.message(direction, nbytes)
+
+
+def use_collectives(collectives) -> None:
+    """Run this process's mechanisms on `collectives` (torch.distributed's names and signatures):
+    refimpl.comm for `--collectives refimpl`, None for torch.distributed's own."""
+    SEAM.collectives = TorchCollectives() if collectives is None else collectives
