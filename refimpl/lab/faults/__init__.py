@@ -6,7 +6,7 @@ a strategy whose sync differs, a mutated loss or transform, pipeline links that 
 order, a step that loses its rank. `variant`, a plug-in of refimpl.registry (the entry-point group
 "refimpl.variants", pyproject.toml), picks it. Notebook 10 runs each, shows the symptom a user
 would see, and asserts that the bisector (refimpl.lab.verify.bisect), the hang report
-(refimpl.flight_recorder) or the launcher's rank-and-traceback finds it.
+(refimpl.lab.runtime.flight_recorder) or the launcher's rank-and-traceback finds it.
 
 They run only where REFIMPL_FAULTS=1 (the tests and notebook 10 set it): a fault in a training
 run is a mistake, so the layout check refuses it elsewhere, before any rank starts.

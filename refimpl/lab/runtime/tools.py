@@ -48,8 +48,9 @@ class RuntimeTools(LaunchTools):
             job = flight_recorder.nccl_dumps(f"torchrun-{os.environ.get('MASTER_PORT', '0')}")
             for key, value in flight_recorder.nccl_env(job).items():
                 os.environ.setdefault(key, value)
-        if backend == "staged":     # registers the backend in this process
-            from refimpl.lab.runtime import shared_device  # noqa: F401
+        # the staged backend registered in every rank: its own default group, or a gloo rank's
+        # new_group(backend="staged") (tests/test_nccl_rules.py)
+        from refimpl.lab.runtime import shared_device  # noqa: F401
 
     @contextlib.contextmanager
     def running(self):
