@@ -5,22 +5,11 @@ import sys
 
 
 def heap_policy() -> None:
-    """How glibc's malloc, where every CPU tensor comes from (PyTorch keeps no cache of host
-    memory, unlike CUDA's), treats what a rank frees; set once, before the rank allocates.
-
-    Blocks under 1 MiB stay in the heap for the next step, trimmed only past 1 GiB free. glibc by
-    default hands a freed block of 128 KiB or more back to the kernel, so the next step's landed
-    on fresh pages, each faulted in and zeroed on the rank's main thread: on a zbv step on 2 loaded
-    CPU ranks, ~1,200 page faults a step in our pipeline runner (refimpl.parallel.pp), whose B
-    frees a micro-batch's activations at once, 13-15 % of its main-thread CPU time.
-
-    Blocks of 1 MiB and more are mapped on their own and unmapped when freed. Kept in the heap
-    (as they were, up to 32 MiB, and as glibc's default ends up keeping them: its threshold rises
-    to the largest block freed), they pinned the rank's peak for good: a freed block is reused
-    only by a request it can hold, and smaller ones split it first, so each unit ZeRO-3 gathered
-    left its hole and the heap grew by about the whole model in a step (issue 52: 8 ranks of a
-    51 M-parameter model, 300-500 MiB beyond the 97 MiB of the shard's states; measured with
-    scripts/resident_memory.py). Now a gathered unit costs its pages' faults each time it comes."""
+    """How glibc's malloc, where every CPU tensor comes from, treats what a rank frees; set once,
+    before the rank allocates. Blocks under 1 MiB stay in the heap for the next step (trimmed only
+    past 1 GiB free): a step's small tensors do not land on fresh, zeroed pages. Blocks of 1 MiB
+    and more are mapped on their own and unmapped when freed: kept in the heap, the holes each
+    gathered ZeRO-3 unit left grew it by about the whole model (scripts/resident_memory.py)."""
     if sys.platform.startswith("linux"):
         import ctypes
 

@@ -2,32 +2,11 @@
 
     results = run(fn, 2, x, backend="auto")      # -> [fn(0, 2, x), fn(1, 2, x)]
 
-Why not `torch.multiprocessing.spawn`? A learner's function usually lives in a notebook cell, which
-plain pickle cannot ship to a fresh interpreter; we serialise it with cloudpickle instead. And each
-rank must have OMP_NUM_THREADS=1 in its environment *before* torch is imported (on a 2-core
-laptop, 4 ranks that each spin up a full thread pool ran 12x slower). NCCL ranks start as fresh
-`python -m refimpl._rank` processes. CPU ranks (gloo's, and the staged backend's on the CPU) are
-forked from a zygote (refimpl/lab/runtime/zygote.py): one interpreter, started on first use with one thread
-configured, that has imported torch once; forking it saves the ~2 s of CPU that importing torch
-costs every rank (a 4-rank launch went from ~4 s to ~0.5 s on 2 cores). The zygote lives as long as this process
-and is killed with it; REFIMPL_LAUNCH=spawn starts every rank fresh instead.
-
-The contract (DESIGN.md):
-  * rendezvous through a TCPStore that this process hosts on port 0, so the OS picks a free port
-    and two launches can never race for one;
-  * NCCL with `cuda:LOCAL_RANK` when the machine has >= world_size GPUs, gloo on CPU otherwise;
-  * a rank that raises makes `run` raise `RankFailedError` naming the rank, with its traceback;
-  * a hang ends at `timeout` with every rank killed, or sooner with `stall`: once every rank
-    still running has sat that long in the same unfinished communication call (its flight
-    recorder's innermost entered call unchanged: a watchdog that starts counting only when the
-    ranks are all waiting on each other, so a slow start cannot trip it); no rank outlives the
-    call (each child also asks the kernel to kill it if its parent dies, so an interrupted notebook kernel leaks nothing);
-    the error names, per rank still running, the communication call it waits in and the call its
-    peer waits in (each rank's flight recorder: refimpl/lab/runtime/flight_recorder.py);
-  * on NCCL a collective returns once posted and a hung rank blocks later, in a host read: there
-    the group times out before the launcher (`group_timeout`), PyTorch's flight recorder is on
-    (`flight_recorder.nccl_env`), and the report names each rank's last posted call;
-  * under torchrun (RANK / WORLD_SIZE in the environment) `run` calls `fn` for this rank only.
+The function is shipped with cloudpickle (a notebook cell's function works); each CPU rank gets
+OMP_NUM_THREADS=1 before it imports torch; NCCL when every rank has a GPU, gloo otherwise; a rank
+that raises makes `run` raise RankFailedError naming it, with its traceback; a hang ends at
+`timeout` with every rank killed. Under torchrun `run` calls `fn` for this rank only. What the
+lab adds (the zygote, the flight recorder's hang report) comes through refimpl.launch_tools.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ profiler range while a profiler records. `span` is what refimpl.comm's own algor
 each collective and point-to-point call, `message` what they call for each message they put on or
 take off the wire. With nothing attached, each is the plain thing (or nothing).
 
-The lab attaches its instruments (trace labels, byte counts, the flight recorder) by replacing
+The lab attaches its instruments (trace ranges, byte counts, a record of each rank's calls) by replacing
 `SEAM.calls`, `SEAM.phase`, `SEAM.span` and `SEAM.message`, as plug-ins registered under the entry-point group
 "refimpl.seam": functions `attach(SEAM)`, loaded once, on first use. The core never names them.
 """

@@ -15,8 +15,8 @@ swapped for the other in any strategy. Only `torch.distributed.isend/irecv` move
     send, recv, isend, irecv  torch's own, counted              p2p.py
 
 `async_op=True` returns a `Work` whose `.wait()` blocks until the result is in place (work.py).
-Each collective and message passes refimpl.seam's `span`/`message`, where the lab labels it
-`comm:<name>` for torch.profiler and counts its bytes (refimpl.lab.instrument.CommLog).
+Each collective and message passes refimpl.seam's `span`/`message`, where the lab attaches its
+instruments (refimpl/lab/instrument/).
 """
 from torch.distributed import ReduceOp
 

@@ -90,9 +90,8 @@ def issue(name: str, group, async_op: bool, body, nbytes: int | None = None):
     """Run `body(GroupView)` as collective `name`: now, or on the lane when `async_op`.
 
     Returns None (blocking) or a `Work` (async), as torch.distributed does; a rank outside `group`
-    does nothing and gets None, again as torch does. The trace label is `comm:<name> <nbytes>B`
-    (refimpl.lab.trace.profiling's convention), nbytes being the collective's message size M as nccl-tests
-    counts it, so a trace alone gives each call's bandwidth.
+    does nothing and gets None, again as torch does. `nbytes`: the collective's message size M, as
+    nccl-tests counts it, handed to the seam's span.
     """
     g = GroupView.of(group)
     if not g.member:

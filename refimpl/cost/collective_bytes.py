@@ -23,7 +23,7 @@ def sent_per_rank(op: str, n: int, message_bytes: float) -> float:
 
 
 def wire_bytes(calls: list[dict]) -> float:
-    """Bytes one rank sends for a CommLog's calls (refimpl.lab.instrument.labels): each message times its
+    """Bytes one rank sends for calls {op, world, bytes} (a message each): each message times its
     factor on the call's own group size."""
     return sum(sent_per_rank(c["op"], c["world"], c["bytes"]) for c in calls)
 
