@@ -107,27 +107,24 @@ def phase(name: str):
 
 
 @contextmanager
+def _opened(var: contextvars.ContextVar, everywhere: _ProcessWide, span, name: str):
+    """`span` entered with `name` as `var`'s value on this thread and open in this process."""
+    token, box = var.set(name), [name]
+    everywhere.push(box)
+    try:
+        with span:
+            yield
+    finally:
+        everywhere.pop(box)
+        var.reset(token)
+
+
 def _with_pass(span, name: str):
-    token, box = _PASS.set(name), [name]
-    _PASSES_OPEN.push(box)
-    try:
-        with span:
-            yield
-    finally:
-        _PASSES_OPEN.pop(box)
-        _PASS.reset(token)
+    return _opened(_PASS, _PASSES_OPEN, span, name)
 
 
-@contextmanager
 def _with_phase(span, name: str):
-    token, box = _PHASE.set(name), [name]
-    _PHASES_OPEN.push(box)
-    try:
-        with span:
-            yield
-    finally:
-        _PHASES_OPEN.pop(box)
-        _PHASE.reset(token)
+    return _opened(_PHASE, _PHASES_OPEN, span, name)
 
 
 # The logs open in this context, innermost last. A ContextVar first: each thread and each

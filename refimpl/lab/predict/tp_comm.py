@@ -49,6 +49,7 @@ import pandas as pd
 from refimpl.cost.alpha_beta import ring_seconds
 from refimpl.cost.hardware import Hardware, get_hardware
 from refimpl.lab.predict.presets import get_model
+from refimpl.parallel.tp.attention import kv_split
 
 
 def bytes_per_layer(b: int, s: int, h: int, t: int, dtype_bytes: int = 2) -> float:
@@ -224,14 +225,9 @@ def kv_heads_per_rank(n_kv_heads: int, t: int) -> tuple[int, int]:
     """Grouped-query attention under TP: (key/value heads each rank holds, ranks holding each one).
     With at least t KV heads they split like the query heads; with fewer, every rank still needs
     the KV head its query heads use, so each KV head is replicated over t / n_kv ranks (as vLLM's
-    QKVParallelLinear does): its weights and its K/V activations stop shrinking with t."""
-    if n_kv_heads >= t:
-        if n_kv_heads % t:
-            raise ValueError(f"{n_kv_heads} KV heads do not split over tp = {t}")
-        return n_kv_heads // t, 1
-    if t % n_kv_heads:
-        raise ValueError(f"tp = {t} is not a multiple of the {n_kv_heads} KV heads")
-    return 1, t // n_kv_heads
+    QKVParallelLinear does): its weights and its K/V activations stop shrinking with t. The split
+    is the mechanism's own (refimpl.parallel.tp.attention.kv_split)."""
+    return kv_split(n_kv_heads, t)
 
 
 def gqa_table(d_model: int, n_heads: int, n_kv_heads: int, tps=(2, 4, 8, 16),
