@@ -111,14 +111,7 @@ class ParallelDims:
 
 
 class Mesh:
-    """This rank's place in the grid and one process group per axis.
-
-    Every rank creates every group, in the same order (torch.distributed.new_group is collective
-    over the whole world even though only members use a group); axes of size 1 get no group.
-    Built once per run and handed to the strategy in its RunContext. Axes of one family with the
-    same ranks share one group (dp = dp_cp when cp = 1: FAMILY), and so do runs
-    (`_groups_of_this_world`).
-    """
+    """This rank's place in the grid and one process group per axis."""
 
     def __init__(self, dims: ParallelDims, rank: int):
         self.dims = dims

@@ -1,6 +1,5 @@
-"""Where each parameter lives, recorded on the parameter, and one function that reassembles the
-reference model's full state dict from any layout.
-"""
+"""Where each parameter lives, one record per parameter, and one function that reassembles the
+reference model's full state dict from any layout."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,10 +7,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from refimpl.seam import dist
 
-ATTRIBUTE = "_refimpl_placement"
+# tensor -> its Placement, for as long as the tensor object lives (swap_tensors keeps the object)
+_PLACEMENTS = WeakIdKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -45,11 +46,14 @@ Placement = Shard | Owned
 
 
 def set_placement(tensor: torch.Tensor, placement: Placement | None) -> None:
-    setattr(tensor, ATTRIBUTE, placement)
+    if placement is None:
+        _PLACEMENTS.pop(tensor, None)
+    else:
+        _PLACEMENTS[tensor] = placement
 
 
 def placement_of(tensor: torch.Tensor) -> Placement | None:
-    return getattr(tensor, ATTRIBUTE, None)
+    return _PLACEMENTS.get(tensor)
 
 
 # A ZeRO-3/FSDP parameter (refimpl.parallel.fsdp): its full value exists only while its unit is
@@ -57,15 +61,15 @@ def placement_of(tensor: torch.Tensor) -> Placement | None:
 # gradients. A pipeline's zero bubble (refimpl.parallel.pp.zero_bubble) keeps the split W on a chunk
 # holding one: that W reads no weight, where the whole backward it runs on other first pieces
 # rereads the weights autograd saved in the forward.
-RESHARDED = "_refimpl_resharded"
+_RESHARDED = WeakIdKeyDictionary()
 
 
 def mark_resharded(tensor: torch.Tensor) -> None:
-    setattr(tensor, RESHARDED, True)
+    _RESHARDED[tensor] = True
 
 
 def is_resharded(tensor: torch.Tensor) -> bool:
-    return getattr(tensor, RESHARDED, False)
+    return _RESHARDED.get(tensor, False)
 
 
 def data_parallel_axis(tensor: torch.Tensor) -> str:
@@ -122,9 +126,7 @@ def gather_full_state_dict(local: dict[str, torch.Tensor], model: nn.Module, mes
                            sharded: dict[str, Placement] | None = None
                            ) -> dict[str, torch.Tensor]:
     """The reference's full state dict on every rank, from this rank's `local` state dict.
-    `sharded`: the placements, where the model's tensors no longer carry them (`placements`).
-
-    Collective over every axis the model is sharded on (every rank must call it)."""
+    `sharded`: the placements, where the model's tensors no longer carry them (`placements`)."""
     sharded = placements(model) if sharded is None else sharded
     full = {}
     # The same order on every rank (the all-gathers must match): an owned module's names sort by

@@ -14,13 +14,7 @@ from refimpl.model.moe import moe_aux_loss, update_expert_bias
 
 @dataclass(frozen=True)
 class Pipeline:
-    """A pipeline stage's step, and where the step's loss comes from.
-
-    `run(micro_batches, *, divisor, autocast, loss_fn)` -> this rank's part of the mean loss
-    (0-d float64). The loss is computed on `loss_stage` (the pp index of the stage holding the
-    last piece: the last stage, or 0 on a V) and broadcast from it over pp; with MoE layers every
-    stage holds a part (its layers' aux losses), and `sum_stages` sums the parts over pp instead
-    (refimpl.step.global_mean_loss)."""
+    """A pipeline stage's step, and where the step's loss comes from."""
     run: Callable[..., torch.Tensor]
     loss_stage: int
     sum_stages: bool = False

@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.utils import swap_tensors
 
 from refimpl.model.init import init_rules, initial_value
-from refimpl.placement import local_part, placement_of
+from refimpl.placement import local_part, placement_of, set_placement
 
 
 class PartialState(Mapping):
@@ -130,12 +130,12 @@ def materialize(module: nn.Module, values: RankValues, parameters: bool = True) 
 
 def set_data(t: torch.Tensor, value: torch.Tensor) -> None:
     """Make `t` hold `value`, keeping the tensor object (modules and ties refer to it), its
-    attributes (a placement, a sequence-parallel mark) and its gradient hooks (tensor
-    parallelism's all-reduce of a sequence-partial gradient, registered on the shapes).
-    `t.data = value` refuses to turn a meta tensor into a real one; torch.utils.swap_tensors
-    swaps the contents instead, and the attributes with them, so they are handed over first.
-    The hooks stay registered on the contents swapped out: setting the hook dicts again
-    registers them on the new ones (seen: without it tp + sp's gradients were not summed)."""
+    placement and its gradient hooks (tensor parallelism's all-reduce of a sequence-partial
+    gradient, registered on the shapes). `t.data = value` refuses to turn a meta tensor into a
+    real one; torch.utils.swap_tensors swaps the contents instead, and the attributes with them,
+    so they are handed over first. The hooks stay registered on the contents swapped out:
+    setting the hook dicts again registers them on the new ones (without it tp + sp's gradients
+    were not summed)."""
     if t.device == value.device:
         t.data = value
         return
@@ -143,5 +143,8 @@ def set_data(t: torch.Tensor, value: torch.Tensor) -> None:
         else value
     new.__dict__.update(t.__dict__)
     hooks = t._backward_hooks, t._post_accumulate_grad_hooks
+    where = placement_of(t)
+    set_placement(t, None)        # swap_tensors refuses a tensor something holds a weak reference to
     swap_tensors(t, new)
+    set_placement(t, where)
     t._backward_hooks, t._post_accumulate_grad_hooks = hooks

@@ -2,18 +2,7 @@
 
     from refimpl.seam import dist, phase
     dist.all_reduce(p.grad, group=group)       # reads exactly like torch.distributed
-    with phase("forward"): ...                  # a named range of a step
-
-`dist` is torch.distributed until told otherwise: `use_collectives(refimpl.comm)` runs every
-mechanism on the collectives rebuilt from send/recv (`--collectives refimpl`). `phase` opens a
-profiler range while a profiler records. `span` is what refimpl.comm's own algorithms open around
-each collective and point-to-point call, `message` what they call for each message they put on or
-take off the wire. With nothing attached, each is the plain thing (or nothing).
-
-The lab attaches its instruments (trace ranges, byte counts, a record of each rank's calls) by replacing
-`SEAM.calls`, `SEAM.phase`, `SEAM.span` and `SEAM.message`, as plug-ins registered under the entry-point group
-"refimpl.seam": functions `attach(SEAM)`, loaded once, on first use. The core never names them.
-"""
+    with phase("forward"): ...                  # a named range of a step"""
 from __future__ import annotations
 
 from contextlib import nullcontext

@@ -38,14 +38,7 @@ def forward_backward(model: Callable, micro_batches: list[Batch], *, loss_fn: Ca
 
 
 def global_mean_loss(local: torch.Tensor, mesh, pipeline: Pipeline | None = None) -> torch.Tensor:
-    """The mean over the global batch, on every rank.
-
-    Data-parallel (and context-parallel) ranks hold equal numbers of tokens, so the mean of their
-    means is the global mean: one all-reduce over dp x cp. Under a pipeline only the stage holding
-    the last piece computed a loss (`pipeline.loss_stage`: the last stage, or 0 on a V, whose last
-    piece is on rank 0); it is broadcast over pp so every rank returns it (the loop's contract).
-    With MoE layers every stage holds a part (its layers' aux losses; the loss stage adds the
-    language-model loss): `pipeline.sum_stages` all-reduces the parts over pp instead."""
+    """The mean over the global batch, on every rank."""
     t = local.detach().clone()
     if mesh.size("dp_cp") > 1:
         dist.all_reduce(t, group=mesh.group("dp_cp"))

@@ -25,12 +25,7 @@ from refimpl.step import forward_backward, global_mean_loss
 
 
 class Strategy:
-    """One way to train the reference model on the grid `ctx.mesh`. See the module docstring.
-
-    `place(rank_model, values)` gives the module its values and calls `setup(module)`, which
-    must set `self.model` (this rank's module, reference parameter names) and `self.optimizer`,
-    then keeps `step_model(rank_model)`. The step is `train_step`; override its parts, not the
-    step."""
+    """One way to train the reference model on the grid `ctx.mesh`. See the module docstring."""
 
     name: str = ""
     min_world_size: int = 1
@@ -159,11 +154,7 @@ class Strategy:
     # --- gathering and accounting ---------------------------------------------------------------------
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The reference model's full state dict (reference names, full shapes, on CPU).
-
-        Collective: every rank must call it. Every rank returns the same dict. The default
-        reassembles the model's tensors from the placement each one records
-        (refimpl.placement): a replicated model is already whole."""
+        """The reference model's full state dict (reference names, full shapes, on CPU)."""
         return gather_full_state_dict(self.model.state_dict(), self.model, self.mesh)
 
     def model_state(self) -> ModelStateBytes:
@@ -180,11 +171,7 @@ class Strategy:
 
 def optimizer_settings(cfg: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict]:
     """The one optimizer every strategy uses, as (class, hyper-parameters): AdamW, so the
-    arithmetic has m and v.
-
-    foreach=False: the per-tensor path does the same arithmetic in the same order as our
-    from-scratch sharded optimizers, which keeps equivalence at fp32 round-off.
-    """
+    arithmetic has m and v."""
     return torch.optim.AdamW, {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "foreach": False}
 
 

@@ -1,17 +1,11 @@
 """The one training loop every strategy plugs into.
 
     result = train_on_ranks(TrainConfig(strategy="single", steps=5))      # from a notebook
-    python -m refimpl train --strategy single --steps 5 --json            # from a shell
-
-The loop owns what is common: seeding, the deterministic global batch of each step, timing (median
-after warm-up), memory accounting by category, the profiler, and the JSON-ready result. The
-strategy (refimpl.strategy.Strategy) owns placement, the step and gathering the state back.
-"""
+    python -m refimpl train --strategy single --steps 5 --json            # from a shell"""
 from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import statistics
 import time
 
@@ -26,6 +20,7 @@ from refimpl.memory import ActivationTracker
 from refimpl.mesh import LayoutError, Mesh
 from refimpl.model import build_model, converted, count_params, synthetic_batch
 from refimpl.numerics import deterministic_needed, exact_fp32_on_cuda
+from refimpl.process_group import backend_and_device, launch_backend, ranks_backend, sync
 from refimpl.rank_values import RankValues
 from refimpl.registry import Resolved, resolve
 from refimpl.seam import use_collectives
@@ -48,15 +43,6 @@ def validate(cfg: TrainConfig) -> Resolved:
     return layout
 
 
-def ranks_backend(cfg: TrainConfig) -> str:
-    """The backend cfg's ranks will run on, known before any of them starts: the one launch.run
-    picks (under torchrun, for this node's ranks)."""
-    ranks = cfg.nproc
-    if launch.under_torchrun():
-        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-    return launch.pick_backend(ranks, launch_backend(cfg))
-
-
 def setup_rank(rank: int, world_size: int, layout: Resolved, state=None,
                placing=contextlib.nullcontext(), initial=None) -> tuple[RunContext, Strategy, int]:
     """This rank's context, its strategy placed from the reference model, and the reference's
@@ -64,7 +50,7 @@ def setup_rank(rank: int, world_size: int, layout: Resolved, state=None,
     to place instead of the seeded init, a full state dict or a checkpoint's pieces; `placing`: a
     context open while the strategy places the rank's tensors (the dry run counts it)."""
     cfg = layout.cfg
-    backend, device = _backend_and_device(cfg)
+    backend, device = backend_and_device(cfg)
     exact_fp32_on_cuda(device, deterministic_needed(device, cfg.dtype, cfg.mixed_precision,
                                                    cfg.return_state or bool(cfg.save_state)))
     mesh = Mesh(cfg.dims, rank)     # this rank's point of the grid, one process group per axis
@@ -98,11 +84,11 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         for step in range(extras.first, cfg.steps):
             batch = synthetic_batch(cfg.model, cfg.global_batch, cfg.seq_len, cfg.seed, step)
             tracker = ActivationTracker(exclude=strategy.activation_exclusions())
-            _sync(ctx)
+            sync(ctx.device)
             begin = time.perf_counter()
             with tracker:
                 loss = strategy.train_step(batch)
-            _sync(ctx)
+            sync(ctx.device)
             step_times.append(time.perf_counter() - begin)
             losses.append(float(loss))
             activation_peak = max(activation_peak, tracker.peak)
@@ -122,11 +108,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
 def train_on_ranks(cfg: TrainConfig, timeout: float = 900.0, quiet: bool = True,
                    stall: float | None = None) -> dict:
     """Validate, launch `cfg.nproc` ranks (or run in this process for nproc == 1), and merge.
-    `stall`: refimpl.launch.run's hang watchdog (seconds all ranks wait in one call).
-
-    Returns the CLI's JSON object, plus `per_rank` (each rank's raw result) and, with
-    `cfg.return_state`, `state_dict` (rank 0's gathered copy).
-    """
+    `stall`: refimpl.launch.run's hang watchdog (seconds all ranks wait in one call)."""
     validate(cfg)
     if launch.under_torchrun():
         # torchrun started one process per rank; each trains, then all exchange their results
@@ -141,19 +123,9 @@ def train_on_ranks(cfg: TrainConfig, timeout: float = 900.0, quiet: bool = True,
     return merge_results(cfg, per_rank)
 
 
-def launch_backend(cfg: TrainConfig) -> str:
-    """device "cpu" keeps the ranks on gloo even where there are GPUs enough for NCCL (the CPU
-    planner check, refimpl.lab.plan.cpu); otherwise NCCL exactly when every rank gets a GPU."""
-    return "gloo" if cfg.device == "cpu" else "auto"
-
-
 def train_several_on_ranks(cfgs: list[TrainConfig], timeout: float = 900.0,
                            quiet: bool = True) -> list[dict]:
-    """Several configurations, one after another, in one launch of the same ranks.
-
-    A comparison (dp vs torch-ddp, ...) then pays the process start-up once, and its step times
-    come from the same processes. All configurations must have the same `nproc`.
-    """
+    """Several configurations, one after another, in one launch of the same ranks."""
     for cfg in cfgs:
         validate(cfg)
     if len({cfg.nproc for cfg in cfgs}) != 1:
@@ -218,20 +190,3 @@ def merge_results(cfg: TrainConfig, per_rank: list[dict]) -> dict:
     if "moe" in first:   # per rank, per step (the lab loop's moe_step_record)
         out["moe"] = [r["moe"] for r in per_rank]
     return out
-
-
-def _backend_and_device(cfg: TrainConfig) -> tuple[str, torch.device]:
-    """A rank computes where its backend puts it. The in-process run (no process group) computes
-    on `cfg.device`: a reference sets it to its comparison's ranks' device (never straddling)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        backend = dist.get_backend()
-        return backend, launch.device_for(backend)
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    return ("nccl", torch.device("cuda", 0)) if use_cuda else ("gloo", torch.device("cpu"))
-
-
-def _sync(ctx: RunContext) -> None:
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)

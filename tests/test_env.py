@@ -11,7 +11,8 @@ from refimpl.config import TrainConfig
 from refimpl.lab.env import GPU, Machine, machine
 from refimpl.lab.verify.equivalence import ranks_device
 from refimpl.mesh import LayoutError
-from refimpl.train import _backend_and_device, validate
+from refimpl.process_group import backend_and_device as _backend_and_device
+from refimpl.train import validate
 
 H200 = GPU("NVIDIA H200", 143771 * 2 ** 20)
 

@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "refimpl"
 
 LAYERS = [
-    ("foundation", ("launch", "launch_tools", "host_heap", "_rank", "seam", "numerics", "mesh",
+    ("foundation", ("launch", "process_group", "rank_failures", "launch_tools", "host_heap", "_rank", "seam", "numerics", "mesh",
                     "__init__")),
     ("model", ("model",)),
     ("memory", ("memory",)),
@@ -59,7 +59,7 @@ LAYERS = [
                      "lab.faults", "lab.pipeline", "lab.loop")),
     ("lab verify", ("lab.verify",)),
     ("lab plan", ("lab.plan",)),
-    ("lab tools", ("lab.plots", "lab.tb_plugin", "lab.cli", "__main__")),
+    ("lab tools", ("lab.plots", "lab.source", "lab.tb_plugin", "lab.cli", "__main__")),
 ]
 CORE_LAYERS = len([name for name, _ in LAYERS if not name.startswith("lab")])
 # Inside parallel/: a folder may import the folders listed for it (and its own), nothing else.

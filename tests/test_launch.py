@@ -237,15 +237,15 @@ def _torchrun_env(monkeypatch, rank=0, world=1):
 def record_process_groups(monkeypatch) -> list:
     """(backend, timeout) of each process group refimpl.launch makes here; it is made on gloo
     whatever was asked (this machine may have no GPU)."""
-    from refimpl import launch
+    from refimpl import process_group
 
-    made, real = [], launch.init_process_group
+    made, real = [], process_group.init_process_group
 
     def init(rank, world_size, backend, timeout=600.0):
         made.append((backend, timeout))
         real(rank, world_size, "gloo", timeout=timeout)
 
-    monkeypatch.setattr(launch, "init_process_group", init)
+    monkeypatch.setattr(process_group, "init_process_group", init)
     return made
 
 

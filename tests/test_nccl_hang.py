@@ -11,7 +11,7 @@ import os
 import pytest
 import torch.distributed as dist
 
-from refimpl import launch
+from refimpl import launch, process_group
 from refimpl.lab.runtime import flight_recorder
 from refimpl.lab.runtime.tools import Watch
 from refimpl.launch import LaunchTimeoutError, RankFailedError
@@ -50,7 +50,7 @@ def _init_capture(monkeypatch, child: bool):
     monkeypatch.setattr(dist, "init_process_group",
                         lambda backend, **kw: got.update(backend=backend, **kw))
     monkeypatch.setattr(dist, "TCPStore", lambda *a, **kw: ("store", kw.get("timeout")))
-    monkeypatch.setattr(launch, "process_group_kwargs", lambda backend, local_rank: {})
+    monkeypatch.setattr(process_group, "process_group_kwargs", lambda backend, local_rank: {})
     monkeypatch.setattr("torch.cuda.set_device", lambda index: None)
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

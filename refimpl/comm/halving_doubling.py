@@ -97,11 +97,7 @@ def bytes_on_critical_path(n: int, m: float) -> float:
 
 
 def sent_by_rank(rank: int, n: int, numel: int, itemsize: int = 4) -> tuple[int, int]:
-    """(bytes, messages) that `rank` sends in the all-reduce of a `numel`-element tensor.
-
-    Walks the same schedule as `halving_doubling_all_reduce_` without moving data, chunk sizes
-    included, so a counted run can be checked to the byte; empty slices are never sent.
-    """
+    """(bytes, messages) that `rank` sends in the all-reduce of a `numel`-element tensor."""
     p, r = fold(n)
     sent = []                                          # sizes in elements of each send
     if rank < 2 * r and rank % 2 == 0:

@@ -1,12 +1,4 @@
-"""Scatter and gather, the root talking to every other rank directly.
-
-Scatter hands rank i the i-th piece of the root's list; gather is its mirror image, the root
-receiving piece i from rank i. The root posts all n-1 sends (or receives) at once and lets them
-proceed together, so the time is bounded by the root's own link: (n-1)/n of the whole data must
-leave (or enter) the root whichever algorithm is used. MPICH uses a binomial tree for short
-messages to cut the log-many startup costs (Thakur, Rabenseifner & Gropp 2005, section 4.3); for the
-small tensors a scatter or gather carries in training the direct form is as fast and easier to see.
-"""
+"""Scatter and gather, the root talking to every other rank directly."""
 from __future__ import annotations
 
 import torch.distributed as dist

@@ -70,14 +70,7 @@ class Posted:
 
 
 def post(g: GroupView, sends=(), recvs=()) -> Posted:
-    """Start sending each (tensor, peer) and receiving into each (tensor, peer); do not wait.
-
-    Peers are group ranks. Empty tensors are skipped on both sides: each side computes the same
-    sizes, so a message of zero elements is simply never posted. A receive buffer that is not
-    contiguous (a column slice, say) is filled through a contiguous staging copy.
-    Between two ranks, messages with the same tag are matched in the order they were posted, which
-    is what lets a pipelined ring post a chunk's segments one after another.
-    """
+    """Start sending each (tensor, peer) and receiving into each (tensor, peer); do not wait."""
     ops, copy_back = [], []      # ("recv" or "send", buffer, peer)
     for tensor, peer in recvs:
         if tensor.numel() == 0:

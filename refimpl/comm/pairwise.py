@@ -1,12 +1,4 @@
-"""All-to-all by pairwise exchange: in step s, rank r sends to r+s and receives from r-s.
-
-Every rank has n pieces, one addressed to each rank (piece r stays home). The pairwise-exchange
-schedule (Thakur, Rabenseifner & Gropp 2005, section 4.5, their choice for long messages) takes
-n-1 steps; in each step every rank sends exactly one piece and receives exactly one, so all links
-are used evenly and no rank is flooded by n-1 simultaneous senders. Pieces may have different
-sizes (MoE routes a different number of tokens to each expert): both sides of a pair know the
-size, the sender from `input_split_sizes`, the receiver from `output_split_sizes`.
-"""
+"""All-to-all by pairwise exchange: in step s, rank r sends to r+s and receives from r-s."""
 from __future__ import annotations
 
 import torch

@@ -110,11 +110,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, algorithm="r
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
-    """torch.distributed.reduce_scatter: output <- op over all ranks of their input_list[rank].
-
-    `input_list` must stay untouched, so partial sums travel in two private buffers that take
-    turns: one is being sent while the other receives.
-    """
+    """torch.distributed.reduce_scatter: output <- op over all ranks of their input_list[rank]."""
     check_op(op)
 
     def body(g: GroupView):

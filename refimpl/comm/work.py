@@ -43,12 +43,7 @@ def _use_cuda_device(index: int) -> None:
 
 
 class _Lane:
-    """One FIFO worker thread, started on first use.
-
-    A CUDA device is current per thread, and a new thread starts on cuda:0: the lane would
-    allocate its buffers and launch its kernels on GPU 0 on every rank. So each task first makes
-    current the device its caller was on (the rank's: init_process_group set it on the main
-    thread, autograd's device thread runs on its device)."""
+    """One FIFO worker thread, started on first use."""
 
     def __init__(self, caller_device=_caller_cuda_device, use_device=_use_cuda_device):
         self._lock = threading.Lock()
@@ -87,12 +82,7 @@ LANE_ON_NCCL = ("refimpl.comm's asynchronous collectives run on gloo only: on NC
 
 
 def issue(name: str, group, async_op: bool, body, nbytes: int | None = None):
-    """Run `body(GroupView)` as collective `name`: now, or on the lane when `async_op`.
-
-    Returns None (blocking) or a `Work` (async), as torch.distributed does; a rank outside `group`
-    does nothing and gets None, again as torch does. `nbytes`: the collective's message size M, as
-    nccl-tests counts it, handed to the seam's span.
-    """
+    """Run `body(GroupView)` as collective `name`: now, or on the lane when `async_op`."""
     g = GroupView.of(group)
     if not g.member:
         return None

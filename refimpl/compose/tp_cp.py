@@ -1,13 +1,4 @@
-"""Ring attention over tensor-parallel heads (tp x cp): context parallelism on a tp model.
-
-TP splits attention by heads and CP by tokens, and attention mixes tokens only within a head, so
-a rank at (cp c, tp t) rings its a/tp heads' K/V shard, [b, a/tp, s/cp, d_head], among its cp
-peers (as Megatron-LM, whose cp groups are the ranks of one tp rank): each ring step is
-refimpl.parallel.cp.ring.ring_attention on a/tp heads and carries 1/tp of plain cp's bytes.
-Under SP the all-gather before W_Q, W_K, W_V rebuilds the cp rank's s/cp tokens in head-tail order.
-
-    apply_context_parallel_over_tp(model, cp_group, rank, cp)   # after parallelize_tp
-"""
+"""Ring attention over tensor-parallel heads (tp x cp): context parallelism on a tp model."""
 from __future__ import annotations
 
 import functools

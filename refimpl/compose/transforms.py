@@ -1,24 +1,4 @@
-"""A rank's model is the reference model transformed, in one fixed order:
-
-    tensor / sequence parallel (experts split over tp too) -> context parallel (ring attention;
-    over the tp heads under tp x cp, refimpl.compose.tp_cp)
-    -> expert parallel (E/ep experts per rank, the tp split kept inside each)
-    -> activation checkpointing -> pipeline split
-    -> data-parallel wrapping (the strategy's own: replicate, or shard over dp x cp; a MoE
-       model's experts under --ep over edp, the ranks holding the same experts)
-
-torchtitan cuts the pipeline first and then parallelizes each stage; here every transform works
-on the whole reference model in place (parameter names stay the reference's) and the pipeline
-split comes last, keeping the blocks of this rank's stage. The result is the same model: each
-transform touches only its own modules. `model_parallel` applies everything before the
-data-parallel wrapping and returns a `RankModel` (refimpl.rank_model): the module, and what the
-step runner must know about it (the loss on split logits, the batch's sequence chunks, the
-pipeline's runner). refimpl.train.setup_rank then hands it to the strategy, which wraps it for dp.
-Each transform is a function of the module, its axis's process group and its options, readable
-alone in its parallelism's folder (refimpl.parallel.tp.parallelize, cp.parallelize, ep.dispatch,
-pp.stage; refimpl.model.activation_checkpointing); `validate_model_parallel` checks their
-constraints before any rank starts.
-"""
+"""A rank's model is the reference model transformed, in one fixed order:"""
 from __future__ import annotations
 
 import functools

@@ -46,12 +46,7 @@ def halving_doubling_seconds(nbytes: float, n: int, alpha: float, beta: float) -
 
 def crossover_bytes(n: int, alpha: float, beta: float) -> float:
     """Message size above which the ring all-reduce beats halving-doubling on n ranks (inf: never;
-    0: always).
-
-    Solves ring_seconds == halving_doubling_seconds for M: both are a + b M lines. On a power of
-    two the bandwidth terms are equal and halving-doubling wins at every size (in this model); on 3
-    ranks the latency terms are equal (4 alphas each) and the ring wins at every size.
-    """
+    0: always)."""
     extra_alpha = ring_steps("all_reduce", n) - messages_per_rank(n)   # ring's extra latency
     # halving-doubling's extra bytes per byte of M
     extra_bytes = bytes_on_critical_path(n, 1.0) - bytes_per_rank_factor("all_reduce", n)
@@ -79,13 +74,7 @@ def hop_model_from_fit(alpha_s: float, beta_bytes_per_s: float,
 
 
 def fit_alpha_beta(sizes_bytes, seconds) -> tuple[float, float]:
-    """Least-squares fit of T = alpha + M / beta; returns (alpha in s, beta in bytes/s).
-
-    The squared error is taken relative to each measurement, ((alpha + M/beta - T) / T)^2: a plain
-    least squares is decided by the largest messages alone (their times are 10^4 x larger) and
-    leaves alpha, the part that dominates small messages, to noise. Both parameters are kept
-    non-negative (a negative latency is not physical); beta = inf means no size dependence.
-    """
+    """Least-squares fit of T = alpha + M / beta; returns (alpha in s, beta in bytes/s)."""
     m = np.asarray(sizes_bytes, dtype=float)
     t = np.asarray(seconds, dtype=float)
     a = np.stack([1.0 / t, m / t], axis=1)  # rows scaled by 1/T: weighted least squares
@@ -103,11 +92,7 @@ def predict_seconds(alpha: float, beta: float, sizes_bytes) -> np.ndarray:
 
 
 def fit_error(sizes_bytes, seconds, alpha: float, beta: float) -> dict:
-    """How well the fitted line explains the data: R^2 of log T, median and worst relative error.
-
-    R^2 is computed on log(time) because the sizes span seven decades: on raw times it would only
-    say whether the largest message was fitted.
-    """
+    """How well the fitted line explains the data: R^2 of log T, median and worst relative error."""
     t = np.asarray(seconds, dtype=float)
     p = predict_seconds(alpha, beta, sizes_bytes)
     rel = np.abs(p - t) / t

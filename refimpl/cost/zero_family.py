@@ -45,11 +45,7 @@ def nvme_traffic_per_step(n_params: float) -> float:
 
 
 def tokens_to_hide_nvme(flops_per_s: float, nvme_bytes_per_s: float) -> float:
-    """Tokens per GPU per step at which 6Ψ FLOPs per token take as long as moving 32Ψ bytes.
-
-    Ψ cancels: 6Ψ·T / F = 32Ψ / B  =>  T = 32 F / (6 B). ZeRO-Infinity's "arithmetic intensity"
-    argument (its §4): offload only pays with enough work per byte moved.
-    """
+    """Tokens per GPU per step at which 6Ψ FLOPs per token take as long as moving 32Ψ bytes."""
     return nvme_traffic_per_step(1) * flops_per_s / (6 * nvme_bytes_per_s)
 
 

@@ -4,10 +4,7 @@ measured on a live model, and CUDA's allocator view.
     arithmetic.py   model_state_bytes (DP and ZeRO 1/2/3), activation_bytes_per_layer
                     (Korthikanti et al. 2022), training FLOPs and days
     measured.py     bytes of a live model's states and of what autograd saves
-    cuda.py         torch.cuda's allocator counters, beside the arithmetic
-
-`refimpl.memory.model_state_bytes` and `activation_bytes_per_layer` are a DESIGN contract.
-"""
+    cuda.py         torch.cuda's allocator counters, beside the arithmetic"""
 from refimpl.memory.arithmetic import (
     GB,
     GiB,

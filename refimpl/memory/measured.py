@@ -51,18 +51,7 @@ def measured_model_state(params, optimizer: torch.optim.Optimizer | None) -> Mod
 
 
 class ActivationTracker:
-    """Counts bytes of the tensors autograd saves for backward, as they are saved and freed.
-
-        with ActivationTracker(exclude=model.parameters()) as act:
-            loss = model(x).sum(); loss.backward()
-        act.peak   # the most bytes saved at any moment
-
-    A pack hook wraps each saved tensor in a small holder; when autograd frees the graph (after
-    backward) the holder is released and its bytes leave the live count. Storages are counted once
-    however many ops save them, and parameters (saved by every Linear) are excluded: they are model
-    state, not activations. This is CPU-friendly; on GPU torch.cuda.max_memory_allocated tells the
-    same story plus allocator slack.
-    """
+    """Counts bytes of the tensors autograd saves for backward, as they are saved and freed."""
 
     def __init__(self, exclude=()):
         # Keyed by storage *identity*, not address: ZeRO-3 / FSDP free a gathered parameter buffer

@@ -1,21 +1,5 @@
 """Two ways to fill an expert's capacity: ours (global, batch order) and GShard/Switch's (per group,
-first choices first).
-
-Ours (refimpl.model.moe): C = ceil(k·T/E·cf) over the *whole* global batch, and an expert takes
-assignments in batch order (token, then slot). The ranks all-gather their per-expert counts so
-each knows its place in every expert's queue. It is an equivalence device: with it, an
-expert-parallel run drops exactly the assignments `single` drops, so `ep` can be checked against
-`single` to round-off (notebook 08 §4).
-
-GShard (Lepikhin et al. 2020, §2.2 and Algorithm 1) and Switch Transformer (Fedus et al. 2021,
-§2.1, eq. 3) split the tokens into G groups (in practice one per device) and give each expert a
-capacity C_g = ceil(k·T_g/E·cf) *in each group*, with no communication before the dispatch. Within
-a group every token's first choice is placed before any token's second choice (GShard's
-Algorithm 1 fills the top-1 slots, then the top-2 with what is left), so a token loses its
-second expert before any token loses its first (GShard also drops a second choice at random
-in proportion to its small gate, "random routing"; not modelled here). The same tokens can then drop differently on a
-different number of devices: the reason `ep` here does not use it.
-"""
+first choices first)."""
 from __future__ import annotations
 
 import torch

@@ -39,13 +39,7 @@ class Batch:
 
 
 def synthetic_batch(cfg: GPTConfig, global_batch: int, seq_len: int, seed: int, step: int) -> Batch:
-    """A deterministic, learnable global batch for `step`, identical on every rank.
-
-    Each sequence follows a fixed random permutation of the vocabulary (token t -> perm[t]) with 10%
-    of tokens replaced by noise, so the loss falls quickly from ln(vocab) and never reaches zero.
-    It depends only on (seed, step), never on the world size: that is what lets a 3-rank run be
-    compared with the 1-process reference.
-    """
+    """A deterministic, learnable global batch for `step`, identical on every rank."""
     if seq_len > cfg.seq_len:
         raise ValueError(f"seq_len {seq_len} exceeds the model's position table ({cfg.seq_len})")
     perm = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(seed))

@@ -79,13 +79,7 @@ class GPT(nn.Module):
 
 
 def build_model(cfg: GPTConfig, seed: int, device="cpu") -> GPT:
-    """The reference weights: every rank that calls this with the same seed gets the same model.
-
-    Each tensor's value is refimpl.model.init's (drawn from its own generator, seeded by `seed`
-    and the tensor's name), so a rank that builds only its own shard (refimpl.rank_values) draws
-    the same values for it. device="meta": the shapes only, nothing drawn. The constructors'
-    own initialisers are skipped (their values would be overwritten) and the global RNG is
-    never touched."""
+    """The reference weights: every rank that calls this with the same seed gets the same model."""
     with torch.device(device), values_not_drawn():
         model = GPT(cfg)
     if torch.device(device).type == "meta":
@@ -94,12 +88,7 @@ def build_model(cfg: GPTConfig, seed: int, device="cpu") -> GPT:
 
 
 def converted(module: nn.Module, *, device=None, dtype=None) -> nn.Module:
-    """`module.to(device, dtype)` where a tensor of it differs, else `module` untouched.
-
-    A no-op `.to()` still swaps every parameter for a copy of itself when the parameters are fake
-    tensors (the dry run, refimpl.lab.verify.dryrun), and PyTorch cannot swap a fake parameter (it
-    fails on the weak reference FakeTensorMode keeps to it): skipping the no-op keeps the
-    reference's own parameters, as `.to()` would on real tensors."""
+    """`module.to(device, dtype)` where a tensor of it differs, else `module` untouched."""
     tensors = list(module.parameters()) + list(module.buffers())
     if all((device is None or t.device == torch.device(device))
            and (dtype is None or not t.is_floating_point() or t.dtype == dtype) for t in tensors):

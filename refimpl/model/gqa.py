@@ -1,12 +1,4 @@
 """Grouped-query attention (Ainslie et al. 2023, "GQA"): Llama's attention, with rotary positions.
-
-n_heads query heads share n_kv_heads key/value heads, n_heads / n_kv_heads queries to a group:
-query head j reads key/value head j // (n_heads / n_kv_heads). n_kv_heads = n_heads is multi-head
-attention, 1 is multi-query attention (Shazeer 2019). W_K and W_V are n_kv_heads·d_head wide
-instead of h: fewer parameters, and a KV cache n_heads / n_kv_heads times smaller. No biases.
-
-Written out like refimpl's multi-head attention (refimpl.model.layers.attention): the s x s
-scores are the activation term notebook 00 measures.
 """
 from __future__ import annotations
 

@@ -29,11 +29,7 @@ class CausalSelfAttention(nn.Module):
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Causal multi-head attention on [batch, seq, n_heads*head_dim] inputs.
-
-    `n_heads` is the number of heads *in these tensors*: under tensor parallelism a rank holds
-    n_heads/tp heads and calls this unchanged, which is why heads must divide by tp.
-    """
+    """Causal multi-head attention on [batch, seq, n_heads*head_dim] inputs."""
     b, s, width = q.shape
     hd = width // n_heads
     q, k, v = (t.view(b, s, n_heads, hd).transpose(1, 2) for t in (q, k, v))

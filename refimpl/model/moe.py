@@ -1,17 +1,4 @@
-"""Mixture of experts: the MLP that a router splits into E experts, k of them active per token.
-
-Seed 001 (전문가 병렬화): a router (게이팅 네트워크) sends each token to a few experts, so the
-parameters grow with E and the compute per token with k; seed 003: the hard part is load
-balancing (로드 밸런싱). The router, capacity and aux loss: refimpl.model.moe_routing. The bias
-(DeepSeek-V3, Liu et al. 2024, sec. 2.1.2): b_i shifts the choice only and moves by -gamma if
-expert i was overloaded in the step, +gamma if under (`--set balance=aux|bias|none`).
-
-The layer only routes; its `dispatch` runs the experts: `LocalExperts` here, or the all-to-all of
-refimpl.parallel.ep.dispatch. Counts are global (gathered over the token-holding ranks), so a
-layout drops exactly the tokens single drops; the buffers have sizes known from the shapes
-(refimpl.model.moe_slots), so nothing is read on the host. `capacity_scope=sequence` counts C
-and the aux loss per sequence instead (refimpl.model.moe_sequence).
-"""
+"""Mixture of experts: the MLP that a router splits into E experts, k of them active per token."""
 from __future__ import annotations
 
 import contextlib

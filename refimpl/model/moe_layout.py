@@ -41,11 +41,7 @@ def validate_moe(cfg: GPTConfig, ep: int = 1) -> None:
 
 
 def batch_scope_problem(cfg: GPTConfig, *, dp: int, cp: int, micro_batches: int) -> str | None:
-    """Why capacity_scope=batch would differ from single in this layout (None: it does not).
-
-    Exact: a forward then holds single's tokens in single's order, or nothing can overflow
-    (C >= T when k * capacity_factor >= E: an expert gets at most one assignment per token) and
-    the tokens' set, not their order, is single's (which f_i needs under balance=aux)."""
+    """Why capacity_scope=batch would differ from single in this layout (None: it does not)."""
     if cfg.n_experts == 0 or cfg.capacity_scope != "batch":
         return None
     regrouped = dp > 1 and micro_batches > 1

@@ -1,12 +1,4 @@
-"""The MoE router: top-k gating, the capacity and the load-balancing loss.
-
-  router     p = softmax(x W_r) over the E experts; top-k picks the k largest (k = 1: Switch,
-             Fedus et al. 2021; k = 2: GShard, Lepikhin et al. 2020), ties to the lower index
-  gates      k = 1: p itself (Switch, sec. 2.1); k > 1: p renormalised over the chosen experts
-  capacity   C = ceil(k * T / E * capacity_factor) (Switch eq. 3, GShard's k*T slots); an expert
-             takes assignments in batch order until it holds C, the rest overflow
-  aux loss   alpha * E * sum_i f_i P_i (Switch eq. 4-6): f_i the routed share, P_i the mean p_i
-"""
+"""The MoE router: top-k gating, the capacity and the load-balancing loss."""
 from __future__ import annotations
 
 import math

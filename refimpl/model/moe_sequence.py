@@ -1,13 +1,4 @@
 """Capacity and the aux loss per sequence (`--set capacity_scope=sequence`): a rule no layout changes.
-
-Data parallelism, micro-batches and pipeline stages cut the batch by rows, never a sequence, and
-context parallelism cuts it into pieces whose places are known; so, counted per sequence:
-  capacity   C = ceil(k * S / E * capacity_factor) per expert per sequence (S: its tokens), filled
-             in position order (GShard, Lepikhin et al. 2020, sec. 2.2, one group per sequence)
-  aux loss   Switch's alpha * E * sum_i f_i P_i per sequence, then the mean over sequences
-             (DeepSeek-V3's sequence-wise balance loss, Liu et al. 2024, sec. 2.1.2, eq. 17-20)
-  cp         the cp group all-gathers the per-(sequence, piece) counts [rows, pieces, E]: each rank
-             learns its places in every expert's queue and the whole sequence's f_i
 """
 from __future__ import annotations
 
@@ -35,10 +26,7 @@ def sequence_tokens(local_tokens: int, rows: int, layout) -> int:
 
 def keep_per_sequence(experts_flat: torch.Tensor, rows: int, n_experts: int, capacity: int,
                       layout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which assignments fit under C per sequence, and each sequence's whole counts [rows, E].
-
-    `experts_flat`: this rank's assignments in token-then-slot order, its `rows` sequences one
-    after the other, each as the pieces `layout.held` back to back."""
+    """Which assignments fit under C per sequence, and each sequence's whole counts [rows, E]."""
     a = experts_flat.view(rows, len(layout.held), -1)      # [sequence, piece, assignment]
     hot = one_hot(a.reshape(-1), n_experts).view(a.shape + (n_experts,))   # [rows, held, n, E]
     full = layout.gather(hot.sum(dim=2))                # [rows, pieces, E]

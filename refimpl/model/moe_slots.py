@@ -1,13 +1,4 @@
-"""Fixed-size expert buffers: tokens move without a count read on the host.
-
-Under a capacity an expert takes at most C assignments, and C comes from the batch's shape, so
-every buffer has a size known before the step (GShard, Lepikhin et al. 2020, sec. 3.2: the
-dispatch tensor is [E, C, d]; Switch, Fedus et al. 2021, sec. 2.1). A rank's kept assignments go
-into E * B rows, expert-major; an assignment's row is its slot, the number of kept assignments to
-its expert before it (a cumulative sum of the one-hot). Unfilled rows stay zero (padding: their
-output is never read, so they add exact zeros to every gradient); dropped ones go to a dump row.
-  B   min(C, T) under the batch scope, min(rows * C, T) under the sequence scope.
-"""
+"""Fixed-size expert buffers: tokens move without a count read on the host."""
 from __future__ import annotations
 
 import torch
@@ -38,11 +29,7 @@ def destinations(experts_flat: torch.Tensor, keep: torch.Tensor, kept_hot: torch
 def pack(rows: torch.Tensor, dest: torch.Tensor, n_rows: int,
          row_of: torch.Tensor | None = None) -> torch.Tensor:
     """[n_rows, d]: buffer row dest[i] holds rows[row_of[i]] (row_of: i itself by default; the
-    layer passes token a // k for assignment a), every other row zero; the dump is cut off.
-
-    A gather, not a scatter: each buffer row reads its source (or an appended zero row), so
-    autograd saves only the index. (index_add would save its whole `rows` argument for the
-    backward's expand_as: one more [rows, d] activation per pack.)"""
+    layer passes token a // k for assignment a), every other row zero; the dump is cut off."""
     row_of = torch.arange(dest.numel(), device=dest.device) if row_of is None else row_of
     source = torch.full((n_rows + 1,), rows.shape[0], dtype=dest.dtype, device=dest.device)
     source = source.scatter(0, dest, row_of)[:n_rows]     # real rows are hit once; the dump is cut
@@ -56,13 +43,7 @@ def unpack(buffer: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
 
 
 def compact_destinations(recv: torch.Tensor, bound: int, room: int) -> torch.Tensor:
-    """Where each received row goes in the experts' buffer (refimpl.parallel.ep.dispatch).
-
-    The all-to-all delivers [sources, E_local, bound] rows, of which the first recv[s, j] of
-    each (s, j) are real. Expert j's buffer [room] takes them source after source (source-rank
-    order = global batch order), so a real row (s, j, b) goes to j * room + (rows of j from
-    the sources before s) + b, padding to the dump row (E_local * room). `room` must hold every
-    real row an expert can receive: min(C, sources * bound) under the batch scope."""
+    """Where each received row goes in the experts' buffer (refimpl.parallel.ep.dispatch)."""
     sources, local = recv.shape
     start = recv.cumsum(dim=0) - recv                                     # [sources, E_local]
     b = torch.arange(bound, device=recv.device)

@@ -1,13 +1,5 @@
 """The parts of a block by architecture (GPTConfig.arch): one place that says which norm,
-attention and feed-forward layer a "gpt" or a "llama" block is made of.
-
-    part              gpt (GPT-2)                       llama (Llama 2/3, Mixtral)
-    norm              LayerNorm (gain and bias)         RMSNorm (gain), refimpl.model.rmsnorm
-    attention         multi-head, biases on q, v, o     grouped-query, rotary, no biases
-    feed-forward      GELU MLP: up, down (mlp_ratio·h)  SwiGLU: gate, up, down (ffn_hidden)
-    positions         learned table (embed.pos)         rotary, inside attention
-    experts (E > 0)   E GELU MLPs                       E SwiGLUs (Mixtral)
-"""
+attention and feed-forward layer a "gpt" or a "llama" block is made of."""
 from __future__ import annotations
 
 import torch.nn as nn

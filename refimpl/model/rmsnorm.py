@@ -1,12 +1,6 @@
 """RMSNorm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization"): Llama's norm.
 
-    y = x / sqrt(mean(x²) + eps) · g
-
-LayerNorm without the mean subtraction and without a bias: one h-vector of gains per norm. The
-statistic is taken in at least float32 (a bf16 sum of h squares loses the small ones); float64
-stays float64, where Hugging Face's and Meta's code compute in float32 whatever the input (in a
-float64 run that is a downcast: tests/test_llama_hf.py says how the comparison handles it).
-"""
+    y = x / sqrt(mean(x²) + eps) · g"""
 from __future__ import annotations
 
 import torch

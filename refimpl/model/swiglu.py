@@ -1,12 +1,7 @@
 """The SwiGLU feed-forward layer (Shazeer 2020, "GLU Variants Improve Transformer"): Llama's MLP,
 and each of Mixtral's experts.
 
-    Y = (SiLU(X W_gate) ⊙ X W_up) W_down
-
-Three h x w matrices and no biases. Under tensor parallelism W_gate and W_up are split by columns
-(each rank's slice of the w channels, the product ⊙ channel by channel needs no communication) and
-W_down by rows, as the GELU MLP's A and B (Megatron's MLP split).
-"""
+    Y = (SiLU(X W_gate) ⊙ X W_up) W_down"""
 from __future__ import annotations
 
 import torch

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 
 from refimpl.lab.runtime import flight_recorder, zygote_client
@@ -18,6 +19,22 @@ class Watch:
     def __init__(self, folder: Path):
         self.folder = folder
         folder.mkdir(exist_ok=True)
+        self._calls, self._since, self._next_look = None, 0.0, 0.0
+
+    def stalled(self, ranks: list[int], posted: bool, stall: float) -> str | None:
+        """Say so once every running rank has waited `stall` seconds in the same call (on NCCL,
+        where a call returns once posted: since the same last posted call); None until then."""
+        now = time.monotonic()
+        if now < self._next_look:
+            return None
+        self._next_look = now + 0.25          # a look reads each running rank's 16 KiB ring
+        calls = self.waiting(ranks, posted)
+        if calls != self._calls:              # someone moved on (or not everyone waits yet)
+            self._calls, self._since = calls, now
+        elif calls is not None and now - self._since >= stall:
+            waited = "after the same posted" if posted else "in the same communication"
+            return f"ranks {ranks} each waited {stall:g} s {waited} call"
+        return None
 
     def waiting(self, ranks: list[int], posted: bool):
         return flight_recorder.waiting_in(self.folder, ranks, posted)

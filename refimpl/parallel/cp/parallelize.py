@@ -1,12 +1,7 @@
 """The context-parallel transform: the reference GPT, run on this rank's slice of every sequence.
 
     model = apply_context_parallel(build_model(cfg, seed), group)   # group: the cp axis's
-    local = shard_batch(batch, rank, cp)                             # its two chunks of each row
-
-Only what sees more than one token at a time changes: attention becomes ring attention (the same
-q, k, v, o projections) and a token's position is its place in the whole sequence. Every cp rank
-holds the same weights and other tokens, so gradients are summed over dp x cp together ("dp_cp").
-"""
+    local = shard_batch(batch, rank, cp)                             # its two chunks of each row"""
 from __future__ import annotations
 
 import torch

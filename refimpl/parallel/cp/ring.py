@@ -1,14 +1,4 @@
-"""Ring attention over a cp process group (seed 001: 컨텍스트 병렬화; Liu et al. 2023, sec. 3).
-
-Each rank holds two chunks of every sequence (head-tail: chunks r and 2cp-1-r, so every rank
-computes 2cp + 1 score blocks under the causal mask). The K/V blocks go round the ring: at step t
-rank r computes with the block rank r - t brought while it already sends that block on to r + 1.
-Partial outputs merge by their log-sum-exp (online softmax, FlashAttention sec. 3.1):
-
-    lse = logaddexp(lse_1, lse_2),   o = exp(lse_1 - lse) o_1 + exp(lse_2 - lse) o_2
-
-Backward rings the K/V blocks again; a block's dK, dV travel with it and are home after cp hops.
-"""
+"""Ring attention over a cp process group (seed 001: 컨텍스트 병렬화; Liu et al. 2023, sec. 3)."""
 from __future__ import annotations
 
 import math
@@ -59,10 +49,7 @@ def blocks_to_compute(mine: tuple[int, int], theirs: tuple[int, int]):
 
 
 def score_blocks_per_rank(cp: int, balanced: bool = True) -> list[int]:
-    """Score blocks (chunk x chunk matmuls) each rank computes in one forward: the ring's work.
-
-    Balanced: 2cp + 1 on every rank. Contiguous: 4r + 3 on rank r (the last rank does 4cp - 1).
-    """
+    """Score blocks (chunk x chunk matmuls) each rank computes in one forward: the ring's work."""
     return [sum(len(blocks_to_compute(chunk_ids(r, cp, balanced), chunk_ids(src, cp, balanced)))
                 for src in range(cp)) for r in range(cp)]
 
@@ -180,12 +167,7 @@ class RingAttention(torch.autograd.Function):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int, group=None, *,
                    balanced: bool = True, stats: dict | None = None) -> torch.Tensor:
-    """Drop-in for refimpl.model.attention on this rank's slice of the sequence.
-
-    q, k, v: [batch, s_local, n_heads*head_dim], the rank's two chunks as `shard_sequence` lays
-    them out. `group`: the cp process group (None: one rank, no communication). `stats`, if a dict,
-    gets "score_blocks" += the blocks this rank computed.
-    """
+    """Drop-in for refimpl.model.attention on this rank's slice of the sequence."""
     b, s, width = q.shape
     hd = width // n_heads
     q, k, v = (t.view(b, s, n_heads, hd).transpose(1, 2) for t in (q, k, v))

@@ -23,9 +23,7 @@ MiB = 2 ** 20
 
 
 class DataParallel(nn.Module):
-    """Replicates `module` over `group` (default: the whole world) and averages its gradients.
-
-    `.module` is the wrapped module; `forward` is its forward. See the module docstring."""
+    """Replicates `module` over `group` (default: the whole world) and averages its gradients."""
 
     def __init__(self, module: nn.Module, *, group=None, bucket_mb: float = 25.0,
                  average: bool = True, broadcast: bool = True,

@@ -1,16 +1,4 @@
-"""Many parameters as one flat, padded buffer: the data structure under ZeRO and FSDP.
-
-Sharding tensor by tensor would leave ranks with ragged, unequal pieces; instead every parameter of
-a group (the whole model for ZeRO-1/2, one transformer block for FSDP/ZeRO-3) is laid end to end in
-one 1-D buffer, padded with zeros to a multiple of the world size, and rank r owns the contiguous
-slice [r·S, (r+1)·S) with S = ceil(N / world_size). Collectives then move equal-sized shards
-(all_gather / reduce_scatter need equal sizes), and the zero padding is inert: its gradient is zero,
-so AdamW leaves it zero.
-
-    flat = FlatParams(list(model.named_parameters()), world_size)
-    flat.bind(data)          # module parameters become views into `data` (no copy on gather)
-    flat.shard(data, rank)   # this rank's slice of any flat buffer laid out like it
-"""
+"""Many parameters as one flat, padded buffer: the data structure under ZeRO and FSDP."""
 from __future__ import annotations
 
 import math

@@ -28,13 +28,7 @@ class Bucket:
 
 def assign_buckets(layout: FlatParams, cap_bytes: float, element_size: int = 4,
                    cut_at=()) -> list[Bucket]:
-    """Cut the flat layout into buckets in reverse parameter order.
-
-    Like DDP's `_compute_bucket_assignment_by_size`: parameters are added (last one first) until
-    the bucket holds at least `cap_bytes`, so a bucket overshoots by at most one parameter and a
-    parameter larger than the cap gets a bucket to itself. The first bucket also takes the flat
-    buffer's zero padding. Every offset in `cut_at` becomes a bucket boundary too.
-    """
+    """Cut the flat layout into buckets in reverse parameter order."""
     ranges, end, size = [], layout.padded_numel, 0
     for slot in reversed(layout.slots):
         size += slot.numel * element_size
@@ -82,14 +76,7 @@ def reduce_sum_to_owner(bucket: Bucket, grads: torch.Tensor, *, shard_numel: int
 
 
 class GradBuckets:
-    """Launches one collective per bucket from gradient hooks; `wait()` before the optimizer.
-
-        buckets = GradBuckets(layout, cap_bytes, reduce=partial(all_reduce_sum, group=g))
-        buckets.attach(flat_grad)          # params' .grad become views of flat_grad
-        with buckets.micro_step(sync=True):   # communicate this backward? (False: accumulate)
-            loss.backward()                    # hooks launch the buckets as they fill
-        buckets.wait()                     # every bucket's collective has finished
-    """
+    """Launches one collective per bucket from gradient hooks; `wait()` before the optimizer."""
 
     def __init__(self, layout: FlatParams, cap_bytes: float,
                  reduce: Callable[[Bucket, torch.Tensor], object], cut_at=()):
@@ -170,11 +157,7 @@ class GradBuckets:
             self._next += 1
 
     def wait(self) -> None:
-        """Block until every bucket's collective has completed (before the optimizer reads them).
-
-        A parameter this backward did not reach (unused by the forward) holds the zero its view
-        was left at (or what earlier no_sync backwards accumulated): the buckets not launched yet
-        leave now, in order, so every rank still issues the same collectives."""
+        """Block until every bucket's collective has completed (before the optimizer reads them)."""
         if self._sync:
             for i, p in enumerate(self.layout.params):
                 if not self._ready[i]:

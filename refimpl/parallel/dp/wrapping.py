@@ -1,18 +1,7 @@
-"""What every module-level wrapper checks before it touches a model: the bad uses, in one line.
-
-DataParallel, ShardedOptimizer and FullyShard (a user's own model and optimizer, the way PyTorch's
-DistributedDataParallel, ZeroRedundancyOptimizer and fully_shard are used) each start here, so a
-mistake fails at construction with the constraint named, not later as a hang or a wrong number:
-
-  * torch.distributed is not initialised (refimpl.launch.run initialises it on every rank);
-  * the group does not contain this rank (torch.distributed.new_group hands non-members a
-    placeholder: a collective on it would wait for ever or fail far away);
-  * a tensor is on another device than the group's backend wants (NCCL: the rank's GPU; gloo:
-    the CPU) -- gloo would forgive some of it, NCCL would not (refimpl's rule: NCCL's rules hold);
-  * a module is wrapped a second time, or inside another wrapper: two sets of hooks would reduce
-    each gradient twice.
-"""
+"""What every module-level wrapper checks before it touches a model: the bad uses, in one line."""
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -20,7 +9,8 @@ import torch.nn as nn
 
 from refimpl.launch import device_for
 
-_WRAPPED = "_refimpl_wrapped_by"     # set and read by `claim` only
+# module -> the wrapper that took it (kept while the module lives): `claim` sets and reads it
+_WRAPPED_BY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def resolve_group(group, who: str):
@@ -51,11 +41,11 @@ def check_devices(tensors, group, who: str) -> None:
 def claim(module: nn.Module, who: str) -> None:
     """Mark `module` as wrapped by `who`; refuses one that is, or that holds one that is."""
     for name, m in module.named_modules():
-        owner = getattr(m, _WRAPPED, None)
+        owner = _WRAPPED_BY.get(m)
         if owner is not None:
             where = f"its submodule {name!r}" if name else "it"
             raise ValueError(f"{who}: the module is already wrapped ({where} by {owner})")
-    setattr(module, _WRAPPED, who)
+    _WRAPPED_BY[module] = who
 
 
 def named_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -1,12 +1,4 @@
-"""The MoE layer's routing counts, gathered over the ranks that hold the other tokens.
-
-The layer (refimpl.model.moe) takes capacity and the aux loss's f_i from how many assignments each
-expert got. Wherever a layout spreads one forward's tokens over several ranks those counts must be
-the whole forward's, or a rank would drop other tokens than single does:
-    all_gather_counts   [ranks, E] counts of every rank of a group, in batch order
-    SharedCounts        data parallelism without ep: every replica counts over dp x cp
-    ChunkedSequences    context parallelism under capacity_scope=sequence (refimpl.model.moe_sequence)
-"""
+"""The MoE layer's routing counts, gathered over the ranks that hold the other tokens."""
 from __future__ import annotations
 
 import torch

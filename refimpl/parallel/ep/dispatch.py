@@ -1,13 +1,4 @@
-"""Expert parallelism: each rank of an ep group holds E/ep experts; tokens travel by all-to-all.
-
-Seed 000, sec. 2 (all-to-all) and 001 (전문가 병렬화); GShard, Lepikhin et al. 2020, sec. 3.2.
-The layer (refimpl.model.moe) routes; this moves the tokens, every size known from the shapes:
-  counts    all_to_all of the kept counts: how many rows each rank sends each expert are real
-  dispatch  all_to_all of each rank's fixed [E, B] buffer (refimpl.model.moe_slots), equal pieces
-  experts   each local expert runs on its real rows, source after source (global batch order)
-  combine   the reverse all_to_all; backward runs both again, reversed (AllToAll)
-Expert parameters are synchronised only over the ranks holding the same experts (the "edp" axis).
-"""
+"""Expert parallelism: each rank of an ep group holds E/ep experts; tokens travel by all-to-all."""
 from __future__ import annotations
 
 import torch

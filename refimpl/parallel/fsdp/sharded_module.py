@@ -1,17 +1,4 @@
-"""`FullyShard`: ZeRO-3 / FSDP around any `nn.Module` (a learner's own model).
-
-    model = FullyShard(MyNet().to(device))            # each child holding parameters: one unit
-    opt = torch.optim.AdamW(model.parameters())       # the local shards: 1/W of every unit
-    loss_fn(model(x_rank), y_rank).backward()         # units gathered, used, freed, reduced
-    model.finish_gradient_synchronization()           # every shard's .grad: the mean over ranks
-    full = model.full_state_dict()                    # {name: whole tensor}, MyNet's names
-
-A unit is modules that compute together (`units`: module classes or names; default: each child
-holding a trainable parameter), run by refimpl.parallel.fsdp.schedule. A parameter no unit or
-several units hold (a tied weight) is the root unit's, gathered for the whole forward. Frozen
-parameters and buffers stay whole and are never communicated; every rank must build the same
-model (nothing is broadcast). `compute_dtype` (bf16): gathered and used in it, reduced in fp32.
-"""
+"""`FullyShard`: ZeRO-3 / FSDP around any `nn.Module` (a learner's own model)."""
 from __future__ import annotations
 
 import torch

@@ -1,16 +1,7 @@
 """The frontier schedules: the B/W split on interleaved chunks, and the two V schedules.
 
     schedule_table(2, 4, "zbv")[0]        -> ["F0.0", "F1.0", "F2.0", "F0.1", "B0.1", "W0.1", ...]
-    schedule_table(2, 4, "dualpipev")[0]  -> [..., "F3.0&B1.1", "W1.1", "F2.1&B0.0", ...]
-
-  interleaved-zb  interleaved 1F1B's F/B order, each backward split into B and W as in ZB-H1, a W
-                  run when the next F/B cannot start or the rank holds interleaved 1F1B's peak
-  zbv             Qi et al. 2023, sec. 6: two chunks per rank as a V (pieces r and 2p-1-r); the
-                  paper's figure, phase by phase; peak 2p chunk micro-batches (1F1B's)
-  dualpipev       DeepSeek-V3, sec. 3.2.1 (DualPipe's "V"): the same V, a forward of one chunk run
-                  with a backward of the other ("F5.0&B1.1"); needs m >= 2p
-The V tables are built for max(m, 2p-1) micro-batches and the ones >= m dropped.
-"""
+    schedule_table(2, 4, "dualpipev")[0]  -> [..., "F3.0&B1.1", "W1.1", "F2.1&B0.0", ...]"""
 from __future__ import annotations
 
 from refimpl.parallel.pp.actions import (

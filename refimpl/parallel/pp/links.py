@@ -2,13 +2,7 @@
 
     links = Links(group, table, where, m, shape, like)
     x = links.receive(action)        # the only wait of a rank: the pipeline's bubble
-    links.send(action, y)            # an isend: posting it never waits
-
-Every operation is posted in `order.rank_order`, each after all earlier ones, which no backend
-can hang on. gloo moves every posted operation on its own, so there every receive of the step is
-posted at its start, while the links are idle (a receive posted while a send is in flight on its
-link waits for that link). A message's tag names it: (kind, micro-batch, piece).
-"""
+    links.send(action, y)            # an isend: posting it never waits"""
 from __future__ import annotations
 
 from functools import lru_cache

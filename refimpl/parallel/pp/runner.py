@@ -2,12 +2,6 @@
 
     table = schedule_table(p, m, "1f1b")                                # refimpl.parallel.pp.schedules
     loss = run_schedule(chunks, table, batch.micro_batches(m), group)   # the mean loss, last stage
-
-The runner does not know GPipe from 1F1B: it runs its rank's row of the table, action by action.
-F receives the activation, runs the chunk and sends its output on; B receives the output's
-gradient, backpropagates and sends the input's gradient back; W (zero bubble) computes the weight
-gradients B left out. Sends never wait, so a rank only waits for data an earlier action of another
-rank produces: a table whose replay finishes (refimpl.parallel.pp.order) cannot deadlock here.
 """
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
 """Pipeline schedules as data: the forwards (F), backwards (B) and weight gradients (W) each stage
 runs, in order (seed 000, sec. 3.4). Pure Python: no torch, no process group.
 
-    schedule_table(4, 8, "1f1b")[3]  ->  ["F0", "B0", "F1", "B1", ...]     # the last stage
-
-Row r is rank r's actions; "F3.1" is micro-batch 3 on the rank's chunk 1 (refimpl.parallel.pp.actions).
-  gpipe        Huang et al. 2019: every forward, then every backward.
-  1f1b         Narayanan et al. 2021, sec. 2.1: min(p-s-1, m) forwards, then one F one B, then the rest.
-  interleaved  Narayanan et al. 2021, sec. 2.2: 1F1B over v chunks per rank; m a multiple of p.
-  zb-h1        Qi et al. 2023, sec. 2: 1F1B with B split from W, and each W deferred.
-  interleaved-zb, zbv, dualpipev: refimpl.parallel.pp.frontier.
-"""
+    schedule_table(4, 8, "1f1b")[3]  ->  ["F0", "B0", "F1", "B1", ...]     # the last stage"""
 from __future__ import annotations
 
 from refimpl.mesh import LayoutError
@@ -102,15 +94,7 @@ def schedule_table(stages: int, micro_batches: int, schedule: str, virtual_stage
 # --- the bubble, in closed form -------------------------------------------------------------------
 
 def bubble_fraction(stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1) -> float:
-    """Idle share of the step, (idle time) / (step time), when every micro-batch costs the same.
-
-    gpipe, 1f1b     (p-1) / (m+p-1)      GPipe, sec. 2.2
-    interleaved     (p-1) / (v*m+p-1)    Narayanan et al. 2021, sec. 2.2
-    zb-h1           (p-1) / (3m+p-1)     F = B = W (Qi et al. 2023, sec. 2.2); needs m >= p
-    interleaved-zb  (p-1) / (3vm+p-1)
-    zbv             (p-1) / (6m+p-1)     needs m >= 2p - 1
-    dualpipev       p / (6m+p)           a pair waits for the later of its two inputs
-    The tests replay every table to check these (refimpl.lab.pipeline.simulate)."""
+    """Idle share of the step, (idle time) / (step time), when every micro-batch costs the same."""
     check_layout(stages, micro_batches, schedule, virtual_stages)
     p, m, v = stages, micro_batches, virtual_stages
     if schedule == "dualpipev":

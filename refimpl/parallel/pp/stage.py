@@ -38,11 +38,7 @@ def partition(n_blocks: int, pieces: int) -> list[range]:
 
 
 class StageChunk(nn.Module):
-    """One piece of the model: [embedding] + some blocks + [final_norm, lm_head].
-
-    forward() takes token ids on the first piece and hidden states [b, s, d] elsewhere; it returns
-    hidden states, or logits on the last piece.
-    """
+    """One piece of the model: [embedding] + some blocks + [final_norm, lm_head]."""
 
     def __init__(self, model: GPT, blocks: range, first: bool, last: bool, seq_split: int = 1):
         super().__init__()

@@ -1,13 +1,4 @@
-"""Zero bubble's split of the backward into B (input gradient) and W (weight gradient).
-
-Qi et al. 2023, sec. 2: for Y = X A the backward is dX = dY A^T (B: the previous stage waits for
-it) and dA = X^T dY (W: nobody waits for it), so W can fill a bubble. The forward records each
-layer's X and, once B passes, its dY; B is autograd.grad to the stage's input only (no weight
-product runs); W computes dA from (X, dY) with the layer's formula and hands it to autograd's
-accumulator, so a data-parallel hook on the parameter fires as after a plain backward.
-The first piece has no input gradient to send: its B only takes the output's gradient and its W
-is one plain backward (as PyTorch's pipelining does for stage 0).
-"""
+"""Zero bubble's split of the backward into B (input gradient) and W (weight gradient)."""
 from __future__ import annotations
 
 from contextlib import contextmanager

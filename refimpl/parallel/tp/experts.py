@@ -3,11 +3,7 @@ column-, down row-parallel), the router replicated. This is Megatron-core's expe
 parallelism with its size equal to tp (Liu et al. 2025, "MoE Parallel Folding", arXiv
 2504.14960), which composes with any ep unchanged: ep groups are chunks of dp x cp at one tp
 coordinate (refimpl.mesh). Router and counts see the same tokens on every tp rank, so every tp
-rank routes alike; each expert's y is whole (its row layer reduced it) before the gate scales it.
-
-Under SP the MoE layer is a replicated region: its input is all-gathered along the sequence
-(`gather_sequence`) and its output cut back to this rank's slice (`split_sequence`).
-"""
+rank routes alike; each expert's y is whole (its row layer reduced it) before the gate scales it."""
 from __future__ import annotations
 
 from refimpl.model.moe import MoEMLP

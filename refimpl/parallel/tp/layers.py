@@ -1,12 +1,4 @@
-"""Column- and row-parallel linears (seed §3.3; Megatron-LM, Shoeybi et al. 2019, §3).
-
-Y = X·Aᵀ over t ranks: column parallel splits A's output rows (Y_r = X·A_rᵀ, X's gradient summed
-over ranks in backward: f); row parallel splits its input columns (Y = Σ_r X_r·A_rᵀ, summed in
-forward: g). Column then row needs nothing in between. Built by slicing a full nn.Linear:
-
-    up = ColumnParallelLinear.from_linear(mlp.up, group)
-    down = RowParallelLinear.from_linear(mlp.down, group)   # input_is_parallel=True
-"""
+"""Column- and row-parallel linears (seed §3.3; Megatron-LM, Shoeybi et al. 2019, §3)."""
 from __future__ import annotations
 
 import torch

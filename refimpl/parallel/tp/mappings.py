@@ -1,17 +1,6 @@
 """Tensor parallelism's communication: conjugate pairs of autograd Functions, each one's backward
 being its partner op (Megatron-LM, Shoeybi et al. 2019, §3, Fig. 3; seed §3.3), and sequence
-parallelism's pair along s, dim 1 of our [b, s, h] (Korthikanti et al. 2022, §4.2.2):
-
-    op                      forward              backward             where
-    copy_to_region (f)      identity             all-reduce           before column layers
-    reduce_from_region (g)  all-reduce           identity             after row layers
-    split_last_dim          my slice             all-gather           a row layer fed a full X
-    gather_last_dim         all-gather           my slice             gather_output
-    gather_from_sequence    all-gather along s   reduce-scatter       SP: before column layers
-    scatter_to_sequence     reduce-scatter       all-gather           SP: after row layers
-    split_sequence          my s-slice           all-gather           SP: into the split region
-    gather_sequence         all-gather along s   my s-slice           a replicated region inside SP
-"""
+parallelism's pair along s, dim 1 of our [b, s, h] (Korthikanti et al. 2022, §4.2.2):"""
 from __future__ import annotations
 
 import torch

@@ -4,11 +4,7 @@ ASPLOS '23, §3; Megatron-LM's tp_comm_overlap), on plain isend/irecv (refimpl.c
 
     all-gather + matmul       step k: pass on the chunk I hold while multiplying it (t-1 steps)
     matmul + reduce-scatter   step k: multiply chunk r-k-1 while the running sum of chunk r-k
-                              leaves; add the sum that arrives; rank r ends with chunk r's sum
-
-The backward of one is the other; each also computes its weight's gradient chunk by chunk.
-Ranges per step: `tp:ring-ag|rs fwd|bwd c<j> in|out` around `... matmul c<i>`.
-"""
+                              leaves; add the sum that arrives; rank r ends with chunk r's sum"""
 from __future__ import annotations
 
 import torch

@@ -4,11 +4,7 @@ tp/experts.py), the vocabulary by tp/vocab.py; norms stay replicated.
 
     parallelize_tp(model, group, sequence_parallel=sp)
     loss = tp_lm_loss(model, model(inputs), targets)    # vocabulary-parallel cross-entropy
-    full = gather_tp_state_dict(model, group)           # == single's state dict
-
-Under SP a replicated weight applied to the split tokens (norms, row biases, positions) gets the
-gradient of this rank's tokens only (Korthikanti et al. 2022, §4.2.2): a hook sums it over tp.
-"""
+    full = gather_tp_state_dict(model, group)           # == single's state dict"""
 from __future__ import annotations
 
 import functools

@@ -1,15 +1,4 @@
-"""One mechanism per data-parallel group: how ZeRO and FSDP run a MoE model with --ep.
-
-An expert's gradient is summed (and its shard cut) over the ranks holding the same expert, "edp";
-every other parameter's over dp x cp (refimpl.placement.data_parallel_axis). So the parameters are
-split by that axis and one mechanism is built over each part, by `build(axis, named)`, dense
-first; a dense model has one part. Megatron-core's distributed optimizer likewise keeps expert
-parameters in buffers of their own over the expert-data-parallel group.
-
-    groups = PerGroup(model.named_parameters(), build)   # build(axis, [(name, p), ...])
-    with groups.micro_step(is_last): loss.backward()
-    groups.finish_gradient_synchronization()
-"""
+"""One mechanism per data-parallel group: how ZeRO and FSDP run a MoE model with --ep."""
 from __future__ import annotations
 
 import contextlib

@@ -4,14 +4,7 @@ steps it, and sends the new value to every rank.
 
     opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)   # or partition="flat"
     ...backward, gradients averaged (DataParallel)...; opt.step()
-    torch.save(opt.state_dict(), path)       # the whole state: loads at any world size
-
-partition="tensors": whole tensors, largest first to the least loaded rank (as PyTorch's
-ZeroRedundancyOptimizer), any optimizer; each owner broadcasts its tensors. partition="flat": the
-parameters laid end to end in one buffer (refimpl.parallel.dp.flat_param), N equal shards of
-ceil(Ψ/N); an elementwise optimizer steps this rank's shard, one all-gather hands out the update.
-offload=True (flat): the shard's master copy and its state live on the host (ZeRO-Offload).
-"""
+    torch.save(opt.state_dict(), path)       # the whole state: loads at any world size"""
 from __future__ import annotations
 
 from collections.abc import Mapping

@@ -1,14 +1,5 @@
 """ZeRO stages 1 and 2 over one data-parallel group (Rajbhandari et al. 2020, §5.1-5.2; seed §3.2,
-샤드 데이터 병렬화). Rank r owns [r·S, (r+1)·S) of the flat parameters, S = ceil(Ψ/N). One step:
-
-  1. reduce-scatter   this rank's shard of the gradient, summed over the group     (Ψ)
-  2. optimizer        AdamW on that shard only (P_os, 옵티마이저 상태 분할)
-  3. all-gather       every updated shard to every rank                            (Ψ)
-
-2Ψ in all, DP's volume (§7.2.1). Stage 1 keeps the full flat gradient; stage 2 (P_os+g, 그래디언트
-분할) only its shard. With buckets the reduce-scatter is one reduce per bucket to the rank owning
-it, during backward (refimpl.parallel.dp.grad_buckets; DeepSpeed's stage 2 does the same).
-"""
+샤드 데이터 병렬화). Rank r owns [r·S, (r+1)·S) of the flat parameters, S = ceil(Ψ/N). One step:"""
 from __future__ import annotations
 
 import contextlib

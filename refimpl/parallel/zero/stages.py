@@ -1,15 +1,4 @@
-"""`zero1` and `zero2`: ZeRO stages 1 and 2 (Rajbhandari et al. 2020, §5.1-5.2) in the loop.
-
-Each data-parallel group's parameters are flat shards stepped by refimpl.parallel.zero.shards
-(reduce-scatter, AdamW on the shard, all-gather); PerGroup builds one per group, so a MoE's
-experts are sharded over the ranks holding the same experts. Options:
-
-  bucket_mb (25)   gradients leave in buckets during backward, each reduced to its owner
-  overlap (true)   false: one reduce_scatter_tensor of the whole flat gradient after backward
-  offload (false)  ZeRO-Offload (Ren et al. 2021): the shard's master and AdamW on the host
-
-    python -m refimpl train --strategy zero2 --nproc 2 --set offload=true
-"""
+"""`zero1` and `zero2`: ZeRO stages 1 and 2 (Rajbhandari et al. 2020, §5.1-5.2) in the loop."""
 from __future__ import annotations
 
 import torch.nn as nn

@@ -1,12 +1,5 @@
 """ZeRO-2's gradient path (Rajbhandari et al. 2020, §5.2): "we reduce the gradients ... and release
-the memory of the gradients not owned by the rank", bucket by bucket while backward runs.
-
-Buckets are ranges of the flat layout in reverse parameter order, cut at shard boundaries
-(refimpl.parallel.dp.grad_buckets.assign_buckets), so each has one owner. When the last gradient
-feeding a bucket is in, the bucket is copied out, reduced (async) to its owner, and each parameter
-whose buckets have all left drops its .grad. The owner adds the sum into its gradient shard; at
-most two buckets are in flight.
-"""
+the memory of the gradients not owned by the rank", bucket by bucket while backward runs."""
 from __future__ import annotations
 
 import weakref
