@@ -127,24 +127,24 @@ def gather_full_state_dict(local: dict[str, torch.Tensor], model: nn.Module, mes
                            ) -> dict[str, torch.Tensor]:
     """The reference's full state dict on every rank, from this rank's `local` state dict.
     `sharded`: the placements, where the model's tensors no longer carry them (`placements`)."""
+    full = {name: t.cpu().clone() for name, t in full_state_items(local, model, mesh, sharded)}
+    return merge_stages(full, mesh) if mesh.size("pp") > 1 else full
+
+
+def full_state_items(local, model: nn.Module, mesh, sharded: dict[str, Placement] | None = None):
+    """(reference name, full tensor) of this pipeline stage, one at a time, in the same order on
+    every rank (the all-gathers must match); `local[name]` is read as its turn comes."""
     sharded = placements(model) if sharded is None else sharded
-    full = {}
-    # The same order on every rank (the all-gathers must match): an owned module's names sort by
-    # its slot, which every owner shares, not by its index, which differs.
+    # an owned module's names sort by its slot, which every owner shares, not by its index
     for name in sorted(local, key=lambda n: _canonical(n, sharded.get(n), mesh)):
-        tensor = local[name].detach()
-        where = sharded.get(name)
+        tensor, where = local[name].detach(), sharded.get(name)
         if isinstance(where, Owned):
             if where.within is not None:     # first the owner's whole module (e.g. over tp)
                 tensor = unshard(tensor, where.within, mesh)
-            full.update(gather_owned(name, tensor, where, mesh))
-            continue
-        if where is not None:
-            tensor = unshard(tensor, where, mesh)
-        full[name] = tensor.cpu().clone()
-    if mesh.size("pp") > 1:
-        full = merge_stages(full, mesh)
-    return full
+            yield from gather_owned(name, tensor, where, mesh).items()
+        else:
+            yield name, tensor if where is None else unshard(tensor, where, mesh)
+        del tensor                           # before the next is gathered: one at a time
 
 
 def _canonical(name: str, where: Placement | None, mesh) -> str:
@@ -158,12 +158,11 @@ def gather_owned(name: str, tensor: torch.Tensor, owned: Owned, mesh) -> dict[st
     owner's index (rank r of the axis owns indices [r·count/size, (r+1)·count/size))."""
     size = mesh.size(owned.axis)
     if size == 1:
-        return {name: tensor.cpu().clone()}
+        return {name: tensor}
     copies = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(copies, tensor.contiguous(), group=mesh.group(owned.axis))
     per, slot = owned.count // size, owned.slot(size)
-    return {owned.renamed(name, owner * per + slot): t.cpu().clone()
-            for owner, t in enumerate(copies)}
+    return {owned.renamed(name, owner * per + slot): t for owner, t in enumerate(copies)}
 
 
 def merge_stages(stage_state: dict[str, torch.Tensor], mesh) -> dict[str, torch.Tensor]:

@@ -60,8 +60,9 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj):
         if not isinstance(obj, Spec):
             return NotImplemented
-        obj.key = str(len(self.specs))
-        self.specs.append(obj)
+        if not obj.key:                     # a lazy file's Specs have their keys already
+            obj.key = str(len(self.specs))
+            self.specs.append(obj)
         shape = tuple(obj.shape)
         stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))   # row-major
         storage = _Storage(obj.key, obj.dtype, math.prod(shape))
@@ -70,28 +71,43 @@ class _Pickler(pickle.Pickler):
 
 
 class TensorFile:
-    """with TensorFile(path, tree) as f: f.put(t0); f.put(t1); ...  (one `put` per Spec)."""
+    """with TensorFile(path, tree) as f: f.put(t0); f.put(t1); ...  (one `put` per Spec).
 
-    def __init__(self, path, tree):
+    Without a tree, `put(t, name)` names each tensor as it comes and the file is the dict of them
+    in sorted name order, its pickle written last (torch.load finds records by name)."""
+
+    def __init__(self, path, tree=None):
         self.path = Path(path)
         # a folder of its own beside `path`, so that the zip's inner name is torch.save's
         self.folder = self.path.parent / f".{self.path.name}.tmp-{os.getpid()}"
         self.folder.mkdir(exist_ok=True)
         self.tmp = self.folder / self.path.name
         self.specs: list[Spec] = []
-        data = io.BytesIO()
-        _Pickler(data, self.specs).dump(tree)
+        self.named: dict[str, Spec] | None = None if tree is not None else {}
         self._opener = _open_zipfile_writer(str(self.tmp))
         self._zip = self._opener.__enter__()
+        if tree is not None:
+            self._write_pickle(tree)
+        self.written = 0
+
+    def _write_pickle(self, tree) -> None:
+        data = io.BytesIO()
+        _Pickler(data, self.specs).dump(tree)
         self._zip.write_record("data.pkl", data.getvalue(), len(data.getvalue()))
         self._zip.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-        self.written = 0
 
     def __enter__(self) -> "TensorFile":
         return self
 
-    def put(self, tensor: torch.Tensor) -> None:
-        """The next tensor of the tree, on the CPU, of its Spec's shape and dtype."""
+    def put(self, tensor: torch.Tensor, name: str | None = None) -> None:
+        """The next tensor of the tree, on the CPU, of its Spec's shape and dtype (a file made
+        without a tree: the tensor called `name`)."""
+        if self.named is not None:
+            if name is None or name in self.named:
+                raise ValueError(f"{self.path}: each tensor needs a name of its own, got {name!r}")
+            spec = Spec(tuple(tensor.shape), tensor.dtype, key=str(len(self.specs)))
+            self.specs.append(spec)
+            self.named[name] = spec
         spec = self.specs[self.written]
         if tuple(tensor.shape) != tuple(spec.shape) or tensor.dtype != spec.dtype:
             raise ValueError(f"tensor {spec.key}: got {tuple(tensor.shape)} {tensor.dtype}, "
@@ -107,6 +123,8 @@ class TensorFile:
 
     def __exit__(self, kind, value, tb) -> None:
         try:
+            if kind is None and self.named is not None:
+                self._write_pickle({n: self.named[n] for n in sorted(self.named)})
             self._opener.__exit__(kind, value, tb)
             if kind is None and self.written != len(self.specs):
                 raise ValueError(f"{self.path}: {self.written} of {len(self.specs)} tensors put")

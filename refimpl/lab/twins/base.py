@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from refimpl.placement import full_state_items
 from refimpl.rank_model import RankModel
 from refimpl.strategy import Strategy
 
@@ -35,6 +36,11 @@ class TorchTwin(Strategy):
     @property
     def loss_divisor(self) -> int:
         return 1          # PyTorch divides the summed gradients by W itself
+
+    def state_items(self):
+        """(reference name, full tensor) of this rank's pipeline stage, one gathered at a time,
+        in the same order on every rank of the stage (--save-state: refimpl.lab.checkpoint.export)."""
+        return full_state_items(self.model.state_dict(), self.model, self.mesh)
 
 
 def through_dcp(strategy_cls: type[Strategy]) -> bool:

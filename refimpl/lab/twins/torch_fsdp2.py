@@ -25,7 +25,7 @@ from refimpl.lab.twins.torch_ddp import require_dp_group
 from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
 from refimpl.mesh import LayoutError
 from refimpl.model import GPT
-from refimpl.placement import gather_full_state_dict, placements
+from refimpl.placement import full_state_items, gather_full_state_dict, placements
 from refimpl.strategy import make_optimizer
 
 
@@ -83,10 +83,13 @@ class TorchFSDP2(TorchTwin):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Each DTensor gathered over dp x cp (FSDP2's shards; buffers such as the MoE layer's
         expert bias are not DTensors), then over the axes our transforms split it on (tp)."""
-        device = self.ctx.device
-        local = {k: full_tensor_on(v, device) if isinstance(v, DTensor) else v
-                 for k, v in self.model.state_dict().items()}
-        return gather_full_state_dict(local, self.model, self.mesh, self.placed)
+        return gather_full_state_dict(self._gathered_on_read(), self.model, self.mesh, self.placed)
+
+    def state_items(self):
+        return full_state_items(self._gathered_on_read(), self.model, self.mesh, self.placed)
+
+    def _gathered_on_read(self) -> dict:
+        return _GatheredOnRead(self.model.state_dict(), device=self.ctx.device)
 
     def model_state(self) -> ModelStateBytes:
         params = list(self.model.parameters())
@@ -107,6 +110,18 @@ class TorchFSDP2(TorchTwin):
                 gathered += [fp._unsharded_param for fp in group.fsdp_params
                              if hasattr(fp, "_unsharded_param")]
         return gathered
+
+
+class _GatheredOnRead(dict):
+    """The model's state dict, each DTensor all-gathered when it is read (one at a time)."""
+
+    def __init__(self, state: dict, device: torch.device):
+        super().__init__(state)
+        self.device = device
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        value = super().__getitem__(name)
+        return full_tensor_on(value, self.device) if isinstance(value, DTensor) else value
 
 
 def full_tensor_on(t: DTensor, device: torch.device) -> torch.Tensor:

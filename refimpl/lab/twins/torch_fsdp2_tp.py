@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from refimpl.config import TrainConfig
-from refimpl.lab.twins.torch_plan import full_state_dict, torch_parallelize_tp
+from refimpl.lab.twins.torch_plan import full_state_dict, state_items, torch_parallelize_tp
 from refimpl.lab.twins.torch_pp import TorchPipeline, check_torch_layout
 from refimpl.lab.twins.torch_tp import TorchTensorParallel, check_plan
 from refimpl.mesh import LayoutError
@@ -134,6 +134,9 @@ class TorchFSDP2TP(TorchTensorParallel):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         full = full_state_dict(self.model)          # this stage's names, gathered over dp x tp
         return merge_stages(full, self.mesh) if self.mesh.size("pp") > 1 else full
+
+    def state_items(self):
+        return state_items(self.model)             # this stage's, gathered over dp x tp
 
 
 class _Pieces(nn.Module):

@@ -100,13 +100,14 @@ def torch_parallelize_tp(model: nn.Module, mesh, sequence_parallel: bool = False
     return model
 
 
-def full_state_dict(model: nn.Module) -> dict:
-    """Reference names and shapes: each DTensor parameter gathered with full_tensor()."""
+def state_items(model: nn.Module):
+    """(reference name, tensor) one at a time: each DTensor gathered with full_tensor() in turn."""
     from torch.distributed.tensor import DTensor
 
-    out = {}
     for name, value in model.state_dict().items():
-        if isinstance(value, DTensor):
-            value = value.full_tensor()
-        out[name] = value.detach().cpu().clone()
-    return out
+        yield name, value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def full_state_dict(model: nn.Module) -> dict:
+    """Reference names and shapes, on the CPU: `state_items` kept."""
+    return {name: value.detach().cpu().clone() for name, value in state_items(model)}

@@ -14,7 +14,12 @@ from torch.distributed.tensor import DTensor
 
 from refimpl.config import TrainConfig
 from refimpl.lab.twins.base import TorchTwin
-from refimpl.lab.twins.torch_plan import full_state_dict, torch_parallelize_tp, torch_plan_problem
+from refimpl.lab.twins.torch_plan import (
+    full_state_dict,
+    state_items,
+    torch_parallelize_tp,
+    torch_plan_problem,
+)
 from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
 from refimpl.mesh import LayoutError
 from refimpl.model import GPT, lm_loss
@@ -82,6 +87,9 @@ class TorchTensorParallel(TorchTwin):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.model)
+
+    def state_items(self):
+        return state_items(self.model)
 
     def activation_exclusions(self) -> list[torch.Tensor]:
         return [_local(p) for p in self.model.parameters()]
