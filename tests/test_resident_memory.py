@@ -13,8 +13,11 @@ what came between), 181 MiB at build on some ranks (every unit's buffer zero-fil
 read stayed mapped, on top of the heap), and a save copied 3/4 of the states beside them.
 
 In flight: zero3 gathers one unit at a time (the 1-block model gathers one too, so the difference
-holds none); fsdp also keeps the next unit prefetched and the last one's reduce-scatter under way,
-two more than the 1-block model's schedule ever has: they are FSDP's overlap, paid in memory.
+holds none, and one unit is slack); fsdp also keeps the next unit prefetched, one more than the
+1-block model's schedule has. Measured (MiB beyond the 1-block rank, states 97, a unit 12.6, 10 % of
+the model 19.5): zero3 build 46, step 93-94, save 111-112, resharded load 92, step after it 110-111;
+fsdp the same but the step after a resharded load, 133-134: 4-5 MiB over one unit's allowance,
+within two (why fsdp's step holds ~2 units more after a load than from the seed is not found yet).
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ pytestmark = [pytest.mark.ranks, pytest.mark.full]
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, D_MODEL = 16, 512
 SHAPE = f"--layers {LAYERS} --d-model {D_MODEL}"
-IN_FLIGHT = {"zero3": 1, "fsdp": 3}          # unit-sized buffers beyond the 1-block model's
+IN_FLIGHT = {"zero3": 1, "fsdp": 2}          # unit-sized buffers beyond the 1-block model's
 # every phase but the CLI's own memory report on the CPU (a profiler's trace of every step, read
 # back after the loop: it grows with the ops run, blocks x steps) and the result after it
 CHECKED = ("build", "load", "step", "save", "loop")
