@@ -223,6 +223,20 @@ def test_what_does_not_compose_fails_before_launch(kw, message):
         validate(TrainConfig(model=SMALL, **kw))
 
 
+def test_fsdp2_on_our_tp_is_refused_where_tp_ranks_share_a_kv_head():
+    """Ranks sharing a K/V head sum its gradient in a hook on the parameter, which FSDP2's
+    fully_shard replaces: the layout ran 0.32 off single (make test-full's whole pairwise
+    cover, w8 torch-fsdp2-gradop tp4 llama); now refused before launch, in one line."""
+    from dataclasses import replace
+
+    llama = replace(SMALL, arch="llama", n_kv_heads=2)
+    for strategy in ("torch-fsdp2", "torch-fsdp2-gradop"):
+        with pytest.raises(LayoutError, match="above the 2 key/value heads") as refused:
+            validate(TrainConfig(strategy=strategy, nproc=8, tp=4, model=llama))
+        assert "\n" not in str(refused.value)
+        validate(TrainConfig(strategy=strategy, nproc=4, tp=2, model=llama))   # one head each
+
+
 def test_cli_checkpoint_flags(tmp_path):
     from refimpl.lab.cli import build_parser, config_from_args, main
 

@@ -45,6 +45,13 @@ class TorchFSDP2(TorchTwin):
             raise LayoutError(f"strategy {cfg.strategy!r} with --tp and --sequence-parallel: FSDP2 "
                               "replaces the parameters, and with them the hooks that sum the "
                               "LayerNorm and bias gradients over tp (use torch-fsdp2-tp, or ours)")
+        kv_heads = cfg.model.n_kv_heads or cfg.model.n_heads
+        if cfg.tp > kv_heads:
+            # tp ranks sharing a K/V head sum its gradient in a hook on the parameter
+            # (refimpl.parallel.tp.attention._shared_kv), which fully_shard replaces too
+            raise LayoutError(f"strategy {cfg.strategy!r} with --tp {cfg.tp} above the {kv_heads} "
+                              "key/value heads: FSDP2 replaces the parameters, and with them the "
+                              "hooks that sum a shared head's gradient over tp (use ours)")
 
     def setup(self, model: GPT) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
