@@ -40,7 +40,8 @@ def _wait_for_the_rest(ranks: list, exited: list[int], grace: float = 3.0) -> No
     """After a rank failed: up to `grace` seconds for every other rank to exit too, each appended
     to `exited` as it goes. The cause is not always the first to exit: a node whose network went
     first, then the node itself, leaves its peers failing on the closed connection before it is
-    killed; a fixed wait of 1 s named a peer whenever the death came later than that. Peers that fail at once end the wait at once."""
+    killed; a fixed wait of 1 s named a peer whenever the death came later than that. Peers that
+    fail at once end the wait at once."""
     deadline = time.monotonic() + grace
     while len(exited) < len(ranks) and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -41,8 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "refimpl"
 
 LAYERS = [
-    ("foundation", ("launch", "process_group", "rank_failures", "launch_tools", "host_heap", "_rank", "seam", "numerics", "mesh",
-                    "__init__")),
+    ("foundation", ("launch", "process_group", "rank_failures", "launch_tools", "host_heap",
+                    "_rank", "seam", "numerics", "mesh", "__init__")),
     ("model", ("model",)),
     ("memory", ("memory",)),
     ("comm", ("comm",)),
