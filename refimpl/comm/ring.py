@@ -25,28 +25,20 @@ def _flat(tensor: torch.Tensor):
         tensor.copy_(tmp)
 
 
-# The incoming partial sums of one reduce-scatter step arrive in segments of at most this many
-# bytes, into two segment-sized buffers that take turns: while segment j is being added into our
-# chunk, segment j+1 is already arriving. The point is less the overlap than the memory: a scratch
-# buffer as large as a whole chunk (32 MB of a 64 MB all-reduce on 2 ranks) is a fresh mmap on every
-# call (glibc maps blocks that large anew each time), and faulting its pages in cost more than the
-# transfer (measured on 2 ranks, 64 MB: 96 ms with a fresh chunk-sized buffer, 65 ms without).
-#
-# Why not gloo's 1 MB segments (gloo/allreduce.h, kMaxSegmentSize, two in flight)? Measured with
-# 16 MB on 4 ranks sharing 2 cores (perf record over 400 calls, each side alone): where the ranks
-# outnumber the cores, the time is CPU time, and most of it is the kernel copying bytes into and out
-# of the sockets. With our 4 MB messages those copies cost 1.5x (receive) and 1.25x (send) what
-# gloo's cost, and our additions 1.33x gloo's: the data has left the cores' 2 MB caches before it
-# is copied again. Cut to gloo's 1 MB, the copies cost what gloo's do (1.13x, 1.02x), but every
-# extra message costs ~90 us of CPU in Python and the c10d calls (post, wait: 18 more per call),
-# and a call got no faster (32.3 ms against 31.4 ms; gloo 27.8 ms). The same messages in the
-# same order, posted by bare ProcessGroup send/recv calls without this package's wrappers (labels,
-# byte counts, NCCL's grouping), reached 0.92-1.02 of gloo's bus bandwidth in runs where this ring
-# reached 0.85-0.93: at 4 ranks on 2 cores the gap to gloo (0.83-0.88 in `make bench`) is in the
-# work around each message, not in the ring's order. Which part of that work costs it the runs did
-# not separate from their noise (+-0.04 run to run): issue() is ~20 us a call, post() ~30 us a
-# message. With a core per rank (2 ranks here) the ring is >= 0.9 of gloo.
+# A reduce-scatter step's incoming partial sums arrive in segments of at most SEGMENT_BYTES, into
+# two buffers that take turns (segment j is added while j+1 arrives), kept from call to call as
+# NCCL keeps its channels' buffers (docs/core_notes.md, refimpl.comm.ring: why 4 MiB, why kept).
 SEGMENT_BYTES = 4 << 20
+_SEGMENT_BUFFERS: dict = {}
+
+
+def segment_buffers(numel: int, dtype, device) -> list[torch.Tensor]:
+    """The two segment buffers for (dtype, device), grown to `numel` elements when needed."""
+    kept = _SEGMENT_BUFFERS.get((dtype, device))
+    if kept is None or kept[0].numel() < numel:
+        kept = _SEGMENT_BUFFERS[(dtype, device)] = [torch.empty(numel, dtype=dtype, device=device)
+                                                     for _ in range(2)]
+    return kept
 
 
 def ring_reduce_scatter_(chunks: list[torch.Tensor], op, g: GroupView) -> None:
@@ -56,8 +48,7 @@ def ring_reduce_scatter_(chunks: list[torch.Tensor], op, g: GroupView) -> None:
     largest = max(c.numel() for c in chunks)
     n_segments = max(1, -(-largest * chunks[0].element_size() // SEGMENT_BYTES))
     segment = -(-largest // n_segments)
-    buffers = [torch.empty(segment, dtype=chunks[0].dtype, device=chunks[0].device)
-               for _ in range(min(2, n_segments))]
+    buffers = segment_buffers(segment, chunks[0].dtype, chunks[0].device)
     for s in range(n - 1):
         outgoing = chunks[(r - s - 1) % n].reshape(-1).tensor_split(n_segments)
         mine = chunks[(r - s - 2) % n].reshape(-1).tensor_split(n_segments)
