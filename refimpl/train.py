@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import statistics
 import time
 
@@ -121,29 +120,6 @@ def train_on_ranks(cfg: TrainConfig, timeout: float = 900.0, quiet: bool = True,
         per_rank = launch.run(train_rank, cfg.nproc, cfg, timeout=timeout, quiet=quiet,
                               backend=launch_backend(cfg), stall=stall)
     return merge_results(cfg, per_rank)
-
-
-def train_several_on_ranks(cfgs: list[TrainConfig], timeout: float = 900.0,
-                           quiet: bool = True) -> list[dict]:
-    """Several configurations, one after another, in one launch of the same ranks."""
-    for cfg in cfgs:
-        validate(cfg)
-    if len({cfg.nproc for cfg in cfgs}) != 1:
-        raise ValueError("train_several_on_ranks needs the same nproc for every configuration")
-    if len({launch_backend(cfg) for cfg in cfgs}) != 1:
-        raise ValueError("train_several_on_ranks needs every configuration on the same device")
-    runs = launch.run(_train_several, cfgs[0].nproc, cfgs, timeout=timeout, quiet=quiet,
-                      backend=launch_backend(cfgs[0]))
-    return [merge_results(cfg, [rank_runs[i] for rank_runs in runs]) for i, cfg in enumerate(cfgs)]
-
-
-def _train_several(rank: int, world_size: int, cfgs: list[TrainConfig]) -> list[dict]:
-    results = [train_rank(rank, world_size, cfg) for cfg in cfgs]
-    # Free the strategies' reference cycles (models, hooks, DDP reducers) now, while torch and the
-    # process group are alive: left to the interpreter's exit they can abort the rank
-    # ("terminate called without an active exception").
-    gc.collect()
-    return results
 
 
 def in_this_process(fn, *args):

@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench_composition.py                  # 4 ranks: dp 2 x tp 2
     .venv/bin/python scripts/bench_composition.py --nproc 8 --tp 2 --rounds 2
 
-All configurations run on the same ranks (refimpl.train.train_several_on_ranks), interleaved in
+All configurations run on the same ranks (refimpl.lab.loop.train_several_on_ranks), interleaved in
 rounds so a slow spell of the machine hits every one; a configuration's step time is the median
 over its rounds' steps after each round's warm-up step (slowest rank per step). Prints final loss,
 rank 0's parameter memory, the median step and the ratio ours / theirs. Not a test: timings

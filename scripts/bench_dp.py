@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bench_dp.py                     # dp vs torch-ddp, zero1 vs torch-zero1
     .venv/bin/python scripts/bench_dp.py --global-batch 16 --seq-len 64 --rounds 5
 
-Every configuration runs on the same ranks (refimpl.train.train_several_on_ranks), same model,
+Every configuration runs on the same ranks (refimpl.lab.loop.train_several_on_ranks), same model,
 same seed, same batches, same bucket size. Pairs are interleaved in rounds (ours, theirs, ours,
 theirs, ...) so that a slow spell of the machine hits both sides; a strategy's step time is the
 median over all its rounds' steps after each round's warm-up step (slowest rank per step).

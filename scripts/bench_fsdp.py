@@ -24,9 +24,8 @@ import statistics
 import pandas as pd
 
 from refimpl.config import TrainConfig
-from refimpl.lab.loop import train_several_recording_memory
+from refimpl.lab.loop import train_several_on_ranks, train_several_recording_memory
 from refimpl.lab.measure.ratio_log import record
-from refimpl.train import train_several_on_ranks
 
 # (label, strategy, options, the twin it is compared with)
 CONTENDERS = [

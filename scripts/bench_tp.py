@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bench_tp.py                       # 2 ranks, with and without SP
     .venv/bin/python scripts/bench_tp.py --nproc 4 --seq-len 64 --rounds 5
 
-Every configuration runs on the same ranks (refimpl.train.train_several_on_ranks): same model,
+Every configuration runs on the same ranks (refimpl.lab.loop.train_several_on_ranks): same model,
 seed and batches. Ours and theirs are interleaved in rounds so that a slow spell of the machine
 hits both; a configuration's step time is the median over all its rounds' steps after each round's
 warm-up step (slowest rank per step). Prints final loss, per-rank parameter and activation memory,

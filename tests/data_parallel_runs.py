@@ -1,7 +1,7 @@
 """The data-parallel runs the tests assert on, one launch per world size (start-up is ~3 s each).
 
 Every configuration of a world size runs in the same ranks, one after the other
-(refimpl.train.train_several_on_ranks); results are cached for the session, so test_dp.py and
+(refimpl.lab.loop.train_several_on_ranks); results are cached for the session, so test_dp.py and
 test_zero12.py share them.
 """
 from __future__ import annotations
@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 
 from refimpl.config import TrainConfig
+from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single, ranks_device, reference_run
-from refimpl.train import train_on_ranks, train_several_on_ranks
+from refimpl.train import train_on_ranks
 from tests.models import SMALL
 
 STEPS = 3

@@ -8,8 +8,8 @@ traffic (a seam that silently fell back to torch.distributed would send nothing 
 import pytest
 
 from refimpl.config import TrainConfig
+from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_states, reference_run
-from refimpl.train import train_several_on_ranks
 from tests.models import SMALL
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)

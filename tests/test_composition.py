@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from refimpl.config import TrainConfig
+from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.measure import moe_collectives
 from refimpl.lab.trace.profiling import load_trace
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single
@@ -23,7 +24,7 @@ from refimpl.lab.verify.reshard import placed_state, save_checkpoint
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig
 from refimpl.registry import resolve
-from refimpl.train import train_on_ranks, train_several_on_ranks, validate
+from refimpl.train import train_on_ranks, validate
 from tests.models import SMALL
 
 TWO_BLOCKS = GPTConfig(**{**SMALL.to_dict(), "n_layers": 2})

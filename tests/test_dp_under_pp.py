@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from refimpl.config import TrainConfig
+from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.trace.profiling import load_trace
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single
 from refimpl.model import build_model, lm_loss, synthetic_batch
@@ -34,7 +35,6 @@ from refimpl.parallel.dp.grad_buckets import GradBuckets
 from refimpl.parallel.pp.schedules import schedule_table
 from refimpl.parallel.pp.stage import PipelineStageModel, build_chunks
 from refimpl.parallel.pp.zero_bubble import WeightGradRecord, record_weight_grads
-from refimpl.train import train_several_on_ranks
 from tests.models import SMALL
 
 ranks = pytest.mark.ranks   # launches rank processes (make test-fast skips those marked)

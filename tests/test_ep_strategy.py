@@ -5,12 +5,12 @@ import functools
 import pytest
 
 from refimpl.config import TrainConfig
+from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.measure.ep_load import all_to_all_frame, dropped_by_step, expert_frame, rank_frame
 from refimpl.lab.predict.strategy_cost import ep_buffer_bytes
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single, reference_run
 from refimpl.model import GPTConfig
 from refimpl.registry import resolve
-from refimpl.train import train_several_on_ranks
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
 

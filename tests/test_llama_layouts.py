@@ -20,9 +20,10 @@ import torch
 import torch.nn as nn
 
 from refimpl.config import TrainConfig
+from refimpl.lab.loop import train_several_on_ranks
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig
-from refimpl.train import train_on_ranks, train_several_on_ranks, validate
+from refimpl.train import train_on_ranks, validate
 
 pytestmark = pytest.mark.ranks
 

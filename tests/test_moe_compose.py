@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from refimpl.config import TrainConfig
+from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.measure import moe_collectives
 from refimpl.lab.measure.ep_load import dropped_by_step, expert_frame
 from refimpl.lab.trace.profiling import load_trace
@@ -31,7 +32,7 @@ from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
 from refimpl.model.activation_checkpointing import checkpoint_blocks
 from refimpl.model.moe import moe_layers
 from refimpl.registry import resolve
-from refimpl.train import train_on_ranks, train_several_on_ranks, validate
+from refimpl.train import train_on_ranks, validate
 
 TWO = GPTConfig(vocab_size=96, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4)
 FOUR = replace(TWO, n_layers=4)     # V and interleaved schedules: two pieces per rank

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from refimpl.config import TrainConfig
+from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.measure.ep_load import dropped_by_step
 from refimpl.lab.verify.equivalence import (
     FP64_TOLERANCE,
@@ -25,7 +26,7 @@ from refimpl.lab.verify.equivalence import (
 )
 from refimpl.lab.verify.reshard import save_checkpoint
 from refimpl.model import GPTConfig
-from refimpl.train import train_on_ranks, train_several_on_ranks
+from refimpl.train import train_on_ranks
 
 pytestmark = pytest.mark.ranks
 

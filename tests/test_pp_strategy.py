@@ -8,10 +8,11 @@ import pytest
 
 from refimpl.config import TrainConfig
 from refimpl.lab.cli import build_parser, config_from_args
+from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig
-from refimpl.train import train_several_on_ranks, validate
+from refimpl.train import validate
 from tests.models import SMALL
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)

@@ -17,11 +17,12 @@ from safetensors import safe_open
 
 from refimpl.config import TrainConfig
 from refimpl.lab.checkpoint import dcp_convert, run_checkpoint, sharded_checkpoint
+from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.verify import checkpoint_memory
 from refimpl.lab.verify.equivalence import compare_states
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig, build_model, count_params
-from refimpl.train import train_on_ranks, train_several_on_ranks, validate
+from refimpl.train import train_on_ranks, validate
 from tests.models import SMALL
 
 GATE = 1e-9   # float64 (refimpl.lab.verify.equivalence)

@@ -9,8 +9,8 @@ import functools
 import pytest
 
 from refimpl.config import TrainConfig
+from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single
-from refimpl.train import train_several_on_ranks
 from tests.models import SMALL
 
 pytestmark = [pytest.mark.ranks, pytest.mark.full]

@@ -18,10 +18,11 @@ import functools
 import pytest
 
 from refimpl.config import TrainConfig
+from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig
-from refimpl.train import train_several_on_ranks, validate
+from refimpl.train import validate
 from tests.models import SMALL
 
 TWO_BLOCKS = GPTConfig(**{**SMALL.to_dict(), "n_layers": 2})   # one block per pipeline stage

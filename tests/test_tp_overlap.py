@@ -12,9 +12,10 @@ import pytest
 
 from refimpl import launch
 from refimpl.config import TrainConfig
+from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_states
 from refimpl.mesh import LayoutError
-from refimpl.train import train_several_on_ranks, validate
+from refimpl.train import validate
 from tests.models import SMALL
 
 pytestmark = pytest.mark.ranks   # launches rank processes

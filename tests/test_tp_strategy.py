@@ -12,10 +12,11 @@ import pytest
 from refimpl import launch
 from refimpl.config import TrainConfig
 from refimpl.lab.cli import main as cli
+from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_states, compare_with_single
 from refimpl.mesh import LayoutError
 from refimpl.registry import resolve
-from refimpl.train import merge_results, train_several_on_ranks, validate
+from refimpl.train import merge_results, validate
 from tests.models import SMALL
 from tests.test_mesh import _train_guarded
 

@@ -1,8 +1,8 @@
-"""Collective communication rebuilt from point-to-point send/recv, as drop-in twins of torch's."""
+"""Collective communication rebuilt from point-to-point send/recv, as drop-in twins of torch's
+(send/recv themselves are torch.distributed's: the seam finds them there)."""
 from torch.distributed import ReduceOp
 
 from refimpl.comm.linear import gather, scatter
-from refimpl.comm.p2p import irecv, isend, recv, send
 from refimpl.comm.pairwise import all_to_all, all_to_all_single
 from refimpl.comm.ring import (
                                all_gather,
@@ -18,5 +18,4 @@ __all__ = [
     "ReduceOp", "Work",
     "broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather", "all_gather_into_tensor",
     "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
-    "send", "recv", "isend", "irecv",
 ]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from refimpl.seam import message, span
+from refimpl.seam import message
 
 # Collectives send with their own tag so that a pipeline stage's user-level send/recv (tag 0)
 # between the same two ranks can never be matched with a message that belongs to a ring.
@@ -109,34 +109,5 @@ def exchange(g: GroupView, sends=(), recvs=()) -> None:
     post(g, sends, recvs).wait()
 
 
-def _global(rank: int | None, group, group_rank: int | None) -> int | None:
-    """The peer's global rank, whichever way the caller named it (for the flight recorder)."""
-    if rank is not None or group_rank is None or group is None:
-        return rank if rank is not None else group_rank
-    return dist.get_global_rank(group, group_rank)
-
-
 def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def send(tensor, dst=None, group=None, tag=0, group_dst=None):
-    with span("send", nbytes(tensor), group, _global(dst, group, group_dst), tag):
-        return dist.send(tensor, dst, group, wire_tag(tag), group_dst=group_dst)
-
-
-def recv(tensor, src=None, group=None, tag=0, group_src=None):
-    with span("recv", nbytes(tensor), group, _global(src, group, group_src), tag):
-        return dist.recv(tensor, src, group, wire_tag(tag), group_src=group_src)
-
-
-def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
-    """The returned handle's wait() is the caller's."""
-    with span("isend", nbytes(tensor), group, _global(dst, group, group_dst), tag):
-        return dist.isend(tensor, dst, group, wire_tag(tag), group_dst=group_dst)
-
-
-def irecv(tensor, src=None, group=None, tag=0, group_src=None):
-    """The returned handle's wait() is the caller's."""
-    with span("irecv", nbytes(tensor), group, _global(src, group, group_src), tag):
-        return dist.irecv(tensor, src, group, wire_tag(tag), group_src=group_src)

@@ -6,10 +6,12 @@ and AdamW's gathered state. Registered under the entry-point group "refimpl.loop
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import torch
 
-from refimpl import train
+from refimpl import launch, process_group, train
+from refimpl.config import TrainConfig
 from refimpl.lab.checkpoint import run_checkpoint
 from refimpl.lab.checkpoint.export import export_state
 from refimpl.lab.checkpoint.hf import HubState
@@ -112,9 +114,33 @@ def train_several_recording_memory(cfgs, record_memory: list[bool], timeout: flo
     """train_several_on_ranks with `record_memory` set where asked; each such result gains
     `transient_peak` (rank -> bytes), as notebooks 04-05 read it."""
     cfgs = [c.with_(record_memory=bool(m)) for c, m in zip(cfgs, record_memory, strict=True)]
-    results = train.train_several_on_ranks(cfgs, timeout=timeout)
+    results = train_several_on_ranks(cfgs, timeout=timeout)
     for cfg, result in zip(cfgs, results):
         if cfg.record_memory:
             result["transient_peak"] = {r: m["transient_peak"]
                                         for r, m in enumerate(result["memory"])}
+    return results
+
+
+def train_several_on_ranks(cfgs: list[TrainConfig], timeout: float = 900.0,
+                           quiet: bool = True) -> list[dict]:
+    """Several configurations, one after another, in one launch of the same ranks."""
+    for cfg in cfgs:
+        train.validate(cfg)
+    if len({cfg.nproc for cfg in cfgs}) != 1:
+        raise ValueError("train_several_on_ranks needs the same nproc for every configuration")
+    if len({process_group.launch_backend(cfg) for cfg in cfgs}) != 1:
+        raise ValueError("train_several_on_ranks needs every configuration on the same device")
+    runs = launch.run(_train_several, cfgs[0].nproc, cfgs, timeout=timeout, quiet=quiet,
+                      backend=process_group.launch_backend(cfgs[0]))
+    return [train.merge_results(cfg, [rank_runs[i] for rank_runs in runs])
+            for i, cfg in enumerate(cfgs)]
+
+
+def _train_several(rank: int, world_size: int, cfgs: list[TrainConfig]) -> list[dict]:
+    results = [train.train_rank(rank, world_size, cfg) for cfg in cfgs]
+    # Free the strategies' reference cycles (models, hooks, DDP reducers) now, while torch and the
+    # process group are alive: left to the interpreter's exit they can abort the rank
+    # ("terminate called without an active exception").
+    gc.collect()
     return results

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from torch.distributed import ReduceOp
 
-import refimpl.comm as refimpl_comm
 from refimpl.comm.p2p import wire_tag
 from refimpl.lab.instrument import labels
 from refimpl.lab.instrument.counter import op_scope, record_recv, record_send
@@ -73,15 +72,6 @@ class ReceiveWait:
 
     def __getattr__(self, name):
         return getattr(self.work, name)
-
-
-def _receive_labelled(fn):
-    """refimpl.comm's irecv, its handle's wait() labelled as ReceiveWait's."""
-    def irecv(tensor, src=None, group=None, tag=0, group_src=None):
-        work = fn(tensor, src, group, tag, group_src=group_src)
-        peer = _peer("irecv", (tensor, src), {"group_src": group_src}, group)
-        return ReceiveWait(work, _size(tensor), group, peer, tag)
-    return irecv
 
 
 def _peer(name: str, args, kwargs, group):
@@ -152,9 +142,6 @@ class LabelledCollectives:
 
     def __getattr__(self, name: str):
         fn = lookup(self.seam.collectives, name)
-        if name in POINT_TO_POINT and self.seam.collectives is refimpl_comm:
-            # refimpl.comm's send/recv open the seam's span (and apply wire_tag) themselves
-            return fn if name != "irecv" else _receive_labelled(fn)
         key = (name, fn)
         made = self._made.get(key)
         if made is None:

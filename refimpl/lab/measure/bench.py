@@ -39,6 +39,7 @@ from refimpl.lab.measure.ceilings import (  # noqa: F401
 )
 from refimpl.lab.progress import progress_bar  # a widget in a notebook, text in a terminal
 from refimpl.launch import device_for, run
+from refimpl.seam import lookup
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send_recv")
 IMPLS = ("torch", "refimpl")
@@ -108,7 +109,9 @@ def _call(c, op: str, x, out, rank: int, n: int) -> None:
         # Even ranks send first, odd ranks receive first: under NCCL's order (a rank's operations
         # run in posting order, a send completes once its receive has started) every rank
         # receiving first would hang the ring (refimpl.lab.runtime.staged_stream; nccl_order.replay agrees).
-        send, recv = (lambda: c.isend(x, dst=(rank + 1) % n)), (lambda: c.irecv(out, src=(rank - 1) % n))
+        # point-to-point is torch's own on both sides (refimpl.comm is built from it)
+        send = lambda: lookup(c, "isend")(x, dst=(rank + 1) % n)         # noqa: E731
+        recv = lambda: lookup(c, "irecv")(out, src=(rank - 1) % n)       # noqa: E731
         works = [send(), recv()] if rank % 2 == 0 else [recv(), send()]
         for w in works:
             w.wait()

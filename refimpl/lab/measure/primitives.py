@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import refimpl.comm as refimpl_comm
 from refimpl.launch import device_for
+from refimpl.seam import lookup
 
 PRIMITIVES = ("broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather",
               "reduce_scatter", "send_recv", "all_to_all")
@@ -89,7 +90,9 @@ def run_one(primitive: str, x: torch.Tensor, rank: int, n: int, c) -> torch.Tens
         out = torch.empty_like(x)
         # rank 0 sends first and rank 1 receives first: both sending first would hang under
         # NCCL's order (a send completes once its receive has started; refimpl.lab.runtime.staged_stream)
-        send, recv = (lambda: c.isend(x, dst=1 - rank)), (lambda: c.irecv(out, src=1 - rank))
+        # (point-to-point is torch's own on both sides: refimpl.comm is built from it)
+        send = lambda: lookup(c, "isend")(x, dst=1 - rank)        # noqa: E731
+        recv = lambda: lookup(c, "irecv")(out, src=1 - rank)      # noqa: E731
         works = [send(), recv()] if rank == 0 else [recv(), send()]
         for w in works:
             w.wait()

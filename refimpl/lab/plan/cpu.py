@@ -23,6 +23,7 @@ from refimpl.config import TrainConfig
 from refimpl.cost.alpha_beta import ring_seconds
 from refimpl.cost.hardware import Hardware
 from refimpl.lab.env import cpu_cores
+from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.plan.cpu_calibration import (  # noqa: F401  (re-exported: the notebook, the bench)
     calibrate_compute,
     calibrated_cpu_preset,
@@ -33,7 +34,6 @@ from refimpl.lab.plan.search import enumerate_layouts, rank_layouts
 from refimpl.lab.predict.presets import ModelShape
 from refimpl.lab.verify.step_time import step_times_in_rounds
 from refimpl.model import GPT, GPTConfig
-from refimpl.train import train_several_on_ranks
 
 ZERO_STRATEGY = {0: "dp", 1: "zero1", 2: "zero2", 3: "zero3"}
 LAYOUT_COLUMNS = ["dp", "tp", "pp", "cp", "zero_stage", "micro_batch_size", "recompute",

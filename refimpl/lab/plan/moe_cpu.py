@@ -14,10 +14,10 @@ from __future__ import annotations
 import pandas as pd
 
 from refimpl.config import TrainConfig
+from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.plan.cpu_calibration import shape_of
 from refimpl.lab.plan.predict import Layout, predict_memory
 from refimpl.model import GPTConfig
-from refimpl.train import train_several_on_ranks
 
 ZERO_STAGE = {"dp-naive": 0, "dp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
 STATES = ("params", "grads", "optimizer")

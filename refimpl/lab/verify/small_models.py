@@ -25,11 +25,12 @@ from __future__ import annotations
 import pandas as pd
 
 from refimpl.config import DTYPES, TrainConfig
+from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.predict import tp_comm
 from refimpl.lab.predict.dp_scaling import per_step_times
 from refimpl.lab.trace import capture, profiling
 from refimpl.model import GPTConfig
-from refimpl.train import train_on_ranks, train_several_on_ranks
+from refimpl.train import train_on_ranks
 
 # From tiny to about the 4M parameters a test can afford: 2 blocks, widths 64, 192, 384.
 WIDTHS = (64, 192, 384)

@@ -3,7 +3,7 @@
     median, last = step_times_in_rounds({"dp": cfg_a, "torch-ddp": cfg_b}, rounds=3)
 
 Every configuration runs `rounds` times, interleaved (a, b, a, b, ...) on the same ranks
-(refimpl.train.train_several_on_ranks), so that a slow spell of the machine hits every side. A
+(refimpl.lab.loop.train_several_on_ranks), so that a slow spell of the machine hits every side. A
 configuration's step time is the median over all its rounds' steps after each round's warm-up
 step, each step timed by its slowest rank. Speed is compared as a ratio of these medians in one
 run, never asserted in a test: timings depend on the machine.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 
 from refimpl.config import TrainConfig
-from refimpl.train import train_several_on_ranks
+from refimpl.lab.loop import train_several_on_ranks
 
 
 def slowest_rank_step_times(result: dict) -> list[float]:
