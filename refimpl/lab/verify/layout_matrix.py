@@ -515,9 +515,17 @@ def sampled_cover(strength: int = 2, *, strategies: tuple = COVER_STRATEGIES,
             # values seen accepted beside the fixed ones first: the context they need
             return 1 + sum(together[(a, (i, v)) if a[0] < i else ((i, v), a)] for a in combo)
 
-        for _ in range(tries):
-            if searched_layout(rng, fixed, consider, within=within, weight=weight) is not None:
-                break
+        if not any(searched_layout(rng, fixed, consider, within=within, weight=weight)
+                   is not None for _ in range(tries)):
+            # An option is one strategy's: once the search has drawn another strategy it is
+            # out of reach (it missed capacity_scope=sequence with tp_overlap). Once more with
+            # each strategy fixed in turn, on a stream of its own (the main stream's draws stay
+            # as they were).
+            wide = random.Random(repr((seed, combo)))
+            any(searched_layout(wide, {"strategy": name, **fixed}, consider, within=within,
+                                weight=weight) is not None
+                for name in within["strategy"] if "option" in fixed and "strategy" not in fixed
+                for _ in range(3))
 
     def build(combo, score, rng):
         fixed = _must_hold(combo)
