@@ -107,14 +107,14 @@ def test_counted_bytes_match_the_algorithms_prediction(results, numel):
 def test_halving_doubling_sends_log2_p_messages_and_the_rings_bytes(results):
     """On 2 and 4 ranks: 2 log2 n messages (the ring: 2(n-1)) for the same 2(n-1)/n * M bytes.
     On 3 ranks the fold-in costs the folded pair a whole M each, the price of a non-power of two."""
-    from refimpl.comm import halving_doubling
+    from refimpl.lab.measure.traffic import halving_doubling_sent
 
     n, per_rank = results
     m = 1200 * 4
     for rank, res in enumerate(per_rank):
         ring, butterfly = res["messages"]["ring"], res["messages"]["halving-doubling"]
         assert ring == (2 * (n - 1) * m // n, 2 * (n - 1))
-        assert butterfly == halving_doubling.sent_by_rank(rank, n, 1200)
+        assert butterfly == halving_doubling_sent(rank, n, 1200)
         if n in (2, 4):
             assert butterfly == (ring[0], 2 * (n.bit_length() - 1))
     if n == 3:

@@ -10,6 +10,7 @@ import pytest
 
 from refimpl.comm import halving_doubling as hd
 from refimpl.cost import alpha_beta as ab
+from refimpl.lab.measure.traffic import halving_doubling_sent
 
 
 @pytest.mark.parametrize("n, p, r", [(1, 1, 0), (2, 2, 0), (3, 2, 1), (4, 4, 0), (6, 4, 2), (7, 4, 3), (8, 8, 0)])
@@ -30,7 +31,7 @@ def test_virtual_ranks_are_a_bijection_onto_the_butterfly(n):
 def test_power_of_two_sends_the_rings_bytes_in_2_log2_n_messages(n):
     numel = 1024 * n
     for rank in range(n):
-        sent, messages = hd.sent_by_rank(rank, n, numel)
+        sent, messages = halving_doubling_sent(rank, n, numel)
         assert sent == 2 * (n - 1) * numel * 4 // n          # the bandwidth lower bound
         assert messages == 2 * int(math.log2(n)) == hd.messages_per_rank(n)
 
@@ -38,7 +39,7 @@ def test_power_of_two_sends_the_rings_bytes_in_2_log2_n_messages(n):
 def test_uneven_and_tiny_tensors_skip_empty_messages():
     # 1 element on 4 ranks: only the chunk holding it ever travels
     # (ranks 2 and 3 send it in the first halving round, 0 and 1 it in both doubling rounds)
-    assert [hd.sent_by_rank(rank, 4, 1) for rank in range(4)] == [(8, 2), (8, 2), (4, 1), (4, 1)]
+    assert [halving_doubling_sent(rank, 4, 1) for rank in range(4)] == [(8, 2), (8, 2), (4, 1), (4, 1)]
 
 
 def test_alpha_beta_crossover_only_when_the_count_is_not_a_power_of_two():

@@ -94,31 +94,3 @@ def bytes_on_critical_path(n: int, m: float) -> float:
     """The beta term's bytes: 2 (p-1)/p * M, plus 2M for a fold (its send in and back out)."""
     p, r = fold(n)
     return 2 * (p - 1) / p * m + (2 * m if r else 0)
-
-
-def sent_by_rank(rank: int, n: int, numel: int, itemsize: int = 4) -> tuple[int, int]:
-    """(bytes, messages) that `rank` sends in the all-reduce of a `numel`-element tensor."""
-    p, r = fold(n)
-    sent = []                                          # sizes in elements of each send
-    if rank < 2 * r and rank % 2 == 0:
-        sent.append(numel)                             # fold-in; then it sits out
-    v = virtual_rank(rank, n)
-    if v is not None:
-        sizes = [len(c) for c in torch.empty(numel, dtype=torch.uint8).tensor_split(p)]
-        lo, hi, d = 0, p, p // 2
-        while d >= 1:
-            mid = (lo + hi) // 2
-            keep, give = ((lo, mid), (mid, hi)) if v & d == 0 else ((mid, hi), (lo, mid))
-            sent.append(sum(sizes[give[0]: give[1]]))
-            lo, hi = keep
-            d //= 2
-        d = 1
-        while d < p:
-            sent.append(sum(sizes[lo:hi]))
-            lo, hi = (lo, 2 * hi - lo) if v & d == 0 else (2 * lo - hi, hi)
-            d *= 2
-        if rank < 2 * r:
-            sent.append(numel)                         # fold-out, to the even partner
-    sent = [k for k in sent if k]
-    return sum(sent) * itemsize, len(sent)
-

@@ -59,7 +59,7 @@ def expected_sent(op: str, rank: int, n: int, numel: int, itemsize: int = 4, roo
     if n == 1:
         return 0
     if op == HALVING_DOUBLING:
-        return halving_doubling.sent_by_rank(rank, n, numel, itemsize)[0]
+        return halving_doubling_sent(rank, n, numel, itemsize)[0]
     if op == "all_reduce":  # reduce-scatter sends every chunk but its own, all-gather all but r+1's
         chunks = _chunk_bytes(numel, n, itemsize)
         return 2 * m - chunks[rank] - chunks[(rank + 1) % n]
@@ -131,3 +131,31 @@ def traffic_table(measured: list[dict], numel: int, itemsize: int = 4) -> pd.Dat
              "sent / M": measured[r][op] / m}
             for op in COLLECTIVES for r in range(n)]
     return pd.DataFrame(rows)
+
+
+def halving_doubling_sent(rank: int, n: int, numel: int, itemsize: int = 4) -> tuple[int, int]:
+    """(bytes, messages) that `rank` sends in the all-reduce of a `numel`-element tensor."""
+    p, r = halving_doubling.fold(n)
+    sent = []                                          # sizes in elements of each send
+    if rank < 2 * r and rank % 2 == 0:
+        sent.append(numel)                             # fold-in; then it sits out
+    v = halving_doubling.virtual_rank(rank, n)
+    if v is not None:
+        sizes = [len(c) for c in torch.empty(numel, dtype=torch.uint8).tensor_split(p)]
+        lo, hi, d = 0, p, p // 2
+        while d >= 1:
+            mid = (lo + hi) // 2
+            keep, give = ((lo, mid), (mid, hi)) if v & d == 0 else ((mid, hi), (lo, mid))
+            sent.append(sum(sizes[give[0]: give[1]]))
+            lo, hi = keep
+            d //= 2
+        d = 1
+        while d < p:
+            sent.append(sum(sizes[lo:hi]))
+            lo, hi = (lo, 2 * hi - lo) if v & d == 0 else (2 * lo - hi, hi)
+            d *= 2
+        if rank < 2 * r:
+            sent.append(numel)                         # fold-out, to the even partner
+    sent = [k for k in sent if k]
+    return sum(sent) * itemsize, len(sent)
+
