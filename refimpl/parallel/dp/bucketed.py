@@ -21,10 +21,7 @@ class BucketedDataParallel(Strategy):
     def setup(self, model: GPT) -> None:
         self.model = model
         mesh = self.mesh
-        # refimpl.parallel.dp.DataParallel, the wrapper a learner puts around a model of their own,
-        # with the loop's choices: the gradients summed (each rank's loss was divided by W), over
-        # dp x cp -- and a MoE model's experts (--ep) over edp, in buckets of their own -- every
-        # rank already holding the same model (no broadcast).
+        # summed (each loss was divided by W) over dp x cp, an expert's over edp; no broadcast
         self.ddp = DataParallel(model, bucket_mb=float(self.option("bucket_mb")), average=False,
                                 broadcast=False,
                                 reduce_over=lambda p: mesh.group(data_parallel_axis(p)))
@@ -35,8 +32,7 @@ class BucketedDataParallel(Strategy):
         return self.ddp
 
     def step_model(self, rank_model: RankModel) -> RankModel:
-        """Under a pipeline, the schedule's whole table runs inside one micro-step of the buckets,
-        each parameter counted ready at its last accumulation of the step."""
+        """Under a pipeline, its whole table runs inside one micro-step of the buckets."""
         if rank_model.pipeline is None:
             return rank_model
         return rank_model.with_pipeline_run(_armed(rank_model.pipeline.run, self.ddp,
@@ -50,8 +46,7 @@ class BucketedDataParallel(Strategy):
 
 
 def _armed(run, ddp: DataParallel, accumulations: dict[str, int]):
-    """The pipeline's step (RankModel.pipeline.run) inside one micro-step of the wrapper, each
-    parameter expected `accumulations[name]` times. Holds the wrapper weakly (GradBuckets says why)."""
+    """`run` inside one micro-step of `ddp` (held weakly: no cycle through the hooks)."""
     ref = weakref.ref(ddp)
 
     def armed(*args, **kwargs):

@@ -57,8 +57,7 @@ class _Done:
 
 
 def all_reduce_sum(bucket: Bucket, grads: torch.Tensor, *, group, divisor: int = 1):
-    """Every rank of `group` gets the bucket's summed gradient (async); divided first by
-    `divisor` where the caller wants the mean and did not scale the loss (DataParallel, as DDP)."""
+    """The bucket summed on every rank of `group` (async), divided first by `divisor` (a mean)."""
     if divisor != 1:
         grads.div_(divisor)
     if group is None:
@@ -68,15 +67,14 @@ def all_reduce_sum(bucket: Bucket, grads: torch.Tensor, *, group, divisor: int =
 
 def reduce_sum_to_owner(bucket: Bucket, grads: torch.Tensor, *, shard_numel: int,
                         owners: list[int], group):
-    """Only the rank whose shard holds this bucket gets its summed gradient (async).
-    `owners[i]` is the global rank holding shard i (torch's `dst` is a global rank)."""
+    """The bucket summed onto the rank whose shard holds it (async); `owners`: global ranks."""
     if group is None:
         return _Done()
     return dist.reduce(grads, dst=owners[bucket.start // shard_numel], group=group, async_op=True)
 
 
 class GradBuckets:
-    """Launches one collective per bucket from gradient hooks; `wait()` before the optimizer."""
+    """One collective per bucket, launched from gradient hooks; `wait()` before the optimizer."""
 
     def __init__(self, layout: FlatParams, cap_bytes: float,
                  reduce: Callable[[Bucket, torch.Tensor], object], cut_at=()):
@@ -92,15 +90,10 @@ class GradBuckets:
         self._left: list[int] | None = None             # accumulations still to come (a pipeline)
         self._next = 0                                  # the next bucket to launch, in order
         self._ready = [False] * len(layout.slots)       # gradients in, this synchronised backward
-        # No reference cycles through the parameters' hooks (so `reduce` should not be a bound
-        # method of an object holding this one, and the hooks hold `self` weakly): a cycle is
-        # freed only by the garbage collector, possibly at interpreter exit, and destroying a
-        # Python hook owned by a C++ tensor there aborts the process ("terminate called...").
-        this = weakref.ref(self)
+        this = weakref.ref(self)      # hooks hold self weakly: no cycle through the parameters
         self._handles = [p.register_post_accumulate_grad_hook(
             lambda _p, i=i: this()._on_gradient_ready(i)) for i, p in enumerate(layout.params)]
-        # Before autograd accumulates: a .grad that zero_grad() set to None is bound to its
-        # (zeroed) view again, so the gradient still lands in the bucket.
+        # before autograd accumulates: a .grad zero_grad() set to None is bound to its view again
         self._handles += [p.register_hook(lambda _g, i=i: this()._rebind(i))
                           for i, p in enumerate(layout.params)]
 
@@ -118,14 +111,13 @@ class GradBuckets:
 
     @contextlib.contextmanager
     def micro_step(self, sync: bool, accumulations: list[int] | None = None):
-        """Wrap each micro-step's backward; with sync=False gradients only accumulate (no_sync).
-        `accumulations[i]`: how many times parameter i's gradient is accumulated inside this
-        micro-step (a pipeline's whole step; default: once); it is ready at the last."""
+        """Around a micro-step's backward(s): sync=False only accumulates; `accumulations[i]`:
+        gradients of parameter i inside (default one), ready at the last."""
         self.arm(sync, accumulations)
         yield
 
     def arm(self, sync: bool, accumulations: list[int] | None = None) -> None:
-        """What the next backward does (micro_step's work, for callers without a context)."""
+        """micro_step's work, for callers without a context."""
         self._sync = sync
         self._left = None if accumulations is None else list(accumulations)
         if sync:
@@ -150,7 +142,7 @@ class GradBuckets:
         self._launch(lambda b: b.pending == 0)
 
     def _launch(self, ready) -> None:
-        # Launch in bucket order only: every rank must issue the same collectives in the same order.
+        # in bucket order only: every rank issues the same collectives in the same order
         while self._next < len(self.buckets) and ready(self.buckets[self._next]):
             b = self.buckets[self._next]
             b.work = self.reduce(b, self.flat_grad[b.start:b.end])

@@ -1,5 +1,5 @@
-"""ZeRO-2's gradient path (Rajbhandari et al. 2020, §5.2): "we reduce the gradients ... and release
-the memory of the gradients not owned by the rank", bucket by bucket while backward runs."""
+"""ZeRO-2's gradient path (Rajbhandari et al. 2020, §5.2): bucket by bucket while backward runs,
+each reduced to its owner and the full gradients it held freed."""
 from __future__ import annotations
 
 import weakref
@@ -19,7 +19,7 @@ class StreamingReduce:
         self._feeds = [sum(i in b.params for b in self.buckets) for i in range(len(layout.slots))]
         self._in_flight: list = []
         self._next = 0
-        this = weakref.ref(self)       # no reference cycle through the hooks (grad_buckets.py)
+        this = weakref.ref(self)       # no reference cycle through the hooks
         self._handles = [p.register_post_accumulate_grad_hook(
             lambda _p, i=i: this()._on_gradient_ready(i)) for i, p in enumerate(layout.params)]
 
@@ -39,8 +39,7 @@ class StreamingReduce:
             self._next += 1
 
     def _launch(self, bucket) -> None:
-        # On the gradients' device, not the shard's (the host's under offload: NCCL refuses a
-        # host tensor); the owner moves its summed bucket in _finish.
+        # on the gradients' device, not the shard's (the host under offload)
         buf = torch.zeros(bucket.numel, dtype=self.grad_shard.dtype,   # zeros: the padding
                           device=self.layout.params[0].device)
         for i in bucket.params:
