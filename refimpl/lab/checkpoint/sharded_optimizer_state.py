@@ -16,6 +16,17 @@ from refimpl.parallel.zero.sharded_optimizer import settings_of
 from refimpl.seam import dist
 
 
+def gathered(layout, shard: torch.Tensor, group) -> torch.Tensor:
+    """A new whole flat buffer of `layout` (a FlatParams): every rank's `shard` all-gathered over
+    `group` (None: this rank holds the only shard, which is copied)."""
+    whole = layout.empty(shard.dtype, shard.device)
+    if group is None:
+        whole.copy_(shard)
+    else:
+        dist.all_gather_into_tensor(whole, shard.contiguous(), group=group)
+    return whole
+
+
 def host_copy(value):
     """A tensor copied to the host (each parameter its own: an optimizer steps a count in place)."""
     return value.to("cpu", copy=True) if torch.is_tensor(value) else value
@@ -51,7 +62,7 @@ def _flat_state(opt, index: dict[int, int]) -> dict:
         return {}
     group = opt.group if opt.world_size > 1 else None
     # under offload the state is on the host: gathered on the buffer's device
-    cut = {k: opt.layout.views(opt.layout.gathered(v.to(opt.flat.device), group))
+    cut = {k: opt.layout.views(gathered(opt.layout, v.to(opt.flat.device), group))
            for k, v in local.items() if per_element(v)}
     return {index[id(p)]: {k: host_copy(cut[k][j] if k in cut else v) for k, v in local.items()}
             for j, p in enumerate(opt.layout.params)}

@@ -8,7 +8,6 @@ import torch
 import torch.nn as nn
 
 from refimpl.rank_values import set_data
-from refimpl.seam import dist
 
 
 @dataclass(frozen=True)
@@ -49,15 +48,6 @@ class FlatParams:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each slot's tensor, shaped like its parameter, as a view into `flat` (no copy)."""
         return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
-
-    def gathered(self, shard: torch.Tensor, group) -> torch.Tensor:
-        """A new whole flat buffer: every rank's `shard` all-gathered over `group` (None: alone)."""
-        whole = self.empty(shard.dtype, shard.device)
-        if group is None:
-            whole.copy_(shard)
-        else:
-            dist.all_gather_into_tensor(whole, shard.contiguous(), group=group)
-        return whole
 
     def bind(self, flat: torch.Tensor) -> None:
         """Make every parameter's data a view into `flat`, so writing `flat` updates the model."""

@@ -104,7 +104,7 @@ class GradBuckets:
 
     def _rebind(self, i: int) -> None:
         p = self.layout.params[i]
-        if p.grad is None:
+        if p.grad is None and self.flat_grad is not None:
             slot = self.layout.slots[i]
             view = self.flat_grad[slot.offset:slot.offset + slot.numel]
             p.grad = view.zero_().view(slot.shape)
@@ -145,8 +145,11 @@ class GradBuckets:
         # in bucket order only: every rank issues the same collectives in the same order
         while self._next < len(self.buckets) and ready(self.buckets[self._next]):
             b = self.buckets[self._next]
-            b.work = self.reduce(b, self.flat_grad[b.start:b.end])
+            b.work = self._send(b)
             self._next += 1
+
+    def _send(self, b: Bucket):
+        return self.reduce(b, self.flat_grad[b.start:b.end])
 
     def wait(self) -> None:
         """Block until every bucket's collective has completed (before the optimizer reads them)."""

@@ -11,7 +11,6 @@ from importlib.metadata import entry_points
 import torch
 import torch.nn as nn
 
-from refimpl.memory import ModelStateBytes, measured_model_state
 from refimpl.parallel.dp.flat_param import FlatParams
 from refimpl.parallel.dp.wrapping import check_devices, resolve_group
 from refimpl.seam import dist
@@ -93,14 +92,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             host = dict(dtype=self.shard.dtype, device="cpu", pin_memory=pin)
             self.master = nn.Parameter(torch.empty(self.shard.shape, **host))
             self.master.grad = torch.zeros(self.shard.shape, **host)
-            self._copy_to_master()
+            self.master.data.copy_(self.shard)
         else:
             # A Parameter made from a view shares its storage: the update lands in the flat buffer.
             self.master = nn.Parameter(self.shard)
-
-    @torch.no_grad()
-    def _copy_to_master(self) -> None:
-        self.master.copy_(self.shard)
 
     @torch.no_grad()
     def load_parameters(self, values: Mapping[str, torch.Tensor]) -> None:
@@ -108,7 +103,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for slot, view in zip(self.layout.slots, self.layout.views(self.flat)):
             view.copy_(values[slot.name].reshape(slot.shape))
         if self.offload:
-            self._copy_to_master()
+            self.master.copy_(self.shard)
 
     def all_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
@@ -166,13 +161,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a whole state (a `state_dict()` at any world size, or a plain optimizer's)."""
         _consolidated().load(self, state_dict)
-
-    def host_state(self) -> ModelStateBytes:
-        """What offload keeps in host memory (the master copy counts as optimizer state)."""
-        if not self.offload:
-            return ModelStateBytes(0, 0, 0)
-        held = measured_model_state([self.master], self.local)
-        return ModelStateBytes(params=0, grads=held.grads, optimizer=held.params + held.optimizer)
 
 
 def settings_of(group: dict) -> dict:

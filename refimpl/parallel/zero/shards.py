@@ -93,7 +93,7 @@ class Zero2Shards(ZeroShards):
 
     def micro_step(self, is_last: bool):
         if self.stream is not None:
-            self.stream.start()          # every micro-batch's gradients go out (and are freed)
+            self.stream.arm(sync=True)   # every micro-batch's gradients go out (and are freed)
         return contextlib.nullcontext()
 
     def finish_gradient_synchronization(self) -> None:
