@@ -315,7 +315,7 @@ def check_fully_shard(rank, world, case, dtype, device, *, twin=False, units=Non
         out["frozen_communicated"] = any(n in sharded for n in FROZEN[case])
         out["local_share"] = (sum(p.numel() for p in wrapped.parameters())
                               / sum(p.numel() for p in ref_model.parameters() if p.requires_grad))
-        out["unit_numels"] = [u.numel for u in wrapped.units]
+        out["unit_numels"] = [u.flat.numel for u in wrapped.units]
     opt = opt_cls(wrapped.parameters(), **kw)
     losses = train(case, wrapped, opt, rank, world, dtype, device, finish=finish, cast=compute_dtype)
     if twin:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
@@ -151,6 +152,11 @@ class GradBuckets:
     def _send(self, b: Bucket):
         return self.reduce(b, self.flat_grad[b.start:b.end])
 
+    def finish_gradient_synchronization(self) -> None:
+        """wait(), then armed for the next synchronised backward."""
+        self.wait()
+        self.arm(sync=True)
+
     def wait(self) -> None:
         """Block until every bucket's collective has completed (before the optimizer reads them)."""
         if self._sync:
@@ -164,3 +170,14 @@ class GradBuckets:
                 b.work = None
         self._sync = False
 
+
+
+def replicated_buckets(named: list, group, cap_bytes: float, divisor: int = 1) -> GradBuckets:
+    """All-reduce buckets over `group` (None: one rank) for `named` parameters of one dtype, every
+    .grad a view of one flat buffer, armed for a synchronised backward."""
+    layout = FlatParams(named, world_size=1)      # replicated: not sharded, no padding
+    buckets = GradBuckets(layout, cap_bytes, reduce=partial(all_reduce_sum, group=group,
+                                                            divisor=divisor))
+    buckets.attach(layout.empty(device=named[0][1].device))
+    buckets.arm(sync=True)
+    return buckets

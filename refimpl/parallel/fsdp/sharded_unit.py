@@ -48,15 +48,6 @@ class ShardedUnit:
         """The master shard from `values` (name -> value), reading only the parameters in it."""
         self.flat.filled_shard(lambda s: values[s.name], self.rank, out=self.master.data)
 
-    @property
-    def numel(self) -> int:
-        return self.flat.numel
-
-    @property
-    def gathered_bytes(self) -> int:
-        """Bytes the gathered parameter buffer holds right now (0 when resharded)."""
-        return self.full.untyped_storage().nbytes()
-
     def gather(self, async_op: bool = False) -> None:
         """All-gather every rank's shard into `full` (no-op if gathered or already on its way)."""
         if self.gathered or self.pending_gather is not None:

@@ -14,7 +14,7 @@ from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_byte
 from refimpl.mesh import LayoutError
 from refimpl.model import GPT
 from refimpl.parallel.fsdp.schedule import ShardingPolicy, UnitSchedule, assign_params
-from refimpl.parallel.zero.per_group import PerGroup
+from refimpl.parallel.dp.per_group import PerGroup
 from refimpl.placement import gather_full_state_dict
 from refimpl.rank_values import RankValues
 from refimpl.strategy import Strategy, make_optimizer
@@ -96,7 +96,7 @@ class FullySharded(Strategy):
     def model_state(self) -> ModelStateBytes:
         """Bytes on the compute device: the shards, their gradients, m and v (unless offloaded),
         and the parameters gathered now."""
-        gathered = sum(u.gathered_bytes for u in self.units)
+        gathered = sum(u.full.untyped_storage().nbytes() for u in self.units)   # 0: resharded
         if self.option("offload"):
             return ModelStateBytes(params=gathered, grads=0, optimizer=0)
         shards = self.shard_state()

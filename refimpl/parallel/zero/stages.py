@@ -6,7 +6,7 @@ import torch.nn as nn
 
 from refimpl.config import Option
 from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
-from refimpl.parallel.zero.per_group import PerGroup
+from refimpl.parallel.dp.per_group import PerGroup
 from refimpl.parallel.zero.sharded_optimizer import ShardedOptimizer
 from refimpl.parallel.zero.shards import Zero1Shards, Zero2Shards, ZeroShards
 from refimpl.rank_values import RankValues
