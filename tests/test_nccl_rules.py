@@ -641,7 +641,7 @@ def test_zero2_offload_reduces_on_the_rank_s_device():
         return group.reduce([buf], dist.ReduceOptions())
 
     stream = StreamingReduce(layout, 5 * 4, [], reduce_to_owner, host_grad_shard, 0)  # 2 buckets
-    stream.start()
+    stream.arm(sync=True)
     (2 * params[0].sum() + 3 * params[1].sum()).backward()
     stream.wait()
     assert reduced == [torch.device("cpu")] * 2, reduced

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from refimpl.lab.measure.host_memory import host_state
 from refimpl.launch import device_for
 from refimpl.parallel.dp import DataParallel
 from refimpl.parallel.fsdp import FullyShard
@@ -230,7 +231,7 @@ def check_sharded_optimizer(rank, world, case, dtype, device, *, twin=False, par
     if flat:
         out["elements"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
         out["final"] = {k: v.cpu().clone() for k, v in model.state_dict().items()}
-        held = opt.host_state()
+        held = host_state(opt)
         out["host_state"] = (held.params, held.grads, held.optimizer)
         out["master_on_host"] = (opt.master.device.type == "cpu"
                                  and opt.master.data_ptr() != opt.shard.data_ptr())
@@ -314,7 +315,7 @@ def check_fully_shard(rank, world, case, dtype, device, *, twin=False, units=Non
         out["frozen_communicated"] = any(n in sharded for n in FROZEN[case])
         out["local_share"] = (sum(p.numel() for p in wrapped.parameters())
                               / sum(p.numel() for p in ref_model.parameters() if p.requires_grad))
-        out["unit_numels"] = [u.numel for u in wrapped.units]
+        out["unit_numels"] = [u.flat.numel for u in wrapped.units]
     opt = opt_cls(wrapped.parameters(), **kw)
     losses = train(case, wrapped, opt, rank, world, dtype, device, finish=finish, cast=compute_dtype)
     if twin:

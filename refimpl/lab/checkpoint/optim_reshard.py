@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from refimpl.lab.checkpoint.sharded_optimizer_state import gathered
 from refimpl.mesh import LayoutError
 from refimpl.parallel.fsdp.zero3 import FullySharded
 from refimpl.parallel.zero.stages import ZeroDataParallel
@@ -75,7 +76,7 @@ def full_optimizer_state(strategy) -> dict:
             if flat is None:
                 local[m][name] = state[m].detach()
             else:
-                whole = flat.gathered(state[m].detach(), group)
+                whole = gathered(flat, state[m].detach(), group)
                 local[m].update(flat.state_dict(whole))
     full = {m: gather_full_state_dict(local[m], strategy.model, strategy.mesh)
             for m in MOMENTS}

@@ -1,14 +1,17 @@
-"""`dp`: data parallelism as DDP does it -- bucketed all-reduce, overlapped with backward."""
+"""`dp`: data parallelism as DDP does it (Li et al. 2020): bucketed all-reduce, overlapped with
+backward, one set of buckets per data-parallel group (dp x cp; a MoE's experts over edp)."""
 from __future__ import annotations
 
 import weakref
 
 from refimpl.config import Option
 from refimpl.model import GPT
-from refimpl.parallel.dp.data_parallel import DataParallel
-from refimpl.placement import data_parallel_axis
+from refimpl.parallel.dp.grad_buckets import GradBuckets, replicated_buckets
+from refimpl.parallel.dp.per_group import PerGroup
 from refimpl.rank_model import RankModel
 from refimpl.strategy import Strategy, make_optimizer
+
+MiB = 2 ** 20
 
 
 class BucketedDataParallel(Strategy):
@@ -20,42 +23,37 @@ class BucketedDataParallel(Strategy):
 
     def setup(self, model: GPT) -> None:
         self.model = model
-        mesh = self.mesh
-        # refimpl.parallel.dp.DataParallel, the wrapper a learner puts around a model of their own,
-        # with the loop's choices: the gradients summed (each rank's loss was divided by W), over
-        # dp x cp -- and a MoE model's experts (--ep) over edp, in buckets of their own -- every
-        # rank already holding the same model (no broadcast).
-        self.ddp = DataParallel(model, bucket_mb=float(self.option("bucket_mb")), average=False,
-                                broadcast=False,
-                                reduce_over=lambda p: mesh.group(data_parallel_axis(p)))
+        self.groups = PerGroup(model.named_parameters(), self.buckets_over)
         self.optimizer = make_optimizer(self.model.parameters(), self.ctx.cfg)
 
-    @property
-    def forward_model(self):
-        return self.ddp
+    def buckets_over(self, axis: str, named: list) -> GradBuckets:
+        """All-reduce buckets over `axis`'s group, summed (each rank's loss was divided by W)."""
+        return replicated_buckets(named, self.mesh.group(axis),
+                                  float(self.option("bucket_mb")) * MiB)
 
     def step_model(self, rank_model: RankModel) -> RankModel:
-        """Under a pipeline, the schedule's whole table runs inside one micro-step of the buckets,
-        each parameter counted ready at its last accumulation of the step."""
+        """Under a pipeline, its whole table runs inside one micro-step of the buckets."""
         if rank_model.pipeline is None:
             return rank_model
-        return rank_model.with_pipeline_run(_armed(rank_model.pipeline.run, self.ddp,
+        return rank_model.with_pipeline_run(_armed(rank_model.pipeline.run, self.groups.parts,
                                                    self.model.gradient_accumulations()))
 
     def micro_step(self, is_last: bool):
-        return self.ddp.micro_step(sync=is_last)      # only the last backward communicates
+        return self.groups.micro_step(is_last)      # only the last backward communicates
 
     def sync_gradients(self) -> None:
-        self.ddp.finish_gradient_synchronization()
+        self.groups.finish_gradient_synchronization()
 
 
-def _armed(run, ddp: DataParallel, accumulations: dict[str, int]):
-    """The pipeline's step (RankModel.pipeline.run) inside one micro-step of the wrapper, each
-    parameter expected `accumulations[name]` times. Holds the wrapper weakly (GradBuckets says why)."""
-    ref = weakref.ref(ddp)
+def _armed(run, parts: list[GradBuckets], accumulations: dict[str, int]):
+    """`run` inside one synchronised micro-step of every part, parameter `name` expected
+    `accumulations[name]` times (the parts held weakly: no cycle through the hooks)."""
+    refs = [weakref.ref(buckets) for buckets in parts]
 
     def armed(*args, **kwargs):
-        with ref().micro_step(True, accumulations):
-            return run(*args, **kwargs)
+        for ref in refs:
+            buckets = ref()
+            buckets.arm(True, [accumulations[slot.name] for slot in buckets.layout.slots])
+        return run(*args, **kwargs)
 
     return armed

@@ -8,7 +8,6 @@ import torch
 import torch.nn as nn
 
 from refimpl.rank_values import set_data
-from refimpl.seam import dist
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,7 @@ class FlatParams:
         return torch.zeros(self.padded_numel, dtype=dtype or self.dtype, device=device)
 
     def flatten(self, tensors, dtype=None, device="cpu") -> torch.Tensor:
-        """Copy one tensor per slot (e.g. each parameter, or each gradient) into a new flat buffer."""
+        """A new flat buffer holding one tensor per slot (None: zeros)."""
         flat = self.empty(dtype, device)
         for slot, t in zip(self.slots, tensors):
             if t is not None:
@@ -50,20 +49,10 @@ class FlatParams:
         """Each slot's tensor, shaped like its parameter, as a view into `flat` (no copy)."""
         return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
 
-    def gathered(self, shard: torch.Tensor, group) -> torch.Tensor:
-        """A new whole flat buffer from every rank's `shard` of it: one all-gather over `group`
-        (None: this rank holds the only shard, which is copied)."""
-        whole = self.empty(shard.dtype, shard.device)
-        if group is None:
-            whole.copy_(shard)
-        else:
-            dist.all_gather_into_tensor(whole, shard.contiguous(), group=group)
-        return whole
-
     def bind(self, flat: torch.Tensor) -> None:
         """Make every parameter's data a view into `flat`, so writing `flat` updates the model."""
         for p, view in zip(self.params, self.views(flat)):
-            set_data(p, view)    # a meta parameter (a rank built from shapes) becomes real here
+            set_data(p, view)    # a meta parameter becomes real here
 
     def bind_grads(self, flat_grad: torch.Tensor) -> None:
         """Make every parameter's .grad a view into `flat_grad`; autograd then accumulates there."""
@@ -76,10 +65,8 @@ class FlatParams:
 
     @torch.no_grad()
     def filled_shard(self, read, rank: int, dtype=None, device="cpu", out=None) -> torch.Tensor:
-        """Rank `rank`'s slice [r·S, (r+1)·S) of the flat buffer, made slot by slot: `read(slot)`
-        (the slot's whole tensor) is called only for the slots reaching into it, so one tensor is
-        alive beside the shard, never the whole buffer (a rank builds only its own shard); the
-        padding stays zero. `out`: a zero shard to fill instead of a new one."""
+        """Rank `rank`'s slice [r·S, (r+1)·S), filled (into `out` if given) from `read(slot)`
+        for the slots reaching into it only: the whole buffer is never built."""
         shard = torch.zeros(self.shard_numel, dtype=dtype or self.dtype, device=device) \
             if out is None else out
         lo = rank * self.shard_numel

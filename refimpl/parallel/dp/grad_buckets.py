@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
@@ -57,8 +58,7 @@ class _Done:
 
 
 def all_reduce_sum(bucket: Bucket, grads: torch.Tensor, *, group, divisor: int = 1):
-    """Every rank of `group` gets the bucket's summed gradient (async); divided first by
-    `divisor` where the caller wants the mean and did not scale the loss (DataParallel, as DDP)."""
+    """The bucket summed on every rank of `group` (async), divided first by `divisor` (a mean)."""
     if divisor != 1:
         grads.div_(divisor)
     if group is None:
@@ -68,15 +68,14 @@ def all_reduce_sum(bucket: Bucket, grads: torch.Tensor, *, group, divisor: int =
 
 def reduce_sum_to_owner(bucket: Bucket, grads: torch.Tensor, *, shard_numel: int,
                         owners: list[int], group):
-    """Only the rank whose shard holds this bucket gets its summed gradient (async).
-    `owners[i]` is the global rank holding shard i (torch's `dst` is a global rank)."""
+    """The bucket summed onto the rank whose shard holds it (async); `owners`: global ranks."""
     if group is None:
         return _Done()
     return dist.reduce(grads, dst=owners[bucket.start // shard_numel], group=group, async_op=True)
 
 
 class GradBuckets:
-    """Launches one collective per bucket from gradient hooks; `wait()` before the optimizer."""
+    """One collective per bucket, launched from gradient hooks; `wait()` before the optimizer."""
 
     def __init__(self, layout: FlatParams, cap_bytes: float,
                  reduce: Callable[[Bucket, torch.Tensor], object], cut_at=()):
@@ -92,15 +91,10 @@ class GradBuckets:
         self._left: list[int] | None = None             # accumulations still to come (a pipeline)
         self._next = 0                                  # the next bucket to launch, in order
         self._ready = [False] * len(layout.slots)       # gradients in, this synchronised backward
-        # No reference cycles through the parameters' hooks (so `reduce` should not be a bound
-        # method of an object holding this one, and the hooks hold `self` weakly): a cycle is
-        # freed only by the garbage collector, possibly at interpreter exit, and destroying a
-        # Python hook owned by a C++ tensor there aborts the process ("terminate called...").
-        this = weakref.ref(self)
+        this = weakref.ref(self)      # hooks hold self weakly: no cycle through the parameters
         self._handles = [p.register_post_accumulate_grad_hook(
             lambda _p, i=i: this()._on_gradient_ready(i)) for i, p in enumerate(layout.params)]
-        # Before autograd accumulates: a .grad that zero_grad() set to None is bound to its
-        # (zeroed) view again, so the gradient still lands in the bucket.
+        # before autograd accumulates: a .grad zero_grad() set to None is bound to its view again
         self._handles += [p.register_hook(lambda _g, i=i: this()._rebind(i))
                           for i, p in enumerate(layout.params)]
 
@@ -111,21 +105,20 @@ class GradBuckets:
 
     def _rebind(self, i: int) -> None:
         p = self.layout.params[i]
-        if p.grad is None:
+        if p.grad is None and self.flat_grad is not None:
             slot = self.layout.slots[i]
             view = self.flat_grad[slot.offset:slot.offset + slot.numel]
             p.grad = view.zero_().view(slot.shape)
 
     @contextlib.contextmanager
     def micro_step(self, sync: bool, accumulations: list[int] | None = None):
-        """Wrap each micro-step's backward; with sync=False gradients only accumulate (no_sync).
-        `accumulations[i]`: how many times parameter i's gradient is accumulated inside this
-        micro-step (a pipeline's whole step; default: once); it is ready at the last."""
+        """Around a micro-step's backward(s): sync=False only accumulates; `accumulations[i]`:
+        gradients of parameter i inside (default one), ready at the last."""
         self.arm(sync, accumulations)
         yield
 
     def arm(self, sync: bool, accumulations: list[int] | None = None) -> None:
-        """What the next backward does (micro_step's work, for callers without a context)."""
+        """micro_step's work, for callers without a context."""
         self._sync = sync
         self._left = None if accumulations is None else list(accumulations)
         if sync:
@@ -150,11 +143,19 @@ class GradBuckets:
         self._launch(lambda b: b.pending == 0)
 
     def _launch(self, ready) -> None:
-        # Launch in bucket order only: every rank must issue the same collectives in the same order.
+        # in bucket order only: every rank issues the same collectives in the same order
         while self._next < len(self.buckets) and ready(self.buckets[self._next]):
             b = self.buckets[self._next]
-            b.work = self.reduce(b, self.flat_grad[b.start:b.end])
+            b.work = self._send(b)
             self._next += 1
+
+    def _send(self, b: Bucket):
+        return self.reduce(b, self.flat_grad[b.start:b.end])
+
+    def finish_gradient_synchronization(self) -> None:
+        """wait(), then armed for the next synchronised backward."""
+        self.wait()
+        self.arm(sync=True)
 
     def wait(self) -> None:
         """Block until every bucket's collective has completed (before the optimizer reads them)."""
@@ -169,3 +170,14 @@ class GradBuckets:
                 b.work = None
         self._sync = False
 
+
+
+def replicated_buckets(named: list, group, cap_bytes: float, divisor: int = 1) -> GradBuckets:
+    """All-reduce buckets over `group` (None: one rank) for `named` parameters of one dtype, every
+    .grad a view of one flat buffer, armed for a synchronised backward."""
+    layout = FlatParams(named, world_size=1)      # replicated: not sharded, no padding
+    buckets = GradBuckets(layout, cap_bytes, reduce=partial(all_reduce_sum, group=group,
+                                                            divisor=divisor))
+    buckets.attach(layout.empty(device=named[0][1].device))
+    buckets.arm(sync=True)
+    return buckets

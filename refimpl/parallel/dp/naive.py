@@ -1,4 +1,5 @@
-"""`dp-naive`: data parallelism the way the seed first describes it (seed §3.1, 작동 원리)."""
+"""`dp-naive`: data parallelism as the seed first describes it (seed §3.1, 작동 원리): after
+backward, one all-reduce of every gradient."""
 from __future__ import annotations
 
 from refimpl.config import Option
@@ -11,13 +12,10 @@ class NaiveDataParallel(Strategy):
     name = "dp-naive"
     experts_over_edp = True
     on_a_pipeline = True
-    # The `tp` shorthand runs on this flavour, so its tensor-parallel knob lives here: under SP,
-    # each all-gather / reduce-scatter decomposed under its matmul (refimpl.parallel.tp.overlap).
-    options = {"tp_overlap": Option(False, bool)}
+    options = {"tp_overlap": Option(False, bool)}   # the `tp` shorthand runs on this flavour
 
     def sync_gradients(self) -> None:
         for p in self.model.parameters():
-            # over dp x cp; an expert's over edp, the ranks holding the same expert (--ep)
-            group = self.mesh.group(data_parallel_axis(p))
+            group = self.mesh.group(data_parallel_axis(p))   # dp x cp; an expert's: edp
             if group is not None:
                 dist.all_reduce(p.grad, group=group)

@@ -1,4 +1,4 @@
-"""What every module-level wrapper checks before it touches a model: the bad uses, in one line."""
+"""The checks every module-level wrapper makes before it touches a model."""
 from __future__ import annotations
 
 import weakref
@@ -9,13 +9,11 @@ import torch.nn as nn
 
 from refimpl.launch import device_for
 
-# module -> the wrapper that took it (kept while the module lives): `claim` sets and reads it
-_WRAPPED_BY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_WRAPPED_BY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # module -> its wrapper
 
 
 def resolve_group(group, who: str):
-    """`group`, or the whole world for None (torch.distributed's convention); refuses a group
-    this rank is not in."""
+    """`group`, or the whole world for None; refuses a group this rank is not in."""
     if not dist.is_initialized():
         raise RuntimeError(f"{who}: torch.distributed is not initialised (call "
                            "init_process_group first; refimpl.launch.run does it on every rank)")
@@ -23,10 +21,6 @@ def resolve_group(group, who: str):
     if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
         raise ValueError(f"{who}: this rank ({dist.get_rank()}) is not in the group it was given")
     return group
-
-
-def group_size(group) -> int:
-    return dist.get_world_size(group)
 
 
 def check_devices(tensors, group, who: str) -> None:

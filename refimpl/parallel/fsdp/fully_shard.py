@@ -1,5 +1,5 @@
-"""`fsdp`: fully sharded data parallel with prefetching (Zhao et al. 2023, §3): `zero3`'s units and
-shards, and what makes FSDP fast --"""
+"""`fsdp`: fully sharded data parallel (Zhao et al. 2023, §3): `zero3`'s units and shards, with
+the next unit prefetched, the first backward's unit kept, and SHARD_GRAD_OP ("grad_op")."""
 from __future__ import annotations
 
 from refimpl.config import Option, TrainConfig

@@ -1,5 +1,5 @@
-"""When each unit is gathered, freed and reduced: the schedule ZeRO-3 (Rajbhandari et al. 2020,
-§5.3) and FSDP (Zhao et al. 2023, §3) share, over one group, driven by module and gradient hooks.
+"""When each unit is gathered, freed and reduced (ZeRO-3, Rajbhandari et al. 2020 §5.3; FSDP, Zhao
+et al. 2023 §3), over one group, from module and gradient hooks:
 
   forward   pre-hook of unit i:  gather its parameters [prefetch: post unit i+1's all-gather]
             post-hook:           [reshard_after_forward] free them; hook the unit's output
@@ -22,8 +22,7 @@ ROOT = "root"
 @dataclass(frozen=True)
 class ShardingPolicy:
     reshard_after_forward: bool = True   # ZeRO-3 / FULL_SHARD; False: SHARD_GRAD_OP (≈ ZeRO-2)
-    keep_last_unit: bool = False         # keep the unit whose backward comes first gathered (FSDP2's
-                                         # root: it would be gathered again at once)
+    keep_last_unit: bool = False         # keep gathered the unit whose backward comes first
     prefetch: bool = False               # gather the next unit while this one computes
     async_reduce: bool = False           # reduce-scatter in the background of the next backward
     average: bool = True                 # mean over ranks (False: each rank's loss was divided)
@@ -31,9 +30,8 @@ class ShardingPolicy:
 
 
 def assign_params(units, trainable) -> tuple[list, list]:
-    """[(unit name, [(prefix, module)...], [(name, param)...])] in forward order, each unit with
-    the `trainable` parameters it alone holds; and the rest (held by no unit, or by several: a
-    tied weight), which make the root unit, gathered for the whole forward (as FSDP2 does)."""
+    """[(unit name, modules, [(name, param)...])]: each unit with the `trainable` parameters it
+    alone holds; and the rest (no unit's, or several's), the root unit, gathered all forward."""
     holders: dict[int, set[int]] = {}
     for i, (_, modules) in enumerate(units):
         for _, m in modules:
@@ -47,8 +45,7 @@ def assign_params(units, trainable) -> tuple[list, list]:
 
 
 class UnitSchedule:
-    """`units` from assign_params: each gets a ShardedUnit of its parameters over `group`, or None
-    where it has none of them (it keeps its place: "next" and "last" are in forward order)."""
+    """A ShardedUnit over `group` per unit of assign_params (None where it has no parameters)."""
 
     def __init__(self, units, root, group, policy: ShardingPolicy, device: torch.device,
                  compute_dtype: torch.dtype | None):
@@ -65,14 +62,14 @@ class UnitSchedule:
         self._install_hooks([modules for _, modules, _ in units])
 
     def _install_hooks(self, modules_of: list) -> None:
-        this = weakref.ref(self)    # hooks hold the schedule weakly: no cycle through parameters
+        this = weakref.ref(self)    # held weakly: no cycle through the parameters
         for i, modules in enumerate(modules_of):
             first, last = modules[0][1], modules[-1][1]
             first.register_forward_pre_hook(lambda m, args, i=i: this().before_forward(i, args))
             last.register_forward_hook(lambda m, args, out, i=i: this().after_forward(i, out))
         for i, unit in enumerate(self.at):
             for p in [] if unit is None else unit.flat.params:
-                mark_resharded(p)     # its full value exists only while gathered (zero bubble)
+                mark_resharded(p)     # whole only while gathered (zero bubble)
                 p.register_post_accumulate_grad_hook(lambda _p, i=i: this()._grad_ready(i))
 
     def _neighbour(self, i: int, step: int) -> ShardedUnit | None:
@@ -114,9 +111,8 @@ class UnitSchedule:
         unit.delivered += 1
         if unit.delivered < len(unit.flat.params):
             return
-        # One gradient of every parameter is in (one backward's, or one W's under a split pipeline
-        # schedule): free the parameters, then reduce. At most one reduce-scatter in flight: the
-        # previous unit's had this unit's backward to finish, and waiting frees what it holds.
+        # every parameter's gradient is in: free the parameters, finish the previous unit's
+        # reduce-scatter (one in flight at most), start this one's
         self._release(unit)
         self._finish_reduces()
         self._send(unit)
@@ -134,8 +130,8 @@ class UnitSchedule:
         self._pending_reduce.clear()
 
     def finish_gradient_synchronization(self) -> None:
-        """Every reduce-scatter done, those of units a backward left short now (a parameter off
-        the loss: its zero is reduced too, so every rank issues the same collectives)."""
+        """Every reduce-scatter done, also those of units a backward left short (a parameter off
+        the loss: its zero is reduced too, every rank issuing the same collectives)."""
         self._finish_reduces()
         for unit in self.units:
             if unit.delivered or unit.grads_left:
@@ -147,8 +143,7 @@ class UnitSchedule:
 
 
 class _InputCast:
-    """A unit's floating inputs in the compute dtype (a bf16 weight wants bf16 inputs), unless
-    autocast (--mixed-precision) picks each op's dtype: then the residual stream stays fp32."""
+    """A unit's floating inputs in the compute dtype, unless autocast picks each op's dtype."""
 
     def __init__(self, dtype: torch.dtype | None, device_type: str):
         self.dtype, self.device_type = dtype, device_type
@@ -162,7 +157,7 @@ class _InputCast:
 
 
 def _on_first_grad(tensors: list[torch.Tensor], fn) -> None:
-    """Call `fn` once, when the first of `tensors` gets its gradient: the unit's backward starts."""
+    """Call `fn` once, when the first of `tensors` gets its gradient."""
     fired: list = []
 
     def hook(grad):

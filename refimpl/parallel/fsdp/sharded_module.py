@@ -12,8 +12,8 @@ WHO = "FullyShard"
 
 
 class FullyShard(nn.Module):
-    """Shards `module`'s parameters unit by unit over `group` (default: the whole world).
-    `parameters()` are this rank's shards, one per unit, each with the `.grad` reduced into it."""
+    """Shards `module`'s parameters unit by unit over `group` (default: the world); `parameters()`
+    are this rank's shards, one per unit, each .grad reduced into it."""
 
     def __init__(self, module: nn.Module, *, group=None, compute_dtype: torch.dtype | None = None,
                  units=None, policy: ShardingPolicy = ShardingPolicy()):
@@ -48,8 +48,7 @@ class FullyShard(nn.Module):
         self.schedule.finish_gradient_synchronization()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """{name: whole tensor} with the wrapped module's names (a tied weight under each of
-        its names), on the CPU. Collective: every rank calls it."""
+        """{name: whole tensor} under the module's names, on the CPU (collective)."""
         whole: dict[str, torch.Tensor] = {}
         for u in self.units:
             whole.update(u.full_state_dict())
@@ -63,9 +62,8 @@ class FullyShard(nn.Module):
 
 
 def resolve_units(module: nn.Module, units) -> list[tuple[str, list[tuple[str, nn.Module]]]]:
-    """(unit name, [(prefix, module), ...]) in forward (registration) order. `units`: None (each
-    child holding a trainable parameter), module classes and/or names (the outermost match
-    wins), or such pairs already."""
+    """(unit name, [(prefix, module)]) in forward order. `units`: None (each child holding a
+    trainable parameter), module classes and/or names (the outermost wins), or such pairs."""
     if units is None:
         return [(n, [(n, c)]) for n, c in module.named_children()
                 if any(p.requires_grad for p in c.parameters())]

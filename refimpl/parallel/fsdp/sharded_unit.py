@@ -1,12 +1,6 @@
-"""One unit of a fully sharded model (ZeRO-3, Rajbhandari et al. 2020 §5.3; FSDP, Zhao et al. 2023
-§3): its parameters laid end to end in one flat buffer (refimpl.parallel.dp.flat_param), of which
-rank r keeps shard r, the *master* its optimizer steps.
-
-    gather()          all-gather the shards into `full`; the modules' parameters are views of it
-    reshard()         free `full` by resizing its storage to 0: the views autograd saved in
-                      forward stay valid and see the values again once it is refilled (as FSDP)
-    reduce_scatter()  the unit's gradients laid flat, summed over ranks; this rank keeps its shard
-"""
+"""One unit of a fully sharded model (ZeRO-3 §5.3; FSDP §3): its parameters in one flat buffer,
+rank r keeping shard r (the `master` its optimizer steps). gather() all-gathers them into `full`,
+reshard() frees `full`'s storage, reduce_scatter() sums the gradient into this rank's shard."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -19,10 +13,8 @@ from refimpl.seam import dist
 
 
 class ShardedUnit:
-    """`group`: the ranks sharing the unit (None: this rank alone holds it). `compute_dtype`: the
-    dtype it is gathered and used in (bf16 halves the all-gather); the master shard and its gradient
-    keep the parameters' dtype, on `master_device` (the host under ZeRO-Offload). `average`:
-    divide the summed gradient by the group's size (False where each rank's loss was divided)."""
+    """`group` None: this rank alone. Gathered in `compute_dtype`; the master shard and its
+    gradient keep the parameters' dtype, on `master_device`. `average`: divide the sum by N."""
 
     def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter]], group,
                  device: torch.device, compute_dtype: torch.dtype, master_device: torch.device,
@@ -34,9 +26,8 @@ class ShardedUnit:
         self.flat = FlatParams(named_params, self.world_size)
         self.master = nn.Parameter(self._own_shard(master_device))
         self.master.grad = torch.zeros_like(self.master)
-        # The gathered buffer, allocated once, then freed and refilled; the parameters (perhaps
-        # meta tensors until now: shapes only) become views of it. Never filled here: zeroing it
-        # wrote every unit's pages once, and the host's heap kept them (issue 52: a whole model).
+        # allocated once, then freed and refilled; the parameters become views of it (never
+        # zeroed here: the host's heap would keep every unit's pages)
         self.full = torch.empty(self.flat.padded_numel, dtype=compute_dtype, device=device)
         self.flat.bind(self.full)
         self.full.untyped_storage().resize_(0)
@@ -46,8 +37,7 @@ class ShardedUnit:
         self.delivered = 0                     # gradients in since its last reduce-scatter
 
     def _own_shard(self, device: torch.device) -> torch.Tensor:
-        """[r·S, (r+1)·S) of the flat parameters, read from the parameters reaching into it; zero
-        where they are shapes (meta: `load` gives the values)."""
+        """[r·S, (r+1)·S) of the flat parameters (zeros for meta ones: `load` gives them)."""
         if any(p.is_meta for p in self.flat.params):
             return torch.zeros(self.flat.shard_numel, dtype=self.flat.dtype, device=device)
         param = {s.name: p for s, p in zip(self.flat.slots, self.flat.params)}
@@ -55,18 +45,8 @@ class ShardedUnit:
 
     @torch.no_grad()
     def load(self, values: Mapping[str, torch.Tensor]) -> None:
-        """The master shard from `values` (name -> that parameter's value): only the parameters
-        reaching into the shard are read, one at a time (a rank builds only its own shard)."""
+        """The master shard from `values` (name -> value), reading only the parameters in it."""
         self.flat.filled_shard(lambda s: values[s.name], self.rank, out=self.master.data)
-
-    @property
-    def numel(self) -> int:
-        return self.flat.numel
-
-    @property
-    def gathered_bytes(self) -> int:
-        """Bytes the gathered parameter buffer holds right now (0 when resharded)."""
-        return self.full.untyped_storage().nbytes()
 
     def gather(self, async_op: bool = False) -> None:
         """All-gather every rank's shard into `full` (no-op if gathered or already on its way)."""
@@ -74,8 +54,7 @@ class ShardedUnit:
             return
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         send = self.master.detach().to(self.device, self.compute_dtype)   # off the host, cast
-        # Written through `.data`, whose version counter is its own: the backward's regather puts
-        # back the values forward saved, which autograd would refuse as an in-place change.
+        # through `.data`: the regather must not bump the version counter autograd checks
         target = self.full.data
         if self.group is None:
             target.copy_(send)
@@ -104,14 +83,12 @@ class ShardedUnit:
         self.gathered = False
 
     def expect_grads(self) -> None:
-        """A backward through the unit starts: one gradient per parameter will come. Added, not
-        set: under a split pipeline schedule (zb-h1) a B may start before an earlier W delivered."""
+        """A backward through the unit starts: one gradient per parameter will come (added: under
+        a split schedule a B may start before an earlier W delivered)."""
         self.grads_left += len(self.flat.params)
 
     def flat_grads(self) -> torch.Tensor:
-        """The unit's gradients laid end to end in a new buffer of the master dtype (zero where a
-        parameter got none, and in the padding), each .grad dropped once copied. Made only now,
-        after the unit's backward, not bound as the .grads while its activations are alive."""
+        """The unit's gradients in a new flat buffer of the master dtype, each .grad dropped."""
         flat = self.flat.empty(self.flat.dtype, self.device)
         for slot, p in zip(self.flat.slots, self.flat.params):
             if p.grad is not None:
@@ -120,8 +97,8 @@ class ShardedUnit:
         return flat
 
     def reduce_scatter(self, async_op: bool = False):
-        """Sum the flat gradient over ranks, in the master dtype (bf16 sums would lose the low
-        bits); returns `finish`, which waits and adds this rank's shard into the master's grad."""
+        """Sum the flat gradient over ranks in the master dtype; `finish` (returned) waits and
+        adds this rank's shard into the master's grad."""
         send = self.flat_grads()
         shard = torch.empty(self.flat.shard_numel, dtype=self.flat.dtype, device=self.device)
         if self.group is None:
@@ -129,7 +106,7 @@ class ShardedUnit:
             async_op = False
         else:
             work = dist.reduce_scatter_tensor(shard, send, group=self.group, async_op=async_op)
-        del send   # a backend still reading it holds its own reference (NCCL stashes its inputs)
+        del send   # a backend still reading it holds its own reference
 
         def finish() -> None:
             if async_op:
@@ -146,7 +123,7 @@ class ShardedUnit:
         return finish
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Reference names -> full master-dtype tensors on the CPU. Collective: all ranks call it."""
+        """Reference names -> whole master-dtype tensors on the CPU (collective)."""
         whole = self.flat.empty(device=self.device)
         if self.group is None:
             whole.copy_(self.master.detach())

@@ -1,13 +1,6 @@
 """`zero3`: ZeRO stage 3 (Rajbhandari et al. 2020, §5.3, P_os+g+p, 파라미터까지 분할): parameters,
-gradients and optimizer states all partitioned, (2 + 2 + K)·Ψ/N bytes per rank. Each unit is
-all-gathered before its forward and again before its backward, its gradient reduce-scattered
-after: Ψ + Ψ + Ψ = 3Ψ per step against DP's 2Ψ (§7.2.2). Nothing is prefetched (`fsdp`,
-fully_shard.py, is the same schedule with overlap). The units: the embeddings, one per block
-(FSDP's transformer auto-wrap policy), final_norm + lm_head; sharded over dp x cp, a MoE's
-experts over their own ranks (PerGroup: one schedule per group).
-
-    python -m refimpl train --strategy zero3 --nproc 2 --set offload=true
-"""
+gradients and optimizer states partitioned, (2 + 2 + K)·Ψ/N bytes per rank; each unit gathered
+before its forward and its backward, its gradient reduce-scattered: 3Ψ per step (§7.2.2)."""
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +14,7 @@ from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_byte
 from refimpl.mesh import LayoutError
 from refimpl.model import GPT
 from refimpl.parallel.fsdp.schedule import ShardingPolicy, UnitSchedule, assign_params
-from refimpl.parallel.zero.per_group import PerGroup
+from refimpl.parallel.dp.per_group import PerGroup
 from refimpl.placement import gather_full_state_dict
 from refimpl.rank_values import RankValues
 from refimpl.strategy import Strategy, make_optimizer
@@ -30,8 +23,8 @@ __all__ = ["FullySharded", "Zero3", "ShardingPolicy", "gpt_units"]
 
 
 def gpt_units(model: GPT) -> list[tuple[str, list]]:
-    """(unit name, modules) in forward order. A pipeline stage holds only some of them: its blocks
-    keyed by their reference index, the embedding only on the first stage, the head on the last."""
+    """(unit name, modules) in forward order: embed, one per block, final_norm + lm_head (those
+    a pipeline stage holds)."""
     blocks = (model.blocks.items() if isinstance(model.blocks, nn.ModuleDict)
               else enumerate(model.blocks))
     units = [("embed", [("embed", model.embed)])] if model.embed is not None else []
@@ -47,7 +40,7 @@ class FullySharded(Strategy):
     options = {"offload": Option(False, bool)}
     experts_over_edp = True
     on_a_pipeline = True
-    builds_own_parameters = True    # each unit reads only its shard's values (ShardedUnit.load)
+    builds_own_parameters = True    # each unit reads only its shard's values
 
     @classmethod
     def policy(cls, cfg: TrainConfig) -> ShardingPolicy:
@@ -71,8 +64,7 @@ class FullySharded(Strategy):
         self.optimizer = make_optimizer([u.master for u in self.units], self.ctx.cfg)
 
     def schedule_over(self, axis: str, named: list) -> UnitSchedule:
-        """The GPT's units over `axis`'s group, each holding its parameters of `named`. The
-        gradients are summed, not averaged: each rank's loss was divided by W."""
+        """The GPT's units over `axis`'s group (summed: each rank's loss was divided by W)."""
         policy = replace(self.policy(self.ctx.cfg), average=False,
                          offload=bool(self.option("offload")))
         units, root = assign_params(gpt_units(self.model), named)
@@ -85,7 +77,7 @@ class FullySharded(Strategy):
         self.groups.finish_gradient_synchronization()   # every unit's reduce of this backward
 
     def sync_gradients(self) -> None:
-        # A pipeline's schedule runs its backwards without micro_step: the last reduce is here.
+        # a pipeline's schedule runs its backwards without micro_step
         self.groups.finish_gradient_synchronization()
 
     def optimizer_step(self) -> None:
@@ -102,9 +94,9 @@ class FullySharded(Strategy):
         return gather_full_state_dict(state, self.model, self.mesh)
 
     def model_state(self) -> ModelStateBytes:
-        """Bytes on the compute device: the shards, their gradients, Adam's m and v (on the host
-        under offload instead: `shard_state`), and any parameters gathered right now."""
-        gathered = sum(u.gathered_bytes for u in self.units)
+        """Bytes on the compute device: the shards, their gradients, m and v (unless offloaded),
+        and the parameters gathered now."""
+        gathered = sum(u.full.untyped_storage().nbytes() for u in self.units)   # 0: resharded
         if self.option("offload"):
             return ModelStateBytes(params=gathered, grads=0, optimizer=0)
         shards = self.shard_state()
@@ -118,7 +110,7 @@ class FullySharded(Strategy):
                                optimizer=tensor_bytes(optimizer_state_tensors(self.optimizer)))
 
     def activation_exclusions(self) -> list[torch.Tensor]:
-        # Gathered parameter buffers are model state: autograd saves views of them (W for dX).
+        # gathered parameters are model state, though autograd saves views of them
         return [u.full for u in self.units]
 
 

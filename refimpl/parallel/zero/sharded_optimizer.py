@@ -1,21 +1,18 @@
-"""`ShardedOptimizer`: ZeRO stage 1's partitioned optimizer states for any model (Rajbhandari et
-al. 2020, §5.1, P_os): each parameter element has one owner, which alone keeps its optimizer state,
-steps it, and sends the new value to every rank.
+"""`ShardedOptimizer`: ZeRO-1's partitioned optimizer states for any model (Rajbhandari et al.
+2020, §5.1, P_os): each element's owner alone keeps its state, steps it, sends the new value.
 
     opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)   # or partition="flat"
-    ...backward, gradients averaged (DataParallel)...; opt.step()
-    torch.save(opt.state_dict(), path)       # the whole state: loads at any world size"""
+"""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from importlib.metadata import entry_points
 
 import torch
 import torch.nn as nn
 
-from refimpl.memory import ModelStateBytes, measured_model_state
 from refimpl.parallel.dp.flat_param import FlatParams
-from refimpl.parallel.dp.wrapping import check_devices, group_size, resolve_group
-from refimpl.parallel.zero.optimizer_state import consolidated_state, load_consolidated, settings_of
+from refimpl.parallel.dp.wrapping import check_devices, resolve_group
 from refimpl.seam import dist
 
 PARTITIONS = ("tensors", "flat")
@@ -23,9 +20,8 @@ WHO = "ShardedOptimizer"
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """`optimizer_cls(**defaults)` over this rank's partition of `params`, over `group` (default:
-    the whole world). flat only: `device`, where the buffer is made when the parameters are shapes
-    (meta; `load_parameters` gives them values); `alone`, this rank holds the only shard."""
+    """`optimizer_cls(**defaults)` over this rank's partition of `params` over `group` (default:
+    the world). flat: `device` holds the buffer of meta parameters; `alone`: one shard, this rank's."""
 
     def __init__(self, params, optimizer_cls, *, group=None, partition="tensors", offload=False,
                  device=None, alone=False, **defaults):
@@ -37,7 +33,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.partition, self.offload, self.optimizer_cls = partition, offload, optimizer_cls
         self.group = resolve_group(group, WHO)
         self.rank, self.world_size = ((0, 1) if alone else
-                                      (dist.get_rank(self.group), group_size(self.group)))
+                                      (dist.get_rank(self.group), dist.get_world_size(self.group)))
         self.owner: dict[int, int] = {}          # tensors: id(parameter) -> its owner's rank
         self._load = [0] * self.world_size       # tensors: elements each rank owns
         self.local: torch.optim.Optimizer | None = None
@@ -50,8 +46,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         else:
             groups = [self._local_group(g) for g in self.param_groups]
         self.local = optimizer_cls(groups, **defaults)
-        # every hyper-parameter the class defaults (Adam's betas...) shown here too, for the state
-        # dict and a scheduler
+        # the class's defaults (Adam's betas...) shown here too, for the state dict and a scheduler
         self.defaults = self.local.defaults
         for g in self.param_groups:
             for k, v in self.defaults.items():
@@ -77,8 +72,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return {**group, "params": [p for p in group["params"] if self.owner.get(id(p)) == self.rank]}
 
     def _lay_out_flat(self, device) -> None:
-        """The flat buffer the parameters become views of, this rank's `shard` of it, and the
-        `master` the local optimizer steps: the shard itself, or its host copy under offload."""
+        """The flat buffer the parameters view, this rank's `shard`, and the `master` the local
+        optimizer steps: the shard itself, or its host copy under offload."""
         group = self.param_groups[0]
         names = group.get("param_names") or [str(i) for i in range(len(group["params"]))]
         named = [(n, p) for n, p in zip(names, group["params"]) if p.requires_grad]
@@ -97,23 +92,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
             host = dict(dtype=self.shard.dtype, device="cpu", pin_memory=pin)
             self.master = nn.Parameter(torch.empty(self.shard.shape, **host))
             self.master.grad = torch.zeros(self.shard.shape, **host)
-            self._copy_to_master()
+            self.master.data.copy_(self.shard)
         else:
             # A Parameter made from a view shares its storage: the update lands in the flat buffer.
             self.master = nn.Parameter(self.shard)
 
     @torch.no_grad()
-    def _copy_to_master(self) -> None:
-        self.master.copy_(self.shard)
-
-    @torch.no_grad()
     def load_parameters(self, values: Mapping[str, torch.Tensor]) -> None:
-        """flat: each parameter's value (`values[name]`, this rank's) written into the flat buffer,
-        one tensor at a time, so the model is never held twice."""
+        """flat: each parameter's value written into the flat buffer, one tensor at a time."""
         for slot, view in zip(self.layout.slots, self.layout.views(self.flat)):
             view.copy_(values[slot.name].reshape(slot.shape))
         if self.offload:
-            self._copy_to_master()
+            self.master.copy_(self.shard)
 
     def all_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
@@ -147,8 +137,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step_shard(self, grad_shard: torch.Tensor) -> None:
-        """flat: the local optimizer's step of this rank's shard, from its slice of the averaged
-        gradient (the all-gather that hands the update out is the caller's)."""
+        """flat: the local optimizer steps this rank's shard (the caller all-gathers it)."""
         self._pass_settings()
         if self.offload:
             self.master.grad.copy_(grad_shard)            # device -> host
@@ -166,17 +155,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
             local.update(settings_of(mine))
 
     def state_dict(self) -> dict:
-        """The whole optimizer's state on every rank (collective), indexed like a plain one's."""
-        return consolidated_state(self)
+        """The whole state on every rank, as a plain optimizer's (collective; the lab's code)."""
+        return _consolidated().save(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a whole state (from `state_dict()` at any world size, or a plain optimizer's)."""
-        load_consolidated(self, state_dict)
+        """Load a whole state (a `state_dict()` at any world size, or a plain optimizer's)."""
+        _consolidated().load(self, state_dict)
 
-    def host_state(self) -> ModelStateBytes:
-        """What offload keeps in host memory; the master copy counts as optimizer state (the ZeRO
-        paper's K = 12 for fp32 AdamW: master + m + v)."""
-        if not self.offload:
-            return ModelStateBytes(0, 0, 0)
-        held = measured_model_state([self.master], self.local)
-        return ModelStateBytes(params=0, grads=held.grads, optimizer=held.params + held.optimizer)
+
+def settings_of(group: dict) -> dict:
+    """A parameter group's hyper-parameters: all but its parameters and their names."""
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def _consolidated():
+    """The lab's consolidated state dict, registered under the entry-point group
+    refimpl.sharded_state (refimpl/lab/checkpoint/sharded_optimizer_state.py)."""
+    return next(iter(entry_points(group="refimpl.sharded_state"))).load()

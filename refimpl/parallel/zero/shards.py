@@ -1,5 +1,6 @@
 """ZeRO stages 1 and 2 over one data-parallel group (Rajbhandari et al. 2020, §5.1-5.2; seed §3.2,
-샤드 데이터 병렬화). Rank r owns [r·S, (r+1)·S) of the flat parameters, S = ceil(Ψ/N). One step:"""
+샤드 데이터 병렬화). Rank r owns [r·S, (r+1)·S) of the flat parameters, S = ceil(Ψ/N). One step:
+1. reduce-scatter the gradient, 2. the optimizer on this rank's shard, 3. all-gather the shards."""
 from __future__ import annotations
 
 import contextlib
@@ -14,16 +15,15 @@ from refimpl.seam import dist
 
 
 class ZeroShards:
-    """Both stages over one group: ShardedOptimizer's flat shards (`optimizer`, partition="flat")
-    and this rank's `grad_shard`. `group` None: one rank on the axis holds everything.
-    `bucket_bytes` None: one reduce-scatter after backward, nothing overlapped."""
+    """Both stages: a flat ShardedOptimizer and this rank's `grad_shard`. `group` None: one rank
+    holds everything; `bucket_bytes` None: one reduce-scatter after backward, no overlap."""
 
     def __init__(self, optimizer: ShardedOptimizer, group, bucket_bytes: float | None):
         self.optimizer, self.group, self.bucket_bytes = optimizer, group, bucket_bytes
         self.layout, self.index, self.device = optimizer.layout, optimizer.rank, optimizer.flat.device
 
     def reduce_scatter(self, flat_grad: torch.Tensor) -> None:
-        """1. The whole flat gradient summed over the group; this rank keeps its shard."""
+        """1. The flat gradient summed over the group; this rank keeps its shard."""
         summed = flat_grad.new_empty(self.layout.shard_numel)   # the output may not alias the input
         if self.group is None:
             summed.copy_(flat_grad)
@@ -39,14 +39,14 @@ class ZeroShards:
         self.grad_shard.zero_()
 
     def reduce_to_owner(self):
-        """A bucket's collective: summed onto the rank owning its range (together: step 1)."""
+        """A bucket's collective: summed onto the rank owning its range (bucketed step 1)."""
         size = 1 if self.group is None else dist.get_world_size(self.group)
         owners = [dist.get_global_rank(self.group, r) for r in range(size)] if size > 1 else [0]
         return partial(reduce_sum_to_owner, shard_numel=self.layout.shard_numel, owners=owners,
                        group=self.group)
 
     def bucket_cuts(self) -> list[int]:
-        # A bucket never straddles two ranks' shards, so each has exactly one owner.
+        # a bucket never straddles two shards: each has one owner
         return [r * self.layout.shard_numel for r in range(1, self.optimizer.world_size)]
 
 
@@ -84,8 +84,7 @@ class Zero2Shards(ZeroShards):
 
     def __init__(self, optimizer: ShardedOptimizer, group, bucket_bytes: float | None):
         super().__init__(optimizer, group, bucket_bytes)
-        # The only gradient memory that outlives a step; on the host under offload (ZeRO-Offload
-        # streams the reduced gradients straight to the CPU optimizer).
+        # the only gradient memory outliving a step (on the host under offload)
         self.grad_shard = (optimizer.master.grad if optimizer.offload else torch.zeros(
             self.layout.shard_numel, dtype=self.layout.dtype, device=self.device))
         self.stream = None if bucket_bytes is None else StreamingReduce(
@@ -94,14 +93,14 @@ class Zero2Shards(ZeroShards):
 
     def micro_step(self, is_last: bool):
         if self.stream is not None:
-            self.stream.start()          # every micro-batch's gradients go out (and are freed)
+            self.stream.arm(sync=True)   # every micro-batch's gradients go out (and are freed)
         return contextlib.nullcontext()
 
     def finish_gradient_synchronization(self) -> None:
         if self.stream is not None:
             self.stream.wait()
             return
-        # The textbook order: autograd left full gradients; flatten them, free them, reduce.
+        # without buckets: flatten autograd's full gradients, free them, reduce-scatter
         params = self.layout.params
         flat_grad = self.layout.flatten([p.grad for p in params], device=self.device)
         for p in params:

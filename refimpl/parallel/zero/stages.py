@@ -1,11 +1,12 @@
-"""`zero1` and `zero2`: ZeRO stages 1 and 2 (Rajbhandari et al. 2020, §5.1-5.2) in the loop."""
+"""`zero1` and `zero2`: ZeRO stages 1 and 2 (Rajbhandari et al. 2020, §5.1-5.2) in the loop,
+one mechanism (shards.py) per data-parallel group (PerGroup: a MoE's experts over edp)."""
 from __future__ import annotations
 
 import torch.nn as nn
 
 from refimpl.config import Option
 from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
-from refimpl.parallel.zero.per_group import PerGroup
+from refimpl.parallel.dp.per_group import PerGroup
 from refimpl.parallel.zero.sharded_optimizer import ShardedOptimizer
 from refimpl.parallel.zero.shards import Zero1Shards, Zero2Shards, ZeroShards
 from refimpl.rank_values import RankValues
@@ -21,7 +22,7 @@ class ZeroDataParallel(Strategy):
                "offload": Option(False, bool)}
     experts_over_edp = True
     on_a_pipeline = True
-    builds_own_parameters = True   # written into the flat buffer one by one (load_parameters)
+    builds_own_parameters = True   # written into the flat buffer one by one
     stage: type[ZeroShards]
 
     def setup(self, model: nn.Module, values: RankValues | None = None) -> None:
@@ -30,7 +31,7 @@ class ZeroDataParallel(Strategy):
         self.groups = PerGroup(model.named_parameters(), self.shards_over)
         for part in self.groups:
             if local is not None:
-                part.optimizer.load_parameters(local)     # into the flat buffer, one by one
+                part.optimizer.load_parameters(local)
         self.optimizer = self.groups.parts[0].optimizer    # the dense group's
 
     def shards_over(self, axis: str, named: list) -> ZeroShards:
@@ -43,8 +44,8 @@ class ZeroDataParallel(Strategy):
         return self.stage(optimizer, group, self.bucket_bytes())
 
     def bucket_bytes(self) -> float | None:
-        """Buckets during backward, armed by micro_step. A pipeline's schedule runs its backwards
-        without micro_step, so under pp the gradients are reduce-scattered once, after it."""
+        """Buckets during backward; None (one reduce-scatter after it) under pp, whose schedule
+        runs its backwards without micro_step."""
         if not self.option("overlap") or self.mesh.size("pp") > 1:
             return None
         return float(self.option("bucket_mb")) * MiB
@@ -60,8 +61,7 @@ class ZeroDataParallel(Strategy):
             part.step()
 
     def model_state(self) -> ModelStateBytes:
-        """Bytes on the compute device. With offload, the fp32 master shard, m and v live in host
-        memory instead (`host_state`): the device keeps the parameters and gradients."""
+        """Bytes on the compute device (offload: the master shard, m and v are on the host)."""
         params, parts = list(self.model.parameters()), self.groups.parts
         offload = bool(self.option("offload"))
         optimizer = 0 if offload else sum(
@@ -70,11 +70,6 @@ class ZeroDataParallel(Strategy):
         return ModelStateBytes(params=tensor_bytes(params),
                                grads=tensor_bytes([p.grad for p in params] + shards),
                                optimizer=optimizer)
-
-    def host_state(self) -> ModelStateBytes:
-        held = [part.optimizer.host_state() for part in self.groups]
-        return ModelStateBytes(sum(h.params for h in held), sum(h.grads for h in held),
-                               sum(h.optimizer for h in held))
 
 
 class Zero1(ZeroDataParallel):

@@ -1,4 +1,5 @@
-"""One mechanism per data-parallel group: how ZeRO and FSDP run a MoE model with --ep."""
+"""One mechanism per data-parallel group (dp x cp; a MoE's experts over edp): how dp, ZeRO and FSDP
+run a MoE model with --ep."""
 from __future__ import annotations
 
 import contextlib

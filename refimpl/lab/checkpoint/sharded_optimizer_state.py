@@ -1,6 +1,7 @@
-"""A ShardedOptimizer's state dict, consolidated: the whole optimizer's state on every rank, under
-the indices a plain optimizer over the same parameters uses, so that it loads into a plain
-optimizer or into a ShardedOptimizer over another number of ranks. Saving and loading are both
+"""ShardedOptimizer's state dict (refimpl.parallel.zero; entry-point group "refimpl.sharded_state"),
+consolidated: the whole optimizer's state on every rank, under the indices a plain optimizer over
+the same parameters uses, so that it loads into a plain optimizer or into a ShardedOptimizer over
+another number of ranks. Saving and loading are both
 collectives: every rank calls them.
 
 flat partition: each per-element state (m, v) all-gathered and cut back into the parameters'
@@ -11,12 +12,19 @@ from __future__ import annotations
 import torch
 
 from refimpl.memory import per_element
+from refimpl.parallel.zero.sharded_optimizer import settings_of
 from refimpl.seam import dist
 
 
-def settings_of(group: dict) -> dict:
-    """A parameter group's hyper-parameters: all but its parameters and their names."""
-    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+def gathered(layout, shard: torch.Tensor, group) -> torch.Tensor:
+    """A new whole flat buffer of `layout` (a FlatParams): every rank's `shard` all-gathered over
+    `group` (None: this rank holds the only shard, which is copied)."""
+    whole = layout.empty(shard.dtype, shard.device)
+    if group is None:
+        whole.copy_(shard)
+    else:
+        dist.all_gather_into_tensor(whole, shard.contiguous(), group=group)
+    return whole
 
 
 def host_copy(value):
@@ -54,7 +62,7 @@ def _flat_state(opt, index: dict[int, int]) -> dict:
         return {}
     group = opt.group if opt.world_size > 1 else None
     # under offload the state is on the host: gathered on the buffer's device
-    cut = {k: opt.layout.views(opt.layout.gathered(v.to(opt.flat.device), group))
+    cut = {k: opt.layout.views(gathered(opt.layout, v.to(opt.flat.device), group))
            for k, v in local.items() if per_element(v)}
     return {index[id(p)]: {k: host_copy(cut[k][j] if k in cut else v) for k, v in local.items()}
             for j, p in enumerate(opt.layout.params)}
@@ -102,3 +110,9 @@ def _load_flat(opt, state_dict: dict, params: list[torch.Tensor]) -> None:
                 dtype=opt.master.dtype, device=opt.master.device)
     opt.local.load_state_dict({"state": {0: shard} if shard else {},
                                "param_groups": [{**settings_of(g), "params": [0]}]})
+
+
+class ConsolidatedState:
+    """What ShardedOptimizer.state_dict and load_state_dict call (entry point refimpl.sharded_state)."""
+    save = staticmethod(consolidated_state)
+    load = staticmethod(load_consolidated)
