@@ -171,4 +171,8 @@ def settings_of(group: dict) -> dict:
 def _consolidated():
     """The lab's consolidated state dict, registered under the entry-point group
     refimpl.sharded_state (refimpl/lab/checkpoint/sharded_optimizer_state.py)."""
-    return next(iter(entry_points(group="refimpl.sharded_state"))).load()
+    found = list(entry_points(group="refimpl.sharded_state"))
+    if not found:
+        raise RuntimeError("a sharded optimizer's whole state_dict is refimpl.lab's: install the "
+                           "package (pip install -e .) so its entry points are registered")
+    return found[0].load()
