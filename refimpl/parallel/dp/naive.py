@@ -12,7 +12,7 @@ class NaiveDataParallel(Strategy):
     experts_over_edp = True
     on_a_pipeline = True
     # The `tp` shorthand runs on this flavour, so its tensor-parallel knob lives here: under SP,
-    # each all-gather / reduce-scatter decomposed under its matmul (refimpl.parallel.tp.overlap).
+    # each all-gather / reduce-scatter decomposed under its matmul (refimpl.lab.tensor, a plug-in).
     options = {"tp_overlap": Option(False, bool)}
 
     def sync_gradients(self) -> None:
