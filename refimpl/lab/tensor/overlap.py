@@ -48,14 +48,15 @@ def problem(cfg) -> str | None:
     """One line naming why `--set tp_overlap=true` cannot run a TrainConfig, or None: the ring
     replaces SP's collectives, zero bubble's W needs the gathered input the ring never builds
     (ParallelLinear.watch_matmul), and the ring's Functions run in the input's dtype."""
+    option = "--set tp_overlap=true"
     if not cfg.sequence_parallel:
-        return "--set tp_overlap=true needs --sequence-parallel (it decomposes SP's all-gather and reduce-scatter)"
+        return f"{option} needs --sequence-parallel (it decomposes SP's all-gather and reduce-scatter)"
     if cfg.pp > 1:
-        return "--set tp_overlap=true does not compose with --pp yet (zero-bubble's W needs the gathered input)"
+        return f"{option} does not compose with --pp yet (zero-bubble's W needs the gathered input)"
     if cfg.cp > 1:
-        return "--set tp_overlap=true does not compose with --cp (ring attention keeps its own all-gather)"
+        return f"{option} does not compose with --cp (ring attention keeps its own all-gather)"
     if cfg.mixed_precision != "fp32":
-        return f"--set tp_overlap=true runs in the model's dtype; drop --mixed-precision {cfg.mixed_precision}"
+        return f"{option} runs in the model's dtype; drop --mixed-precision {cfg.mixed_precision}"
     return None
 
 
@@ -63,7 +64,9 @@ def problem(cfg) -> str | None:
 def _overlapped_class(cls: type) -> type:
     if issubclass(cls, ColumnInputs):
         return type("Overlapped" + cls.__name__, (OverlappedColumnInputs, cls), {})
-    return {ColumnParallelLinear: OverlappedColumnParallelLinear, RowParallelLinear: OverlappedRowParallelLinear}[cls]
+    plain = {ColumnParallelLinear: OverlappedColumnParallelLinear,
+             RowParallelLinear: OverlappedRowParallelLinear}
+    return plain[cls]
 
 
 def decompose(model: nn.Module) -> nn.Module:

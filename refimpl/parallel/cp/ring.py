@@ -9,8 +9,6 @@ import torch
 from refimpl.comm.p2p import GroupView, post
 from refimpl.seam import span
 
-# --- the sequence layout -----------------------------------------------------------------------
-
 
 def chunk_ids(rank: int, cp: int, balanced: bool = True) -> tuple[int, int]:
     """The two of the 2·cp sequence chunks that `rank` holds: head-tail, or contiguous."""
@@ -63,8 +61,7 @@ def _scores(q, k, scale, diagonal):
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What is summed across blocks (the output and its log-sum-exp, dQ, dK, dV) is kept in at
-    least fp32, as FlashAttention accumulates bf16 inputs in fp32 (Dao et al. 2022, §3.1)."""
+    """The dtype of what is summed across blocks (O, its log-sum-exp, dQ, dK, dV): at least fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -78,8 +75,7 @@ def _merge(o, lse, o_new, lse_new):
 
 
 def _shift(g: GroupView | None, tensor: torch.Tensor):
-    """Start passing `tensor` one hop along the ring (send next, receive previous, posted at once);
-    returns (pending, incoming buffer)."""
+    """Send `tensor` to the next rank, receive the previous one's: (pending, incoming buffer)."""
     incoming = torch.empty_like(tensor)
     with span("cp"):
         pending = post(g, sends=[(tensor, (g.rank + 1) % g.size)],
