@@ -47,7 +47,7 @@ def predicted_overlap_saving(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    # "tp-overlap": tp with SP and --set tp_overlap=true (refimpl.parallel.tp.overlap)
+    # "tp-overlap": tp with SP and --set tp_overlap=true (refimpl.lab.tensor.ring)
     variants = [(name, sp) for sp in (False, True) for name in ("tp", "torch-tp")] + [("tp-overlap", True)]
     base = TrainConfig(nproc=args.nproc, steps=args.steps, global_batch=args.global_batch,
                        seq_len=args.seq_len)

@@ -311,7 +311,7 @@ def _equivalence(add, gpu, out):
 
 def _async_tp_rank(rank, world):
     """PyTorch's async TP on one rank: fused all-gather + matmul over symmetric memory, against
-    the plain all-gather then matmul (refimpl's own ring twin: refimpl.parallel.tp.overlap)."""
+    the plain all-gather then matmul (refimpl's own ring twin: refimpl.lab.tensor.ring)."""
     import torch
     import torch.distributed as dist
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group

@@ -14,11 +14,8 @@ from refimpl import launch
 from refimpl.lab.measure.moe_traffic import all_to_all_bytes, meter_experts
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
 from refimpl.model.moe import moe_aux_loss, moe_layers, update_expert_bias
-from refimpl.parallel.ep.dispatch import (
-    is_expert_param,
-    parallelize_experts,
-)
-from refimpl.placement import GroupMesh, gather_full_state_dict
+from refimpl.parallel.ep.dispatch import parallelize_experts
+from refimpl.placement import GroupMesh, Owned, gather_full_state_dict, placement_of
 from refimpl.seam import use_collectives
 
 BASE = GPTConfig(vocab_size=96, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4)
@@ -29,6 +26,10 @@ CASES = {
     "expert3-starved": dict(top_k=2, capacity_factor=4.0, balance="bias"),
 }
 GLOBAL_BATCH, SEQ, STEPS = 8, 16, 3
+
+
+def is_expert_param(p: torch.Tensor) -> bool:
+    return isinstance(placement_of(p), Owned)
 
 
 def case_config(name: str) -> GPTConfig:

@@ -8,10 +8,11 @@ refimpl.model.attention on the whole sequence.
 import pytest
 import torch
 
+from refimpl.lab.measure.cp_measure import score_blocks_per_rank, unshard_sequence
 from refimpl.lab.measure.moe_collectives import ring_hops
 from refimpl.launch import run
 from refimpl.model import attention
-from refimpl.parallel.cp.ring import chunk_ids, score_blocks_per_rank, shard_sequence, unshard_sequence
+from refimpl.parallel.cp.ring import chunk_ids, shard_sequence
 from tests.models import SMALL
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)

@@ -56,7 +56,7 @@ LAYERS = [
     # THE LAB (refimpl/lab/): it imports the core, the core never imports it
     ("lab measure", ("lab", "lab.runtime", "lab.instrument", "lab.trace", "lab.measure",
                      "lab.checkpoint", "lab.predict", "lab.progress", "lab.env", "lab.twins",
-                     "lab.faults", "lab.pipeline", "lab.loop")),
+                     "lab.faults", "lab.pipeline", "lab.tensor", "lab.loop")),
     ("lab verify", ("lab.verify",)),
     ("lab plan", ("lab.plan",)),
     ("lab tools", ("lab.plots", "lab.source", "lab.tb_plugin", "lab.cli", "__main__")),

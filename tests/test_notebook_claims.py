@@ -176,7 +176,7 @@ def test_kv_heads_replicate_past_their_count():
 def test_ring_rank_counts_blocks_and_saves_one_slice():
     from refimpl import launch
     from refimpl.lab.measure import cp_measure as measure
-    from refimpl.parallel.cp.ring import score_blocks_per_rank
+    from refimpl.lab.measure.cp_measure import score_blocks_per_rank
 
     rows = [r for rank in launch.run(measure.ring_rank, 2, seq=16, heads=2, head_dim=4) for r in rank]
     for kind, balanced in (("head-tail", True), ("contiguous", False)):

@@ -1,4 +1,4 @@
-"""`--set tp_overlap=true` (refimpl.parallel.tp.overlap): sequence parallelism's all-gather and
+"""`--set tp_overlap=true` (refimpl.lab.tensor): sequence parallelism's all-gather and
 reduce-scatter decomposed over the ring under the matmuls. It must equal plain `tp` with SP in
 float64 (GPT and Llama blocks, 2 and 3 ranks; 4 and one tag in make test-full), carry the same bytes
 as the collectives it replaces, show each chunk's transfer around a neighbouring chunk's matmul in
@@ -77,6 +77,7 @@ def _mlp_ring(rank, world):
     from torch.profiler import ProfilerActivity, profile
 
     from refimpl.lab.instrument.labels import CommLog
+    from refimpl.lab.tensor.overlap import decompose
     from refimpl.model.config import GPTConfig
     from refimpl.model.layers import MLP
     from refimpl.parallel.tp.blocks import ParallelMLP
@@ -87,7 +88,9 @@ def _mlp_ring(rank, world):
     x = torch.randn(2, 4 * world, 24, dtype=torch.float64)
     out = {}
     for overlap in (False, True):
-        layer = ParallelMLP.from_mlp(mlp, None, sequence_parallel=True, overlap=overlap)
+        layer = ParallelMLP.from_mlp(mlp, None, sequence_parallel=True)
+        if overlap:
+            decompose(layer)
         mine = split_sequence(x.clone().requires_grad_(), None)
         with CommLog() as log, profile(activities=[ProfilerActivity.CPU]) as prof:
             layer(mine).square().sum().backward()

@@ -1,65 +1,40 @@
 """Ring attention over tensor-parallel heads (tp x cp): context parallelism on a tp model."""
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 
 from refimpl.model.gqa import grouped_qkv
-from refimpl.parallel.cp.ring import positions, ring_attention
+from refimpl.parallel.cp.ring import RingPlace, ring_attention
 from refimpl.parallel.tp.attention import ParallelGroupedAttention, ParallelSelfAttention
-from refimpl.parallel.tp.mappings import enter_region
 from refimpl.parallel.tp.vocab import VocabParallelEmbedding
-from refimpl.seam import phase
 
 
-class RingParallelSelfAttention(nn.Module):
-    """ParallelSelfAttention's modules (names unchanged), ring attention over `cp_group` on this
-    tp rank's heads in the middle."""
+class RingParallelSelfAttention(ParallelSelfAttention):
+    """ParallelSelfAttention (names unchanged), ringing this tp rank's heads among its cp peers."""
 
-    def __init__(self, attn: ParallelSelfAttention, cp_group, balanced: bool = True):
-        super().__init__()
-        self.q, self.k, self.v, self.o = attn.q, attn.k, attn.v, attn.o
-        self.n_heads, self.label = attn.n_heads, attn.label          # the local heads: a / tp
-        self.group, self.sequence_parallel = attn.group, attn.sequence_parallel
-        self.cp_group, self.balanced = cp_group, balanced
+    def __init__(self, attn: ParallelSelfAttention, ring: RingPlace):
+        super().__init__(attn.q, attn.k, attn.v, attn.o, attn.n_heads, attn.group,
+                         attn.sequence_parallel, attn.label)
+        self.ring = ring
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with phase(self.label):
-            x = enter_region(x, self.group, self.sequence_parallel)
-            out = ring_attention(self.q(x), self.k(x), self.v(x), self.n_heads, self.cp_group,
-                                 balanced=self.balanced)
-            return self.o(out)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ring_attention(q, k, v, self.n_heads, self.ring.group, balanced=self.ring.balanced)
 
 
-class RingParallelGroupedAttention(nn.Module):
-    """ParallelGroupedAttention's modules (names unchanged): this tp rank's query heads and the
-    key/value heads they read, rotated by this cp rank's global positions, ringed over
-    `cp_group` (refimpl.parallel.cp.parallelize.RingGroupedAttention, on a tp rank's heads)."""
+class RingParallelGroupedAttention(ParallelGroupedAttention):
+    """ParallelGroupedAttention (names unchanged): Q and K rotated by this cp rank's global
+    positions, then ringed as refimpl.parallel.cp.parallelize.RingGroupedAttention does."""
 
-    def __init__(self, attn, cp_group, rank: int, cp: int, balanced: bool = True):
-        super().__init__()
-        self.q, self.k, self.v, self.o = attn.q, attn.k, attn.v, attn.o
-        self.n_heads, self.n_kv_heads, self.theta = attn.n_heads, attn.n_kv_heads, attn.theta
-        self.label = attn.label
-        self.group, self.sequence_parallel = attn.group, attn.sequence_parallel
-        self.cp_group, self.rank, self.cp, self.balanced = cp_group, rank, cp, balanced
+    def __init__(self, attn: ParallelGroupedAttention, ring: RingPlace):
+        super().__init__(attn.q, attn.k, attn.v, attn.o, attn.n_heads, attn.n_kv_heads, attn.theta,
+                         attn.group, attn.sequence_parallel, attn.label)
+        self.ring = ring
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with phase(self.label):
-            x = enter_region(x, self.group, self.sequence_parallel)
-            where = _cp_positions(x.shape[1], x.device, rank=self.rank, cp=self.cp,
-                                  balanced=self.balanced)
-            q, k, v = grouped_qkv(self.q(x), self.k(x), self.v(x), self.n_heads,
-                                  self.n_kv_heads, where, self.theta)
-            return self.o(ring_attention(q, k, v, self.n_heads, self.cp_group,
-                                         balanced=self.balanced))
-
-
-def _cp_positions(length: int, device, *, rank: int, cp: int, balanced: bool) -> torch.Tensor:
-    """The global positions of a cp rank's `length` tokens (its two chunks of a cp·length sequence)."""
-    return positions(rank, cp, length * cp, balanced=balanced, device=device)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = grouped_qkv(q, k, v, self.n_heads, self.n_kv_heads,
+                              self.ring.positions(q.shape[1], q.device), self.theta)
+        return ring_attention(q, k, v, self.n_heads, self.ring.group, balanced=self.ring.balanced)
 
 
 def apply_context_parallel_over_tp(model: nn.Module, cp_group, rank: int, cp: int, *,
@@ -70,11 +45,12 @@ def apply_context_parallel_over_tp(model: nn.Module, cp_group, rank: int, cp: in
     if not isinstance(model.embed, VocabParallelEmbedding):
         raise TypeError("apply_context_parallel_over_tp expects a tensor-parallel model "
                         "(refimpl.parallel.tp.parallelize_tp first)")
-    model.embed.position_ids = functools.partial(_cp_positions, rank=rank, cp=cp, balanced=balanced)
+    ring = RingPlace(cp_group, rank, cp, balanced)
+    model.embed.position_ids = ring.positions
     for block in model.blocks:
-        block.attn = (RingParallelGroupedAttention(block.attn, cp_group, rank, cp, balanced)
-                      if isinstance(block.attn, ParallelGroupedAttention) else
-                      RingParallelSelfAttention(block.attn, cp_group, balanced))
+        kind = (RingParallelGroupedAttention if isinstance(block.attn, ParallelGroupedAttention)
+                else RingParallelSelfAttention)
+        block.attn = kind(block.attn, ring)
     return model
 
 

@@ -17,12 +17,7 @@ from refimpl.parallel.ep.dispatch import parallelize_experts, share_routing_coun
 from refimpl.parallel.pp.runner import pipeline_forward_backward
 from refimpl.parallel.pp.stage import split_for_pipeline
 from refimpl.parallel.pp.validate import validate_pipeline
-from refimpl.parallel.tp.parallelize import (
-    parallelize_tp,
-    tp_layout_problem,
-    tp_loss_for,
-    tp_overlap_problem,
-)
+from refimpl.parallel.tp.parallelize import parallelize_tp, tp_layout_problem, tp_loss_for
 from refimpl.rank_model import Pipeline, RankModel
 
 
@@ -51,22 +46,15 @@ def validate_model_parallel(cfg, strategy) -> None:
                    or tp_cp_layout_problem(cfg.seq_len, cfg.tp, cfg.cp, cfg.sequence_parallel))
         if problem:
             raise LayoutError(problem)
-    problem = tp_overlap_problem(cfg)
-    if problem:
-        raise LayoutError(problem)
     validate_pipeline(cfg, strategy)
 
 
 def model_parallel(model: nn.Module, ctx) -> RankModel:
-    """This rank's share of the reference model, before data parallelism. The reference may be
-    shapes only (meta, as refimpl.train.setup_rank builds it): each transform cuts shapes as it
-    would cut values, and the strategy's placement gives the result its values, on the device
-    (refimpl.rank_values)."""
+    """This rank's share of the reference model (shapes only, or values), before data parallelism."""
     mesh, cfg = ctx.mesh, ctx.cfg
     loss_fn, seq_split = lm_loss, 1
     if mesh.size("tp") > 1:
-        parallelize_tp(model, mesh.group("tp"), sequence_parallel=cfg.sequence_parallel,
-                       overlap=bool(cfg.options.get("tp_overlap", False)))
+        parallelize_tp(model, mesh.group("tp"), sequence_parallel=cfg.sequence_parallel)
         loss_fn = tp_loss_for(model.lm_head)      # reads the vocabulary-split logits
         seq_split = mesh.size("tp") if cfg.sequence_parallel else 1
     batch_chunks = None

@@ -15,7 +15,23 @@ import torch.distributed as dist
 from refimpl.launch import device_for
 from refimpl.memory import ActivationTracker
 from refimpl.model import attention
-from refimpl.parallel.cp.ring import ring_attention, score_blocks_per_rank, shard_sequence
+from refimpl.parallel.cp.ring import blocks_to_compute, chunk_ids, ring_attention, shard_sequence
+
+
+def unshard_sequence(parts, *, balanced: bool = True, dim: int = 1) -> torch.Tensor:
+    """Inverse of shard_sequence: every rank's part (rank order) back into the full sequence."""
+    cp = len(parts)
+    chunks = [None] * (2 * cp)
+    for rank, part in enumerate(parts):
+        for i, piece in zip(chunk_ids(rank, cp, balanced), part.chunk(2, dim=dim)):
+            chunks[i] = piece
+    return torch.cat(chunks, dim=dim)
+
+
+def score_blocks_per_rank(cp: int, balanced: bool = True) -> list[int]:
+    """Score blocks (chunk x chunk matmuls) each rank computes in one forward: the ring's work."""
+    return [sum(len(blocks_to_compute(chunk_ids(r, cp, balanced), chunk_ids(src, cp, balanced)))
+                for src in range(cp)) for r in range(cp)]
 
 
 def _inputs(batch: int, seq: int, width: int, seed: int):

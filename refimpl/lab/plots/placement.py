@@ -54,7 +54,7 @@ def mesh_figure(grid_rows, title: str = "The rank grid") -> go.Figure:
 
 def cp_work_bars(df, title: str = "Ring attention: score blocks each rank computes") -> go.Figure:
     """Grouped bars per rank, one bar per sequence layout (head-tail vs contiguous).
-    `df` columns: rank, layout, score_blocks (refimpl.parallel.cp.ring.score_blocks_per_rank)."""
+    `df` columns: rank, layout, score_blocks (refimpl.lab.measure.cp_measure.score_blocks_per_rank)."""
     fig = go.Figure()
     for layout, g in df.groupby("layout", sort=False):
         fig.add_bar(name=str(layout), x=g["rank"].astype(str), y=g["score_blocks"])

@@ -27,7 +27,7 @@ link fraction; Hardware.matmul_rate: the GEMM fraction of the peak), the one rat
 
 Overlap. By default nothing in refimpl runs a TP collective under compute: each sits on the
 critical path of its layer, so a layer takes compute·(1 + r) for a ratio r. `--set tp_overlap=true`
-(refimpl.parallel.tp.overlap) decomposes SP's all-gather + matmul and matmul + reduce-scatter over
+(refimpl.lab.tensor) decomposes SP's all-gather + matmul and matmul + reduce-scatter over
 the ring; `decomposed_ring_seconds` is what that can save. Megatron-LM overlaps in the backward of
 a column-parallel layer (megatron/core/tensor_parallel/layers.py,
 LinearWithGradAccumulationAndAsyncCommunication.backward; Korthikanti et al. 2022, §4.2.2), each
@@ -120,7 +120,7 @@ def layer_time_over_compute(ratio: float, overlapped: float = 0.0) -> float:
 def decomposed_ring_seconds(t: int, chunk_bytes: float, chunk_matmul_s: float, alpha_hop: float,
                             link: float, engine_share: float = 1.0) -> dict:
     """An all-gather + matmul (or matmul + reduce-scatter) over t ranks, serial and decomposed into
-    per-chunk steps (Wang et al. 2022, ASPLOS '23, §3; refimpl.parallel.tp.overlap).
+    per-chunk steps (Wang et al. 2022, ASPLOS '23, §3; refimpl.lab.tensor.ring).
 
     Serial: the ring collective of t chunks of m bytes, T_c = (t-1)·(α + m/B) (`ring_seconds`,
     Patarasuk & Yuan 2009), then the t chunk matmuls, t·c. Decomposed: each of the t-1 ring steps

@@ -24,18 +24,26 @@ from refimpl.parallel.tp.attention import ParallelGroupedAttention, ParallelSelf
 from refimpl.parallel.tp.blocks import ParallelMLP
 from refimpl.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
 from refimpl.parallel.tp.mappings import group_rank
-from refimpl.parallel.tp.parallelize import (
-    gather_tp_state_dict,
-    parallelize_tp,
-    sequence_partial,
-    tp_lm_loss,
-)
-from refimpl.placement import GroupMesh, placement_of, unshard
+from refimpl.parallel.tp.parallelize import parallelize_tp, sequence_partial, tp_loss_for
+from refimpl.placement import GroupMesh, gather_full_state_dict, placement_of, unshard
 from refimpl.seam import phase
 from refimpl.strategy import make_optimizer
 
 BLOCK_CFG = GPTConfig(d_model=64, n_heads=8, n_layers=1, seq_len=16)
 B, S = 2, 16
+
+
+def tp_lm_loss(model: nn.Module, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy from this rank's vocabulary slice of the logits (equal to
+    refimpl.model.lm_loss on the gathered logits, which are never built)."""
+    return tp_loss_for(model.lm_head)(logits, targets)
+
+
+def gather_tp_state_dict(model: nn.Module, group, grads: bool = False) -> dict:
+    """The reference model's full state dict (or gradients) rebuilt from the tp ranks' shards."""
+    local = ({n: (p.grad if p.grad is not None else torch.zeros_like(p))
+              for n, p in model.named_parameters()} if grads else model.state_dict())
+    return gather_full_state_dict(local, model, GroupMesh(tp=group))
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -10,76 +10,61 @@ import torch.nn as nn
 
 from refimpl.model import GPT, Batch
 from refimpl.model.gqa import GroupedQueryAttention, grouped_qkv
-from refimpl.parallel.cp.ring import positions, ring_attention, shard_sequence
+from refimpl.parallel.cp.ring import RingPlace, ring_attention, shard_sequence
 
 
 class RingSelfAttention(nn.Module):
-    """CausalSelfAttention's projections, with ring attention over `group` in the middle."""
+    """CausalSelfAttention's projections, with ring attention over the cp group in the middle."""
 
-    def __init__(self, attn: nn.Module, group, balanced: bool = True):
+    def __init__(self, attn: nn.Module, ring: RingPlace):
         super().__init__()
         self.q, self.k, self.v, self.o = attn.q, attn.k, attn.v, attn.o
-        self.n_heads, self.group, self.balanced = attn.n_heads, group, balanced
+        self.n_heads, self.ring = attn.n_heads, ring
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ring_attention(q, k, v, self.n_heads, self.ring.group, balanced=self.ring.balanced)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = ring_attention(self.q(x), self.k(x), self.v(x), self.n_heads, self.group,
-                             balanced=self.balanced)
-        return self.o(out)
+        return self.o(self.attend(self.q(x), self.k(x), self.v(x)))
 
 
-class RingGroupedAttention(nn.Module):
-    """Llama's grouped-query attention (refimpl.model.gqa) with ring attention in the middle: Q
-    and K rotated by this rank's tokens' global positions (its two chunks of each sequence),
-    then K and V widened to one head per query head before the ring. The ring therefore carries
-    n_heads / n_kv_heads times the K/V bytes a ring of the key/value heads alone would (that
-    ring, and its bytes in refimpl.lab.predict.cp_comm, are not built here)."""
+class RingGroupedAttention(RingSelfAttention):
+    """Llama's grouped-query attention on the ring: Q and K rotated by this rank's global
+    positions, K and V widened to one head per query head before the ring (n_heads / n_kv_heads
+    times the bytes a ring of the K/V heads alone would carry)."""
 
-    def __init__(self, attn: nn.Module, group, rank: int, cp: int, balanced: bool = True):
-        super().__init__()
-        self.q, self.k, self.v, self.o = attn.q, attn.k, attn.v, attn.o
-        self.n_heads, self.n_kv_heads, self.theta = attn.n_heads, attn.n_kv_heads, attn.theta
-        self.group, self.rank, self.cp, self.balanced = group, rank, cp, balanced
+    def __init__(self, attn: nn.Module, ring: RingPlace):
+        super().__init__(attn, ring)
+        self.n_kv_heads, self.theta = attn.n_kv_heads, attn.theta
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        where = positions(self.rank, self.cp, x.shape[1] * self.cp, balanced=self.balanced,
-                          device=x.device)
-        q, k, v = grouped_qkv(self.q(x), self.k(x), self.v(x), self.n_heads, self.n_kv_heads,
-                              where, self.theta)
-        return self.o(ring_attention(q, k, v, self.n_heads, self.group, balanced=self.balanced))
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = grouped_qkv(q, k, v, self.n_heads, self.n_kv_heads,
+                              self.ring.positions(q.shape[1], q.device), self.theta)
+        return super().attend(q, k, v)
 
 
 class SlicedEmbedding(nn.Module):
     """Token + position embedding for a slice of the sequence: positions of this rank's chunks."""
 
-    def __init__(self, embed: nn.Module, rank: int, cp: int, balanced: bool = True):
+    def __init__(self, embed: nn.Module, ring: RingPlace):
         super().__init__()
-        self.tok, self.pos = embed.tok, embed.pos
-        self.rank, self.cp, self.balanced = rank, cp, balanced
+        self.tok, self.pos, self.ring = embed.tok, embed.pos, ring
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if self.pos is None:        # Llama: positions are rotations, inside attention
             return self.tok(idx)
-        full_len = idx.shape[1] * self.cp
-        where = positions(self.rank, self.cp, full_len, balanced=self.balanced, device=idx.device)
-        return self.tok(idx) + self.pos(where)
-
-
-def _rank_and_size(group) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+        return self.tok(idx) + self.pos(self.ring.positions(idx.shape[1], idx.device))
 
 
 def apply_context_parallel(model: GPT, group, *, balanced: bool = True) -> GPT:
     """Turn `model` (in place) into its context-parallel form over `group` (None: cp = 1)."""
-    rank, cp = _rank_and_size(group)
-    if cp == 1:
+    if group is None or dist.get_world_size(group) == 1:
         return model
-    model.embed = SlicedEmbedding(model.embed, rank, cp, balanced)
+    ring = RingPlace(group, dist.get_rank(group), dist.get_world_size(group), balanced)
+    model.embed = SlicedEmbedding(model.embed, ring)
     for block in model.blocks:
-        block.attn = (RingGroupedAttention(block.attn, group, rank, cp, balanced)
-                      if isinstance(block.attn, GroupedQueryAttention) else
-                      RingSelfAttention(block.attn, group, balanced))
+        kind = RingGroupedAttention if isinstance(block.attn, GroupedQueryAttention) else RingSelfAttention
+        block.attn = kind(block.attn, ring)
     return model
 
 

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from refimpl.comm.p2p import GroupView, post
 from refimpl.seam import span
-
-# --- the sequence layout -----------------------------------------------------------------------
 
 
 def chunk_ids(rank: int, cp: int, balanced: bool = True) -> tuple[int, int]:
@@ -25,16 +24,6 @@ def shard_sequence(x: torch.Tensor, rank: int, cp: int, *, balanced: bool = True
     return torch.cat([chunks[i] for i in chunk_ids(rank, cp, balanced)], dim=dim)
 
 
-def unshard_sequence(parts, *, balanced: bool = True, dim: int = 1) -> torch.Tensor:
-    """Inverse of shard_sequence: every rank's part (rank order) back into the full sequence."""
-    cp = len(parts)
-    chunks = [None] * (2 * cp)
-    for rank, part in enumerate(parts):
-        for i, piece in zip(chunk_ids(rank, cp, balanced), part.chunk(2, dim=dim)):
-            chunks[i] = piece
-    return torch.cat(chunks, dim=dim)
-
-
 def positions(rank: int, cp: int, seq_len: int, *, balanced: bool = True,
               device=None) -> torch.Tensor:
     """Global token positions of this rank's slice (for position embeddings), on `device`."""
@@ -42,16 +31,23 @@ def positions(rank: int, cp: int, seq_len: int, *, balanced: bool = True,
                           balanced=balanced)[0]
 
 
+@dataclass(frozen=True)
+class RingPlace:
+    """A cp rank's place on the ring: its group, its index, the ring's size, the chunk order."""
+    group: object
+    rank: int
+    cp: int
+    balanced: bool = True
+
+    def positions(self, length: int, device=None) -> torch.Tensor:
+        """The global positions of this rank's `length` tokens (its chunks of cp·length)."""
+        return positions(self.rank, self.cp, length * self.cp, balanced=self.balanced, device=device)
+
+
 def blocks_to_compute(mine: tuple[int, int], theirs: tuple[int, int]):
     """(my local chunk, their local chunk, on the diagonal?) for every score block that has an
     unmasked entry: query chunk i sees key chunk j only if j <= i; j == i needs the causal mask."""
     return [(a, b, i == j) for a, i in enumerate(mine) for b, j in enumerate(theirs) if j <= i]
-
-
-def score_blocks_per_rank(cp: int, balanced: bool = True) -> list[int]:
-    """Score blocks (chunk x chunk matmuls) each rank computes in one forward: the ring's work."""
-    return [sum(len(blocks_to_compute(chunk_ids(r, cp, balanced), chunk_ids(src, cp, balanced)))
-                for src in range(cp)) for r in range(cp)]
 
 
 # --- one block, forward and backward (FlashAttention's equations, Dao et al. 2022, Alg. 1-2) ---
@@ -65,8 +61,7 @@ def _scores(q, k, scale, diagonal):
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What is summed across blocks (the output and its log-sum-exp, dQ, dK, dV) is kept in at
-    least fp32, as FlashAttention accumulates bf16 inputs in fp32 (Dao et al. 2022, §3.1)."""
+    """The dtype of what is summed across blocks (O, its log-sum-exp, dQ, dK, dV): at least fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -79,21 +74,19 @@ def _merge(o, lse, o_new, lse_new):
             + o_new * (lse_new - lse_out).exp().unsqueeze(-1)), lse_out
 
 
-class _Ring:
-    """Send my buffer to the next rank, receive the previous rank's: both posted at once."""
+def _shift(g: GroupView | None, tensor: torch.Tensor):
+    """Send `tensor` to the next rank, receive the previous one's: (pending, incoming buffer)."""
+    incoming = torch.empty_like(tensor)
+    with span("cp"):
+        pending = post(g, sends=[(tensor, (g.rank + 1) % g.size)],
+                       recvs=[(incoming, (g.rank - 1) % g.size)])
+    return pending, incoming
 
-    def __init__(self, group):
-        self.g = GroupView.of(group) if group is not None else None
-        self.size = self.g.size if self.g is not None else 1
-        self.rank = self.g.rank if self.g is not None else 0
 
-    def shift(self, tensor):
-        """Start passing `tensor` one hop along the ring; returns (pending, incoming buffer)."""
-        incoming = torch.empty_like(tensor)
-        with span("cp"):
-            pending = post(self.g, sends=[(tensor, (self.rank + 1) % self.size)],
-                           recvs=[(incoming, (self.rank - 1) % self.size)])
-        return pending, incoming
+def _place(group) -> tuple[GroupView | None, int, int]:
+    """(the ring's view, its size, my rank on it); group None is one rank."""
+    g = GroupView.of(group) if group is not None else None
+    return (g, g.size, g.rank) if g is not None else (None, 1, 0)
 
 
 class RingAttention(torch.autograd.Function):
@@ -101,15 +94,15 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, balanced, stats):
-        ring = _Ring(group)
-        cp, rank, scale = ring.size, ring.rank, 1.0 / math.sqrt(q.shape[-1])
+        g, cp, rank = _place(group)
+        scale = 1.0 / math.sqrt(q.shape[-1])
         mine = chunk_ids(rank, cp, balanced)
         qs, acc = q.chunk(2, dim=-2), accumulation_dtype(q.dtype)
         out, lse = [None, None], [None, None]
         kv = torch.stack([k, v]).contiguous()
         for step in range(cp):
             if step < cp - 1:   # start sending this block on before computing with it: overlap
-                pending, incoming = ring.shift(kv)
+                pending, incoming = _shift(g, kv)
             theirs = chunk_ids((rank - step) % cp, cp, balanced)
             ks, vs = kv[0].chunk(2, dim=-2), kv[1].chunk(2, dim=-2)
             for a, b, diagonal in blocks_to_compute(mine, theirs):
@@ -131,8 +124,8 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        ring = _Ring(ctx.group)
-        cp, rank, scale = ring.size, ring.rank, 1.0 / math.sqrt(q.shape[-1])
+        g, cp, rank = _place(ctx.group)
+        scale = 1.0 / math.sqrt(q.shape[-1])
         mine = chunk_ids(rank, cp, ctx.balanced)
         grad_out = grad_out.contiguous()
         # D_i = rowsum(dO ∘ O): the softmax Jacobian's correction term (FlashAttention Alg. 2).
@@ -146,7 +139,7 @@ class RingAttention(torch.autograd.Function):
         dkv = torch.zeros_like(kv, dtype=acc)   # gradient of the block we hold; travels with it
         for step in range(cp):
             if step < cp - 1:
-                pending, incoming = ring.shift(kv)
+                pending, incoming = _shift(g, kv)
             theirs = chunk_ids((rank - step) % cp, cp, ctx.balanced)
             ks, vs = kv[0].chunk(2, dim=-2), kv[1].chunk(2, dim=-2)
             dks, dvs = dkv[0].chunk(2, dim=-2), dkv[1].chunk(2, dim=-2)
@@ -157,7 +150,7 @@ class RingAttention(torch.autograd.Function):
                 dqs[a].add_(ds @ ks[b], alpha=scale)
                 dks[b].add_(ds.transpose(-2, -1) @ qs[a], alpha=scale)
             if cp > 1:   # the accumulated dK/dV follow their block; after cp hops they are home
-                grads_pending, dkv = ring.shift(dkv)
+                grads_pending, dkv = _shift(g, dkv)
                 grads_pending.wait()
             if step < cp - 1:
                 pending.wait()

@@ -12,7 +12,7 @@ class NaiveDataParallel(Strategy):
     name = "dp-naive"
     experts_over_edp = True
     on_a_pipeline = True
-    options = {"tp_overlap": Option(False, bool)}   # the `tp` shorthand runs on this flavour
+    options = {"tp_overlap": Option(False, bool)}   # the `tp` shorthand's knob (refimpl.lab.tensor)
 
     def sync_gradients(self) -> None:
         for p in self.model.parameters():

@@ -26,9 +26,8 @@ class SharedCounts(LocalExperts):
 
 
 class ChunkedSequences:
-    """Context parallelism: of the `pieces` equal pieces of each sequence, cp rank j holds
-    `chunks[j]` (its local tokens are those pieces, concatenated in that order). The layer's
-    `sequences` (refimpl.model.moe_sequence.WholeSequences without cp)."""
+    """An MoE layer's `sequences` under cp: rank j holds pieces `chunks[j]` of each sequence, in
+    that order (refimpl.model.moe_sequence.WholeSequences without cp)."""
 
     def __init__(self, chunks: list[tuple[int, ...]], group):
         self.chunks, self.group = [tuple(c) for c in chunks], group
@@ -39,7 +38,6 @@ class ChunkedSequences:
         """[rows, held, E] counts of this rank -> [rows, pieces, E], every piece in sequence order."""
         parts = [torch.empty_like(counts) for _ in self.chunks]
         dist.all_gather(parts, counts, group=self.group)
-        # piece p is column i of rank r's part: stacked by Python ints (an index list would be a
-        # host-to-device copy, a stream sync, in every step)
+        # piece p is column i of rank r's part (Python ints: an index tensor would sync the stream)
         where = {p: (r, i) for r, ids in enumerate(self.chunks) for i, p in enumerate(ids)}
         return torch.stack([parts[r][:, i] for r, i in (where[p] for p in range(self.pieces))], dim=1)

@@ -69,9 +69,8 @@ class ExpertParallelDispatch:
 
 
 def parallelize_experts(model: nn.Module, ep_group, token_group=None) -> nn.Module:
-    """Keep only this rank's experts (E/ep consecutive ones) in every MoE layer, in place. Names
-    stay the reference's; each kept parameter records `Owned("ep", "experts", index, E)`
-    (refimpl.placement), carrying the tp Shard of an expert tensor parallelism split first."""
+    """Keep only this rank's E/ep consecutive experts in every MoE layer (in place, names kept);
+    each kept parameter is `Owned` by ep (carrying its tp Shard, if any)."""
     token_group = ep_group if token_group is None else token_group
     ep, me = dist.get_world_size(ep_group), dist.get_rank(ep_group)
     for layer in moe_layers(model):
@@ -90,12 +89,8 @@ def parallelize_experts(model: nn.Module, ep_group, token_group=None) -> nn.Modu
 
 
 def share_routing_counts(model: nn.Module, token_group) -> nn.Module:
-    """Data parallelism without expert parallelism: every replica keeps all experts but counts its
-    routing over the whole global batch, so capacity, f_i and the dropped tokens are single's."""
+    """Data parallelism without ep: every replica keeps all experts but counts its routing over
+    the global batch, so capacity, f_i and the dropped tokens are single's."""
     for layer in moe_layers(model):
         layer.dispatch = SharedCounts(token_group)
     return model
-
-
-def is_expert_param(p: torch.Tensor) -> bool:
-    return isinstance(placement_of(p), Owned)

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from refimpl.model import attention
 from refimpl.model.gqa import GroupedQueryAttention, grouped_attention
-from refimpl.parallel.tp.blocks import column_outputs
+from refimpl.parallel.tp.blocks import ColumnInputs
 from refimpl.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, default_group
 from refimpl.parallel.tp.mappings import all_reduce, group_rank, group_size
 from refimpl.placement import Shard, set_placement
@@ -42,38 +42,34 @@ def _columns(linears, group) -> tuple:
     return tuple(ColumnParallelLinear.from_linear(lin, group, input_in_region=True) for lin in linears)
 
 
-class ParallelSelfAttention(nn.Module):
+class ParallelSelfAttention(ColumnInputs):
     """Multi-head attention on this rank's a/t heads (`refimpl.model.attention`), X entering the
     region once for Q, K and V (Megatron's fused QKV, for the same reason)."""
 
     def __init__(self, q, k, v, o, n_heads_local: int, group, sequence_parallel: bool,
-                 overlap: bool = False, label: str = "tp:attn"):
+                 label: str = "tp:attn"):
         super().__init__()
         self.q, self.k, self.v, self.o, self.label = q, k, v, o, label   # label: a profiler range
-        self.n_heads = n_heads_local
-        self.group, self.sequence_parallel, self.overlap = group, sequence_parallel, overlap
+        self.n_heads, self.group, self.sequence_parallel = n_heads_local, group, sequence_parallel
 
     @classmethod
     def from_attention(cls, attn: nn.Module, group=None, sequence_parallel: bool = False,
-                       overlap: bool = False, label: str = "tp:attn") -> "ParallelSelfAttention":
+                       label: str = "tp:attn") -> "ParallelSelfAttention":
         group = default_group(group)
-        heads = _heads(attn, group)
         q, k, v = _columns((attn.q, attn.k, attn.v), group)
-        o = RowParallelLinear.from_linear(attn.o, group, sequence_parallel=sequence_parallel,
-                                          overlap=overlap)
-        return cls(q, k, v, o, heads, group, sequence_parallel, overlap, label)
+        o = RowParallelLinear.from_linear(attn.o, group, sequence_parallel=sequence_parallel)
+        return cls(q, k, v, o, _heads(attn, group), group, sequence_parallel, label)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention(q, k, v, self.n_heads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with phase(self.label):
-            q, k, v = column_outputs(x, (self.q, self.k, self.v), self.group,
-                                     self.sequence_parallel, self.overlap)
-            return self.o(attention(q, k, v, self.n_heads))
+            return self.o(self.attend(*self.columns(x, (self.q, self.k, self.v))))
 
 
 def _shared_kv(linear: nn.Linear, group, repeats: int) -> ColumnParallelLinear:
-    """K or V with fewer heads than ranks: this rank's one head (r // repeats). Each of its
-    `repeats` ranks computes its gradient from its own query heads; the true one is their sum,
-    taken over tp in backward (the other heads' rows zero)."""
+    """K or V with fewer heads than ranks: head r // repeats, its gradient summed over its sharers."""
     rows = linear.out_features // (group_size(group) // repeats)
     mine = slice(group_rank(group) // repeats * rows, (group_rank(group) // repeats + 1) * rows)
     layer = ColumnParallelLinear(linear.weight.detach()[mine].clone(), None, group,
@@ -89,41 +85,34 @@ def _shared_kv(linear: nn.Linear, group, repeats: int) -> ColumnParallelLinear:
     return layer
 
 
-class ParallelGroupedAttention(nn.Module):
+class ParallelGroupedAttention(ParallelSelfAttention):
     """Grouped-query attention (refimpl.model.gqa) on a/t query heads and the K/V heads they read:
     query heads are grouped consecutively, so rank r's read its kv/t K/V heads, or head r // (t/kv)."""
 
     def __init__(self, q, k, v, o, n_heads_local: int, n_kv_local: int, theta: float, group,
-                 sequence_parallel: bool, overlap: bool = False, label: str = "tp:attn"):
-        super().__init__()
-        self.q, self.k, self.v, self.o, self.label = q, k, v, o, label
-        self.n_heads, self.n_kv_heads, self.theta = n_heads_local, n_kv_local, theta
-        self.group, self.sequence_parallel, self.overlap = group, sequence_parallel, overlap
+                 sequence_parallel: bool, label: str = "tp:attn"):
+        super().__init__(q, k, v, o, n_heads_local, group, sequence_parallel, label)
+        self.n_kv_heads, self.theta = n_kv_local, theta
 
     @classmethod
     def from_attention(cls, attn: nn.Module, group=None, sequence_parallel: bool = False,
-                       overlap: bool = False, label: str = "tp:attn") -> "ParallelGroupedAttention":
+                       label: str = "tp:attn") -> "ParallelGroupedAttention":
         group = default_group(group)
-        heads, (kv_local, repeats) = _heads(attn, group), kv_split(attn.n_kv_heads, group_size(group))
+        kv_local, repeats = kv_split(attn.n_kv_heads, group_size(group))
         (q,) = _columns((attn.q,), group)
         k, v = (_columns((attn.k, attn.v), group) if repeats == 1 else
                 (_shared_kv(attn.k, group, repeats), _shared_kv(attn.v, group, repeats)))
-        o = RowParallelLinear.from_linear(attn.o, group, sequence_parallel=sequence_parallel,
-                                          overlap=overlap)
-        return cls(q, k, v, o, heads, kv_local, attn.theta, group,
-                   sequence_parallel, overlap, label)
+        o = RowParallelLinear.from_linear(attn.o, group, sequence_parallel=sequence_parallel)
+        return cls(q, k, v, o, _heads(attn, group), kv_local, attn.theta, group,
+                   sequence_parallel, label)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with phase(self.label):
-            q, k, v = column_outputs(x, (self.q, self.k, self.v), self.group,
-                                     self.sequence_parallel, self.overlap)
-            positions = torch.arange(q.shape[1], device=x.device)   # every token, once gathered
-            return self.o(grouped_attention(q, k, v, self.n_heads, self.n_kv_heads, positions,
-                                            self.theta))
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(q.shape[1], device=q.device)   # every token, once gathered
+        return grouped_attention(q, k, v, self.n_heads, self.n_kv_heads, positions, self.theta)
 
 
 def parallel_attention(attn: nn.Module, group=None, sequence_parallel: bool = False,
-                       overlap: bool = False, label: str = "tp:attn") -> nn.Module:
+                       label: str = "tp:attn") -> nn.Module:
     """The tensor-parallel form of a block's attention (multi-head or grouped-query)."""
     kind = ParallelGroupedAttention if isinstance(attn, GroupedQueryAttention) else ParallelSelfAttention
-    return kind.from_attention(attn, group, sequence_parallel, overlap, label)
+    return kind.from_attention(attn, group, sequence_parallel, label)

@@ -12,20 +12,17 @@ import torch.nn.functional as F
 
 from refimpl.model.swiglu import SwiGLU
 from refimpl.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, default_group
-from refimpl.parallel.tp.mappings import enter_region, group_size
-from refimpl.parallel.tp.overlap import gather_linears
+from refimpl.parallel.tp.mappings import enter_region
 from refimpl.seam import phase
 
 
-def column_outputs(x: torch.Tensor, layers, group, sequence_parallel: bool,
-                   overlap: bool = False) -> tuple:
-    """Column layers built `input_in_region`, fed one X that enters the region once (Q, K, V;
-    SwiGLU's gate and up): one all-reduce of X's gradient, not one per layer. With overlap (SP
-    only) the all-gather is decomposed under all their matmuls (tp/overlap.py)."""
-    if overlap and sequence_parallel and group_size(group) > 1:
-        return gather_linears(x, layers, group)
-    x = enter_region(x, group, sequence_parallel)
-    return tuple(layer(x) for layer in layers)
+class ColumnInputs(nn.Module):
+    """A module whose column layers (built `input_in_region`) read one X that enters the region
+    once (Q, K, V; SwiGLU's gate and up): one all-reduce of X's gradient, not one per layer."""
+
+    def columns(self, x: torch.Tensor, layers) -> tuple:
+        x = enter_region(x, self.group, self.sequence_parallel)
+        return tuple(layer(x) for layer in layers)
 
 
 class ParallelMLP(nn.Module):
@@ -37,11 +34,9 @@ class ParallelMLP(nn.Module):
 
     @classmethod
     def from_mlp(cls, mlp: nn.Module, group=None, sequence_parallel: bool = False,
-                 overlap: bool = False, label: str = "tp:mlp") -> "ParallelMLP":
-        up = ColumnParallelLinear.from_linear(mlp.up, group, sequence_parallel=sequence_parallel,
-                                              overlap=overlap)
-        down = RowParallelLinear.from_linear(mlp.down, group, sequence_parallel=sequence_parallel,
-                                             overlap=overlap)
+                 label: str = "tp:mlp") -> "ParallelMLP":
+        up = ColumnParallelLinear.from_linear(mlp.up, group, sequence_parallel=sequence_parallel)
+        down = RowParallelLinear.from_linear(mlp.down, group, sequence_parallel=sequence_parallel)
         return cls(up, down, label)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -49,35 +44,32 @@ class ParallelMLP(nn.Module):
             return self.down(F.gelu(self.up(x)))
 
 
-class ParallelSwiGLU(nn.Module):
+class ParallelSwiGLU(ColumnInputs):
     """(SiLU(X·W_gate,r) ⊙ X·W_up,r)·W_down,r: X enters the region once for gate and up."""
 
     def __init__(self, gate: ColumnParallelLinear, up: ColumnParallelLinear,
-                 down: RowParallelLinear, group, sequence_parallel: bool,
-                 overlap: bool = False, label: str = "tp:mlp"):
+                 down: RowParallelLinear, group, sequence_parallel: bool, label: str = "tp:mlp"):
         super().__init__()
         self.gate, self.up, self.down, self.label = gate, up, down, label
-        self.group, self.sequence_parallel, self.overlap = group, sequence_parallel, overlap
+        self.group, self.sequence_parallel = group, sequence_parallel
 
     @classmethod
     def from_swiglu(cls, mlp: SwiGLU, group=None, sequence_parallel: bool = False,
-                    overlap: bool = False, label: str = "tp:mlp") -> "ParallelSwiGLU":
+                    label: str = "tp:mlp") -> "ParallelSwiGLU":
         gate, up = (ColumnParallelLinear.from_linear(lin, group, input_in_region=True)
                     for lin in (mlp.gate, mlp.up))
-        down = RowParallelLinear.from_linear(mlp.down, group, sequence_parallel=sequence_parallel,
-                                             overlap=overlap)
-        return cls(gate, up, down, default_group(group), sequence_parallel, overlap, label)
+        down = RowParallelLinear.from_linear(mlp.down, group, sequence_parallel=sequence_parallel)
+        return cls(gate, up, down, default_group(group), sequence_parallel, label)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with phase(self.label):
-            gate, up = column_outputs(x, (self.gate, self.up), self.group,
-                                      self.sequence_parallel, self.overlap)
+            gate, up = self.columns(x, (self.gate, self.up))
             return self.down(F.silu(gate) * up)
 
 
 def parallel_feed_forward(mlp: nn.Module, group=None, sequence_parallel: bool = False,
-                          overlap: bool = False, label: str = "tp:mlp") -> nn.Module:
+                          label: str = "tp:mlp") -> nn.Module:
     """The tensor-parallel form of a dense feed-forward layer (GELU MLP or SwiGLU)."""
     if isinstance(mlp, SwiGLU):
-        return ParallelSwiGLU.from_swiglu(mlp, group, sequence_parallel, overlap, label)
-    return ParallelMLP.from_mlp(mlp, group, sequence_parallel, overlap, label)
+        return ParallelSwiGLU.from_swiglu(mlp, group, sequence_parallel, label)
+    return ParallelMLP.from_mlp(mlp, group, sequence_parallel, label)

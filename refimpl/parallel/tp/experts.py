@@ -1,9 +1,5 @@
-"""Experts under tensor parallelism: every expert's MLP split over tp like the dense one (up
-column-, down row-parallel), the router replicated. This is Megatron-core's expert tensor
-parallelism with its size equal to tp (Liu et al. 2025, "MoE Parallel Folding", arXiv
-2504.14960), which composes with any ep unchanged: ep groups are chunks of dp x cp at one tp
-coordinate (refimpl.mesh). Router and counts see the same tokens on every tp rank, so every tp
-rank routes alike; each expert's y is whole (its row layer reduced it) before the gate scales it."""
+"""Experts under tensor parallelism (expert tensor parallelism of size tp; Liu et al. 2025, arXiv
+2504.14960): every expert's MLP split like the dense one, the router replicated."""
 from __future__ import annotations
 
 from refimpl.model.moe import MoEMLP
@@ -13,8 +9,8 @@ from refimpl.parallel.tp.mappings import gather_sequence, split_sequence
 
 def parallelize_moe(moe: MoEMLP, group, sequence_parallel: bool = False,
                     label: str = "tp:moe") -> MoEMLP:
-    """Split every expert of `moe` over the tp `group` (in place, names kept: `experts.<e>.up`);
-    under sequence parallelism, gather the layer's tokens before it and split them after."""
+    """Split every expert of `moe` over tp (in place, names kept); under SP, gather the layer's
+    tokens before it and split them after."""
     for key in list(moe.experts.keys()):
         moe.experts[key] = parallel_feed_forward(moe.experts[key], group, sequence_parallel=False,
                                                  label=f"{label}.experts.{key}")

@@ -15,13 +15,11 @@ from refimpl.parallel.tp.mappings import (
     group_size,
     split_last_dim,
 )
-from refimpl.parallel.tp.overlap import gather_linears, linear_reduce_scatter
 from refimpl.placement import Shard, set_placement
 
 
 def default_group(group):
-    """`group=None` is the world group, as in torch.distributed, once one exists; in a process
-    with no process group it means one rank (nothing split)."""
+    """`group=None` is the world group once one exists (as in torch.distributed), else one rank."""
     if group is None and torch_dist.is_available() and torch_dist.is_initialized():
         return torch_dist.group.WORLD
     return group
@@ -38,17 +36,15 @@ def shard_rows(full: torch.Tensor, group, pad: bool = False) -> torch.Tensor:
 
 
 class ParallelLinear(WatchedLinear):
-    """What both linears share, and what pipeline's zero bubble (refimpl.parallel.pp.zero_bubble)
-    needs of them: the matmul's own X and Y, which SP's collectives hide from a forward hook
-    (`watch_matmul`), and the weight gradients from that X and Y's gradient (`weight_grads`)."""
+    """What both linears share, and what zero bubble (refimpl.parallel.pp.zero_bubble) needs: the
+    matmul's own X and Y (`watch_matmul`) and the weight gradients from X and dY (`weight_grads`)."""
 
-    def __init__(self, weight, bias, group, sequence_parallel: bool, overlap: bool):
+    def __init__(self, weight, bias, group, sequence_parallel: bool):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.overlap = overlap and sequence_parallel and group_size(group) > 1   # tp/overlap.py
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
-        self.matmul_watcher = None       # watch_matmul; never under overlap
+        self.matmul_watcher = None
 
     def watch_matmul(self, watcher) -> None:
         """Call `watcher(module, x, y)` after each matmul (None: stop)."""
@@ -71,14 +67,12 @@ class ParallelLinear(WatchedLinear):
 
 
 class ColumnParallelLinear(ParallelLinear):
-    """Y_r = X·A_rᵀ + b_r: out_features/t outputs. X enters the region (f, or SP's all-gather)
-    unless the caller did it once for several layers (`input_in_region`: Q, K, V). With
-    gather_output, the full Y. An out_features t does not divide is zero-padded (`pad`)."""
+    """Y_r = X·A_rᵀ + b_r: X enters the region (f, or SP's all-gather) unless the caller did it
+    once for several layers (`input_in_region`). `gather_output`: the full Y; `pad`: rows to t·k."""
 
     def __init__(self, weight, bias, group, *, out_full: int, gather_output: bool = False,
-                 sequence_parallel: bool = False, input_in_region: bool = False,
-                 overlap: bool = False):
-        super().__init__(weight, bias, group, sequence_parallel, overlap)
+                 sequence_parallel: bool = False, input_in_region: bool = False):
+        super().__init__(weight, bias, group, sequence_parallel)
         self.out_full, self.gather_output, self.input_in_region = out_full, gather_output, input_in_region
         self.out_start = group_rank(group) * weight.shape[0]    # first output index held here
         for p in (self.weight, self.bias):
@@ -88,21 +82,17 @@ class ColumnParallelLinear(ParallelLinear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, gather_output: bool = False, *,
                     sequence_parallel: bool = False, input_in_region: bool = False,
-                    pad: bool = False, overlap: bool = False) -> "ColumnParallelLinear":
+                    pad: bool = False) -> "ColumnParallelLinear":
         group = default_group(group)
         b = None if linear.bias is None else shard_rows(linear.bias.detach(), group, pad)
         return cls(shard_rows(linear.weight.detach(), group, pad), b, group,
                    out_full=linear.out_features, gather_output=gather_output,
-                   sequence_parallel=sequence_parallel, input_in_region=input_in_region,
-                   overlap=overlap)
+                   sequence_parallel=sequence_parallel, input_in_region=input_in_region)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.overlap and not self.input_in_region:
-            (y,) = gather_linears(x, [self], self.group)
-        else:
-            if not self.input_in_region:
-                x = enter_region(x, self.group, self.sequence_parallel)
-            y = self._matmul(x, self.bias)
+        if not self.input_in_region:
+            x = enter_region(x, self.group, self.sequence_parallel)
+        y = self._matmul(x, self.bias)
         if self.gather_output:
             y = gather_last_dim(y, self.group)[..., :self.out_full]
         return y
@@ -113,32 +103,28 @@ class RowParallelLinear(ParallelLinear):
     replicated bias once. X is this rank's slice (input_is_parallel), or full and sliced here."""
 
     def __init__(self, weight, bias, group, *, input_is_parallel: bool = True,
-                 sequence_parallel: bool = False, overlap: bool = False):
-        super().__init__(weight, bias, group, sequence_parallel, overlap)
+                 sequence_parallel: bool = False):
+        super().__init__(weight, bias, group, sequence_parallel)
         self.input_is_parallel = input_is_parallel
         set_placement(self.weight, Shard("tp", 1, weight.shape[1] * group_size(group)))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, input_is_parallel: bool = True, *,
-                    sequence_parallel: bool = False, overlap: bool = False) -> "RowParallelLinear":
+                    sequence_parallel: bool = False) -> "RowParallelLinear":
         group = default_group(group)
         w = shard_rows(linear.weight.detach().t(), group).t().contiguous()
         b = linear.bias.detach().clone() if linear.bias is not None else None
         return cls(w, b, group, input_is_parallel=input_is_parallel,
-                   sequence_parallel=sequence_parallel, overlap=overlap)
+                   sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = split_last_dim(x, self.group)
-        if self.overlap:
-            y = linear_reduce_scatter(x, self.weight, self.group)
-        else:
-            y = exit_region(self._matmul(x), self.group, self.sequence_parallel)
+        y = exit_region(self._matmul(x), self.group, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
 
     def bias_grad(self, dy: torch.Tensor) -> torch.Tensor:
-        """Under SP the bias is added to this rank's s/t tokens after the reduce-scatter, and
-        the matmul's dY (its backward's all-gather) holds every token: sum only ours."""
+        """Under SP the bias meets only this rank's s/t tokens; the matmul's dY holds all: sum ours."""
         if self.sequence_parallel:
             s = dy.shape[1] // group_size(self.group)
             dy = dy[:, group_rank(self.group) * s:][:, :s]

@@ -1,6 +1,6 @@
 """Tensor parallelism's communication: conjugate pairs of autograd Functions, each one's backward
 being its partner op (Megatron-LM, Shoeybi et al. 2019, §3, Fig. 3; seed §3.3), and sequence
-parallelism's pair along s, dim 1 of our [b, s, h] (Korthikanti et al. 2022, §4.2.2):"""
+parallelism's pair along s, dim 1 of our [b, s, h] (Korthikanti et al. 2022, §4.2.2)."""
 from __future__ import annotations
 
 import torch
@@ -30,7 +30,7 @@ def all_reduce(x: torch.Tensor, group, op=ReduceOp.SUM) -> torch.Tensor:
     return x
 
 
-def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     front = x.movedim(dim, 0).contiguous()     # a collective needs contiguous chunks
     out = front.new_empty((group_size(group) * front.shape[0],) + front.shape[1:])
     dist.all_gather_into_tensor(out, front, group=group)
@@ -38,7 +38,7 @@ def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return out.movedim(0, dim).contiguous()
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     t, front = group_size(group), x.movedim(dim, 0).contiguous()
     if front.shape[0] % t:
         raise ValueError(f"reduce-scatter: dim {dim} of size {front.shape[0]} does not divide by {t}")
@@ -47,7 +47,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return out.movedim(0, dim).contiguous()
 
 
-def my_slice(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def my_slice(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     t = group_size(group)
     if x.shape[dim] % t:
         raise ValueError(f"split: dim {dim} of size {x.shape[dim]} does not divide by {t}")
@@ -78,65 +78,34 @@ class _ReduceFromRegion(Function):                   # g
         return copy_to_region(grad, ctx.group), None
 
 
-class _Split(Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return my_slice(x, dim, group)
+class _Pair(Function):
+    """The split/gather pairs along `dim`: `forward` forward, its partner `backward` on dY."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return _Gather.apply(grad, ctx.group, ctx.dim), None, None
-
-
-class _Gather(Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x, dim, group)
+    def forward(ctx, x, group, dim, forward, backward):
+        ctx.group, ctx.dim, ctx.partner = group, dim, backward
+        return forward(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _Split.apply(grad, ctx.group, ctx.dim), None, None
+        return ctx.partner(grad, ctx.group, ctx.dim), None, None, None, None
 
 
-class _GatherFromSequence(Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather(x, 1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return scatter_to_sequence(grad, ctx.group), None
-
-
-class _ScatterToSequence(Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter(x, 1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_from_sequence(grad, ctx.group), None
-
-
-def _op(function, *dim):
+def _op(function, *args):
     """The op as callers see it: `op(x, group)`; one rank (group None) returns x untouched."""
     def apply(x: torch.Tensor, group) -> torch.Tensor:
-        return x if group_size(group) == 1 else function.apply(x, group, *dim)
+        return x if group_size(group) == 1 else function.apply(x, group, *args)
     return apply
 
 
-copy_to_region = _op(_CopyToRegion)
-reduce_from_region = _op(_ReduceFromRegion)
-split_last_dim = _op(_Split, -1)
-gather_last_dim = _op(_Gather, -1)
-split_sequence = _op(_Split, 1)
-gather_sequence = _op(_Gather, 1)
-gather_from_sequence = _op(_GatherFromSequence)
-scatter_to_sequence = _op(_ScatterToSequence)
+copy_to_region = _op(_CopyToRegion)                                       # f
+reduce_from_region = _op(_ReduceFromRegion)                               # g
+split_last_dim = _op(_Pair, -1, my_slice, all_gather)
+gather_last_dim = _op(_Pair, -1, all_gather, my_slice)
+split_sequence = _op(_Pair, 1, my_slice, all_gather)
+gather_sequence = _op(_Pair, 1, all_gather, my_slice)
+gather_from_sequence = _op(_Pair, 1, all_gather, reduce_scatter)          # SP's entry
+scatter_to_sequence = _op(_Pair, 1, reduce_scatter, all_gather)           # SP's exit
 
 
 def enter_region(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:

@@ -19,9 +19,8 @@ from refimpl.placement import Shard, set_placement
 
 
 class VocabParallelEmbedding(nn.Module):
-    """The reference `Embedding` (names `tok.weight`, `pos.weight`) with the token table split by
-    id: each rank looks up the ids it owns, zeros for the others, and the rows are summed over tp
-    (g; under SP a reduce-scatter that also splits the tokens). Positions stay replicated."""
+    """The token table split by id: each rank looks up the ids it owns, zeros for the others, and
+    the rows are summed over tp (g, or SP's reduce-scatter). Positions stay replicated."""
 
     def __init__(self, tok_local: torch.Tensor, pos: torch.Tensor | None, vocab_size: int, group,
                  sequence_parallel: bool):
@@ -30,8 +29,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tok = nn.Embedding(*tok_local.shape, _weight=tok_local)
         self.pos = nn.Embedding(*pos.shape, _weight=pos) if pos is not None else None   # Llama: none
         self.start = group_rank(group) * tok_local.shape[0]
-        # (length, device) -> the positions of the tokens held; None: 0 .. s-1 (tp x cp sets it)
-        self.position_ids = None
+        self.position_ids = None   # (length, device) -> positions held; None: 0 .. s-1 (tp x cp)
         set_placement(self.tok.weight, Shard("tp", 0, vocab_size))
 
     @classmethod
