@@ -17,7 +17,7 @@ from refimpl.parallel.pp.links import Links
 
 # schedule_table and bubble_fraction: DESIGN's contract names them here.
 from refimpl.parallel.pp.schedules import Action, bubble_fraction, parse_entry, schedule_table  # noqa: F401
-from refimpl.parallel.pp.zero_bubble import WeightGradRecord, chunk_layers, record_weight_grads, whole_backwards
+from refimpl.parallel.pp.zero_bubble import WeightGradRecord, chunk_layers, record_weight_grads
 from refimpl.seam import dist, phase
 
 
@@ -111,6 +111,19 @@ class Backward:
         record = self.records.pop((a.micro_batch, a.chunk), None)
         if record is not None:      # none when its B was whole
             record.apply()
+
+
+def whole_backwards(entries: list[list[Action]], plain: list[bool]) -> frozenset:
+    """The (micro-batch, chunk) whose B is followed at once by its own W, on a chunk that may take
+    a plain backward: one whole backward does both."""
+    whole = set()
+    for entry, after in zip(entries, entries[1:]):
+        b = entry[-1]               # a pair (F&B) runs its B last
+        if len(after) == 1 and (b.kind, after[0].kind) == ("B", "W"):
+            w = after[0]
+            if (b.micro_batch, b.chunk) == (w.micro_batch, w.chunk) and plain[b.chunk]:
+                whole.add((b.micro_batch, b.chunk))
+    return frozenset(whole)
 
 
 class StepLoss:

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from refimpl.model.layers import WatchedLinear
 from refimpl.model.moe import MoEMLP
 from refimpl.model.rmsnorm import RMSNorm
-from refimpl.parallel.pp.schedules import Action
 from refimpl.placement import is_resharded
 
 # The layers W has a formula for; any other trainable parameter is refused (`_check_covered`).
@@ -160,16 +159,3 @@ def weight_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> list[t
             return [(dy * x_hat).reshape(-1, dy.shape[-1]).sum(0)]
         table = torch.zeros(module.weight.shape, dtype=dtype, device=dy.device)    # nn.Embedding
         return [table.index_add_(0, x.reshape(-1), dy.reshape(-1, dy.shape[-1]))]
-
-
-def whole_backwards(entries: list[list[Action]], plain: list[bool]) -> frozenset:
-    """The (micro-batch, chunk) whose B is followed at once by its own W, on a chunk that may take
-    a plain backward: one whole backward does both."""
-    whole = set()
-    for entry, after in zip(entries, entries[1:]):
-        b = entry[-1]               # a pair (F&B) runs its B last
-        if len(after) == 1 and (b.kind, after[0].kind) == ("B", "W"):
-            w = after[0]
-            if (b.micro_batch, b.chunk) == (w.micro_batch, w.chunk) and plain[b.chunk]:
-                whole.add((b.micro_batch, b.chunk))
-    return frozenset(whole)
