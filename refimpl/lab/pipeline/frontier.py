@@ -77,10 +77,10 @@ def shorthands() -> dict[str, Entry]:
 
 def zero_bubble_rows(p, m, v):
     """interleaved-zb by list scheduling with unit F = B = W (v = 1 gives schedules.zb_h1's table):
-    each rank keeps
-    (interleaved) 1F1B's F/B order; when its next F/B cannot start yet it runs the oldest pending W
-    instead, and it must run one first when the next action is a forward and it holds as many
-    micro-batch chunks as (interleaved) 1F1B's first rank ever does (the memory limit: p for v = 1)."""
+    each rank keeps (interleaved) 1F1B's F/B order; when its next F/B cannot start yet it runs the
+    oldest pending W instead, and it must run one first when the next action is a forward and it
+    holds as many micro-batch chunks as (interleaved) 1F1B's first rank ever does (the memory
+    limit: p for v = 1)."""
     warmup = [interleaved_warmup(p, s, v) for s in range(p)]
     fb = [alternate(interleaved_actions(p, m, v, "F"), interleaved_actions(p, m, v, "B"),
                     min(warmup[s], v * m))
