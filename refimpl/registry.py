@@ -25,9 +25,7 @@ class Entry:
 
 NAIVE = "refimpl.parallel.dp.naive:NaiveDataParallel"
 # pp-<name>: the schedule it runs (refimpl.parallel.pp.schedules)
-PIPELINE_SHORTHANDS = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved",
-                       "zb": "zb-h1", "interleaved-zb": "interleaved-zb", "zbv": "zbv",
-                       "dualpipev": "dualpipev"}
+PIPELINE_SHORTHANDS = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zb": "zb-h1"}
 
 
 class Names(Mapping):

@@ -5,6 +5,7 @@ The bubble is measured by replaying each table (pp_simulate), never restated fro
 import pandas as pd
 import pytest
 
+from refimpl.lab.measure.pp_replay import bubble_over_ideal
 from refimpl.lab.pipeline.simulate import (
     ScheduleError,
     check_table,
@@ -14,16 +15,15 @@ from refimpl.lab.pipeline.simulate import (
     simulated_bubble,
 )
 from refimpl.mesh import LayoutError
-from refimpl.parallel.pp.actions import parse_entry
-from refimpl.parallel.pp.backward import whole_backwards
-from refimpl.parallel.pp.schedules import SCHEDULES, bubble_fraction, bubble_over_ideal, schedule_table
+from refimpl.parallel.pp.runner import whole_backwards
+from refimpl.parallel.pp.schedules import bubble_fraction, parse_entry, schedule_table, schedules
 
 SIZES = [(2, 1), (2, 2), (2, 4), (3, 3), (3, 5), (4, 1), (4, 2), (4, 4), (4, 8), (8, 16)]
 
 
 def layouts():
     for p, m in SIZES:
-        for schedule in SCHEDULES:
+        for schedule in schedules():
             interleaved = schedule.startswith("interleaved")
             for v in ((1, 2, 3) if interleaved else (1,)):
                 if (not interleaved or m % p == 0) and (schedule != "dualpipev" or m >= 2 * p):
@@ -135,7 +135,7 @@ def test_gantt_has_one_bar_per_action():
 
 @pytest.mark.parametrize("p,m", [(2, 4), (3, 6), (4, 8), (4, 12), (8, 16)])
 def test_frontier_bubbles_order_as_the_theory_says(p, m):
-    bubble = {s: simulated_bubble(p, m, s, 2 if s.startswith("interleaved") else 1) for s in SCHEDULES}
+    bubble = {s: simulated_bubble(p, m, s, 2 if s.startswith("interleaved") else 1) for s in schedules()}
     # the B/W split removes most of 1F1B's bubble; on two chunks it shrinks twice again
     assert bubble["zbv"] < bubble["zb-h1"] < bubble["1f1b"]
     assert bubble["interleaved-zb"] < bubble["interleaved"] < bubble["1f1b"]

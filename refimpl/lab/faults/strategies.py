@@ -18,10 +18,10 @@ from refimpl.lab.faults.lost_rank import lose_this_rank
 from refimpl.model import lm_loss
 from refimpl.model.rmsnorm import RMSNorm
 from refimpl.parallel.dp.naive import NaiveDataParallel
-from refimpl.parallel.pp.actions import Action
 from refimpl.parallel.pp.links import Links
 from refimpl.parallel.pp.order import incoming
 from refimpl.parallel.pp.runner import run_schedule
+from refimpl.parallel.pp.schedules import Action
 from refimpl.parallel.tp.mappings import group_size
 from refimpl.parallel.tp.vocab import vocab_parallel_cross_entropy
 from refimpl.parallel.zero.stages import Zero1

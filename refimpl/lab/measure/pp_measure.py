@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from refimpl.lab.pipeline.posting import chosen_links
-from refimpl.lab.pipeline.simulate import TimedAction, dependencies, idle_fraction, simulate
+from refimpl.lab.pipeline.simulate import TimedAction, dependencies, flat, idle_fraction, simulate
 from refimpl.lab.trace.capture import StepProfiler
 from refimpl.launch import device_for
 from refimpl.memory import ActivationTracker
@@ -38,7 +38,6 @@ from refimpl.parallel.pp.schedules import (
     PAIR,
     Action,
     chunks_per_rank,
-    flat,
     placement,
     rank_of,
     schedule_table,

@@ -13,8 +13,14 @@ from __future__ import annotations
 import pandas as pd
 
 from refimpl.lab.pipeline.simulate import idle_fraction, simulate
-from refimpl.parallel.pp.actions import parse_entry
-from refimpl.parallel.pp.schedules import bubble_fraction, bubble_over_ideal, schedule_table
+from refimpl.parallel.pp.schedules import bubble_fraction, parse_entry, schedule_table
+
+
+def bubble_over_ideal(stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1) -> float:
+    """Narayanan et al. 2021's normalisation, bubble time / ideal time: f / (1 - f) for the
+    bubble_fraction f ((p-1)/m for gpipe and 1f1b); it can exceed 1."""
+    f = bubble_fraction(stages, micro_batches, schedule, virtual_stages)
+    return f / (1 - f)
 
 
 def equal_costs(schedule: str, virtual_stages: int = 1) -> dict:

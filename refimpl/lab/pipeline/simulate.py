@@ -14,14 +14,13 @@ from dataclasses import dataclass
 from refimpl.parallel.pp.order import ScheduleError, dependencies, n_pieces  # noqa: F401
 from refimpl.parallel.pp.schedules import (
     PAIR,
-    SPLIT_SCHEDULES,
     Action,
-    flat,
     parse_entry,
     piece_of,
     placement,
     rank_of,
     schedule_table,
+    schedules,
 )
 
 
@@ -32,6 +31,11 @@ class TimedAction:
     action: str
     start: float
     end: float
+
+
+def flat(row: list[str]) -> list[str]:
+    """A row with its pairs split into their actions, in the order the runner runs them."""
+    return [t for entry in row for t in entry.split(PAIR)]
 
 
 def _parse(table):
@@ -102,7 +106,7 @@ def simulated_bubble(stages: int, micro_batches: int, schedule: str, virtual_sta
     assumption), a chunk again 1/v of a stage."""
     table = schedule_table(stages, micro_batches, schedule, virtual_stages)
     v = 2 if schedule in ("zbv", "dualpipev") else virtual_stages
-    if schedule in SPLIT_SCHEDULES:
+    if schedules()[schedule].split:
         return idle_fraction(simulate(table, F=1 / v, B=1 / v, W=1 / v, where=placement(schedule)))
     return idle_fraction(simulate(table, F=1 / v, B=2 / v))
 
@@ -139,7 +143,7 @@ def check_table(table, stages: int, micro_batches: int, schedule: str, virtual_s
     the schedule's limit. (The order of messages is the runner's concern: `posting_order_mismatch`.)"""
     if len(table) != stages:
         raise ScheduleError(f"{len(table)} ranks in the table, {stages} stages expected")
-    kinds = "FBW" if schedule in SPLIT_SCHEDULES else "FB"
+    kinds = "FBW" if schedules()[schedule].split else "FB"
     v = 2 if schedule in ("zbv", "dualpipev") else virtual_stages
     want = sorted((k, mb, c) for k in kinds for mb in range(micro_batches) for c in range(v))
     for r, entries in enumerate(table):

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from refimpl.lab.pipeline.simulate import in_flight
-from refimpl.parallel.pp.actions import Action, flat
+from refimpl.lab.pipeline.simulate import flat, in_flight
+from refimpl.parallel.pp.schedules import Action
 
 
 def updates_between(row: list[str]) -> dict[int, int]:

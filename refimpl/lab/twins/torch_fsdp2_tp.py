@@ -44,8 +44,7 @@ from refimpl.lab.twins.torch_tp import TorchTensorParallel, check_plan
 from refimpl.mesh import LayoutError
 from refimpl.model import GPT, lm_loss
 from refimpl.model.activation_checkpointing import checkpoint_blocks
-from refimpl.parallel.pp.actions import SPLIT_SCHEDULES
-from refimpl.parallel.pp.schedules import chunks_per_rank, pipeline_schedule, placement
+from refimpl.parallel.pp.schedules import chunks_per_rank, pipeline_schedule, placement, schedules
 from refimpl.parallel.pp.stage import build_chunks
 from refimpl.placement import merge_stages
 from refimpl.rank_model import Pipeline, RankModel
@@ -79,7 +78,7 @@ class TorchFSDP2TP(TorchTensorParallel):
         if cfg.pp > 1:
             schedule = pipeline_schedule(cfg)
             check_torch_layout(cfg.pp, cfg.micro_batches, schedule, cfg.virtual_stages)
-            if schedule in SPLIT_SCHEDULES:
+            if schedules()[schedule].split:
                 raise LayoutError(f"strategy 'torch-fsdp2-tp' with the {schedule} schedule: PyTorch "
                                   "2.13's split backward (stage_backward_input / _weight) leaves "
                                   "FSDP2's gradients wrong (use gpipe, 1f1b or interleaved)")

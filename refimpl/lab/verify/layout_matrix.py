@@ -47,7 +47,7 @@ from refimpl.config import TrainConfig
 from refimpl.lab.verify.covering import constructed_cover, greedy_cover, tuples, without_redundant
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig
-from refimpl.parallel.pp.schedules import SCHEDULES
+from refimpl.parallel.pp.schedules import schedules
 from refimpl.registry import NAIVE, STRATEGIES, entry_of, strategy_class
 from refimpl.train import validate
 
@@ -103,7 +103,7 @@ def _schedules(layout: dict) -> tuple:
     """Every schedule, where there is a pipeline and the strategy does not name its own."""
     if not _pipelined(layout) or entry_of(layout["strategy"]).schedule:
         return ()
-    return SCHEDULES
+    return tuple(schedules())
 
 
 def _virtual(layout: dict) -> tuple:
@@ -414,7 +414,7 @@ PRECISION = NAMES.index("precision")
 DOMAINS: dict[str, tuple] = {
     "world": WORLDS, "strategy": COVER_STRATEGIES,
     "tp": AXIS_SIZES["tp"], "pp": AXIS_SIZES["pp"], "cp": AXIS_SIZES["cp"],
-    "schedule": SCHEDULES, "virtual_stages": (1, 2), "arch": ("gpt", "llama"), "experts": (0, 4),
+    "schedule": tuple(schedules()), "virtual_stages": (1, 2), "arch": ("gpt", "llama"), "experts": (0, 4),
     "balance": ("none", "aux", "bias"), "capacity_scope": ("batch", "sequence"),
     "ep": AXIS_SIZES["ep"], "sequence_parallel": (False, True), "checkpointing": (False, True),
     "micro_batches": (1, 2, 4, 8), "collectives": ("torch", "refimpl"),

@@ -1,16 +1,17 @@
-"""The pipeline's links: this rank's sends and receives of one step, in the step's one order.
+"""The pipeline's links: this rank's sends and receives of one step, posted in the step's one order.
 
     links = Links(group, table, where, m, shape, like)
     x = links.receive(action)        # the only wait of a rank: the pipeline's bubble
-    links.send(action, y)            # an isend: posting it never waits"""
+    links.send(action, y)            # an isend: posting it never waits
+"""
 from __future__ import annotations
 
 from functools import lru_cache
 
 import torch
 
-from refimpl.parallel.pp.actions import Action, parse_entry
 from refimpl.parallel.pp.order import incoming, n_pieces, outgoing, rank_order
+from refimpl.parallel.pp.schedules import Action, parse_entry
 from refimpl.seam import dist, phase
 
 KINDS = {"F": 0, "B": 1}      # an activation, a gradient
@@ -18,7 +19,7 @@ KINDS = {"F": 0, "B": 1}      # an activation, a gradient
 
 @lru_cache(maxsize=64)
 def step_plan(table: tuple, rank: int, where: str) -> tuple[int, list]:
-    """(pieces, this rank's operations in order): pure functions of the table, made once per table."""
+    """(pieces, this rank's operations in order), made once per table."""
     rows = [list(row) for row in table]
     return n_pieces([[parse_entry(e) for e in row] for row in rows]), rank_order(rows, rank, where)
 
@@ -29,7 +30,6 @@ class Links:
         self.group, self.where, self.m, self.shape = group, where, micro_batches, shape
         self.p = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
-        # received tensors take the parameters' dtype and device (bf16 when ZeRO-3 gathers in it)
         self.like = {} if like is None else {"dtype": like.dtype, "device": like.device}
         self.pieces, ops = step_plan(tuple(map(tuple, table)), self.rank, where)
         self.ops = [] if group is None else ops
@@ -38,7 +38,7 @@ class Links:
         self.begin()
 
     def begin(self) -> None:
-        """gloo: every receive of the step now, in order."""
+        """gloo: every receive of the step at once, in order."""
         if self.group is not None and dist.get_backend(self.group) == "gloo":
             for op in self.ops:
                 if not op[0]:

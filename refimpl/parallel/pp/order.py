@@ -1,28 +1,26 @@
-"""A step's messages, and the one order in which every rank posts them.
+"""The one order in which every rank posts a step's messages (NCCL needs it: NVIDIA/nccl#479, #784).
 
-A message is (kind, micro-batch, piece): the activation an F sends to piece k+1, or the gradient a
-B sends to piece k-1, named by the piece that receives it. NCCL pairs the k-th send from a to b with
-b's k-th receive from a and may hold a send until its receive starts (NVIDIA/nccl#479): posting
-every send and receive one at a time in the order the table produces the messages cannot hang
-(jbachan, NVIDIA/nccl#784: point-to-point in one global order is as safe as collectives in one).
+A message is (kind, micro-batch, piece): what an F sends to piece k+1 or a B to piece k-1, named by
+the piece that receives it. Every rank posts its sends and receives in the order a unit-time replay
+of the table produces the messages, so the k-th send from a to b meets b's k-th receive from a.
 """
 from __future__ import annotations
 
-from refimpl.parallel.pp.actions import Action, parse_entry, piece_of, rank_of
+from refimpl.parallel.pp.schedules import Action, parse_entry, piece_of, rank_of
 
 
 class ScheduleError(ValueError):
-    """A table that is not a valid pipeline schedule; the message names the first violation."""
+    """A table that is not a valid pipeline schedule."""
 
 
 def n_pieces(rows) -> int:
-    """Pieces (virtual stages) of a table parsed into entries of actions: p times the chunks."""
+    """Pieces (virtual stages) of a parsed table: p times the chunks."""
     return len(rows) * (1 + max((a.chunk for row in rows for e in row for a in e), default=0))
 
 
 def dependencies(a: Action, rank: int, p: int, pieces: int, where: str = "loop") -> list[tuple]:
-    """(kind, micro-batch, piece) of the actions `a` waits for: F the activation, B the gradient
-    (or, on the last piece, the loss) and its own F, W its own B."""
+    """(kind, micro-batch, piece) of what `a` waits for: F the activation, B the gradient (the
+    loss on the last piece) and its own F, W its own B."""
     k = piece_of(rank, a.chunk, p, where)
     if a.kind == "F":
         return [("F", a.micro_batch, k - 1)] if k > 0 else []
@@ -48,9 +46,8 @@ def incoming(a: Action, rank: int, p: int, pieces: int, where: str = "loop"):
 
 
 def unit_replay(table, where: str = "loop") -> list[tuple[int, int, Action]]:
-    """(end time, rank, action) of every action, each taking one unit and starting as soon as its
-    rank is free and what it waits for has ended (a pair "F&B": both inputs, then F, then B), in
-    the order the replay reaches them. Raises ScheduleError where every rank would wait forever."""
+    """(end time, rank, action) of every action, each taking one unit and starting once its rank
+    is free and its inputs exist (a pair: both inputs). Raises ScheduleError on a deadlock."""
     rows = [[parse_entry(e) for e in row] for row in table]
     p, pieces = len(rows), n_pieces(rows)
     end, nxt, free, out = {}, [0] * p, [0] * p, []
@@ -75,9 +72,7 @@ def unit_replay(table, where: str = "loop") -> list[tuple[int, int, Action]]:
 
 def global_order(table, where: str = "loop") -> list[tuple[int, int, tuple]]:
     """Every message between two ranks as (sender, receiver, message), in the order the replay
-    produces them (ties by sender, then the replay's order). The earliest message not yet through
-    then always has both ends at the head of their streams: its sender produced it from earlier
-    messages, and its receiver posted everything before it."""
+    produces them (ties by sender, then the replay's order)."""
     p = len(table)
     pieces = n_pieces([[parse_entry(e) for e in row] for row in table])
     made = []

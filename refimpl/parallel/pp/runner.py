@@ -1,7 +1,9 @@
 """Pipeline parallelism: one runner for every schedule table (seed 000, sec. 3.4).
 
-    table = schedule_table(p, m, "1f1b")                                # refimpl.parallel.pp.schedules
+    table = schedule_table(p, m, "1f1b")
     loss = run_schedule(chunks, table, batch.micro_batches(m), group)   # the mean loss, last stage
+
+F: receive, forward, send. B: receive, backward, send. W (zero bubble's split): the weights' gradients.
 """
 from __future__ import annotations
 
@@ -11,32 +13,29 @@ import torch
 
 from refimpl.model import Batch, lm_loss
 from refimpl.model.moe import moe_aux_loss
-from refimpl.parallel.pp.backward import SplitBackward, WholeBackward
 from refimpl.parallel.pp.links import Links
 
-# schedule_table and bubble_fraction: DESIGN's contract names them here (refimpl.parallel.pp.runner).
+# schedule_table and bubble_fraction: DESIGN's contract names them here.
 from refimpl.parallel.pp.schedules import Action, bubble_fraction, parse_entry, schedule_table  # noqa: F401
+from refimpl.parallel.pp.zero_bubble import WeightGradRecord, chunk_layers, record_weight_grads
 from refimpl.seam import dist, phase
 
 
 def run_schedule(chunks: list, table: list[list[str]], micro: list[Batch], group, *,
                  divisor: int = 1, autocast=nullcontext, loss_fn=lm_loss, where: str = "loop",
                  links=Links) -> torch.Tensor | None:
-    """Run this rank's row of `table` (the whole table: row r is pp rank r's) on `micro`,
-    accumulating the gradients of loss / `divisor` into the chunks' parameters. Returns this
-    rank's part of the mean loss (StepLoss.total). `where`: the chunks' placement
-    (schedules.placement); `links`: how the messages are posted (Links, or a lab variant)."""
+    """Run this rank's row of `table` on `micro`, accumulating the gradients of loss / `divisor`;
+    returns this rank's part of the mean loss. `where`: the placement; `links`: Links or a variant."""
     rank = 0 if group is None else dist.get_rank(group)
     row = [parse_entry(e) for e in table[rank]]
-    split = SplitBackward(chunks, row) if any(a.kind == "W" for e in row for a in e) else WholeBackward()
 
-    def shape(mb: int):     # under sequence parallelism s/t tokens travel between stages
+    def shape(mb: int):
         rows, seq = micro[mb].inputs.shape
         return (rows, seq // chunks[0].seq_split, chunks[0].d_model)
 
     step = PipelineStep(chunks, micro, links(group, table, where, len(micro), shape,
                                              next(chunks[0].parameters(), None)),
-                        StepLoss(len(micro), divisor, loss_fn, autocast), split)
+                        StepLoss(len(micro), divisor, loss_fn, autocast), Backward(chunks, row))
     run = {"F": step.forward, "B": step.backward, "W": step.weights}
     for entry in row:
         for a in entry:
@@ -48,7 +47,7 @@ def run_schedule(chunks: list, table: list[list[str]], micro: list[Batch], group
 class PipelineStep:
     """One step of a rank's row: the actions F, B, W and what they keep in between."""
 
-    def __init__(self, chunks, micro: list[Batch], links, loss: StepLoss, split):
+    def __init__(self, chunks, micro: list[Batch], links, loss: StepLoss, split: Backward):
         self.chunks, self.micro, self.links, self.loss, self.split = chunks, micro, links, loss, split
         self.saved = {}         # (micro-batch, chunk) -> (its input, what B backpropagates, kept)
 
@@ -79,10 +78,57 @@ class PipelineStep:
             self.split.weights(a)
 
 
+class Backward:
+    """B and W: one whole backward, or under a table with W's zero bubble's split (Qi et al. 2023):
+    B the input gradient only, W the weights' (a B its own W follows at once stays whole)."""
+
+    def __init__(self, chunks: list, row: list[list[Action]]):
+        split = any(a.kind == "W" for entry in row for a in entry)
+        self.layers = [chunk_layers(c) for c in chunks] if split else []
+        self.whole = whole_backwards(row, [cl.plain for cl in self.layers]) if split else None
+        self.records: dict = {}
+
+    def is_whole(self, a: Action) -> bool:
+        return self.whole is None or (a.micro_batch, a.chunk) in self.whole
+
+    def recording(self, a: Action, chunk):
+        if self.is_whole(a):
+            return nullcontext([])
+        self.records[(a.micro_batch, a.chunk)] = record = WeightGradRecord()
+        return record_weight_grads(chunk, record, self.layers[a.chunk])
+
+    def backward(self, a: Action, out, grad, x, kept):
+        if self.is_whole(a):
+            torch.autograd.backward(out, grad)
+            return None if x is None else x.grad
+        if x is not None:
+            return torch.autograd.grad(out, [x], grad)[0]
+        for (entry, _), g in zip(kept, torch.autograd.grad(out, [t for _, t in kept], grad)):
+            entry[2] = g
+        return None
+
+    def weights(self, a: Action) -> None:
+        record = self.records.pop((a.micro_batch, a.chunk), None)
+        if record is not None:      # none when its B was whole
+            record.apply()
+
+
+def whole_backwards(entries: list[list[Action]], plain: list[bool]) -> frozenset:
+    """The (micro-batch, chunk) whose B is followed at once by its own W, on a chunk that may take
+    a plain backward: one whole backward does both."""
+    whole = set()
+    for entry, after in zip(entries, entries[1:]):
+        b = entry[-1]               # a pair (F&B) runs its B last
+        if len(after) == 1 and (b.kind, after[0].kind) == ("B", "W"):
+            w = after[0]
+            if (b.micro_batch, b.chunk) == (w.micro_batch, w.chunk) and plain[b.chunk]:
+                whole.add((b.micro_batch, b.chunk))
+    return frozenset(whole)
+
+
 class StepLoss:
-    """The step's loss, one micro-batch at a time: each micro-batch's loss (the last piece's
-    `loss_fn` plus every piece's `aux_loss`) scaled by 1/m, backpropagated as loss / `divisor`.
-    `total`: this rank's part of the mean loss (float64, on the device; None if it holds none)."""
+    """Each micro-batch's loss (the last piece's `loss_fn` plus every piece's `aux_loss`) over m,
+    backpropagated as loss / `divisor`; `total`: this rank's part of the mean loss (float64)."""
 
     def __init__(self, m: int, divisor: int = 1, loss_fn=lm_loss, autocast=nullcontext,
                  aux_loss=moe_aux_loss):
@@ -108,9 +154,7 @@ class StepLoss:
 
 
 class WithLoss(torch.autograd.Function):
-    """`out` unchanged, and `loss` backpropagated with it: a middle piece's own loss term (its MoE
-    layers' aux loss) reaches its weights through the output's backward (Megatron's
-    MoEAuxLossAutoScaler does the same)."""
+    """`out` unchanged, with `loss` backpropagated beside it: a middle piece's MoE aux loss."""
 
     @staticmethod
     def forward(ctx, out, loss):
@@ -125,8 +169,7 @@ class WithLoss(torch.autograd.Function):
 
 def pipeline_forward_backward(stage, micro: list[Batch], *, divisor: int = 1,
                               autocast=nullcontext, loss_fn=lm_loss, links=Links) -> torch.Tensor:
-    """The step runner's pipeline (RankModel.pipeline.run): `stage` is a PipelineStageModel;
-    returns this rank's part of the mean loss, zero where it holds none."""
+    """The step's pipeline (RankModel.pipeline.run) on a PipelineStageModel; zero where no loss."""
     loss = run_schedule(stage.chunks, stage.table, micro, stage.group, divisor=divisor,
                         autocast=autocast, loss_fn=loss_fn, where=stage.where, links=links)
     device = micro[0].inputs.device

@@ -1,9 +1,8 @@
 """Cutting the GPT into pipeline stages (seed 000, sec. 3.4: 스테이지 / partition).
 
-embedding -> blocks -> final_norm -> lm_head is cut into p*v pieces of whole blocks; piece k lives
-on rank k % p as its chunk k // p (Narayanan et al. 2021), or on a V (zbv, dualpipev) rank r holds
-pieces r and 2p-1-r. Each piece keeps the reference's parameter names, so the full state dict is
-the union of every stage's.
+embedding -> blocks -> final_norm -> lm_head is cut into p*v pieces of whole blocks; rank r holds
+the pieces schedules.piece_of names (round-robin: piece c*p + r as its chunk c). Each piece keeps
+the reference's parameter names, so the full state dict is the union of every stage's.
 """
 from __future__ import annotations
 
@@ -20,13 +19,14 @@ from refimpl.parallel.pp.schedules import (
     piece_of,
     pipeline_schedule,
     placement,
+    rank_of,
     schedule_table,
 )
 
 
 def partition(n_blocks: int, pieces: int) -> list[range]:
-    """Consecutive block ranges, as equal as whole blocks allow; the earlier pieces take the extra
-    ones, since the last piece also carries final_norm, lm_head and the loss (e.g. 4 over 3: 2, 1, 1)."""
+    """Consecutive block ranges, as equal as whole blocks allow, the extra ones first (the last
+    piece also carries the head and the loss): 4 blocks over 3 pieces -> 2, 1, 1."""
     if pieces > n_blocks:
         raise LayoutError(f"{pieces} pipeline pieces (stages x virtual stages) need at least as many "
                           f"transformer blocks; the model has {n_blocks}")
@@ -45,9 +45,7 @@ class StageChunk(nn.Module):
         if model.cfg.tie_embeddings and not (first and last):
             raise LayoutError("pipeline parallelism here needs untied embeddings (tie_embeddings=False)")
         self.d_model = model.cfg.d_model
-        # Under sequence parallelism (tp.parallelize) the residual stream between blocks holds
-        # s/t tokens per rank, so that is what travels between stages: seq_split = t.
-        self.seq_split = seq_split
+        self.seq_split = seq_split      # under sequence parallelism s/t tokens travel between stages
         self.is_first, self.is_last = first, last
         self.embed = model.embed if first else None
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
@@ -66,8 +64,7 @@ class StageChunk(nn.Module):
 
 def build_chunks(model: GPT, stages: int, stage: int, virtual_stages: int = 1,
                  seq_split: int = 1, where: str = "loop") -> list[StageChunk]:
-    """This rank's chunks, chunk c being piece piece_of(stage, c) (c*stages + stage, or on a V).
-    The rest of `model` is dropped."""
+    """This rank's chunks, chunk c being piece piece_of(stage, c); the rest of `model` is dropped."""
     pieces = stages * virtual_stages
     ranges = partition(len(model.blocks), pieces)
     mine = [piece_of(stage, c, stages, where) for c in range(virtual_stages)]
@@ -76,12 +73,9 @@ def build_chunks(model: GPT, stages: int, stage: int, virtual_stages: int = 1,
 
 
 class PipelineStageModel(nn.Module):
-    """This rank's whole share of a pipeline: its chunks, as one module with the reference's
-    parameter names (so data-parallel wrapping, the optimizer, memory accounting and the full-state
-    gather treat it like any model), plus what the step needs: the chunks in order, this rank's
-    row of the schedule table and the pp group. Its own forward is not the pipeline: the step runs
-    `refimpl.parallel.pp.runner.pipeline_forward_backward` instead (the transforms hand it to the
-    step as `RankModel.pipeline`)."""
+    """This rank's chunks as one module with the reference's parameter names, plus what the step
+    needs: the chunks in order, the whole table (row `stage` is this rank's) and the pp group. The
+    step runs it with runner.pipeline_forward_backward, never forward()."""
 
     def __init__(self, chunks: list[StageChunk], table: list[list[str]], stage: int, group,
                  schedule: str, loss_stage: int):
@@ -92,17 +86,13 @@ class PipelineStageModel(nn.Module):
         self.final_norm = last.final_norm if last else None
         self.lm_head = last.lm_head if last else None
         self.chunks = list(chunks)       # a plain list: the modules are registered once, above
-        # the whole table, not this rank's row alone: the runner derives its posting order from it
         self.table, self.actions = table, table[stage]
         self.group, self.schedule, self.where = group, schedule, placement(schedule)
-        self.loss_stage = loss_stage      # the stage holding the last piece (RankModel.pipeline)
+        self.loss_stage = loss_stage      # the stage holding the last piece
 
     def gradient_accumulations(self) -> dict[str, int]:
-        """Parameter name -> how many times one step of this rank's row accumulates its gradient:
-        once per backward of its chunk (its B's; its W's under a split schedule, whose B
-        computes only the input gradient): m for every table schedule_table makes, read off the
-        row all the same. What the bucketed `dp` counts down to know when a gradient is final
-        (refimpl.parallel.dp.bucketed)."""
+        """Parameter name -> how often one step accumulates its gradient (its chunk's B's, or W's
+        under a split table): what the bucketed dp counts down to know a gradient is final."""
         actions = [a for entry in self.actions for a in parse_entry(entry)]
         kind = "W" if any(a.kind == "W" for a in actions) else "B"
         per_chunk = Counter(a.chunk for a in actions if a.kind == kind)
@@ -114,9 +104,7 @@ class PipelineStageModel(nn.Module):
 
 
 def split_for_pipeline(model: GPT, ctx, seq_split: int = 1) -> PipelineStageModel:
-    """The pipeline transform (refimpl.compose.transforms): this rank's stage of `model` on the
-    mesh's pp axis, with its row of the schedule table (validated before launch by
-    refimpl.parallel.pp.validate.validate_pipeline)."""
+    """The pipeline transform: this rank's stage of `model` on the mesh's pp axis."""
     cfg, mesh = ctx.cfg, ctx.mesh
     p, stage = mesh.size("pp"), mesh.index("pp")
     schedule = pipeline_schedule(cfg)
@@ -124,4 +112,4 @@ def split_for_pipeline(model: GPT, ctx, seq_split: int = 1) -> PipelineStageMode
     chunks = build_chunks(model, p, stage, v, seq_split, where)
     table = schedule_table(p, cfg.micro_batches, schedule, v)
     return PipelineStageModel(chunks, table, stage, mesh.group("pp"), schedule,
-                              0 if where == "v" else p - 1)   # a V ends on rank 0
+                              loss_stage=rank_of(p * v - 1, p, where))

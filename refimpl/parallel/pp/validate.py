@@ -1,25 +1,14 @@
-"""A pipeline's layout constraints, checked in the launching process, one line each.
-
-The pipeline is an axis: `--pp P` (or a `pp-<schedule>` shorthand: dp-naive with the whole world on
-pp) puts P stages on the grid, and the data-parallel flavour on the dp axis runs over each stage.
-"""
+"""A pipeline's layout constraints, checked in the launching process, one line each."""
 from __future__ import annotations
 
 from refimpl.config import TrainConfig
 from refimpl.mesh import LayoutError
-from refimpl.parallel.pp.schedules import (
-    SPLIT_SCHEDULES,
-    check_layout,
-    chunks_per_rank,
-    pipeline_schedule,
-)
+from refimpl.parallel.pp.schedules import check_layout, chunks_per_rank, pipeline_schedule, schedules
 from refimpl.parallel.pp.stage import partition
 
 
 def validate_pipeline(cfg: TrainConfig, strategy) -> None:
-    """`strategy`: the class that runs the layout; it must say it runs on a pipeline's stages
-    (Strategy.on_a_pipeline: our data-parallel flavours, whose sync and W path know the stages,
-    and PyTorch's pipelining twins)."""
+    """`strategy`: the class that runs the layout; it must run on a pipeline's stages."""
     v = cfg.virtual_stages
     if cfg.pp == 1:
         if v != 1 or cfg.schedule:
@@ -34,5 +23,5 @@ def validate_pipeline(cfg: TrainConfig, strategy) -> None:
     partition(cfg.model.n_layers, cfg.pp * chunks_per_rank(schedule, v))
     if cfg.model.tie_embeddings:
         raise LayoutError("--pp needs untied embeddings: the head and the embedding sit on different stages")
-    if schedule in SPLIT_SCHEDULES and cfg.activation_checkpointing:
+    if schedules()[schedule].split and cfg.activation_checkpointing:
         raise LayoutError(f"{schedule} records each layer's input for the deferred W: not with --checkpointing")

@@ -1,4 +1,7 @@
-"""Zero bubble's split of the backward into B (input gradient) and W (weight gradient)."""
+"""Zero bubble's split of the backward (Qi et al. 2023): B the input gradient, W the weights'.
+
+F records each layer's input X and B its output gradient dY; W computes dA = dY^T X later.
+"""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -17,12 +20,6 @@ from refimpl.placement import is_resharded
 WEIGHT_LAYERS = (nn.Linear, nn.LayerNorm, RMSNorm, nn.Embedding)
 
 
-def watches_its_matmul(module: nn.Module) -> bool:
-    """A linear whose matmul is not its forward (tensor parallelism's, refimpl.model.WatchedLinear):
-    it reports the matmul's X and Y and owns its weight-gradient formula."""
-    return isinstance(module, WatchedLinear)
-
-
 class WeightGradRecord:
     """The [module, X, dY] entries of one micro-batch on one chunk, filled during F and B."""
 
@@ -32,8 +29,8 @@ class WeightGradRecord:
         self.whole: list = []                # the first piece: [(its output, [.., .., dY])]
 
     def apply(self) -> None:
-        """W: each weight gradient into .grad, blocks last first (a plain backward's order), a
-        layer run twice summed first; one autograd call per block (each call has a start-up cost)."""
+        """W: the weight gradients into .grad, last block first, a layer run twice summed first;
+        one autograd call per block."""
         for out, entry in self.whole:
             torch.autograd.backward(out, entry[2])
         self.whole.clear()
@@ -63,7 +60,7 @@ class WeightGradRecord:
 
 @dataclass(frozen=True)
 class ChunkLayers:
-    """What `record_weight_grads` hooks on a chunk (found once per step, not per forward)."""
+    """What `record_weight_grads` hooks on a chunk (found once per step)."""
     hooked: tuple          # layers of WEIGHT_LAYERS, each given a forward hook
     watched: tuple         # tensor-parallel linears, which report their matmul
     block_of: dict         # id(module) -> its block
@@ -74,12 +71,12 @@ class ChunkLayers:
 def chunk_layers(chunk: nn.Module) -> ChunkLayers:
     """The layers of `chunk` that W covers; raises if a trainable parameter is in none of them."""
     layers = [(name, m) for name, m in chunk.named_modules()
-              if isinstance(m, WEIGHT_LAYERS) or watches_its_matmul(m)]
+              if isinstance(m, (*WEIGHT_LAYERS, WatchedLinear))]
     _check_covered(chunk, [m for _, m in layers])
     plain = (not any(isinstance(m, MoEMLP) for m in chunk.modules())
              and not any(is_resharded(p) for p in chunk.parameters()))
-    return ChunkLayers(hooked=tuple(m for _, m in layers if not watches_its_matmul(m)),
-                       watched=tuple(m for _, m in layers if watches_its_matmul(m)),
+    return ChunkLayers(hooked=tuple(m for _, m in layers if not isinstance(m, WatchedLinear)),
+                       watched=tuple(m for _, m in layers if isinstance(m, WatchedLinear)),
                        block_of={id(m): ".".join(name.split(".")[:2]) for name, m in layers},
                        plain=plain, whole=plain and any(isinstance(m, nn.Embedding) for _, m in layers))
 
@@ -94,8 +91,7 @@ def _keep(entry: list, y: torch.Tensor) -> None:
 @contextmanager
 def record_weight_grads(chunk: nn.Module, record: WeightGradRecord, layers: ChunkLayers | None = None):
     """Fill `record` during one forward of `chunk`. Yields the (entry, tensor) pairs whose gradient
-    B must compute and store in entry[2]: the embeddings' outputs, or on a first piece taking the
-    whole backward in W, the chunk's output."""
+    B stores in entry[2]: the embeddings' outputs, or the output of a first piece whose W is whole."""
     layers = chunk_layers(chunk) if layers is None else layers
     kept, outputs = [], []
 
@@ -147,7 +143,7 @@ def weight_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> list[t
     dy = dy.to(dtype)
     x = x if isinstance(module, nn.Embedding) else x.to(dtype)
     with torch.no_grad():
-        if watches_its_matmul(module):
+        if isinstance(module, WatchedLinear):
             return module.weight_grads(x, dy)
         if isinstance(module, nn.Linear):
             dy2 = dy.reshape(-1, dy.shape[-1])

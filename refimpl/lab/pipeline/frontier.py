@@ -1,40 +1,89 @@
-"""The frontier schedules: the B/W split on interleaved chunks, and the two V schedules.
+"""The frontier schedules, a plug-in of the core's table (refimpl.parallel.pp.schedules): the B/W
+split on interleaved chunks (interleaved-zb), and the two V schedules (zbv, dualpipev).
 
     schedule_table(2, 4, "zbv")[0]        -> ["F0.0", "F1.0", "F2.0", "F0.1", "B0.1", "W0.1", ...]
-    schedule_table(2, 4, "dualpipev")[0]  -> [..., "F3.0&B1.1", "W1.1", "F2.1&B0.0", ...]"""
+    schedule_table(2, 4, "dualpipev")[0]  -> [..., "F3.0&B1.1", "W1.1", "F2.1&B0.0", ...]
+
+Entry points (pyproject.toml): "refimpl.schedules" (`schedules`), "refimpl.placements"
+(`placements`: the V) and "refimpl.strategies" (`shorthands`: pp-interleaved-zb, pp-zbv,
+pp-dualpipev).
+"""
 from __future__ import annotations
 
-from refimpl.parallel.pp.actions import (
+from refimpl.mesh import LayoutError
+from refimpl.parallel.pp.schedules import (
     PAIR,
     Action,
-    _interleaved,
-    _one_f_one_b,
+    Schedule,
+    alternate,
+    interleaved_actions,
     interleaved_warmup,
+    multiple_of_stages,
     piece_of,
 )
+from refimpl.registry import NAIVE, Entry
+
+FRONTIER = ("interleaved-zb", "zbv", "dualpipev")
 
 
-def frontier_table(p: int, m: int, schedule: str, v: int) -> list[list[str]]:
-    """schedules.schedule_table's rows for interleaved-zb, zbv and dualpipev."""
-    if schedule == "interleaved-zb":
-        rows = zero_bubble_rows(p, m, v)
-    elif schedule == "zbv":
-        rows = [_zbv_rank(p, m, r) for r in range(p)]
-    else:
-        rows = [_dualpipev_rank(p, m, r) for r in range(p)]
+def v_shape(rank: int, chunk: int, p: int) -> int:
+    """The V (zbv, dualpipev): rank r holds pieces r and 2p-1-r, so the first and last sit on rank 0."""
+    return rank if chunk == 0 else 2 * p - 1 - rank
+
+
+def _texts(rows) -> list[list[str]]:
     return [[PAIR.join(a.text(True) for a in entry) for entry in row] for row in rows]
+
+
+def _two_chunks(p: int, m: int, v: int, name: str) -> None:
+    if v not in (1, 2):
+        raise LayoutError(f"{name} places exactly two chunks per rank (a V): --virtual-stages "
+                          f"must be 1 or 2, not {v}")
+
+
+def _dualpipev_check(p: int, m: int, v: int) -> None:
+    _two_chunks(p, m, v, "dualpipev")
+    if m < 2 * p:
+        raise LayoutError(f"dualpipev needs micro-batches ({m}) >= 2 x stages ({2 * p}): its "
+                          "steady state pairs a forward with a backward")
+
+
+def schedules() -> dict[str, Schedule]:
+    """The entry point "refimpl.schedules": the frontier's rows, bubbles and checks."""
+    return {
+        "interleaved-zb": Schedule(lambda p, m, v: _texts(zero_bubble_rows(p, m, v)),
+                                   lambda p, m, v: (p - 1) / (3 * v * m + p - 1),
+                                   multiple_of_stages, chunks=None, split=True),
+        "zbv": Schedule(lambda p, m, v: _texts([_zbv_rank(p, m, r) for r in range(p)]),
+                        lambda p, m, v: (p - 1) / (6 * m + p - 1),
+                        lambda p, m, v: _two_chunks(p, m, v, "zbv"), chunks=2, split=True, placement="v"),
+        "dualpipev": Schedule(lambda p, m, v: _texts([_dualpipev_rank(p, m, r) for r in range(p)]),
+                              lambda p, m, v: p / (6 * m + p) if p > 1 else 0.0,
+                              _dualpipev_check, chunks=2, split=True, placement="v"),
+    }
+
+
+def placements() -> dict:
+    """The entry point "refimpl.placements"."""
+    return {"v": v_shape}
+
+
+def shorthands() -> dict[str, Entry]:
+    """The entry point "refimpl.strategies": pp-<schedule>, dp-naive with the world on pp."""
+    return {f"pp-{s}": Entry(NAIVE, axis="pp", schedule=s) for s in FRONTIER}
 
 
 # --- zero bubble (zb-h1: v = 1; interleaved-zb): list scheduling of the W's -------------------------
 
 def zero_bubble_rows(p, m, v):
     """interleaved-zb by list scheduling with unit F = B = W (v = 1 gives schedules.zb_h1's table):
-    each rank keeps
-    (interleaved) 1F1B's F/B order; when its next F/B cannot start yet it runs the oldest pending W
-    instead, and it must run one first when the next action is a forward and it holds as many
-    micro-batch chunks as (interleaved) 1F1B's first rank ever does (the memory limit: p for v = 1)."""
+    each rank keeps (interleaved) 1F1B's F/B order; when its next F/B cannot start yet it runs the
+    oldest pending W instead, and it must run one first when the next action is a forward and it
+    holds as many micro-batch chunks as (interleaved) 1F1B's first rank ever does (the memory
+    limit: p for v = 1)."""
     warmup = [interleaved_warmup(p, s, v) for s in range(p)]
-    fb = [_one_f_one_b(_interleaved(p, m, v, "F"), _interleaved(p, m, v, "B"), min(warmup[s], v * m))
+    fb = [alternate(interleaved_actions(p, m, v, "F"), interleaved_actions(p, m, v, "B"),
+                    min(warmup[s], v * m))
           for s in range(p)]
     limit = min(warmup[0], v * m) + 1          # interleaved 1F1B's first rank: its peak in flight
     n_pieces = p * v
