@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pandas as pd
 
 from refimpl.comm.halving_doubling import bytes_on_critical_path, messages_per_rank
 from refimpl.cost.collective_bytes import bytes_per_rank_factor
@@ -89,33 +88,3 @@ def fit_alpha_beta(sizes_bytes, seconds) -> tuple[float, float]:
 def predict_seconds(alpha: float, beta: float, sizes_bytes) -> np.ndarray:
     """The fitted line T = alpha + M / beta at each size."""
     return alpha + np.asarray(sizes_bytes, dtype=float) / beta
-
-
-def fit_error(sizes_bytes, seconds, alpha: float, beta: float) -> dict:
-    """How well the fitted line explains the data: R^2 of log T, median and worst relative error."""
-    t = np.asarray(seconds, dtype=float)
-    p = predict_seconds(alpha, beta, sizes_bytes)
-    rel = np.abs(p - t) / t
-    lt, lp = np.log(t), np.log(p)
-    ss_res, ss_tot = float(np.sum((lt - lp) ** 2)), float(np.sum((lt - lt.mean()) ** 2))
-    return {"r2_log": 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
-            "median_rel_err": float(np.median(rel)), "max_rel_err": float(np.max(rel))}
-
-
-def fit_table(sweep_df: pd.DataFrame) -> pd.DataFrame:
-    """One alpha-beta fit per (impl, op, world_size) of a sweep (refimpl.lab.measure.bench.sweep), with
-    its error."""
-    rows = []
-    for (impl, op, n), g in sweep_df.groupby(["impl", "op", "world_size"], sort=False):
-        alpha, beta = fit_alpha_beta(g.size_bytes, g.time_s)
-        rows.append({"impl": impl, "op": op, "world_size": n, "alpha_s": alpha,
-                     "beta_bytes_per_s": beta, **fit_error(g.size_bytes, g.time_s, alpha, beta)})
-    return pd.DataFrame(rows)
-
-
-def with_predictions(sweep_df: pd.DataFrame, fits: pd.DataFrame) -> pd.DataFrame:
-    """The sweep plus each row's model time `predicted_s` (for predicted-vs-measured plots)."""
-    df = sweep_df.merge(fits[["impl", "op", "world_size", "alpha_s", "beta_bytes_per_s"]],
-                        on=["impl", "op", "world_size"])
-    df["predicted_s"] = predict_seconds(df.alpha_s, df.beta_bytes_per_s, df.size_bytes)
-    return df.drop(columns=["alpha_s", "beta_bytes_per_s"])

@@ -16,9 +16,9 @@ import torch.nn as nn
 
 from refimpl.config import TrainConfig
 from refimpl.cost.collective_bytes import wire_bytes
+from refimpl.lab.instrument.activations import measure_block_activations
 from refimpl.lab.instrument.labels import CommLog
 from refimpl.launch import device_for
-from refimpl.memory import measure_block_activations
 from refimpl.model import Block, GPTConfig, build_model, lm_loss, synthetic_batch
 from refimpl.parallel.tp.attention import ParallelGroupedAttention, ParallelSelfAttention
 from refimpl.parallel.tp.blocks import ParallelMLP
