@@ -1,7 +1,5 @@
-"""What one accelerator and its links can do: the one table of GPU datasheet numbers.
-
-Each preset: dense bf16 peak (the "with sparsity" figure halved), HBM capacity as nvidia-smi
-reports it, HBM bandwidth, NVLink per direction (25 GB/s a link) and one InfiniBand NIC per GPU."""
+"""The one table of GPU datasheet numbers: dense bf16 peak ("with sparsity" halved), HBM capacity
+(as nvidia-smi reports it) and bandwidth, NVLink and one InfiniBand NIC per GPU, per direction."""
 from __future__ import annotations
 
 from dataclasses import dataclass

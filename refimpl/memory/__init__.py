@@ -6,17 +6,14 @@ from refimpl.memory.arithmetic import (  # noqa: F401
     ModelStateBytes,
     activation_bytes_per_layer,
     block_activation_bytes,
-    llama_block_activation_bytes,
     model_state_bytes,
     shard_numel,
     sharded_state_bytes,
     tp_block_activation_bytes,
-    training_days,
     training_flops,
     zero_state_bytes,
 )
 from refimpl.memory.measured import (  # noqa: F401
-    ActivationTracker,
     measured_model_state,
     optimizer_state_tensors,
     per_element,
