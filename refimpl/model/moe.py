@@ -152,7 +152,7 @@ def update_expert_bias(model: nn.Module) -> None:
         layer.update_bias()
 
 
-# --- what the launching process checks ----------------------------------------------------------------
+# --- what the launching process checks --------------------------------------------------------------
 
 BALANCE = ("aux", "bias", "none")
 SCOPES = ("batch", "sequence")       # capacity_scope: what C and the aux loss's f_i count over
