@@ -2,17 +2,18 @@
 initial states and records reach the loop through this one record, never through the loop's code.
 
 `LoopExtras` is the plain loop's: it adds nothing. A plug-in registered under the entry-point group
-"refimpl.loop" replaces it (refimpl/lab/loop.py); the loop calls the same five methods either way.
+"refimpl.loop" replaces it (refimpl/lab/loop.py); the loop calls the same six methods either way.
 """
 from __future__ import annotations
 
 import contextlib
 from functools import cache
 from importlib.metadata import entry_points
+from types import SimpleNamespace
 
 
 class LoopExtras:
-    """The loop's five hooks, for one rank's run of `cfg`."""
+    """The loop's six hooks, for one rank's run of `cfg`."""
 
     first: int = 0                 # the step the run starts at (a resumed run: its checkpoint's)
     losses: tuple = ()             # the losses of the steps before it
@@ -36,6 +37,11 @@ class LoopExtras:
         """A context around the steps; it yields `on_step(step, losses)`, called after each with
         the losses so far."""
         return contextlib.nullcontext(lambda step, losses: None)
+
+    def measure_step(self, strategy):
+        """A context around one step, yielding what has `peak`: the bytes autograd saved for
+        backward (none measured here; the lab's count them)."""
+        return contextlib.nullcontext(SimpleNamespace(peak=0))
 
     def finish(self, strategy, result: dict) -> None:
         """The rank's result, once the steps are done: fields to add."""

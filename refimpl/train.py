@@ -15,7 +15,6 @@ from refimpl import launch
 from refimpl.compose.transforms import model_parallel, validate_model_parallel
 from refimpl.config import RunContext, TrainConfig
 from refimpl.loop_extras import extras_class
-from refimpl.memory import ActivationTracker
 from refimpl.mesh import LayoutError, Mesh
 from refimpl.model import build_model, converted, count_params, synthetic_batch
 from refimpl.numerics import deterministic_needed, exact_fp32_on_cuda
@@ -82,15 +81,15 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     with extras.steps(ctx, strategy, extras.first) as on_step:
         for step in range(extras.first, cfg.steps):
             batch = synthetic_batch(cfg.model, cfg.global_batch, cfg.seq_len, cfg.seed, step)
-            tracker = ActivationTracker(exclude=strategy.activation_exclusions())
+            measuring = extras.measure_step(strategy)
             sync(ctx.device)
             begin = time.perf_counter()
-            with tracker:
+            with measuring as saved:
                 loss = strategy.train_step(batch)
             sync(ctx.device)
             step_times.append(time.perf_counter() - begin)
             losses.append(float(loss))
-            activation_peak = max(activation_peak, tracker.peak)
+            activation_peak = max(activation_peak, saved.peak)
             on_step(step, losses)
     state = strategy.model_state()
     result = {"rank": rank, "losses": losses, "step_times": step_times, "n_params": n_params,

@@ -15,7 +15,6 @@ import argparse
 
 import pandas as pd
 
-from refimpl.cost import alpha_beta
 from refimpl.lab.measure import bench
 from refimpl.lab.measure.ratio_log import record
 
@@ -53,7 +52,7 @@ def main() -> None:
         wide = table.pivot_table(index="nominal_bytes", columns=["op", "impl"], values="busbw") / 1e9
         print(f"--- busbw (GB/s), {n} ranks ---")
         print(wide.round(3).to_string(), "\n")
-    fits = alpha_beta.fit_table(df)
+    fits = bench.fit_table(df)
     fits = fits.assign(alpha_us=fits.alpha_s * 1e6, beta_GBps=fits.beta_bytes_per_s / 1e9)
     print("--- alpha-beta fits ---")
     print(fits[["impl", "op", "world_size", "alpha_us", "beta_GBps", "r2_log", "median_rel_err"]]

@@ -33,7 +33,7 @@ def test_fit_recovers_alpha_and_beta_exactly_without_noise():
     alpha, beta = 25e-6, 3e9
     alpha_fit, beta_fit = alpha_beta.fit_alpha_beta(sizes, alpha + sizes / beta)
     assert alpha_fit == pytest.approx(alpha, rel=1e-6) and beta_fit == pytest.approx(beta, rel=1e-6)
-    err = alpha_beta.fit_error(sizes, alpha + sizes / beta, alpha_fit, beta_fit)
+    err = bench.fit_error(sizes, alpha + sizes / beta, alpha_fit, beta_fit)
     assert err["r2_log"] == pytest.approx(1.0) and err["max_rel_err"] < 1e-6
 
 
@@ -44,7 +44,7 @@ def test_fit_is_robust_to_relative_noise():
     noisy = (alpha + sizes / beta) * rng.uniform(0.9, 1.1, sizes.size)
     alpha_fit, beta_fit = alpha_beta.fit_alpha_beta(sizes, noisy)
     assert alpha_fit == pytest.approx(alpha, rel=0.1) and beta_fit == pytest.approx(beta, rel=0.1)
-    assert alpha_beta.fit_error(sizes, noisy, alpha_fit, beta_fit)["median_rel_err"] < 0.1
+    assert bench.fit_error(sizes, noisy, alpha_fit, beta_fit)["median_rel_err"] < 0.1
 
 
 def test_fit_never_returns_negative_parameters():
@@ -62,10 +62,10 @@ def test_fit_table_and_predictions_cover_each_group():
              "time_s": a + m / b} for impl, a, b in (("torch", 1e-5, 2e9), ("refimpl", 2e-5, 1e9))
             for m in sizes]
     df = pd.DataFrame(rows)
-    fits = alpha_beta.fit_table(df).set_index("impl")
+    fits = bench.fit_table(df).set_index("impl")
     assert fits.loc["torch", "alpha_s"] == pytest.approx(1e-5)
     assert fits.loc["refimpl", "beta_bytes_per_s"] == pytest.approx(1e9)
-    pred = alpha_beta.with_predictions(df, fits.reset_index())
+    pred = bench.with_predictions(df, fits.reset_index())
     assert np.allclose(pred.predicted_s, pred.time_s)
 
 

@@ -6,9 +6,9 @@ import pandas as pd
 import pytest
 import torch
 
-from refimpl.cost import allocator, compute, links, zero_family
+from refimpl.lab.measure import allocator
 from refimpl.lab.measure.caching_allocator import CachingAllocator, replay
-from refimpl.lab.predict import dp_scaling
+from refimpl.lab.predict import compute, dp_scaling, links, zero_family
 
 
 def test_petaflop_day_and_chinchilla():
@@ -192,8 +192,8 @@ def test_profiles_land_in_the_repos_folder_whatever_the_cwd(monkeypatch, tmp_pat
 def test_rank_activation_bytes_is_what_autograd_saves(dtype):
     """cp = 1 here, to the byte, in the model's dtype (the cp > 1 count is checked on the loop's
     ranks in tests/test_cp.py)."""
+    from refimpl.lab.instrument.activations import measure_step_activations
     from refimpl.lab.predict.cp_comm import rank_activation_bytes
-    from refimpl.memory import measure_step_activations
     from refimpl.model import GPTConfig, build_model
     from refimpl.model.data import synthetic_batch
 

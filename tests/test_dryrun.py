@@ -165,7 +165,7 @@ def test_bf16_is_refused_not_counted_as_fp32():
 def test_llama3_70b_runs_the_llama_block_and_meets_the_planners_gates():
     # the dry run builds Llama 3 70B's own block (RMSNorm, SwiGLU 28672, 8 key/value heads), not a
     # GPT-2 stand-in; the planner's model states are within 1 % of it, its peak within 10 % (its
-    # activations are the Llama block's own count, refimpl.memory.llama_block_activation_bytes)
+    # activations are the Llama block's own count, refimpl.lab.plan.memory.llama_block_activation_bytes)
     from refimpl.lab.plan.against_dryrun import compare
     from refimpl.lab.predict.presets import MODELS
 

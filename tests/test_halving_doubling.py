@@ -11,6 +11,7 @@ import pytest
 from refimpl.comm import halving_doubling as hd
 from refimpl.cost import alpha_beta as ab
 from refimpl.lab.measure.traffic import halving_doubling_sent
+from refimpl.lab.predict.all_reduce import all_reduce_rows
 
 
 @pytest.mark.parametrize("n, p, r", [(1, 1, 0), (2, 2, 0), (3, 2, 1), (4, 4, 0), (6, 4, 2), (7, 4, 3), (8, 8, 0)])
@@ -71,7 +72,7 @@ def test_latency_steps_grow_as_log2_against_the_rings_linear():
 
 
 def test_all_reduce_rows_cover_both_algorithms():
-    rows = ab.all_reduce_rows([4, 6], [1, 1e6], 1e-5, 1e9)
+    rows = all_reduce_rows([4, 6], [1, 1e6], 1e-5, 1e9)
     assert len(rows) == 8 and {r["algorithm"] for r in rows} == {"ring", "halving-doubling"}
     six = {(r["size_bytes"], r["algorithm"]): r["seconds"] for r in rows if r["ranks"] == 6}
     assert six[(1, "halving-doubling")] < six[(1, "ring")] and six[(1e6, "halving-doubling")] > six[(1e6, "ring")]

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from refimpl.config import TrainConfig
+from refimpl.lab.instrument.activations import ActivationTracker
 from refimpl.memory import (
     GB,
-    ActivationTracker,
     activation_bytes_per_layer,
     model_state_bytes,
     training_flops,
@@ -87,9 +87,9 @@ def test_activation_checkpointing_saves_measured_memory():
 
 @pytest.mark.parametrize("kv_heads, dtype", [(2, torch.float32), (6, torch.float64)])
 def test_llama_block_activations_are_what_the_tracker_counts(kv_heads, dtype):
-    # refimpl.memory.llama_block_activation_bytes against the bytes autograd saves for one
+    # refimpl.lab.plan.memory.llama_block_activation_bytes against the bytes autograd saves for one
     # --arch llama block (dims chosen apart: s·b != h, w, so no two terms can stand in for each other)
-    from refimpl.memory import ActivationTracker, llama_block_activation_bytes
+    from refimpl.lab.plan.memory import llama_block_activation_bytes
     from refimpl.model import Block, GPTConfig
 
     cfg = GPTConfig(arch="llama", d_model=48, n_heads=6, n_kv_heads=kv_heads, ffn_hidden=80,

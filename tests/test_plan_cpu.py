@@ -11,7 +11,7 @@ depend on the clock are checked below on fixed inputs.
 """
 import pytest
 
-from refimpl.cost.hardware import cpu_preset
+from refimpl.lab.measure.this_machine import cpu_preset
 from refimpl.lab.plan.cpu import (
     cpu_layouts,
     layout_name,

@@ -9,7 +9,7 @@ from refimpl.compose.tp_cp import apply_context_parallel_over_tp, tp_cp_layout_p
 from refimpl.mesh import LayoutError
 from refimpl.model import lm_loss
 from refimpl.model.activation_checkpointing import checkpoint_blocks
-from refimpl.model.moe import batch_scope_problem, moe_layers, validate_moe
+from refimpl.model.moe import moe_layers, validate_moe
 from refimpl.parallel.cp.parallelize import apply_context_parallel, shard_batch
 from refimpl.parallel.cp.ring import chunk_ids
 from refimpl.parallel.ep.counts import ChunkedSequences
@@ -32,10 +32,6 @@ def validate_model_parallel(cfg, strategy) -> None:
         # a strategy that sums every gradient over dp x cp: expert 0's into expert 2's weights
         raise LayoutError(f"--ep {cfg.dims.ep}: strategy {cfg.strategy!r} would sum different "
                           "experts' gradients over dp x cp (use ep, dp-naive, dp, zero1/2/3 or fsdp)")
-    problem = batch_scope_problem(cfg.model, dp=cfg.dims.dp, cp=cfg.cp,
-                                  micro_batches=cfg.micro_batches)
-    if problem:
-        raise LayoutError(problem)
     if cfg.sequence_parallel and cfg.tp == 1:
         raise LayoutError("--sequence-parallel needs --tp > 1 (it splits what tensor parallelism "
                           "leaves replicated)")

@@ -1,25 +1,16 @@
-"""The alpha-beta model of a collective, written once (seed 000 §2.2): a message of n bytes takes
-T = alpha + n / beta; a ring all-reduce of M bytes on p ranks 2(p-1)·alpha + 2(p-1)/p · M / beta.
-Its time formulas and its fit to a sweep (`fit_alpha_beta`, the contract's refimpl.bench name).
-"""
+"""The alpha-beta model of a collective (seed §2.2): a message of n bytes takes T = alpha + n / beta;
+a ring all-reduce of M bytes on p ranks 2(p-1)·alpha + 2(p-1)/p · M / beta. Fitted by `fit_alpha_beta`."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
-import pandas as pd
 
 from refimpl.comm.halving_doubling import bytes_on_critical_path, messages_per_rank
 from refimpl.cost.collective_bytes import bytes_per_rank_factor
 
+busbw_factor = bytes_per_rank_factor   # nccl-tests' bus-bandwidth factor (op, world size): the same table
 
-def busbw_factor(op: str, world_size: int) -> float:
-    """nccl-tests' bus-bandwidth factor: bytes a rank's link carries per byte of message
-    (the table in refimpl.cost.collective_bytes)."""
-    return bytes_per_rank_factor(op, world_size)
-
-
-# --- the formulas -------------------------------------------------------------------------------
 
 def ring_steps(op: str, n: int) -> int:
     """Message steps on a ring collective's critical path, each paying alpha once."""
@@ -31,45 +22,30 @@ def ring_steps(op: str, n: int) -> int:
 
 
 def ring_seconds(op: str, nbytes: float, n: int, alpha: float, beta: float) -> float:
-    """Time of one ring `op` of an `nbytes` message (M as collective_bytes defines it) on n ranks,
-    alpha per step and beta bytes/s on the link (module docstring); nothing to do on one rank."""
+    """Time of one ring `op` of an `nbytes` message on n ranks (0 on one rank)."""
     if n <= 1:
         return 0.0
     return ring_steps(op, n) * alpha + bytes_per_rank_factor(op, n) * nbytes / beta
 
 
 def halving_doubling_seconds(nbytes: float, n: int, alpha: float, beta: float) -> float:
-    """Time of Rabenseifner's all-reduce: its messages times alpha plus its critical-path bytes over
-    beta, 2 log2(p) alpha + 2 (p-1)/p M / beta on p = 2^k ranks (refimpl.comm.halving_doubling)."""
+    """Rabenseifner's all-reduce: 2 log2(p) alpha + 2 (p-1)/p M / beta on p = 2^k ranks."""
     return messages_per_rank(n) * alpha + bytes_on_critical_path(n, nbytes) / beta
 
 
 def crossover_bytes(n: int, alpha: float, beta: float) -> float:
-    """Message size above which the ring all-reduce beats halving-doubling on n ranks (inf: never;
-    0: always)."""
-    extra_alpha = ring_steps("all_reduce", n) - messages_per_rank(n)   # ring's extra latency
-    # halving-doubling's extra bytes per byte of M
+    """Message size above which the ring all-reduce beats halving-doubling on n ranks (inf: never)."""
+    extra_alpha = ring_steps("all_reduce", n) - messages_per_rank(n)   # the ring's extra steps
     extra_bytes = bytes_on_critical_path(n, 1.0) - bytes_per_rank_factor("all_reduce", n)
     if extra_bytes <= 0:
         return math.inf
     return max(0.0, extra_alpha * alpha * beta / extra_bytes)
 
 
-def all_reduce_rows(world_sizes, sizes_bytes, alpha: float, beta: float) -> list[dict]:
-    """Alpha-beta time of both all-reduce algorithms per world size and message size (a plot)."""
-    return [{"ranks": n, "size_bytes": m, "algorithm": name, "seconds": seconds}
-            for n in world_sizes for m in sizes_bytes
-            for name, seconds in (("ring", ring_seconds("all_reduce", m, n, alpha, beta)),
-                                  ("halving-doubling", halving_doubling_seconds(m, n, alpha, beta)))]
-
-
-# --- fitting ------------------------------------------------------------------------------------
-
 def hop_model_from_fit(alpha_s: float, beta_bytes_per_s: float,
                        world_size: int = 2) -> tuple[float, float]:
-    """(alpha per ring step, beta) from a fit T = alpha + M / beta of an all-reduce on
-    `world_size` ranks, M counted as the bytes each link carries (busbw_factor x the message; on
-    2 ranks the message itself): the ring's 2(n-1) steps share the fitted alpha."""
+    """(alpha per ring step, beta) from a fit T = alpha + M / beta of an all-reduce on `world_size`
+    ranks (M: the bytes each link carries): the ring's 2(n-1) steps share the fitted alpha."""
     return alpha_s / (2 * (world_size - 1)), beta_bytes_per_s
 
 
@@ -89,33 +65,3 @@ def fit_alpha_beta(sizes_bytes, seconds) -> tuple[float, float]:
 def predict_seconds(alpha: float, beta: float, sizes_bytes) -> np.ndarray:
     """The fitted line T = alpha + M / beta at each size."""
     return alpha + np.asarray(sizes_bytes, dtype=float) / beta
-
-
-def fit_error(sizes_bytes, seconds, alpha: float, beta: float) -> dict:
-    """How well the fitted line explains the data: R^2 of log T, median and worst relative error."""
-    t = np.asarray(seconds, dtype=float)
-    p = predict_seconds(alpha, beta, sizes_bytes)
-    rel = np.abs(p - t) / t
-    lt, lp = np.log(t), np.log(p)
-    ss_res, ss_tot = float(np.sum((lt - lp) ** 2)), float(np.sum((lt - lt.mean()) ** 2))
-    return {"r2_log": 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
-            "median_rel_err": float(np.median(rel)), "max_rel_err": float(np.max(rel))}
-
-
-def fit_table(sweep_df: pd.DataFrame) -> pd.DataFrame:
-    """One alpha-beta fit per (impl, op, world_size) of a sweep (refimpl.lab.measure.bench.sweep), with
-    its error."""
-    rows = []
-    for (impl, op, n), g in sweep_df.groupby(["impl", "op", "world_size"], sort=False):
-        alpha, beta = fit_alpha_beta(g.size_bytes, g.time_s)
-        rows.append({"impl": impl, "op": op, "world_size": n, "alpha_s": alpha,
-                     "beta_bytes_per_s": beta, **fit_error(g.size_bytes, g.time_s, alpha, beta)})
-    return pd.DataFrame(rows)
-
-
-def with_predictions(sweep_df: pd.DataFrame, fits: pd.DataFrame) -> pd.DataFrame:
-    """The sweep plus each row's model time `predicted_s` (for predicted-vs-measured plots)."""
-    df = sweep_df.merge(fits[["impl", "op", "world_size", "alpha_s", "beta_bytes_per_s"]],
-                        on=["impl", "op", "world_size"])
-    df["predicted_s"] = predict_seconds(df.alpha_s, df.beta_bytes_per_s, df.size_bytes)
-    return df.drop(columns=["alpha_s", "beta_bytes_per_s"])

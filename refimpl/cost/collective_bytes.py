@@ -21,13 +21,3 @@ def bytes_per_rank_factor(op: str, n: float) -> float:
 def sent_per_rank(op: str, n: int, message_bytes: float) -> float:
     return bytes_per_rank_factor(op, n) * message_bytes
 
-
-def wire_bytes(calls: list[dict]) -> float:
-    """Bytes one rank sends for calls {op, world, bytes} (a message each): each message times its
-    factor on the call's own group size."""
-    return sum(sent_per_rank(c["op"], c["world"], c["bytes"]) for c in calls)
-
-
-def paper_factor(op: str) -> float:
-    """The ZeRO paper's units: all-reduce 2, reduce-scatter / all-gather / reduce 1."""
-    return bytes_per_rank_factor(op, math.inf)

@@ -21,11 +21,14 @@ from refimpl.lab.checkpoint.optim_reshard import (
     validate_optimizer_state,
 )
 from refimpl.lab.checkpoint.shard_boxes import BoxedParts
+from refimpl.lab.instrument.activations import ActivationTracker
 from refimpl.lab.measure.moe_traffic import meter_experts, moe_step_record
+from refimpl.lab.moe_scope import batch_scope_problem
 from refimpl.lab.trace.capture import StepProfiler, profiles_root
 from refimpl.lab.trace.memory_events import StepPeak
 from refimpl.lab.trace.run_record import record_run
 from refimpl.loop_extras import LoopExtras
+from refimpl.mesh import LayoutError
 
 
 def setup_rank(rank: int, world_size: int, layout, placing=contextlib.nullcontext()):
@@ -50,6 +53,10 @@ class LabExtras(LoopExtras):
             validate_optimizer_state(cfg)
         if cfg.checkpoint_dir:
             run_checkpoint.validate_checkpointing(cfg, strategy_class)
+        problem = batch_scope_problem(cfg.model, dp=cfg.dims.dp, cp=cfg.cp,
+                                      micro_batches=cfg.micro_batches)
+        if problem:
+            raise LayoutError(problem)
 
     def start(self, reference):
         """A run checkpoint to continue (the data at its step, its losses), else a full state dict
@@ -94,6 +101,9 @@ class LabExtras(LoopExtras):
 
             yield on_step
         run_checkpoint.wait()       # the last save in flight is on disk before the run reports
+
+    def measure_step(self, strategy):
+        return ActivationTracker(exclude=strategy.activation_exclusions())
 
     def finish(self, strategy, result: dict) -> None:
         memory = result["memory"]

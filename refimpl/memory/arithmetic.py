@@ -1,5 +1,5 @@
-"""Memory and compute arithmetic of training: what theory predicts (refimpl.memory.measured holds
-the same quantities measured on a live model)."""
+"""Memory and compute arithmetic of training: model states (ZeRO, Rajbhandari et al. 2020),
+activations (Korthikanti et al. 2022, and refimpl's blocks tensor by tensor), training FLOPs."""
 from __future__ import annotations
 
 import math
@@ -31,8 +31,7 @@ def shard_numel(n: int, dp: int) -> int:
 def model_state_bytes(n_params: int, *, dp: int = 1, zero_stage: int = 0, param_bytes: float = 2,
                       grad_bytes: float = 2, optimizer_bytes: float = 12,
                       padded: bool = True) -> ModelStateBytes:
-    """Bytes of model states one data-parallel rank holds (ZeRO paper, Rajbhandari et al. 2020, §3-5).
-    """
+    """Bytes of model states one data-parallel rank holds (ZeRO paper §3-5)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
     if padded and dp > 1 and zero_stage >= 1:
@@ -69,8 +68,7 @@ def zero_state_bytes(unit_sizes, *, dp: int, zero_stage: int, param_bytes: float
 
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *, tp: int = 1,
                                sequence_parallel: bool = False, recompute: str = "none") -> float:
-    """Activation bytes one transformer layer stores for backward (Korthikanti et al. 2022, Table 2).
-    """
+    """Activation bytes one transformer layer stores for backward (Korthikanti et al., Table 2)."""
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
     s, b, h, a, t = seq, batch, hidden, heads, tp
@@ -84,15 +82,13 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, *,
 
 def block_activation_bytes(seq: int, batch: int, hidden: int, heads: int, *, mlp_ratio: int = 4,
                            dtype_bytes: int = 4) -> int:
-    """Exactly what autograd saves for one block of refimpl.model.GPT (no dropout, explicit attention).
-    """
+    """Exactly what autograd saves for one block of refimpl.model.GPT (no dropout, explicit attention)."""
     assert mlp_ratio == 4, "the 16-tensor count assumes the 4h MLP"
     sbh, sb = seq * batch * hidden, seq * batch
     return (16 * sbh * dtype_bytes            # the s·b·h-sized tensors
             + heads * seq * seq * batch * dtype_bytes   # softmax probabilities
             + seq * seq                       # causal mask, 1 byte per entry
-            + 2 * 2 * sb * max(4, dtype_bytes))   # LayerNorm mean and rstd (fp32, or the
-                                                      # model's float64), two norms
+            + 2 * 2 * sb * max(4, dtype_bytes))   # two LayerNorms' mean and rstd (at least fp32)
 
 
 def tp_block_activation_bytes(seq: int, batch: int, hidden: int, heads: int, *, tp: int = 1,
@@ -110,34 +106,10 @@ def tp_block_activation_bytes(seq: int, batch: int, hidden: int, heads: int, *, 
             + seq * seq + stats)
 
 
-def llama_block_activation_bytes(seq: int, batch: int, hidden: int, heads: int, ffn: int, *,
-                                 tp: int = 1, sequence_parallel: bool = False,
-                                 dtype_bytes: int = 4) -> float:
-    """What autograd saves for one --arch llama block (refimpl.model.parts: RMSNorm, grouped-query
-    attention with rotary positions, SwiGLU of width `ffn`) on one of `tp` ranks, counted tensor
-    by tensor from the block's forward (tests/test_memory.py checks the count against the
-    activation tracker):"""
-    sbh, sb, t = seq * batch * hidden, seq * batch, tp
-    stat_bytes = max(dtype_bytes, 4)
-    if sequence_parallel:
-        norms = (2 * 2 * sbh / t + 2 * sbh) * dtype_bytes + 2 * sb / t * stat_bytes
-    else:
-        norms = 2 * 3 * sbh * dtype_bytes + 2 * sb * stat_bytes
-    split = (4 * sbh + 4 * sb * ffn) / t * dtype_bytes + heads * seq * seq * batch * dtype_bytes / t
-    rotary = 2 * seq * (hidden // heads) * dtype_bytes
-    return norms + split + seq * seq + rotary
-
-
 def training_flops(n_params: int, tokens: int, *, n_layers: int = 0, seq: int = 0,
                    hidden: int = 0) -> float:
-    """FLOPs to train on `tokens` tokens: 6·N·D (2 forward + 4 backward per parameter per token;
-    Kaplan et al. 2020, §2.1) plus the attention score and value matmuls, 12·L·h·s per token
-    (Chowdhery et al. 2022, PaLM, Appendix B), which 6ND leaves out and which grows with s."""
+    """6·N·D (Kaplan et al. 2020, §2.1) plus attention's two matmuls, 12·L·h·s per token (PaLM,
+    Appendix B)."""
     attention = 12 * n_layers * seq * hidden * tokens
     return 6 * n_params * tokens + attention
 
-
-def training_days(flops: float, flops_per_second: float, n_devices: int = 1,
-                  utilization: float = 1.0) -> float:
-    """Wall-clock days at a given per-device rate and model-FLOPs utilisation."""
-    return flops / (flops_per_second * n_devices * utilization) / 86400

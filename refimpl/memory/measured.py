@@ -1,44 +1,34 @@
-"""Memory measured on a live model: what a run holds, by category.
-
-  measured_model_state      bytes of parameters, gradients and optimizer-state tensors, by storage
-  ActivationTracker         bytes of tensors autograd saves for backward, live and peak
-"""
+"""Memory a live run holds: the bytes of its model-state tensors, what a strategy reports (the
+activations autograd saves are the lab's to count: refimpl.lab.instrument.activations)."""
 from __future__ import annotations
-
-import weakref
 
 import torch
 
 from refimpl.memory.arithmetic import ModelStateBytes
-from refimpl.model import lm_loss
 
 
 def tensor_bytes(tensors) -> int:
     """Bytes of distinct storages among `tensors` (views and tied weights counted once)."""
     seen, total = set(), 0
     for t in tensors:
-        if t is None:
+        if t is None or t.numel() == 0:
             continue
-        key = _storage_id(t)   # the storage object, not its address (fake tensors have none)
-        if key in seen or t.numel() == 0:
-            continue
-        seen.add(key)
-        total += t.untyped_storage().nbytes()
+        key = storage_id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
     return total
 
 
 def per_element(value) -> bool:
-    """An optimizer state kept per parameter element (Adam's exp_avg, a momentum buffer), not a
-    scalar like the step count."""
+    """An optimizer state kept per parameter element (Adam's exp_avg), not a scalar (its step)."""
     return torch.is_tensor(value) and value.dim() > 0
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer):
-    """The tensors an optimizer keeps per parameter (Adam: exp_avg, exp_avg_sq), not scalars like step."""
+    """The tensors an optimizer keeps per parameter element."""
     for state in optimizer.state.values():
-        for value in state.values():
-            if per_element(value):
-                yield value
+        yield from (value for value in state.values() if per_element(value))
 
 
 def measured_model_state(params, optimizer: torch.optim.Optimizer | None) -> ModelStateBytes:
@@ -50,89 +40,7 @@ def measured_model_state(params, optimizer: torch.optim.Optimizer | None) -> Mod
     )
 
 
-class ActivationTracker:
-    """Counts bytes of the tensors autograd saves for backward, as they are saved and freed."""
-
-    def __init__(self, exclude=()):
-        # Keyed by storage *identity*, not address: ZeRO-3 / FSDP free a gathered parameter buffer
-        # (its storage resized to 0) after use and reallocate it, at a new address, before
-        # backward; the storage object itself lives for the whole run.
-        self._excluded = {_storage_id(p) for p in exclude}
-        self._live: dict[int, list] = {}   # storage id -> [refcount, nbytes]
-        self.current = 0
-        self.peak = 0
-        self._hooks = None
-
-    def exclude(self, tensors) -> None:
-        """Also leave these storages out (e.g. parameters gathered on the fly by ZeRO-3)."""
-        self._excluded.update(_storage_id(t) for t in tensors)
-
-    def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-    def _pack(self, saved: torch.Tensor):
-        t = _local(saved)
-        key = _storage_id(t)   # identity, not address: fake tensors (the dry run) have none
-        if (key in self._excluded or isinstance(saved, torch.nn.Parameter)
-                or t.numel() == 0):
-            return saved
-        entry = self._live.get(key)
-        if entry is None:
-            entry = self._live[key] = [0, t.untyped_storage().nbytes()]
-            self.current += entry[1]
-            self.peak = max(self.peak, self.current)
-        entry[0] += 1
-        return _Saved(saved, self, key)
-
-    @staticmethod
-    def _unpack(saved):
-        return saved.tensor if isinstance(saved, _Saved) else saved
-
-    def _release(self, key: int) -> None:
-        entry = self._live[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.current -= entry[1]
-            del self._live[key]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose bytes this rank holds: a DTensor's local shard, else the tensor itself
-    (a DTensor is a wrapper without storage of its own)."""
-    return getattr(t, "_local_tensor", t)
-
-
-def _storage_id(t: torch.Tensor) -> int:
-    """The storage object behind a tensor (stable while it lives, even if resized)."""
-    return _local(t).untyped_storage()._cdata
-
-
-class _Saved:
-    """A saved tensor plus a finaliser that tells the tracker when autograd let go of it."""
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor, tracker: ActivationTracker, key: int):
-        self.tensor = tensor
-        weakref.finalize(self, tracker._release, key)
-
-
-def measure_block_activations(block: torch.nn.Module, x: torch.Tensor) -> int:
-    """Peak bytes saved for backward by one forward of `block` on input `x` (parameters excluded)."""
-    x = x.detach().requires_grad_()
-    with ActivationTracker(exclude=block.parameters()) as tracker:
-        block(x)
-    return tracker.peak
-
-
-def measure_step_activations(model: torch.nn.Module, inputs: torch.Tensor,
-                             targets: torch.Tensor) -> int:
-    """Peak bytes saved for backward over a whole forward + backward of the model and its loss."""
-    with ActivationTracker(exclude=model.parameters()) as tracker:
-        lm_loss(model(inputs), targets).backward()
-    model.zero_grad(set_to_none=True)
-    return tracker.peak
+def storage_id(t: torch.Tensor) -> int:
+    """The storage object behind a tensor: stable while it lives, even if resized (not its address:
+    fake tensors have none)."""
+    return t.untyped_storage()._cdata

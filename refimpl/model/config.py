@@ -1,9 +1,5 @@
-"""The reference model's shape: `GPTConfig` (dense, or a mixture of experts when n_experts > 0).
-
-`arch` picks the block's parts (refimpl.model.parts): "gpt", GPT-2's (LayerNorm, a GELU MLP of
-mlp_ratio·h, multi-head attention, learned positions), or "llama", Llama's (RMSNorm, a SwiGLU MLP
-of ffn_hidden, grouped-query attention with n_kv_heads, rotary positions, no biases); with
-n_experts > 0 the latter is Mixtral's block (SwiGLU experts)."""
+"""The reference model's shape: `GPTConfig`, GPT-2's block or Llama's (`arch`, refimpl.model.parts),
+dense or a mixture of experts (n_experts > 0; with arch="llama", Mixtral's block)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -15,9 +11,7 @@ ARCHS = ("gpt", "llama")
 class GPTConfig:
     vocab_size: int = 512
     seq_len: int = 64          # the maximum; a batch may be shorter
-    # 160 = 8 heads x 20: heads divide by tp = 2, 4, 8, while 160 (so every parameter count) is
-    # not a multiple of 3, so a 3-rank run must pad its flat shards: the uneven case is the default.
-    d_model: int = 160
+    d_model: int = 160         # 8 heads divide by tp = 2, 4, 8; not by 3: flat shards get padded
     n_heads: int = 8
     n_layers: int = 4
     mlp_ratio: int = 4
@@ -67,9 +61,8 @@ class GPTConfig:
 
     @property
     def swiglu_hidden(self) -> int:
-        """SwiGLU's width: ffn_hidden, or 2/3 of the GELU MLP's mlp_ratio·h (three matrices of
-        2/3 the width keep two matrices' parameters, Shazeer 2020 §2), rounded up to a multiple
-        of 32 as Llama rounds to 256 (so tp = 2, 4, 8 ... split it evenly)."""
+        """ffn_hidden, or 2/3 of mlp_ratio·h (Shazeer 2020 §2: same parameters as the GELU MLP),
+        rounded up to a multiple of 32 (so tp = 2, 4, 8 split it evenly)."""
         if self.ffn_hidden:
             return self.ffn_hidden
         return 32 * -(-2 * self.mlp_ratio * self.d_model // (3 * 32))

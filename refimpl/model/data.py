@@ -1,8 +1,5 @@
-"""The data: a deterministic, learnable synthetic stream, the same global batch on every rank.
-
-A `Batch` is one global batch of token ids; a data-parallel rank takes its rows with `shard`, a
-rank cuts them into micro-batches with `micro_batches`.
-"""
+"""The data: a deterministic, learnable synthetic stream, the same global batch on every rank; a
+data-parallel rank takes its rows with `Batch.shard`, and cuts them with `micro_batches`."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -20,29 +20,18 @@ class Block(nn.Module):
         self.ln1 = norm(cfg)
         self.attn = self_attention(cfg)
         self.ln2 = norm(cfg)
-        self.mlp = make_mlp(cfg)
-
-        # Activation checkpointing (refimpl.model.activation_checkpointing): keep only the
-        # block's input and recompute its forward during backward.
-        self.recompute = False
+        self.mlp = MoEMLP(cfg) if cfg.n_experts > 0 else feed_forward(cfg)   # dense, or experts
+        self.recompute = False    # activation checkpointing: keep the input, recompute in backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
-            # use_reentrant=False: works with autograd hooks and saved-tensor hooks (the
-            # activation tracker), and is what PyTorch recommends.
+            # use_reentrant=False: works with autograd hooks and saved-tensor hooks
             return checkpoint(self._forward, x, use_reentrant=False, context_fn=recompute_contexts)
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
-
-
-def make_mlp(cfg: GPTConfig) -> nn.Module:
-    """The block's feed-forward layer: dense, or a mixture of experts when cfg.n_experts > 0."""
-    if cfg.n_experts > 0:
-        return MoEMLP(cfg)
-    return feed_forward(cfg)
 
 
 class Embedding(nn.Module):
@@ -69,7 +58,6 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.tok.weight
-        # The initial values are refimpl.model.init's (build_model), not the constructors'.
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)

@@ -1,5 +1,5 @@
-"""Grouped-query attention (Ainslie et al. 2023, "GQA"): Llama's attention, with rotary positions.
-"""
+"""Grouped-query attention (Ainslie et al. 2023, "GQA"): Llama's attention, with rotary positions:
+each key/value head serves a group of n_heads / n_kv_heads consecutive query heads."""
 from __future__ import annotations
 
 import torch
@@ -29,18 +29,15 @@ class GroupedQueryAttention(nn.Module):
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int,
                       n_kv_heads: int, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Causal attention on [batch, seq, heads·head_dim] queries and [batch, seq, kv_heads·head_dim]
-    keys and values, the tokens at `positions` (their rotary angles). `n_heads`, `n_kv_heads`:
-    the heads in these tensors (a tensor-parallel rank's share)."""
+    """Causal attention of [batch, seq, heads·head_dim] queries on kv_heads keys and values, the
+    tokens at `positions`; the head counts are those in these tensors (a tp rank's share)."""
     return attention(*grouped_qkv(q, k, v, n_heads, n_kv_heads, positions, theta), n_heads)
 
 
 def grouped_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int, n_kv_heads: int,
                 positions: torch.Tensor, theta: float) -> tuple[torch.Tensor, ...]:
-    """Q and K rotated by their tokens' positions, K and V widened to one head per query head
-    (each key/value head serving its group of consecutive query heads): the inputs multi-head
-    attention takes, [batch, seq, n_heads·head_dim] each (refimpl.model.layers.attention, or
-    context parallelism's ring attention on a rank's slice of the sequence)."""
+    """Q and K rotated by their positions, K and V repeated to one head per query head: multi-head
+    attention's inputs, [batch, seq, n_heads·head_dim] each (for `attention` or cp's ring)."""
     b, s, width = q.shape
     hd = width // n_heads
     q = q.view(b, s, n_heads, hd).transpose(1, 2)

@@ -11,19 +11,14 @@ from refimpl.model.rmsnorm import RMSNorm
 
 STD = 0.02
 NORMAL, ZEROS, ONES = "normal", "zeros", "ones"
-
-
 # The initialisers a model's constructors call (nn.Linear, nn.Embedding, nn.LayerNorm).
 INITIALISERS = ("normal_", "uniform_", "zeros_", "ones_", "kaiming_uniform_", "trunc_normal_")
 
 
 @contextlib.contextmanager
 def values_not_drawn():
-    """nn.init's initialisers as no-ops while a model is built on `meta`: there are no values to
-    draw (they come from `initial_value` afterwards), and the calls are not free: normal_'s meta
-    kernel is a Python decomposition whose first call imports torch._dynamo, ~2 s in every rank
-    process; the dry run (refimpl.lab.verify.dryrun) also saves a dispatch per call. They write in
-    place, so no storage and no byte of the result changes."""
+    """nn.init's initialisers as no-ops while a model is built: its values come from
+    `initial_value` afterwards, and on `meta` the calls cost time (docs/core_notes_model.md)."""
     init = torch.nn.init
     originals = {name: getattr(init, name) for name in INITIALISERS}
     for name in INITIALISERS:
@@ -36,9 +31,8 @@ def values_not_drawn():
 
 
 def init_rules(model: nn.Module) -> dict[str, tuple[str, str]]:
-    """Reference name -> (how its value is drawn, the name its generator is seeded by), for every
-    parameter under every name it has (a tied lm_head.weight draws embed.tok.weight's values)
-    and every buffer. Raises ValueError for a parameter of a module with no rule here."""
+    """Name -> (how its value is drawn, the name seeding its generator) for every parameter under
+    every name (a tied weight draws its first name's values) and every buffer."""
     canonical = {id(p): name for name, p in model.named_parameters()}   # first name of a tied one
     rules = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
@@ -59,18 +53,16 @@ def _kind(module: nn.Module, local: str, name: str) -> str:
 
 
 def parameter_seed(seed: int, name: str) -> int:
-    """The seed of one parameter's generator: 32 bits of a digest of the run's seed and the
-    name (the same on every process and Python, unlike hash()). 32, because the CPU generator's
-    Mersenne Twister keeps only the low 32 bits of its seed: seed * 2**32 + crc(name) was seen
-    to give seeds 0 and 1 the same weights."""
+    """32 bits of a digest of the run's seed and the name: the same in every process (unlike
+    hash()), and no more bits than the CPU generator keeps."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return int.from_bytes(digest[:4], "little")
 
 
 def initial_value(rule: tuple[str, str], shape, seed: int,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """One tensor's initial value on the host, whole. Drawn in fp32 and then cast, so a float64
-    run starts from the fp32 run's values, as `converted(build_model(...), dtype=...)` did."""
+    """One tensor's initial value on the host, whole: drawn in fp32, then cast (a float64 run starts
+    from the fp32 run's values)."""
     kind, key = rule
     if kind == ZEROS:
         return torch.zeros(shape, dtype=dtype, device="cpu")

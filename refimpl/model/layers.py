@@ -17,9 +17,8 @@ class CausalSelfAttention(nn.Module):
         d = cfg.d_model
         self.n_heads = cfg.n_heads
         self.q = nn.Linear(d, d)
-        # No bias on K: adding the same vector to every key adds q·b_k to a whole row of scores,
-        # which softmax cancels, so its gradient is exactly zero. Adam would then turn fp32
-        # round-off in that zero (it differs between 1 and N ranks) into full-size steps.
+        # No bias on K: softmax cancels it, its gradient is zero, and Adam would turn that zero's
+        # round-off (different on 1 and N ranks) into full-size steps.
         self.k = nn.Linear(d, d, bias=False)
         self.v = nn.Linear(d, d)
         self.o = nn.Linear(d, d)
@@ -50,9 +49,8 @@ class MLP(nn.Module):
 
 
 class WatchedLinear(nn.Module):
-    """A linear layer whose matmul is not its whole forward (tensor parallelism's, whose SP
-    collectives hide the matmul's X and Y from a forward hook). It reports X and Y itself and owns
-    its weight-gradient formula: what ZB-H1's deferred W (refimpl.parallel.pp.zero_bubble) needs."""
+    """A linear layer whose matmul is not its whole forward (tp's, with SP's collectives): it reports
+    the matmul's X and Y and owns its weight-gradient formula (what zero bubble's deferred W needs)."""
 
     def watch_matmul(self, watcher) -> None:
         """Call `watcher(module, x, y)` after each matmul (None: stop)."""
@@ -61,4 +59,3 @@ class WatchedLinear(nn.Module):
     def weight_grads(self, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
         """The parameters' gradients from the matmul's X and dY."""
         raise NotImplementedError
-

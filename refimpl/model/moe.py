@@ -1,4 +1,5 @@
-"""Mixture of experts: the MLP that a router splits into E experts, k of them active per token."""
+"""Mixture of experts (Switch Transformer, Fedus et al. 2022): a router sends each token to k of E
+expert MLPs; an expert takes at most C = ceil(k·T/E·capacity_factor) assignments, the rest drop."""
 from __future__ import annotations
 
 import contextlib
@@ -6,49 +7,33 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from refimpl.mesh import LayoutError
 from refimpl.model.config import GPTConfig
-from refimpl.model.moe_layout import BALANCE, SCOPES, batch_scope_problem, validate_moe  # noqa: F401
-from refimpl.model.moe_routing import (  # noqa: F401
-    MoEStats,
-    Routing,
-    expert_capacity,
-    route,
-    switch_aux_loss,
-    within_capacity,
-)
-from refimpl.model.moe_sequence import (
-    WholeSequences,
-    keep_per_sequence,
-    sequence_aux_loss,
-    sequence_tokens,
-)
+from refimpl.model.moe_routing import MoEStats, expert_capacity, route, switch_aux_loss, within_capacity
+from refimpl.model.moe_sequence import WholeSequences, keep_per_sequence, sequence_aux_loss, sequence_tokens
 from refimpl.model.moe_slots import destinations, one_hot, pack, unpack
 from refimpl.model.parts import feed_forward
 from refimpl.seam import phase
 
 
-class _Recompute:
-    depth = 0    # > 0 while activation checkpointing recomputes a block in backward
+class _Recomputing:
+    """Entered while activation checkpointing recomputes a block in backward."""
+    depth = 0
 
+    def __enter__(self):
+        _Recomputing.depth += 1
 
-@contextlib.contextmanager
-def _recomputing():
-    _Recompute.depth += 1
-    try:
-        yield
-    finally:
-        _Recompute.depth -= 1
+    def __exit__(self, *exc):
+        _Recomputing.depth -= 1
 
 
 def recompute_contexts():
-    """torch.utils.checkpoint's `context_fn` for a block (refimpl.model.gpt): the recomputation in
-    backward runs inside `_recomputing`, so it does not count its tokens into the step's load twice."""
-    return contextlib.nullcontext(), _recomputing()
+    """A checkpointed block's `context_fn`: its recomputation does not count into the load twice."""
+    return contextlib.nullcontext(), _Recomputing()
 
 
 class LocalExperts:
-    """Every expert and every token in this process: the single-process reference's dispatch.
-    (A data-parallel replica's counts the other ranks' tokens too: refimpl.parallel.ep.counts.)"""
+    """Every expert and every token in this process: the single-process reference's dispatch."""
 
     first = 0          # the global index of this rank's first expert
 
@@ -58,28 +43,20 @@ class LocalExperts:
 
     def __call__(self, x: torch.Tensor, counts: torch.Tensor, room: int | None,
                  experts: nn.ModuleDict) -> tuple:
-        """x: [E, B, d], expert e's kept assignments in its first counts[e] rows, zero padding
-        after them. Returns the experts' outputs in the same layout, and the rows each expert
-        processed per source rank ([1, E]). `room` matters only to an expert-parallel dispatch."""
-        # Every expert runs on its B rows (padding included), so its gradient is never None.
+        """x: [E, B, d], expert e's kept rows first, zero padding after: the experts' outputs in
+        that layout and the rows each processed ([1, E]). Padding included, no gradient is None."""
         return torch.stack([experts[str(e)](part) for e, part in enumerate(x)]), counts[None]
 
 
 class MoEMLP(nn.Module):
-    """The MLP of a block when cfg.n_experts > 0: router + E experts, keyed by their global
-    index (an ep rank keeping experts 2 and 3 still calls them `experts.2`, `experts.3`). After a
-    forward: `aux_loss` (0 unless balance=aux), `stats` (MoEStats), `keep` ([T, k] kept or not)."""
+    """Router + E experts keyed by global index (`experts.2` on any rank). After a forward:
+    `aux_loss` (0 unless balance=aux), `stats` (MoEStats), `keep` ([T, k] kept or not)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        if cfg.balance not in BALANCE:
-            raise ValueError(f"balance must be one of {BALANCE} (got {cfg.balance!r})")
-        if cfg.capacity_scope not in SCOPES:
-            raise ValueError(f"capacity_scope must be one of {SCOPES} (got {cfg.capacity_scope!r})")
         self.cfg = cfg
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
-        # each expert the dense feed-forward layer's shape: GELU MLPs, or Mixtral's SwiGLUs
         self.experts = nn.ModuleDict({str(e): feed_forward(cfg) for e in range(cfg.n_experts)})
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
         self.dispatch = LocalExperts()
@@ -102,7 +79,7 @@ class MoEMLP(nn.Module):
             else:
                 keep, routed, kept, capacity, aux, bound, room = self._fill_batch(flat, r.probs)
             self.aux_loss = aux if self.cfg.balance == "aux" else tokens.new_zeros(())
-            if torch.is_grad_enabled() and not _Recompute.depth:   # a training forward, once
+            if torch.is_grad_enabled() and not _Recomputing.depth:   # a training forward, once
                 self.step_load = routed if self.step_load is None else self.step_load + routed
             # each kept assignment's row in a fixed [E, B] buffer (refimpl.model.moe_slots)
             kept_hot = one_hot(flat, E) * keep[:, None]
@@ -118,13 +95,12 @@ class MoEMLP(nn.Module):
         return weighted.view(tokens.shape[0], k, -1).sum(dim=1).view(shape)
 
     def _fill_batch(self, flat: torch.Tensor, probs: torch.Tensor) -> tuple:
-        """capacity_scope=batch: C over the forward's tokens on every token-holding rank, each
-        rank's place in an expert's queue after the ranks before it (batch order)."""
+        """capacity_scope=batch: C over the forward's tokens on every token-holding rank, queued in
+        batch order (a rank's after the ranks before it)."""
         E, k = self.n_experts, self.top_k
         counts_by_rank, me = self.dispatch.gather_counts(one_hot(flat, E).sum(dim=0))
         routed = counts_by_rank.sum(dim=0)
-        # T from shapes: every token-holding rank holds as many tokens (the batch divides evenly
-        # over dp x cp), so routed.sum() is k * T without reading it
+        # T from shapes (every token-holding rank holds as many): no read of routed.sum()
         local = flat.numel() // k
         capacity = expert_capacity(counts_by_rank.shape[0] * local, E, k, self.cfg.capacity_factor)
         keep = within_capacity(flat, E, counts_by_rank[:me].sum(dim=0), capacity)
@@ -133,9 +109,8 @@ class MoEMLP(nn.Module):
         return keep, routed, routed.clamp(max=capacity), capacity, aux, min(capacity, local), capacity
 
     def _fill_per_sequence(self, flat: torch.Tensor, probs: torch.Tensor, rows: int) -> tuple:
-        """capacity_scope=sequence (refimpl.model.moe_sequence): C and f_i per sequence; the
-        routed and kept loads are then gathered over the token-holding ranks for the stats and
-        the bias (one all-gather of [2, E], as the batch scope's)."""
+        """capacity_scope=sequence (refimpl.model.moe_sequence): C and f_i per sequence; the loads
+        gathered over the token-holding ranks (one all-gather of [2, E])."""
         E, k = self.n_experts, self.top_k
         seq = sequence_tokens(flat.numel() // k, rows, self.sequences)
         capacity = expert_capacity(seq, E, k, self.cfg.capacity_factor)
@@ -150,9 +125,8 @@ class MoEMLP(nn.Module):
 
     @torch.no_grad()
     def update_bias(self) -> None:
-        """DeepSeek-V3's nudge from the step's load: b_i -= gamma * sign(load_i - mean), the load
-        summed over every forward of the step (each already global over the token-holding ranks),
-        so micro-batching and the layout do not change it."""
+        """DeepSeek-V3: b_i -= gamma * sign(load_i - mean), the load summed over the step's forwards
+        (each global already), so micro-batching and the layout do not change it."""
         load, self.step_load = self.step_load, None
         if self.cfg.balance != "bias" or load is None:
             return
@@ -167,8 +141,7 @@ def moe_layers(model: nn.Module) -> list[MoEMLP]:
 
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor | float:
-    """Sum of the MoE layers' auxiliary losses from the last forward (0.0 for a dense model).
-    The loop adds it to the language-model loss before backward."""
+    """Sum of the MoE layers' auxiliary losses from the last forward (0.0 for a dense model)."""
     layers = moe_layers(model)
     return sum(layer.aux_loss for layer in layers) if layers else 0.0
 
@@ -177,3 +150,36 @@ def update_expert_bias(model: nn.Module) -> None:
     """After the optimizer step: nudge every layer's bias (balance=bias; a no-op otherwise)."""
     for layer in moe_layers(model):
         layer.update_bias()
+
+
+# --- what the launching process checks --------------------------------------------------------------
+
+BALANCE = ("aux", "bias", "none")
+SCOPES = ("batch", "sequence")       # capacity_scope: what C and the aux loss's f_i count over
+
+
+def validate_moe(cfg: GPTConfig, ep: int = 1) -> None:
+    """The MoE layout constraints, in the launching process; raises LayoutError (one line)."""
+    if cfg.n_experts == 0:
+        if ep > 1:
+            raise LayoutError(f"expert parallelism (ep = {ep}) needs --experts E > 0")
+        return
+    if cfg.n_experts < 0:
+        raise LayoutError(f"--experts must be >= 0 (got {cfg.n_experts})")
+    if not 1 <= cfg.top_k <= cfg.n_experts:
+        raise LayoutError(f"--top-k must be in [1, --experts = {cfg.n_experts}] (got {cfg.top_k})")
+    if not cfg.capacity_factor > 0:
+        raise LayoutError(f"--capacity-factor must be > 0 (got {cfg.capacity_factor})")
+    if cfg.balance not in BALANCE:
+        raise LayoutError(f"--set balance must be one of {', '.join(BALANCE)} (got {cfg.balance!r})")
+    if cfg.capacity_scope not in SCOPES:
+        raise LayoutError(f"--set capacity_scope must be one of {', '.join(SCOPES)} "
+                          f"(got {cfg.capacity_scope!r})")
+    for key in ("aux_alpha", "bias_gamma"):
+        value = getattr(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise LayoutError(f"--set {key} must be a number >= 0 (got {value!r})")
+    if cfg.n_experts % ep:
+        raise LayoutError(f"--experts {cfg.n_experts} must be divisible by ep = {ep}: "
+                          f"every rank of the ep group holds E/ep experts")
+

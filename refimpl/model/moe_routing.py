@@ -36,16 +36,15 @@ def expert_capacity(n_tokens: int, n_experts: int, top_k: int, capacity_factor: 
 
 def within_capacity(experts_flat: torch.Tensor, n_experts: int, offsets: torch.Tensor,
                     capacity: int) -> torch.Tensor:
-    """Which assignments fit: an assignment's place in its expert's queue is the number of earlier
-    assignments to that expert (`offsets`: those of the ranks before this one; then this rank's,
-    in batch order). Places >= capacity overflow."""
+    """Which assignments fit: an assignment's place in its expert's queue counts the earlier ones
+    (`offsets`: the ranks' before this one, then this rank's in batch order); >= capacity drop."""
     place = one_hot(experts_flat, n_experts).cumsum(dim=0) - 1 + offsets
     return place.gather(1, experts_flat[:, None]).squeeze(1) < capacity
 
 
 def switch_aux_loss(probs: torch.Tensor, routed: torch.Tensor, alpha: float) -> torch.Tensor:
-    """alpha * E * sum_i f_i * P_i (Switch eq. 4). `routed` are the global counts, so f is the
-    global fraction; P is this rank's mean, so the mean of the ranks' losses is the global loss."""
+    """alpha * E * sum_i f_i * P_i (Switch eq. 4): f from the global counts `routed`, P this rank's
+    mean, so the mean of the ranks' losses is the global loss."""
     n_experts = probs.shape[1]
     f = routed.to(probs.dtype) / routed.sum()
     return alpha * n_experts * (f * probs.mean(dim=0)).sum()

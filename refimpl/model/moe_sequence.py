@@ -1,5 +1,4 @@
-"""Capacity and the aux loss per sequence (`--set capacity_scope=sequence`): a rule no layout changes.
-"""
+"""Capacity and the aux loss per sequence (`--set capacity_scope=sequence`): no layout changes it."""
 from __future__ import annotations
 
 import torch
@@ -8,9 +7,7 @@ from refimpl.model.moe_slots import one_hot
 
 
 class WholeSequences:
-    """This rank holds its sequences whole: one piece each (no context parallelism; under it the
-    layer's `sequences` is refimpl.parallel.ep.counts.ChunkedSequences, which gathers the counts
-    of the pieces the other cp ranks hold)."""
+    """This rank holds its sequences whole, one piece each (under cp: ep.counts.ChunkedSequences)."""
 
     held: tuple[int, ...] = (0,)
     pieces = 1
@@ -39,8 +36,8 @@ def keep_per_sequence(experts_flat: torch.Tensor, rows: int, n_experts: int, cap
 
 def sequence_aux_loss(probs: torch.Tensor, per_sequence: torch.Tensor, top_k: int, seq_tokens: int,
                       alpha: float) -> torch.Tensor:
-    """Mean over this rank's sequences of alpha * E * sum_i f_i P_i, f_i from the sequence's whole
-    counts (`per_sequence`, [rows, E]: no gradient), P_i over this rank's tokens of it."""
+    """Mean over this rank's sequences of alpha * E * sum_i f_i P_i: f_i from the whole sequence's
+    counts ([rows, E]), P_i from this rank's tokens of it."""
     rows, n_experts = per_sequence.shape
     f = per_sequence.to(probs.dtype) / (top_k * seq_tokens)
     p = probs.view(rows, -1, n_experts).mean(dim=1)

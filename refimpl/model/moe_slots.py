@@ -5,31 +5,25 @@ import torch
 
 
 def one_hot(experts_flat: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """[A, E] long, 1 where assignment a chose expert e. A comparison, not F.one_hot: that checks
-    its values' range on the host (an item() on CPU, which fake tensors cannot answer)."""
+    """[A, E] long, 1 where assignment a chose expert e (not F.one_hot: its range check reads the
+    host, which fake tensors cannot answer)."""
     ids = torch.arange(n_experts, device=experts_flat.device)
     return (experts_flat[:, None] == ids).long()
 
 
-def slots(experts_flat: torch.Tensor, kept_hot: torch.Tensor) -> torch.Tensor:
-    """[A]: for a kept assignment, how many of this rank's kept assignments to its expert come
-    before it (batch order); meaningless for a dropped one. `kept_hot`: one_hot(experts_flat, E)
-    with the dropped assignments' rows zeroed (the layer sums it for its per-expert counts too)."""
-    return (kept_hot.cumsum(dim=0) - 1).gather(1, experts_flat[:, None]).squeeze(1)
-
-
 def destinations(experts_flat: torch.Tensor, keep: torch.Tensor, kept_hot: torch.Tensor,
                  bound: int) -> torch.Tensor:
-    """[A]: each assignment's row in the [E * bound] buffer, the dump row (E * bound) if dropped."""
+    """[A]: each assignment's row in the [E * bound] buffer, after the kept assignments to its expert
+    before it (`kept_hot`: one_hot with the dropped rows zeroed); the dump row E * bound if dropped."""
     n_experts = kept_hot.shape[1]
-    row = experts_flat * bound + slots(experts_flat, kept_hot)
+    slot = (kept_hot.cumsum(dim=0) - 1).gather(1, experts_flat[:, None]).squeeze(1)
+    row = experts_flat * bound + slot
     return torch.where(keep, row, torch.full_like(row, n_experts * bound))
 
 
 def pack(rows: torch.Tensor, dest: torch.Tensor, n_rows: int,
          row_of: torch.Tensor | None = None) -> torch.Tensor:
-    """[n_rows, d]: buffer row dest[i] holds rows[row_of[i]] (row_of: i itself by default; the
-    layer passes token a // k for assignment a), every other row zero; the dump is cut off."""
+    """[n_rows, d]: row dest[i] holds rows[row_of[i]] (row_of: i by default), the others zero."""
     row_of = torch.arange(dest.numel(), device=dest.device) if row_of is None else row_of
     source = torch.full((n_rows + 1,), rows.shape[0], dtype=dest.dtype, device=dest.device)
     source = source.scatter(0, dest, row_of)[:n_rows]     # real rows are hit once; the dump is cut

@@ -25,11 +25,12 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 
 import refimpl.comm as comm
-from refimpl.cost.alpha_beta import busbw_factor
+from refimpl.cost.alpha_beta import busbw_factor, fit_alpha_beta, predict_seconds
 from refimpl.lab.measure.ceilings import (  # noqa: F401
     ceiling_for,
     copy_sweep,
@@ -252,3 +253,35 @@ def head_to_head(op: str = "all_reduce", size_bytes: int = 16 << 20, world_size:
     rows = run(head_to_head_rank, world_size, op=op, size_bytes=size_bytes, repeats=repeats,
                quiet=True)[0]
     return pd.DataFrame(rows).set_index("impl")
+
+
+# --- the alpha-beta fit of a sweep ---------------------------------------------------------
+
+def fit_error(sizes_bytes, seconds, alpha: float, beta: float) -> dict:
+    """How well the fitted line explains the data: R^2 of log T, median and worst relative error."""
+    t = np.asarray(seconds, dtype=float)
+    p = predict_seconds(alpha, beta, sizes_bytes)
+    rel = np.abs(p - t) / t
+    lt, lp = np.log(t), np.log(p)
+    ss_res, ss_tot = float(np.sum((lt - lp) ** 2)), float(np.sum((lt - lt.mean()) ** 2))
+    return {"r2_log": 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
+            "median_rel_err": float(np.median(rel)), "max_rel_err": float(np.max(rel))}
+
+
+def fit_table(sweep_df: pd.DataFrame) -> pd.DataFrame:
+    """One alpha-beta fit per (impl, op, world_size) of a sweep (`sweep`), with
+    its error."""
+    rows = []
+    for (impl, op, n), g in sweep_df.groupby(["impl", "op", "world_size"], sort=False):
+        alpha, beta = fit_alpha_beta(g.size_bytes, g.time_s)
+        rows.append({"impl": impl, "op": op, "world_size": n, "alpha_s": alpha,
+                     "beta_bytes_per_s": beta, **fit_error(g.size_bytes, g.time_s, alpha, beta)})
+    return pd.DataFrame(rows)
+
+
+def with_predictions(sweep_df: pd.DataFrame, fits: pd.DataFrame) -> pd.DataFrame:
+    """The sweep plus each row's model time `predicted_s` (for predicted-vs-measured plots)."""
+    df = sweep_df.merge(fits[["impl", "op", "world_size", "alpha_s", "beta_bytes_per_s"]],
+                        on=["impl", "op", "world_size"])
+    df["predicted_s"] = predict_seconds(df.alpha_s, df.beta_bytes_per_s, df.size_bytes)
+    return df.drop(columns=["alpha_s", "beta_bytes_per_s"])

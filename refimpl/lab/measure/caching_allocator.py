@@ -1,14 +1,14 @@
 """Fragmentation (seed 001, 메모리 단편화), replayed: a real step's allocations through CUDA's rules.
 
-refimpl.cost.allocator holds the constants of PyTorch's CUDA caching allocator
+refimpl.lab.measure.allocator holds the constants of PyTorch's CUDA caching allocator
 (c10/cuda/CUDACachingAllocator.cpp); this module runs them. `CachingAllocator` follows the
 allocator's decisions for one stream, with its default configuration:
 
-  round     every request becomes a block of a multiple of 512 bytes (cost.allocator.block_bytes);
+  round     every request becomes a block of a multiple of 512 bytes (allocator.block_bytes);
   pool      blocks up to 1 MiB live in the small pool, larger ones in the large pool; a block of
             one pool never serves the other;
   best fit  a request takes the smallest cached free block of its pool that holds it (ties: the
-            lowest address), else a fresh segment is reserved (cost.allocator.segment_bytes);
+            lowest address), else a fresh segment is reserved (allocator.segment_bytes);
   split     the rest of that block stays cached as a free block when it is big enough to be
             useful: >= 512 B in the small pool, > 1 MiB in the large pool (else the request
             keeps the whole block, and the slack counts as allocated-but-unused);
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from refimpl.cost.allocator import MIN_BLOCK, SMALL_SIZE, block_bytes, segment_bytes
+from refimpl.lab.measure.allocator import MIN_BLOCK, SMALL_SIZE, block_bytes, segment_bytes
 from refimpl.lab.trace.profiling import read_trace
 from refimpl.model import build_model, lm_loss, synthetic_batch
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from refimpl.lab.instrument.activations import ActivationTracker
 from refimpl.launch import device_for
-from refimpl.memory import ActivationTracker
 from refimpl.model import attention
 from refimpl.parallel.cp.ring import blocks_to_compute, chunk_ids, ring_attention, shard_sequence
 

@@ -35,7 +35,7 @@ from contextlib import nullcontext
 
 import torch
 
-from refimpl.cost.hardware import dense_bf16_peak
+from refimpl.lab.measure.gpu_names import dense_bf16_peak
 from refimpl.memory import training_flops
 from refimpl.model import GPTConfig, build_model, count_params, lm_loss
 
@@ -76,10 +76,9 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> int:
 
 
 def peak_flops(device) -> float | None:
-    """The dense bf16 peak of `device` from refimpl.cost.hardware's datasheet tables, matched on
-    the name CUDA reports ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H100 NVL",
-    "NVIDIA A100-SXM4-80GB": hardware.part_of); None for a CPU or a GPU the tables do not have
-    (MFU is then not defined here)."""
+    """The dense bf16 peak of `device`, matched on the name CUDA reports
+    (refimpl.lab.measure.gpu_names); None for a CPU or a GPU the tables do not have (MFU is then
+    not defined here)."""
     device = torch.device(device)
     if device.type != "cuda":
         return None

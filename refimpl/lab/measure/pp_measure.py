@@ -13,7 +13,7 @@ so stage imbalance (embedding on the first, head and loss on the last) is in the
 `measured_costs` adds what every action and message costs outside the compute on the same run (an
 empty action's gap, a message's alpha), which the closed form and the plain replay lack.
 
-Activations. Saved-for-backward bytes are counted per rank with memory.ActivationTracker. A stage
+Activations. Saved-for-backward bytes are counted per rank with refimpl.lab.instrument.activations.ActivationTracker. A stage
 holds the activations of every micro-batch in flight (F done, backward not yet), so the prediction
 is (peak in-flight of its row of the table) x (bytes one forward of the stage saves). For zb-h1 the
 tracker sees only what autograd saves: the layer inputs and output gradients that pp.zero_bubble
@@ -27,11 +27,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from refimpl.lab.instrument.activations import ActivationTracker
 from refimpl.lab.pipeline.posting import chosen_links
 from refimpl.lab.pipeline.simulate import TimedAction, dependencies, flat, idle_fraction, simulate
 from refimpl.lab.trace.capture import StepProfiler
 from refimpl.launch import device_for
-from refimpl.memory import ActivationTracker
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
 from refimpl.parallel.pp.runner import run_schedule
 from refimpl.parallel.pp.schedules import (

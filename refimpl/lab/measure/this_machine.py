@@ -1,6 +1,6 @@
 """This machine as a Hardware preset for the planner, every number measured here.
 
-`measure_cpu_preset` measures what refimpl.cost.hardware.cpu_preset takes, in place of the GPU
+`measure_cpu_preset` measures what `cpu_preset` takes, in place of the GPU
 presets' datasheet numbers: one thread's matmul rate (what one CPU rank computes at), the fixed
 cost of a block pass, one thread's memcpy bandwidth (refimpl.lab.measure.ceilings), and the alpha-beta fit
 of torch's all_reduce on gloo ranks (a short refimpl.lab.measure.bench sweep, refimpl.cost.alpha_beta's fit).
@@ -13,10 +13,26 @@ import time
 import torch
 
 from refimpl.cost.alpha_beta import busbw_factor, fit_alpha_beta, hop_model_from_fit
-from refimpl.cost.hardware import Hardware, cpu_preset
+from refimpl.cost.hardware import Hardware
 from refimpl.lab.measure.bench import message_sizes, sweep
 from refimpl.lab.measure.ceilings import memcpy_bandwidth
+from refimpl.memory import GiB
 from refimpl.model import Block, GPTConfig
+
+
+def cpu_preset(matmul_flops: float, alpha_s: float, beta_bytes_per_s: float,
+               memory_bandwidth: float, block_overhead_s: float = 0.0,
+               memory_bytes: float = 16 * GiB, overlaps_comm: bool = False,
+               step_overhead_s: float = 0.0) -> Hardware:
+    """This machine as a 'GPU' for the planner, every number measured here: one rank's matmul rate
+    (fraction 1: it is already what a matmul achieves), one thread's memcpy bandwidth, the
+    alpha-beta fit of a collective (notebook 02; refimpl.cost.alpha_beta.fit_alpha_beta) and the
+    fixed cost of one block pass. All ranks share one machine, so every axis is 'inside the node'."""
+    return Hardware("cpu", matmul_flops, memory_bytes, memory_bandwidth,
+                    beta_bytes_per_s, beta_bytes_per_s, intra_alpha=alpha_s, inter_alpha=alpha_s,
+                    gemm_fraction=1.0, link_fraction=1.0, overlaps_comm=overlaps_comm,
+                    block_overhead_s=block_overhead_s, step_overhead_s=step_overhead_s,
+                    source="measured on this machine")
 
 
 def measure_matmul_rate(n: int = 512, repeats: int = 5) -> float:

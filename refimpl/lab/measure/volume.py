@@ -13,12 +13,14 @@ per-bucket reduces, whose messages add up to Ψ.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from refimpl.cost.collective_bytes import paper_factor
+from refimpl.cost.collective_bytes import bytes_per_rank_factor
 from refimpl.lab.trace.profiling import comm_table, load_trace
 
-PAPER_FACTOR = {op: paper_factor(op) for op in ("all_reduce", "reduce_scatter", "all_gather", "reduce")}
+# the ZeRO paper's units (the large-n limit): all-reduce 2, reduce-scatter / all-gather / reduce 1
+PAPER_FACTOR = {op: bytes_per_rank_factor(op, math.inf) for op in ("all_reduce", "reduce_scatter", "all_gather", "reduce")}
 
 
 def volume_per_step(run: str | Path, min_bytes: int = 1024):

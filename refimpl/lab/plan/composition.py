@@ -16,7 +16,7 @@ Which pairs compose here (tests/test_composition.py) and which fail before launc
   experts x tp (each expert split over tp; +sp), x ep over dp, and a MoE model under dp-naive,
   dp, zero1/2/3 or fsdp with --ep (experts synced or sharded over edp) (tests/test_moe_tp_dp.py)
                                                                                 -> equal to single
-  --experts (ep, or replicated) with pp (any schedule) and cp (model.moe_layout) -> equal to single
+  --experts (ep, or replicated) with pp (any schedule) and cp (lab.moe_scope) -> equal to single
   --ep with PyTorch's twins    they sum every gradient over dp x cp, different experts' included
 
 The placement rule of MT-NLG and Megatron-LM ("model parallel inside a node, data parallel across

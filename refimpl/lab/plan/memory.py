@@ -12,7 +12,7 @@ from refimpl.lab.plan.layout import Layout
 from refimpl.lab.predict.cp_comm import ring_block_delta_bytes
 from refimpl.lab.predict.presets import ModelShape
 from refimpl.memory import activation_bytes_per_layer, model_state_bytes
-from refimpl.memory.arithmetic import llama_block_activation_bytes, tp_block_activation_bytes
+from refimpl.memory.arithmetic import tp_block_activation_bytes
 
 PRECISIONS = {
     # mixed-precision Adam (the ZeRO paper's K = 12), 16-bit activations: what GPU trainings use.
@@ -26,6 +26,22 @@ PRECISIONS = {
     # the CPU loop's default: fp32 weights and grads, AdamW's m and v
     "fp32": {"param": 4, "grad": 4, "optimizer": 8, "activation": 4},
 }
+
+
+def llama_block_activation_bytes(seq: int, batch: int, hidden: int, heads: int, ffn: int, *,
+                                 tp: int = 1, sequence_parallel: bool = False,
+                                 dtype_bytes: int = 4) -> float:
+    """What autograd saves for one --arch llama block (SwiGLU of width `ffn`) on one of `tp` ranks,
+    counted tensor by tensor from its forward."""
+    sbh, sb, t = seq * batch * hidden, seq * batch, tp
+    stat_bytes = max(dtype_bytes, 4)
+    if sequence_parallel:
+        norms = (2 * 2 * sbh / t + 2 * sbh) * dtype_bytes + 2 * sb / t * stat_bytes
+    else:
+        norms = 2 * 3 * sbh * dtype_bytes + 2 * sb * stat_bytes
+    split = (4 * sbh + 4 * sb * ffn) / t * dtype_bytes + heads * seq * seq * batch * dtype_bytes / t
+    rotary = 2 * seq * (hidden // heads) * dtype_bytes
+    return norms + split + seq * seq + rotary
 
 
 def stage_params(shape: ModelShape, lay: Layout) -> float:

@@ -27,7 +27,7 @@ then the strategy's placement) and a real step of it, measured once every state 
 behind exists (`strategy.train_step`: every micro-batch's forward and backward in the schedule's
 order, the data-parallel sync, the optimizer; see `prime_optimizers`). What comes
 back is what the train CLI reports for that rank, by category -- params, grads, optimizer,
-activations_peak (autograd's saved tensors, refimpl.memory.ActivationTracker), and `peak`, the most
+activations_peak (autograd's saved tensors, refimpl.lab.instrument.activations), and `peak`, the most
 bytes alive at any moment of the step (refimpl.lab.measure.live_memory.LiveBytes: the model states, and every
 storage an op creates, until it is freed) -- and `comm`: every collective this rank called, bytes per
 op per axis of the grid (the labels' convention, refimpl.lab.instrument.labels: the whole message). Before the
@@ -50,12 +50,12 @@ import torch
 import torch.distributed as dist
 
 from refimpl.config import TrainConfig
+from refimpl.lab.instrument.activations import ActivationTracker
 from refimpl.lab.loop import setup_rank
 from refimpl.lab.measure.live_memory import LiveBytes
 from refimpl.lab.predict.presets import get_model
 from refimpl.lab.verify.fast_meta import fast_meta_kernels
 from refimpl.lab.verify.on_meta import OnMeta, values_not_drawn
-from refimpl.memory import ActivationTracker
 from refimpl.mesh import LayoutError
 from refimpl.model import Batch, GPTConfig
 from refimpl.seam import current_name
@@ -90,7 +90,7 @@ def moe_form(name: str, shape) -> dict:
     so a Mixtral preset (SwiGLU, grouped-query attention) runs in that form, as the 70b preset is
     Llama 2 in it: experts of width round(ffn_hidden / h) * h (Mixtral 8x7B: 16384, not 14336),
     E, top_k and capacity_factor the preset's. Capacity per sequence (capacity_scope=sequence):
-    the batch scope refuses data parallelism with micro-batches (refimpl.model.moe_layout), which
+    the batch scope refuses data parallelism with micro-batches (refimpl.lab.moe_scope), which
     `default_batch` always has for pp > 1."""
     if not shape.n_experts:
         # a dense Llama preset runs Llama's own block (refimpl.model.parts): SwiGLU of its width,

@@ -15,10 +15,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from refimpl.config import TrainConfig
-from refimpl.cost.collective_bytes import wire_bytes
+from refimpl.cost.collective_bytes import sent_per_rank
+from refimpl.lab.instrument.activations import measure_block_activations
 from refimpl.lab.instrument.labels import CommLog
 from refimpl.launch import device_for
-from refimpl.memory import measure_block_activations
 from refimpl.model import Block, GPTConfig, build_model, lm_loss, synthetic_batch
 from refimpl.parallel.tp.attention import ParallelGroupedAttention, ParallelSelfAttention
 from refimpl.parallel.tp.blocks import ParallelMLP
@@ -281,3 +281,9 @@ def gqa_checks(rank: int, world: int, kv_heads=(1, 2, 4, 8)) -> list[dict]:
                      "output error": rel(tp(x), ref(x)), "dx error": rel(xin.grad, xr.grad),
                      "weight grad error": _grad_errors(ref, tp, group)})
     return rows
+
+
+def wire_bytes(calls: list[dict]) -> float:
+    """Bytes one rank sends for calls {op, world, bytes}: each message times its op's factor on the
+    call's own group size."""
+    return sum(sent_per_rank(c["op"], c["world"], c["bytes"]) for c in calls)

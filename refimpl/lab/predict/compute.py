@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from refimpl.cost.hardware import get_hardware
-from refimpl.memory import training_days
 
 PETAFLOP_DAY = 1e15 * 86400
 
@@ -32,6 +31,12 @@ class Cluster:
     @property
     def peak_flops(self) -> float:
         return get_hardware(self.gpu).peak_flops * self.n_gpus
+
+
+def training_days(flops: float, flops_per_second: float, n_devices: int = 1,
+                  utilization: float = 1.0) -> float:
+    """Wall-clock days at a given per-device rate and model-FLOPs utilisation."""
+    return flops / (flops_per_second * n_devices * utilization) / 86400
 
 
 def days_on_cluster(flops: float, cluster: Cluster, mfu: float) -> float:
