@@ -13,8 +13,8 @@ from refimpl.config import Option, TrainConfig
 from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
 from refimpl.mesh import LayoutError
 from refimpl.model import GPT
-from refimpl.parallel.fsdp.schedule import ShardingPolicy, UnitSchedule, assign_params
 from refimpl.parallel.dp.per_group import PerGroup
+from refimpl.parallel.fsdp.schedule import ShardingPolicy, UnitSchedule, assign_params
 from refimpl.placement import gather_full_state_dict
 from refimpl.rank_values import RankValues
 from refimpl.strategy import Strategy, make_optimizer
