@@ -172,18 +172,3 @@ def _groups_of_this_world() -> dict[tuple, object]:
     if _MADE["world"] is not world:      # a new default group (a restart, the dry run's fake one)
         _MADE["world"], _MADE["groups"] = world, {}
     return _MADE["groups"]
-
-
-def describe_grid(dims: ParallelDims) -> list[dict]:
-    """One row per rank: its coordinates and the ranks it talks to on each axis (for tables and
-    the notebooks' grid figure)."""
-    rows = []
-    for rank in range(dims.world_size):
-        coords = dims.coordinates(rank)
-        row = {"rank": rank, **{a: coords[a] for a in ("replica",) + AXES}}
-        for axis in ("dp", "pp", "cp", "tp", "ep"):
-            row[f"{axis}_group"] = next(g for g in dims.groups(axis) if rank in g)
-        rows.append(row)
-    return rows
-
-

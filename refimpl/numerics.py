@@ -38,11 +38,3 @@ def exact_fp32_on_cuda(device: torch.device, deterministic: bool = False) -> boo
     torch.backends.cudnn.deterministic = deterministic
     torch.use_deterministic_algorithms(deterministic, warn_only=True)
     return True
-
-
-def settings() -> dict:
-    """What is in force now (for a report): the fp32 matmul mode and deterministic mode."""
-    matmul = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
-    return {"matmul_fp32": matmul if matmul is not None else torch.get_float32_matmul_precision(),
-            "deterministic": torch.are_deterministic_algorithms_enabled(),
-            "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}

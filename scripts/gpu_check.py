@@ -77,12 +77,13 @@ def _numerics(add, gpu, out):
     import torch
 
     from refimpl import numerics
+    from refimpl.lab.env import numerics_settings
 
     if not gpu:
         add("numerics", "fp32 settings on CUDA", NO_GPU)
         return
     numerics.exact_fp32_on_cuda(torch.device("cuda", 0))
-    add("numerics", "fp32 settings on CUDA", json.dumps(numerics.settings()))
+    add("numerics", "fp32 settings on CUDA", json.dumps(numerics_settings()))
 
 
 def _ceilings(add, gpu, out):

@@ -12,8 +12,9 @@ import torch
 
 from refimpl import launch
 from refimpl.config import TrainConfig
+from refimpl.lab.plots.placement import describe_grid
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_states, reference_run
-from refimpl.mesh import LayoutError, ParallelDims, describe_grid
+from refimpl.mesh import LayoutError, ParallelDims
 from refimpl.train import validate
 from tests.models import SMALL
 

@@ -8,6 +8,7 @@ import torch
 
 from refimpl import numerics
 from refimpl.config import TrainConfig
+from refimpl.lab.env import numerics_settings
 from refimpl.lab.verify.equivalence import reference_config
 
 CUDA, CPU = torch.device("cuda", 1), torch.device("cpu")
@@ -47,8 +48,8 @@ def test_the_switch_turns_deterministic_mode_on_and_off_again(restored):
     assert not numerics.exact_fp32_on_cuda(CPU, deterministic=True)      # CPU: nothing is set
     assert not torch.are_deterministic_algorithms_enabled()
     assert numerics.exact_fp32_on_cuda(CUDA, deterministic=True)
-    assert numerics.settings()["deterministic"] and torch.backends.cudnn.deterministic
+    assert numerics_settings()["deterministic"] and torch.backends.cudnn.deterministic
     # a timed run after a compared one in the same process: off again
     assert numerics.exact_fp32_on_cuda(CUDA, deterministic=False)
-    assert not numerics.settings()["deterministic"] and not torch.backends.cudnn.deterministic
-    assert numerics.settings()["matmul_fp32"] in ("ieee", "highest")     # fp32 stays fp32 either way
+    assert not numerics_settings()["deterministic"] and not torch.backends.cudnn.deterministic
+    assert numerics_settings()["matmul_fp32"] in ("ieee", "highest")     # fp32 stays fp32 either way

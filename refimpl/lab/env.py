@@ -164,3 +164,14 @@ def main(as_json: bool = False) -> int:
     if m.interconnect:
         print("interconnect (nvidia-smi topo -m):\n" + m.interconnect)
     return 0
+
+
+def numerics_settings() -> dict:
+    """What is in force now (for a report): the fp32 matmul mode and deterministic mode
+    (refimpl.numerics sets them)."""
+    import torch
+
+    matmul = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    return {"matmul_fp32": matmul if matmul is not None else torch.get_float32_matmul_precision(),
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}

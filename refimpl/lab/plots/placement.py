@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
+from refimpl.mesh import AXES, ParallelDims
+
 AXIS_COLORS = {"tp": "#E45756", "cp": "#B279A2", "pp": "#F58518", "dp": "#4C78A8",
                "ep": "#54A24B"}
 
@@ -16,7 +18,7 @@ AXIS_COLORS = {"tp": "#E45756", "cp": "#B279A2", "pp": "#F58518", "dp": "#4C78A8
 def mesh_figure(grid_rows, title: str = "The rank grid") -> go.Figure:
     """Every rank as a box at (column = cp·tp index, row = dp·pp index); one line trace per axis
     joins the ranks of each group, so a reader sees which ranks talk over which axis (click an
-    axis in the legend to hide it). `grid_rows` is refimpl.mesh.describe_grid(dims)."""
+    axis in the legend to hide it). `grid_rows` is describe_grid(dims), below."""
     rows = list(grid_rows)
     tp = max(r["tp"] for r in rows) + 1
     pp = max(r["pp"] for r in rows) + 1
@@ -70,3 +72,18 @@ def load_heatmap(matrix, x_labels, y_labels, title: str = "Tokens per expert",
                                colorscale="Viridis", colorbar_title="tokens"))
     fig.update_layout(title=title, xaxis_title=x_title, yaxis_title=y_title, height=320)
     return fig
+
+
+def describe_grid(dims: ParallelDims) -> list[dict]:
+    """One row per rank: its coordinates and the ranks it talks to on each axis (for tables and
+    the notebooks' grid figure)."""
+    rows = []
+    for rank in range(dims.world_size):
+        coords = dims.coordinates(rank)
+        row = {"rank": rank, **{a: coords[a] for a in ("replica",) + AXES}}
+        for axis in ("dp", "pp", "cp", "tp", "ep"):
+            row[f"{axis}_group"] = next(g for g in dims.groups(axis) if rank in g)
+        rows.append(row)
+    return rows
+
+

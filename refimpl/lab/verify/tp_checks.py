@@ -18,6 +18,7 @@ from refimpl.config import TrainConfig
 from refimpl.cost.collective_bytes import sent_per_rank
 from refimpl.lab.instrument.activations import measure_block_activations
 from refimpl.lab.instrument.labels import CommLog
+from refimpl.lab.verify.group_mesh import GroupMesh
 from refimpl.launch import device_for
 from refimpl.model import Block, GPTConfig, build_model, lm_loss, synthetic_batch
 from refimpl.parallel.tp.attention import ParallelGroupedAttention, ParallelSelfAttention
@@ -25,7 +26,7 @@ from refimpl.parallel.tp.blocks import ParallelMLP
 from refimpl.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
 from refimpl.parallel.tp.mappings import group_rank
 from refimpl.parallel.tp.parallelize import parallelize_tp, sequence_partial, tp_loss_for
-from refimpl.placement import GroupMesh, gather_full_state_dict, placement_of, unshard
+from refimpl.placement import gather_full_state_dict, placement_of, unshard
 from refimpl.seam import phase
 from refimpl.strategy import make_optimizer
 
