@@ -8,11 +8,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import cache
-from importlib.metadata import entry_points
 
 from refimpl.config import TrainConfig
 from refimpl.mesh import LayoutError
+from refimpl.seam import plugins
 from refimpl.strategy import Strategy
 
 
@@ -55,11 +54,6 @@ class Names(Mapping):
     def __len__(self) -> int:
         return len(self.loaded())
 
-
-@cache
-def plugins(group: str) -> tuple:
-    """The functions registered under the entry-point group `group`, each loaded once."""
-    return tuple(found.load() for found in {e.value: e for e in entry_points(group=group)}.values())
 
 
 STRATEGIES = Names({

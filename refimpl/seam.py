@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import cache
 from importlib.metadata import entry_points
 
 import torch.autograd.profiler as profiler
@@ -118,3 +119,10 @@ def use_collectives(collectives) -> None:
     """Run this process's mechanisms on `collectives` (torch.distributed's names and signatures):
     refimpl.comm for `--collectives refimpl`, None for torch.distributed's own."""
     SEAM.collectives = TorchCollectives() if collectives is None else collectives
+
+
+@cache
+def plugins(group: str) -> tuple:
+    """What the lab registered under the entry-point group `group`, each loaded once (a package
+    installed twice lists an entry point twice: kept once)."""
+    return tuple(found.load() for found in {e.value: e for e in entry_points(group=group)}.values())

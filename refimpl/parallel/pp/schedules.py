@@ -12,9 +12,9 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from importlib.metadata import entry_points
 
 from refimpl.mesh import LayoutError
+from refimpl.seam import plugins
 
 PAIR = "&"
 _ACTION = re.compile(r"^(?P<kind>[FBW])(?P<mb>\d+)(?:\.(?P<chunk>\d+))?$")
@@ -137,8 +137,8 @@ CORE_PLACEMENTS = {"loop": round_robin}
 
 def _with_plugins(table: dict, group: str) -> dict:
     every = dict(table)
-    for plugin in {e.value: e for e in entry_points(group=group)}.values():
-        every.update(plugin.load()())
+    for plugin in plugins(group):
+        every.update(plugin())
     return every
 
 

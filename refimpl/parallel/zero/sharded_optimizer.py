@@ -6,14 +6,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from importlib.metadata import entry_points
 
 import torch
 import torch.nn as nn
 
 from refimpl.parallel.dp.flat_param import FlatParams
 from refimpl.parallel.dp.wrapping import check_devices, resolve_group
-from refimpl.seam import dist
+from refimpl.seam import dist, plugins
 
 PARTITIONS = ("tensors", "flat")
 WHO = "ShardedOptimizer"
@@ -171,8 +170,8 @@ def settings_of(group: dict) -> dict:
 def _consolidated():
     """The lab's consolidated state dict, registered under the entry-point group
     refimpl.sharded_state (refimpl/lab/checkpoint/sharded_optimizer_state.py)."""
-    found = list(entry_points(group="refimpl.sharded_state"))
+    found = plugins("refimpl.sharded_state")
     if not found:
         raise RuntimeError("a sharded optimizer's whole state_dict is refimpl.lab's: install the "
                            "package (pip install -e .) so its entry points are registered")
-    return found[0].load()
+    return found[0]
