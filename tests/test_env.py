@@ -8,7 +8,7 @@ import torch
 
 from refimpl import launch
 from refimpl.config import TrainConfig
-from refimpl.lab.env import GPU, Machine, machine
+from refimpl.lab.env import GPU, SHARED_DEVICE, GiB, Machine, machine
 from refimpl.lab.verify.equivalence import ranks_device
 from refimpl.mesh import LayoutError
 from refimpl.process_group import backend_and_device as _backend_and_device
@@ -86,3 +86,16 @@ def test_the_reference_runs_where_the_ranks_run(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     assert ranks_device(2) == "cuda" and ranks_device(2, "cpu") == "cpu"
     assert reference_config(TrainConfig(strategy="dp", nproc=2, device="cpu")).device == "cpu"
+
+
+def test_runs_note_names_each_backend_and_flags_a_mix(monkeypatch):
+    monkeypatch.delenv(SHARED_DEVICE, raising=False)
+    cpu = Machine(2, 24 * GiB)
+    assert cpu.runs_note((2, 4, 2), 1.5) == (
+        "this notebook launches 2 and 4 ranks (on gloo (CPU)); about 1.5 min on a 2-core CPU "
+        "machine. This machine: 2 CPU cores, 24.0 GiB, no GPU.")
+    two = Machine(16, None, (GPU("H100", 80 * GiB),) * 2)
+    note = two.runs_note((1, 2, 3), 2)
+    assert "1 rank on one GPU (CUDA); 2 ranks on nccl (one GPU per rank); 3 ranks on gloo (CPU)" in note
+    assert "Mixed backends" in note and "has 2;" in note
+    assert "Mixed" not in Machine(16, None, (GPU("H100", 80 * GiB),) * 8).runs_note((1, 2, 8), 2)

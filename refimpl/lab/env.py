@@ -89,6 +89,25 @@ class Machine:
                      f"the reference runs on CPU too)")
         return line
 
+    def runs_note(self, ranks, minutes: float) -> str:
+        """What a notebook launches, said at its top: its rank counts, the backend each runs on
+        here, and about how long the whole notebook takes (`minutes`, on a 2-core CPU machine).
+        Where some counts get NCCL and others gloo (fewer GPUs than ranks), it says so: the
+        notebook then mixes backends, and its timings across those counts do not compare."""
+        counts = sorted(set(ranks))
+        by = {}
+        for n in counts:
+            by.setdefault(self.where(n), []).append(n)
+        said = (f"on {next(iter(by))}" if len(by) == 1 else
+                "; ".join(f"{_count_words(ns)} on {where}" for where, ns in by.items()))
+        line = (f"this notebook launches {_count_words(counts)} ({said}); about {minutes:g} min "
+                f"on a 2-core CPU machine. This machine: {self.describe()}.")
+        if len({self.device_for(n) for n in counts}) > 1:
+            line += (f" Mixed backends: NCCL needs one GPU per rank and this machine has "
+                     f"{self.gpu_count}; the runs with more ranks than that are on gloo (CPU), so "
+                     f"compare their times only with each other.")
+        return line
+
     def as_dict(self) -> dict:
         d = asdict(self)
         d["gpu_count"] = self.gpu_count
@@ -175,3 +194,11 @@ def numerics_settings() -> dict:
     return {"matmul_fp32": matmul if matmul is not None else torch.get_float32_matmul_precision(),
             "deterministic": torch.are_deterministic_algorithms_enabled(),
             "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+
+
+def _count_words(ns) -> str:
+    """[2, 3, 4] -> '2, 3 and 4 ranks'; [1] -> '1 rank'."""
+    ns = list(ns)
+    head = ", ".join(map(str, ns[:-1]))
+    return f"{head + ' and ' if head else ''}{ns[-1]} rank{'s' if ns != [1] else ''}"
+
