@@ -99,3 +99,4 @@ def test_runs_note_names_each_backend_and_flags_a_mix(monkeypatch):
     assert "1 rank on one GPU (CUDA); 2 ranks on nccl (one GPU per rank); 3 ranks on gloo (CPU)" in note
     assert "Mixed backends" in note and "has 2;" in note
     assert "Mixed" not in Machine(16, None, (GPU("H100", 80 * GiB),) * 8).runs_note((1, 2, 8), 2)
+    assert cpu.runs_note((), 0.5).startswith("this notebook launches no ranks: everything runs in")

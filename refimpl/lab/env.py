@@ -95,6 +95,9 @@ class Machine:
         Where some counts get NCCL and others gloo (fewer GPUs than ranks), it says so: the
         notebook then mixes backends, and its timings across those counts do not compare."""
         counts = sorted(set(ranks))
+        if not counts:
+            return (f"this notebook launches no ranks: everything runs in this kernel; about "
+                    f"{minutes:g} min on a 2-core CPU machine. This machine: {self.describe()}.")
         by = {}
         for n in counts:
             by.setdefault(self.where(n), []).append(n)
