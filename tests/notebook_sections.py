@@ -84,6 +84,7 @@ def section_notebook(nb: dict, setup: int, idx: list[int]) -> dict:
     one = copy.deepcopy(nb)
     one["cells"] = [copy.deepcopy(nb["cells"][i]) for i in [setup, *idx]]
     for cell in one["cells"]:
+        cell["source"] = _source(cell)               # nbclient wants one string, as nbformat reads it
         cell["outputs"], cell["execution_count"] = [], None
     return one
 
