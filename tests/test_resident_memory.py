@@ -12,12 +12,23 @@ what came between), 181 MiB at build on some ranks (every unit's buffer zero-fil
 574 MiB at a resharded load and 822 MiB in the step after it (every checkpoint page a rank had
 read stayed mapped, on top of the heap), and a save copied 3/4 of the states beside them.
 
-In flight: zero3 gathers one unit at a time (the 1-block model gathers one too, so the difference
-holds none, and one unit is slack); fsdp also keeps the next unit prefetched, one more than the
-1-block model's schedule has. Measured (MiB beyond the 1-block rank, states 97, a unit 12.6, 10 % of
-the model 19.5): zero3 build 46, step 93-94, save 111-112, resharded load 92, step after it 110-111;
-fsdp the same but the step after a resharded load, 133-134: 4-5 MiB over one unit's allowance,
-within two (why fsdp's step holds ~2 units more after a load than from the seed is not found yet).
+In flight (unit-sized buffers beyond the 1-block model's, which gathers a unit too, with its
+gradient and the receive buffers of its all-gather and reduce-scatter): zero3 none (its one is
+slack); fsdp two. fsdp prefetches unit i-1 while unit i's backward runs (the 1-block model's
+prefetch is the embedding, a fraction of a block), and gloo's all-gather receives into a flat
+buffer of its own, a unit's size, copied into the unit at the end: where that end falls late in
+unit i's backward, beside unit i's parameters and gradients, the rank holds both copies at once (a
+backend gathering into the unit in place would not). Measured (MiB beyond the 1-block rank; states
+97, a unit 12.6, 10 % of the model 19.5: a bound of 129 for zero3, 142 for fsdp): zero3 build 46,
+step 93-94, save 111-113, resharded load 92, step after it 110-111; fsdp the same but the step
+after a resharded load, 121-131 (121-122 on most ranks, zero3's and the prefetched unit; up to 131
+on a rank whose prefetch landed late; waited for at once, without overlap, 121-122 on every rank).
+A step from the seed hides what it holds in flight: AdamW's m and v (half the states) are made at
+its end, when no unit is gathered, and that is its peak; after a load they exist all step, and the
+backward's units are the peak. So fsdp's step after a load showed what every fsdp step held,
+133-134 MiB on every rank: the prefetched all-gather was still receiving while unit i's gradient
+was flattened and reduce-scattered (into buffers of their own, a unit each); fsdp's schedule now
+lands the prefetch first (UnitSchedule._grad_ready).
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ et al. 2023 §3), over one group, from module and gradient hooks:
   forward   pre-hook of unit i:  gather its parameters [prefetch: post unit i+1's all-gather]
             post-hook:           [reshard_after_forward] free them; hook the unit's output
   backward  the output's grad:   gather again if freed [prefetch: unit i-1's]
-            its last gradient:   free the parameters, reduce-scatter the gradient into the shard
+            its last gradient:   free the parameters [land unit i-1's all-gather], reduce-scatter
+                                 the gradient into the shard
 """
 from __future__ import annotations
 
@@ -112,9 +113,14 @@ class UnitSchedule:
         if unit.delivered < len(unit.flat.params):
             return
         # every parameter's gradient is in: free the parameters, finish the previous unit's
-        # reduce-scatter (one in flight at most), start this one's
+        # reduce-scatter (one in flight at most), land the unit prefetched for the next backward
+        # (an all-gather in flight holds a unit-sized receive buffer: not beside this gradient),
+        # start this one's
         self._release(unit)
         self._finish_reduces()
+        preceding = self._neighbour(i, -1) if self.policy.prefetch else None
+        if preceding is not None and preceding.pending_gather is not None:
+            preceding.wait_gather()
         self._send(unit)
 
     def _release(self, unit: ShardedUnit) -> None:
