@@ -261,7 +261,7 @@ def test_a_torchrun_seeing_fewer_gpus_than_ranks_says_it_falls_back_to_gloo(monk
     run on gloo -- said in one line on stderr, not silently."""
     import torch
 
-    from refimpl.launch import gloo_fallback_warning
+    from refimpl.lab.runtime.group_options import gloo_fallback_warning
 
     _torchrun_env(monkeypatch)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
