@@ -10,8 +10,6 @@ import sys
 import traceback
 from pathlib import Path
 
-from refimpl.host_heap import heap_policy
-
 
 def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this rank if the launching process dies (e.g. a killed notebook kernel)."""
@@ -30,7 +28,6 @@ def _die_with_parent() -> None:
 
 def main() -> None:
     _die_with_parent()
-    heap_policy()                      # before the rank allocates (refimpl.host_heap)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     outdir = Path(os.environ["REFIMPL_OUTDIR"])
     try:

@@ -21,14 +21,12 @@ from refimpl.launch_tools import tools
 from refimpl.process_group import CHILD_MARK as _CHILD_MARK
 from refimpl.process_group import (  # noqa: F401  (the rank's side, re-exported)
     device_for,
-    gloo_fallback_warning,
     init_process_group,
     pick_backend,
-    process_group_kwargs,
     run_this_torchrun_rank,
     under_torchrun,
 )
-from refimpl.rank_failures import LaunchTimeoutError, RankFailedError, rank_failed  # noqa: F401
+from refimpl.rank_failures import LaunchTimeoutError, RankFailedError, failure_text
 
 
 @dataclass
@@ -42,14 +40,11 @@ class _Rank:
 def run(fn: Callable[..., Any], world_size: int = 2, *args, backend: str = "auto",
         timeout: float = 600.0, quiet: bool = False, flight_recorder_on: bool | None = None,
         stall: float | None = None, **kwargs) -> list:
-    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return results in rank order.
-    """
+    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return results in rank order."""
     if under_torchrun():
         return [run_this_torchrun_rank(fn, args, kwargs, backend, timeout)]
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if stall is not None and (stall <= 0 or flight_recorder_on is False):
-        raise ValueError("stall needs a positive number of seconds and the flight recorder on")
 
     import torch.distributed as dist
 
@@ -62,13 +57,11 @@ def run(fn: Callable[..., Any], world_size: int = 2, *args, backend: str = "auto
         payload = tmp / "payload.pkl"
         payload.write_bytes(cloudpickle.dumps({"fn": fn, "args": args, "kwargs": kwargs}))
         payload.with_suffix(".path.json").write_text(json.dumps(sys.path))
-        watch = tools().watch(tmp / "flight", flight_recorder_on)   # the hang report's, or None
-        if stall is not None and watch is None:
-            raise ValueError("stall needs a watch on the ranks' calls (the lab's flight recorder)")
+        watch = tools().watch(tmp, backend, flight_recorder_on, stall)   # e.g. the hang report's
         ranks = [_start_rank(r, world_size, backend, store.port, payload, tmp, timeout, watch)
                  for r in range(world_size)]
         try:
-            _wait_all(ranks, tmp, timeout, watch, stall, backend)
+            (watch.wait if watch is not None else wait_all)(ranks, tmp, timeout)
         finally:
             _kill_all(ranks)  # no-op for ranks that already exited
             if not quiet:
@@ -90,18 +83,10 @@ def _start_rank(rank: int, world_size: int, backend: str, port: int, payload: Pa
         "REFIMPL_PAYLOAD": str(payload), "REFIMPL_OUTDIR": str(tmp),
     })
     tools().rank_env(env, backend, watch)
-    if backend == "nccl":
-        # cuBLAS's deterministic mode needs a fixed workspace, set before cuBLAS starts
-        # (refimpl.numerics).
-        env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if backend in ("gloo", "staged"):
-        # One thread per CPU rank, set before the child imports torch (see module docstring).
+        # One thread per CPU rank, set before the child imports torch (4 ranks ran 12x slower).
         env["OMP_NUM_THREADS"] = "1"
         env["MKL_NUM_THREADS"] = "1"
-        # All ranks are on this host: keep gloo's connections on loopback instead of whatever
-        # interface the hostname resolves to.
-        if sys.platform.startswith("linux"):
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     out, err = tmp / f"stdout{rank}.txt", tmp / f"stderr{rank}.txt"
     starter = tools().starter(backend)
     if starter is not None:      # e.g. forked from a warm interpreter: torch already imported
@@ -112,29 +97,21 @@ def _start_rank(rank: int, world_size: int, backend: str, port: int, payload: Pa
     return _Rank(rank, proc, out, err)
 
 
-def _wait_all(ranks: list[_Rank], tmp: Path, timeout: float, watch=None,
-              stall: float | None = None, backend: str = "gloo") -> None:
+def wait_all(ranks: list[_Rank], tmp: Path, timeout: float) -> None:
+    """Until every rank has exited 0: a rank that failed raises RankFailedError with what it
+    left, and ranks still running at `timeout` raise LaunchTimeoutError (the caller kills them)."""
     deadline = time.monotonic() + timeout
-    posted = backend == "nccl"       # an NCCL call returns once posted, and waits after it
-    pending = {r.rank: r for r in ranks}
-    exited: list[int] = []
-    while pending:
-        for rank, r in list(pending.items()):
-            code = r.proc.poll()
-            if code is None:
-                continue
-            del pending[rank]
-            exited.append(rank)
-            if code != 0:
-                # on NCCL the watchdog ended a hung collective: where each rank had posted
-                hung = watch.report([x.rank for x in ranks], posted) if posted and watch else ""
-                raise rank_failed(ranks, tmp, r, exited, hung)
-        hang = watch.stalled(sorted(pending), posted, stall) if stall is not None else None
-        if hang is None and time.monotonic() > deadline:
-            hang = f"ranks {sorted(pending)} still running after {timeout:.0f} s"
-        if hang is not None:
-            where = "\n" + watch.report(sorted(pending), posted) if watch is not None else ""
-            raise LaunchTimeoutError(f"{hang}; killed all {len(ranks)} ranks{where}")
+    while True:
+        codes = [r.proc.poll() for r in ranks]
+        for r, code in zip(ranks, codes):
+            if code not in (None, 0):
+                raise RankFailedError(r.rank, failure_text(r, tmp))
+        running = [r.rank for r, code in zip(ranks, codes) if code is None]
+        if not running:
+            return
+        if time.monotonic() > deadline:
+            raise LaunchTimeoutError(f"ranks {running} still running after {timeout:.0f} s; "
+                                     f"killed all {len(ranks)} ranks")
         time.sleep(0.02)
 
 

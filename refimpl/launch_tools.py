@@ -1,14 +1,15 @@
 """What the launcher (refimpl.launch) may be handed from outside it: a faster way to start a rank,
-a watch on the ranks' communication for the hang report, what a rank needs before its group
-exists. The lab's runtime (refimpl/lab/runtime/) supplies them through the entry-point group
+a watch on the ranks while they run, what a rank needs as it joins its group or once its device
+is known. The lab's runtime (refimpl/lab/runtime/) supplies them through the entry-point group
 "refimpl.launch"; these defaults add nothing, and ranks start as fresh interpreters.
 """
 from __future__ import annotations
 
 import contextlib
 from functools import cache
-from importlib.metadata import entry_points
 from pathlib import Path
+
+from refimpl.seam import plugins
 
 
 class LaunchTools:
@@ -17,23 +18,33 @@ class LaunchTools:
         """Something with `start(env, stdout, stderr) -> process`, or None: `python -m refimpl._rank`."""
         return None
 
+    def watch(self, folder: Path, backend: str, wanted: bool | None, stall: float | None):
+        """Something with `wait(ranks, tmp, timeout)` that waits for a launch's ranks as
+        refimpl.launch's `wait_all` does, and more (`wanted`: record the ranks' communication
+        calls for a hang report; `stall`: seconds in one call that make a hang), or None."""
+        if stall is not None:
+            raise ValueError("stall needs a watch on the ranks' calls (refimpl.lab's runtime)")
+        return None
+
     def rank_env(self, env: dict, backend: str, watch) -> None:
         """Additions to every rank's environment (`watch`: this launch's, or None)."""
 
-    def watch(self, folder: Path, wanted: bool | None):
-        """A watch on the ranks' communication calls (`waiting(ranks, posted)`: the calls every
-        rank waits in, or None; `report(ranks, posted)`), kept under `folder`; None: no watch."""
-        return None
+    def torchrun_picked(self, local_ranks: int, asked: str, chosen: str) -> None:
+        """Under torchrun, once `chosen` is picked for this node's `local_ranks` (`asked`: the caller's)."""
 
-    def joining(self, backend: str, launched: bool) -> None:
-        """In a rank, before it joins its process group (`launched`: started by refimpl.launch)."""
+    def joining(self, backend: str, launched: bool, options: dict) -> None:
+        """In a rank, before it joins its process group (`launched`: started by refimpl.launch);
+        `options`: init_process_group's keywords, to complete."""
 
     def running(self):
         """In a rank, around the function it runs."""
         return contextlib.nullcontext()
 
+    def device_settings(self, device, cfg) -> None:
+        """Process-wide settings for the device a run of `cfg` computes on (refimpl.train)."""
+
 
 @cache
 def tools() -> LaunchTools:
-    found = [plugin.load() for plugin in entry_points(group="refimpl.launch")]
+    found = plugins("refimpl.launch")
     return found[0]() if found else LaunchTools()

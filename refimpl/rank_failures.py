@@ -1,24 +1,16 @@
-"""Which rank failed, and how: the launcher names the rank whose failure came first by cause,
-with its traceback, and the others that failed in its wake."""
+"""How a launch fails: a rank that failed, named with its traceback, or ranks that ran past the
+timeout. (The lab's watch names the rank that failed first by cause: refimpl.launch_tools.)"""
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
 
 
 class RankFailedError(RuntimeError):
-    """One rank raised; `rank` says which and `child_traceback` is what it printed. `others`: the
-    other ranks that had also failed by then, each with how ("traceback", "killed by signal 9",
-    "exit code 1"): the consequences the launcher did not name. `exit_order`: the ranks that had
-    exited, in the order the launcher saw them go (the named rank need not be the first)."""
+    """One rank failed; `rank` says which and `child_traceback` is what it printed."""
 
-    def __init__(self, rank: int, child_traceback: str, others: dict | None = None,
-                 exit_order: list[int] | None = None):
+    def __init__(self, rank: int, child_traceback: str):
         self.rank = rank
         self.child_traceback = child_traceback
-        self.others = others or {}
-        self.exit_order = exit_order or []   # the ranks in the order the launcher saw them exit
         super().__init__(f"rank {rank} failed:\n{child_traceback}")
 
 
@@ -26,61 +18,13 @@ class LaunchTimeoutError(TimeoutError):
     """The ranks did not finish within `timeout` seconds; all were killed."""
 
 
-def rank_failed(ranks, tmp: Path, r, exited: list[int], note: str = "") -> RankFailedError:
-    """The error for a launch in which rank `r` exited non-zero; `exited` grows as the others go."""
-    _wait_for_the_rest(ranks, exited)
-    first = _first_failure(ranks, tmp, default=r)
-    others = {x.rank: _how_it_failed(x, tmp) for x in ranks
-              if x is not first and x.proc.poll() not in (None, 0)}
-    text = _failure_text(first, tmp, first.proc.poll()) + (f"\n{note}" if note else "")
-    return RankFailedError(first.rank, text, others, exit_order=exited)
-
-
-def _wait_for_the_rest(ranks: list, exited: list[int], grace: float = 3.0) -> None:
-    """After a rank failed: up to `grace` seconds for every other rank to exit too, each appended
-    to `exited` as it goes. The cause is not always the first to exit: a node whose network went
-    first, then the node itself, leaves its peers failing on the closed connection before it is
-    killed; a fixed wait of 1 s named a peer whenever the death came later than that. Peers that
-    fail at once end the wait at once."""
-    deadline = time.monotonic() + grace
-    while len(exited) < len(ranks) and time.monotonic() < deadline:
-        time.sleep(0.02)
-        exited.extend(r.rank for r in ranks if r.rank not in exited and r.proc.poll() is not None)
-
-
-def _first_failure(ranks: list, tmp: Path, default):
-    """The rank that failed first by cause, not merely the first one polled or the first to exit.
-
-    When one rank dies, its peers soon fail too ("connection closed by peer"); the root cause is
-    the earliest traceback (the others had _wait_for_the_rest to write theirs) -- unless a rank
-    was killed by a signal (the OOM killer, a lost device, kill -9): it wrote no traceback, and the
-    peers' tracebacks are its consequence, whether they came before its death or after.
-    """
-    # A rank killed by a signal (kill -9, the OOM killer, a segfault) leaves no traceback, and its
-    # peers' "connection closed" tracebacks come after its death: it is the cause. (Nothing of
-    # ours has signalled any rank yet: the launcher kills after this.)
-    signalled = [r for r in ranks if (r.proc.poll() or 0) < 0
-                 and not (tmp / f"error{r.rank}.txt").exists()]
-    if signalled:
-        return signalled[0]
-    written = [(os.stat(tmp / f"error{r.rank}.txt").st_mtime_ns, r.rank) for r in ranks
-               if (tmp / f"error{r.rank}.txt").exists()]
-    if not written:
-        return default
-    return ranks[min(written)[1]]
-
-
-def _how_it_failed(r, tmp: Path) -> str:
-    if (tmp / f"error{r.rank}.txt").exists():
-        return "traceback"
-    code = r.proc.poll()
-    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-
-
-def _failure_text(r, tmp: Path, code: int) -> str:
+def failure_text(r, tmp: Path) -> str:
+    """What rank `r` left: the traceback refimpl._rank wrote, or, killed before it could write one
+    (a signal, an abort in C++), how it ended and the end of its stderr."""
     tb = tmp / f"error{r.rank}.txt"
     if tb.exists():
         return tb.read_text()
+    code = r.proc.poll()
     stderr = r.stderr.read_text(errors="replace")[-4000:] if r.stderr.exists() else ""
     how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
     return f"rank {r.rank} exited ({how}) without a Python traceback\n{stderr}"

@@ -14,11 +14,11 @@ import refimpl.comm as refimpl_comm
 from refimpl import launch
 from refimpl.compose.transforms import model_parallel, validate_model_parallel
 from refimpl.config import RunContext, TrainConfig
+from refimpl.launch_tools import tools
 from refimpl.loop_extras import extras_class
-from refimpl.mesh import LayoutError, Mesh
+from refimpl.mesh import Mesh
 from refimpl.model import build_model, converted, count_params, synthetic_batch
-from refimpl.numerics import deterministic_needed, exact_fp32_on_cuda
-from refimpl.process_group import backend_and_device, launch_backend, ranks_backend, sync
+from refimpl.process_group import backend_and_device, launch_backend, sync
 from refimpl.rank_values import RankValues
 from refimpl.registry import Resolved, resolve
 from refimpl.seam import use_collectives
@@ -34,10 +34,6 @@ def validate(cfg: TrainConfig) -> Resolved:
     validate_model_parallel(cfg, layout.strategy)
     layout.strategy.validate(cfg)
     extras_class().validate(cfg, layout.strategy)
-    if cfg.collectives == "refimpl" and cfg.nproc > 1 and ranks_backend(cfg) == "nccl":
-        raise LayoutError("--collectives refimpl runs on gloo only (--device cpu): on NCCL its "
-                          "asynchronous lane would post from a second host thread on the default "
-                          "CUDA stream, in an order that can differ between ranks (a deadlock)")
     return layout
 
 
@@ -49,8 +45,7 @@ def setup_rank(rank: int, world_size: int, layout: Resolved, state=None,
     context open while the strategy places the rank's tensors (the dry run counts it)."""
     cfg = layout.cfg
     backend, device = backend_and_device(cfg)
-    exact_fp32_on_cuda(device, deterministic_needed(device, cfg.dtype, cfg.mixed_precision,
-                                                   cfg.return_state or bool(cfg.save_state)))
+    tools().device_settings(device, cfg)    # e.g. the lab's exact fp32 on a GPU
     mesh = Mesh(cfg.dims, rank)     # this rank's point of the grid, one process group per axis
     ctx = RunContext(rank, world_size, backend, device, cfg, mesh)
     use_collectives(refimpl_comm if cfg.collectives == "refimpl" else None)   # refimpl.seam

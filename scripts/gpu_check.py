@@ -76,8 +76,8 @@ def _machine(add, gpu, out):
 def _numerics(add, gpu, out):
     import torch
 
-    from refimpl import numerics
     from refimpl.lab.env import numerics_settings
+    from refimpl.lab.runtime import numerics
 
     if not gpu:
         add("numerics", "fp32 settings on CUDA", NO_GPU)

@@ -167,3 +167,16 @@ def test_async_all_reduce_leaves_the_thread_free_to_compute():
     for res in run(overlap_demo, 2, backend="gloo", timeout=120, quiet=True):
         assert res["handle"] == "Work" and res["blocking_result_ok"] and res["async_result_ok"]
         assert res["iterations_while_in_flight"] >= 1
+
+
+def test_without_a_lane_an_asynchronous_collective_is_done_when_its_work_returns():
+    """The core's default (refimpl.comm.work.InOrder, where no "refimpl.comm_lane" plug-in is
+    installed): the collective runs on the caller's thread, and its Work is already complete."""
+    import threading
+
+    from refimpl.comm.work import InOrder
+
+    ran = []
+    work = InOrder().submit(lambda: ran.append(threading.current_thread().name))
+    assert ran == [threading.current_thread().name]
+    assert work.is_completed() and work.wait()

@@ -54,12 +54,14 @@ def test_the_zygote_imports_never_call_into_cuda():
 
 
 def test_nccl_ranks_bind_their_gpu_at_init_where_torch_can():
+    from refimpl.lab.runtime.group_options import process_group_kwargs
+
     cuda3 = torch.device("cuda", 3)
-    assert launch.process_group_kwargs("nccl", 3, "2.11.0+cu130") == {"device_id": cuda3}
-    assert launch.process_group_kwargs("nccl", 3, "2.3.0") == {"device_id": cuda3}
-    assert launch.process_group_kwargs("nccl", 3, "2.2.2+cu121") == {}     # no eager init there
+    assert process_group_kwargs("nccl", 3, "2.11.0+cu130") == {"device_id": cuda3}
+    assert process_group_kwargs("nccl", 3, "2.3.0") == {"device_id": cuda3}
+    assert process_group_kwargs("nccl", 3, "2.2.2+cu121") == {}     # no eager init there
     for backend in ("gloo", "staged", "fake"):
-        assert launch.process_group_kwargs(backend, 3, "2.11.0") == {}
+        assert process_group_kwargs(backend, 3, "2.11.0") == {}
 
 
 def test_init_process_group_hands_the_device_to_torch(monkeypatch):
@@ -86,10 +88,10 @@ def test_the_async_lane_issues_its_work_on_the_callers_device():
     # cuda:3 (the rank's GPU) gets its collectives run with cuda:3 current on the lane's thread.
     import threading
 
-    from refimpl.comm.work import _Lane
+    from refimpl.lab.runtime.lane import Lane
 
     events, device = [], [3]
-    lane = _Lane(caller_device=lambda: device[0],
+    lane = Lane(caller_device=lambda: device[0],
                  use_device=lambda i: events.append(("use", i, threading.current_thread().name)))
 
     def task():
@@ -105,7 +107,7 @@ def test_the_async_lane_issues_its_work_on_the_callers_device():
 def test_the_lane_asks_for_the_device_only_where_cuda_is_initialised(monkeypatch):
     # Asking torch for the current device would initialise CUDA (a context on GPU 0) in a process
     # that never used it: the lane asks only where CUDA is already initialised.
-    from refimpl.comm import work
+    from refimpl.lab.runtime import lane as work
 
     asked = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: asked.append(1) or 2)

@@ -5,9 +5,9 @@ downward, no module is part of an import circle, and a parallelism never imports
 The layers, bottom first, in DESIGN's order. A module may import its own layer and the layers below
 it, never one above:
 
-    foundation   launch (+ the rank entry point, the launcher's plug-in seam, the heap policy),
-                 numerics, mesh, and the seam (refimpl.seam: every layer's collectives and phases
-                 go through it, so it sits below all of them)
+    foundation   launch (+ the rank entry point, the launcher's plug-in seam), mesh, and the
+                 seam (refimpl.seam: every layer's collectives and phases go through it, so it
+                 sits below all of them)
     model        the GPT, the MoE layer (routing only: its collectives are parallel/ep's),
                  activation checkpointing, the data
     memory       what a run holds (arithmetic, measured)
@@ -41,8 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "refimpl"
 
 LAYERS = [
-    ("foundation", ("launch", "process_group", "rank_failures", "launch_tools", "host_heap",
-                    "_rank", "seam", "numerics", "mesh", "__init__")),
+    ("foundation", ("launch", "process_group", "rank_failures", "launch_tools", "_rank", "seam",
+                    "mesh", "__init__")),
     ("model", ("model",)),
     ("memory", ("memory",)),
     ("comm", ("comm",)),

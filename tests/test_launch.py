@@ -62,6 +62,25 @@ def test_a_failing_rank_is_reported_with_its_number_and_traceback_and_others_kil
     assert "rank 1" in str(info.value)
 
 
+def test_without_the_lab_a_failure_or_a_hang_is_still_caught(monkeypatch, tmp_path):
+    """The core's own defaults (refimpl.launch_tools.LaunchTools: no zygote, no watch, no cause
+    ranking): results in rank order, the failing rank named with its traceback, a hang killed at
+    the timeout, and `stall` refused without a watch to measure it."""
+    from refimpl import launch, launch_tools
+
+    monkeypatch.setattr(launch, "tools", launch_tools.LaunchTools)
+    assert run(_identity, 2, 7, quiet=True) == [(0, 7), (1, 7)]
+    with pytest.raises(RankFailedError) as info:
+        run(_fail_on_rank_one, 2, quiet=True)
+    assert info.value.rank == 1 and "deliberate failure on rank one" in info.value.child_traceback
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeoutError, match="still running after 4 s"):   # (killed and
+        run(_write_pid_and_hang, 2, str(tmp_path), timeout=4, quiet=True)      # waited for)
+    assert time.monotonic() - start < 120                                      # not their 600 s
+    with pytest.raises(ValueError, match="stall needs a watch"):
+        run(_identity, 1, 0, stall=1.0, quiet=True)
+
+
 def _lose_rank_one_after_its_peer(rank, world_size):
     import torch
     import torch.distributed as dist
@@ -261,7 +280,7 @@ def test_a_torchrun_seeing_fewer_gpus_than_ranks_says_it_falls_back_to_gloo(monk
     run on gloo -- said in one line on stderr, not silently."""
     import torch
 
-    from refimpl.launch import gloo_fallback_warning
+    from refimpl.lab.runtime.group_options import gloo_fallback_warning
 
     _torchrun_env(monkeypatch)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

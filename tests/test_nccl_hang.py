@@ -11,9 +11,9 @@ import os
 import pytest
 import torch.distributed as dist
 
-from refimpl import launch, process_group
-from refimpl.lab.runtime import flight_recorder
-from refimpl.lab.runtime.tools import Watch
+from refimpl import launch
+from refimpl.lab.runtime import flight_recorder, group_options
+from refimpl.lab.runtime.watch import Watch
 from refimpl.launch import LaunchTimeoutError, RankFailedError
 
 
@@ -50,7 +50,7 @@ def _init_capture(monkeypatch, child: bool):
     monkeypatch.setattr(dist, "init_process_group",
                         lambda backend, **kw: got.update(backend=backend, **kw))
     monkeypatch.setattr(dist, "TCPStore", lambda *a, **kw: ("store", kw.get("timeout")))
-    monkeypatch.setattr(process_group, "process_group_kwargs", lambda backend, local_rank: {})
+    monkeypatch.setattr(group_options, "process_group_kwargs", lambda backend, local_rank: {})
     monkeypatch.setattr("torch.cuda.set_device", lambda index: None)
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -154,15 +154,14 @@ def test_the_launchers_stall_watchdog_fires_on_an_nccl_hang(tmp_path, monkeypatc
     _ring(tmp_path, 0, ["all_reduce"], monkeypatch)
     _ring(tmp_path, 1, ["all_reduce"], monkeypatch)
     with pytest.raises(LaunchTimeoutError) as hang:
-        launch._wait_all(_fake_ranks(tmp_path, [None, None]), tmp_path, 60.0, Watch(tmp_path),
-                         stall=0.3, backend="nccl")
+        Watch(tmp_path, "nccl", stall=0.3).wait(_fake_ranks(tmp_path, [None, None]), tmp_path, 60.0)
     text = str(hang.value)
     assert text.startswith("ranks [0, 1] each waited 0.3 s after the same posted call")
     assert "rank 0 last posted all_reduce" in text and "rank 1 last posted all_reduce" in text
     assert "host read or synchronize" in text and "flight recorder writes" in text
     with pytest.raises(LaunchTimeoutError) as gloo:           # gloo: open calls only, so the
-        launch._wait_all(_fake_ranks(tmp_path, [None, None]), tmp_path, 1.0, Watch(tmp_path),
-                         stall=0.3, backend="gloo")              # timeout ends it
+        Watch(tmp_path, "gloo", stall=0.3).wait(_fake_ranks(tmp_path, [None, None]), tmp_path,
+                                                1.0)            # timeout ends it
     assert "still running after 1 s" in str(gloo.value)
 
 
@@ -172,7 +171,6 @@ def test_a_rank_ended_by_nccls_watchdog_is_reported_with_where_each_rank_waits(t
     _ring(tmp_path, 1, ["all_reduce"], monkeypatch)
     (tmp_path / "err1").write_text("Watchdog caught collective operation timeout")
     with pytest.raises(RankFailedError) as failed:
-        launch._wait_all(_fake_ranks(tmp_path, [None, -6]), tmp_path, 60.0, Watch(tmp_path),
-                         backend="nccl")
+        Watch(tmp_path, "nccl").wait(_fake_ranks(tmp_path, [None, -6]), tmp_path, 60.0)
     text = failed.value.child_traceback
     assert "Watchdog caught" in text and "rank 0 last posted broadcast" in text

@@ -1,4 +1,4 @@
-"""Deterministic kernels only where an equivalence check needs them (refimpl.numerics; issue 35).
+"""Deterministic kernels only where an equivalence check needs them (refimpl.lab.runtime.numerics; issue 35).
 
 The decision runs anywhere; the switch itself is torch's process-wide flag, which a CPU build
 sets and reads as a GPU build does, so it is checked here both ways (and put back).
@@ -6,9 +6,9 @@ sets and reads as a GPU build does, so it is checked here both ways (and put bac
 import pytest
 import torch
 
-from refimpl import numerics
 from refimpl.config import TrainConfig
 from refimpl.lab.env import numerics_settings
+from refimpl.lab.runtime import numerics
 from refimpl.lab.verify.equivalence import reference_config
 
 CUDA, CPU = torch.device("cuda", 1), torch.device("cpu")

@@ -1,15 +1,13 @@
-"""How a collective is issued: labelled for the profiler, counted, and optionally asynchronous."""
+"""How a collective is issued: inside the seam's span, on this thread. `async_op=True` returns a
+Work; a lane registered under the entry-point group "refimpl.comm_lane" (the lab's worker thread)
+runs it beside the caller, and without one it is done before the Work comes back."""
 from __future__ import annotations
 
-import contextvars
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-
-import torch
-import torch.distributed as dist
+from concurrent.futures import Future
+from functools import cache
 
 from refimpl.comm.p2p import GroupView
-from refimpl.seam import span
+from refimpl.seam import plugins, span
 
 
 class Work:
@@ -32,53 +30,23 @@ class Work:
         return self._future
 
 
-def _caller_cuda_device() -> int | None:
-    """The CUDA device the calling thread works on; None where this process has not initialised
-    CUDA (no tensor is on a GPU then, and asking would create a context on GPU 0)."""
-    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+class InOrder:
+    """Each collective run at once, on the caller's thread: an asynchronous one is finished when
+    its Work is handed back."""
 
-
-def _use_cuda_device(index: int) -> None:
-    torch.cuda.set_device(index)
-
-
-class _Lane:
-    """One FIFO worker thread, started on first use."""
-
-    def __init__(self, caller_device=_caller_cuda_device, use_device=_use_cuda_device):
-        self._lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
-        self._last: Future | None = None
-        self._caller_device, self._use_device = caller_device, use_device
-
-    def submit(self, task) -> Work:
-        ctx = contextvars.copy_context()  # the caller's open CommLogs follow the task
-        device = self._caller_device()
-
-        def run():
-            if device is not None:
-                self._use_device(device)
-            return ctx.run(task)
-
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm-lane")
-            self._last = self._executor.submit(run)
-            return Work(self._last)
+    def submit(self, task, group=None) -> Work:
+        done = Future()
+        done.set_result(task())
+        return Work(done)
 
     def drain(self) -> None:
-        """Wait until everything issued so far has finished. A failure is not raised here but by
-        its own handle's wait(), so it is reported once, where the caller asked for it."""
-        last = self._last
-        if last is not None:
-            wait([last])
+        """Nothing is left running."""
 
 
-_LANE = _Lane()
-
-LANE_ON_NCCL = ("refimpl.comm's asynchronous collectives run on gloo only: on NCCL their host "
-                "thread would post on the default CUDA stream, in an order that can differ between "
-                "ranks (a deadlock); use torch.distributed's collectives (--collectives torch)")
+@cache
+def lane():
+    found = plugins("refimpl.comm_lane")
+    return found[0]() if found else InOrder()
 
 
 def issue(name: str, group, async_op: bool, body, nbytes: int | None = None):
@@ -92,9 +60,7 @@ def issue(name: str, group, async_op: bool, body, nbytes: int | None = None):
             body(g)
 
     if async_op:
-        if dist.get_backend(group) == "nccl":
-            raise RuntimeError(LANE_ON_NCCL)
-        return _LANE.submit(task)
-    _LANE.drain()
+        return lane().submit(task, group)
+    lane().drain()     # a blocking call comes after every asynchronous one issued before it
     task()
     return None

@@ -190,7 +190,7 @@ def main(as_json: bool = False) -> int:
 
 def numerics_settings() -> dict:
     """What is in force now (for a report): the fp32 matmul mode and deterministic mode
-    (refimpl.numerics sets them)."""
+    (refimpl.lab.runtime.numerics sets them)."""
     import torch
 
     matmul = getattr(torch.backends.cuda.matmul, "fp32_precision", None)

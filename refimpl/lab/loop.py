@@ -24,6 +24,7 @@ from refimpl.lab.checkpoint.shard_boxes import BoxedParts
 from refimpl.lab.instrument.activations import ActivationTracker
 from refimpl.lab.measure.moe_traffic import meter_experts, moe_step_record
 from refimpl.lab.moe_scope import batch_scope_problem
+from refimpl.lab.runtime.lane import refuse_on_nccl
 from refimpl.lab.trace.capture import StepProfiler, profiles_root
 from refimpl.lab.trace.memory_events import StepPeak
 from refimpl.lab.trace.run_record import record_run
@@ -57,6 +58,7 @@ class LabExtras(LoopExtras):
                                       micro_batches=cfg.micro_batches)
         if problem:
             raise LayoutError(problem)
+        refuse_on_nccl(cfg)         # refimpl.comm's lane runs on gloo only
 
     def start(self, reference):
         """A run checkpoint to continue (the data at its step, its losses), else a full state dict

@@ -41,7 +41,7 @@ class _ProcessWide:
     no ContextVar from the thread that opened the phase and the logs, so without this a backward
     all-reduce would be counted nowhere and its phase be None (issue 35). A thread's own context
     wins where it has something (the caller's thread; an async collective, which copies its
-    caller's context, refimpl.comm.work)."""
+    caller's context, refimpl.lab.runtime.lane)."""
 
     def __init__(self):
         self._lock = threading.Lock()

@@ -6,11 +6,11 @@ demo counts how many compute iterations the thread finished while the handle sti
 collective as not completed: at least one means compute and communication really overlapped.
 
 That count means something on CPU ranks only (gloo, or the staged backend on the CPU): there the
-thread's loop is the compute, and refimpl.comm's lane (refimpl.comm.work) is the communication.
+thread's loop is the compute, and refimpl.comm's lane (refimpl.lab.runtime.lane) is the communication.
 On a GPU the loop would only launch kernels, and a handle reports when the host is done, not the
 device, so there the row says the overlap was not measured (`iterations_while_in_flight` None);
 a GPU's overlap is read from the kernels on its streams (notebook 02's trace). refimpl.comm's
-asynchronous collectives do not run on NCCL at all (refimpl.comm.work.LANE_ON_NCCL): run the demo
+asynchronous collectives do not run on NCCL at all (refimpl.lab.runtime.lane.LANE_ON_NCCL): run the demo
 with backend="gloo".
 """
 from __future__ import annotations

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from refimpl.lab.runtime.numerics import exact_fp32_on_cuda
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
-from refimpl.numerics import exact_fp32_on_cuda
 
 if TYPE_CHECKING:   # annotations only: pandas is imported where a table is built
     import pandas

@@ -190,7 +190,7 @@ class StagedGloo(dist.ProcessGroup):
         self.inner = dist.ProcessGroupGloo(store, rank, size, timeout)
         self.stream = Stream(rank, timeout)   # every gloo call goes through its one worker
         self.open = threading.local()        # .group inside p2p_group: (parts so far, its unit),
-        #                                       per thread, as ncclGroupStart is (comm.work's lane)
+        #                                       per thread, as ncclGroupStart is (refimpl.lab.runtime.lane)
 
     def getBackendName(self) -> str:
         return BACKEND

@@ -1,47 +1,20 @@
 """The lab's runtime on refimpl.launch (through refimpl.launch_tools, entry-point group
 "refimpl.launch"): CPU ranks forked from a warm zygote, each rank's flight recorder and the hang
-report read from it, PyTorch's own flight recorder on NCCL ranks, the staged NCCL-rules backend
-registered in a rank, and the device audit (REFIMPL_DEVICE_AUDIT) around what a rank runs."""
+report read from it (refimpl.lab.runtime.watch), PyTorch's own flight recorder on NCCL ranks, the
+process group's options (refimpl.lab.runtime.group_options), the heap policy, the staged
+NCCL-rules backend registered in a rank, exact fp32 on a GPU, and the device audit
+(REFIMPL_DEVICE_AUDIT) around what a rank runs."""
 from __future__ import annotations
 
 import contextlib
 import os
-import time
+import sys
 from pathlib import Path
 
-from refimpl.lab.runtime import flight_recorder, zygote_client
+from refimpl.lab.runtime import flight_recorder, group_options, numerics, zygote_client
+from refimpl.lab.runtime.host_heap import heap_policy
+from refimpl.lab.runtime.watch import Watch
 from refimpl.launch_tools import LaunchTools
-
-
-class Watch:
-    """Each rank's flight recorder, kept in `folder`: what the stall watchdog and the report read."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        folder.mkdir(exist_ok=True)
-        self._calls, self._since, self._next_look = None, 0.0, 0.0
-
-    def stalled(self, ranks: list[int], posted: bool, stall: float) -> str | None:
-        """Say so once every running rank has waited `stall` seconds in the same call (on NCCL,
-        where a call returns once posted: since the same last posted call); None until then."""
-        now = time.monotonic()
-        if now < self._next_look:
-            return None
-        self._next_look = now + 0.25          # a look reads each running rank's 16 KiB ring
-        calls = self.waiting(ranks, posted)
-        if calls != self._calls:              # someone moved on (or not everyone waits yet)
-            self._calls, self._since = calls, now
-        elif calls is not None and now - self._since >= stall:
-            waited = "after the same posted" if posted else "in the same communication"
-            return f"ranks {ranks} each waited {stall:g} s {waited} call"
-        return None
-
-    def waiting(self, ranks: list[int], posted: bool):
-        return flight_recorder.waiting_in(self.folder, ranks, posted)
-
-    def report(self, ranks: list[int], posted: bool) -> str:
-        return (flight_recorder.where_nccl_waits(self.folder, ranks) if posted
-                else flight_recorder.hang_report(self.folder, ranks))
 
 
 class RuntimeTools(LaunchTools):
@@ -49,18 +22,38 @@ class RuntimeTools(LaunchTools):
     def starter(self, backend: str):
         return zygote_client.for_backend(backend)
 
+    def watch(self, folder: Path, backend: str, wanted: bool | None, stall: float | None):
+        if wanted is None:
+            wanted = os.environ.get(flight_recorder.ENV) != "0"
+        if stall is not None and (stall <= 0 or not wanted):
+            raise ValueError("stall needs a positive number of seconds and the flight recorder on")
+        return Watch(folder / "flight" if wanted else None, backend, stall)
+
     def rank_env(self, env: dict, backend: str, watch) -> None:
-        env[flight_recorder.ENV] = str(watch.folder) if watch is not None else "0"
+        folder = watch.folder if watch is not None else None
+        env[flight_recorder.ENV] = str(folder) if folder is not None else "0"
         if backend == "nccl":
             for key, value in flight_recorder.nccl_env(flight_recorder.nccl_dumps()).items():
                 env.setdefault(key, value)      # the caller's own settings win
+            # cuBLAS's deterministic mode needs a fixed workspace, set before cuBLAS starts
+            env.setdefault("CUBLAS_WORKSPACE_CONFIG", numerics.CUBLAS_WORKSPACE)
+        # All ranks are on this host: keep gloo's connections on loopback instead of whatever
+        # interface the hostname resolves to.
+        if backend in ("gloo", "staged") and sys.platform.startswith("linux"):
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-    def watch(self, folder: Path, wanted: bool | None):
-        if wanted is None:
-            wanted = os.environ.get(flight_recorder.ENV) != "0"
-        return Watch(folder) if wanted else None
+    def torchrun_picked(self, local_ranks: int, asked: str, chosen: str) -> None:
+        if asked == "auto" and chosen == "gloo" and os.environ.get("LOCAL_RANK", "0") == "0":
+            import torch
 
-    def joining(self, backend: str, launched: bool) -> None:
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            why = group_options.gloo_fallback_warning(local_ranks, gpus, os.environ)
+            if why:
+                print(why, file=sys.stderr, flush=True)
+
+    def joining(self, backend: str, launched: bool, options: dict) -> None:
+        heap_policy()           # before the rank's tensors: big blocks go back when freed
+        group_options.add_options(options, backend, launched)
         if backend == "nccl" and not launched:      # torchrun: no launcher set these
             job = flight_recorder.nccl_dumps(f"torchrun-{os.environ.get('MASTER_PORT', '0')}")
             for key, value in flight_recorder.nccl_env(job).items():
@@ -68,6 +61,11 @@ class RuntimeTools(LaunchTools):
         # the staged backend registered in every rank: its own default group, or a gloo rank's
         # new_group(backend="staged") (tests/test_nccl_rules.py)
         from refimpl.lab.runtime import shared_device  # noqa: F401
+
+    def device_settings(self, device, cfg) -> None:
+        compared = cfg.return_state or bool(cfg.save_state)
+        numerics.exact_fp32_on_cuda(device, numerics.deterministic_needed(
+            device, cfg.dtype, cfg.mixed_precision, compared))
 
     @contextlib.contextmanager
     def running(self):

@@ -6,7 +6,7 @@ one-process reference. The proof runs in float64 (`TrainConfig(dtype="float64")`
 noise (`fp32_noise_floor`); bit-exact where the arithmetic is the same sequence of operations.
 The reference runs on the device the ranks use (`ranks_device`): CPU when they are on gloo, the
 GPU when they are on NCCL or share one GPU (the staged backend); on CUDA with TF32 off and
-deterministic kernels (refimpl.numerics), so the same gates hold there (TF32's 10-bit mantissa
+deterministic kernels (refimpl.lab.runtime.numerics), so the same gates hold there (TF32's 10-bit mantissa
 would put fp32 near 1e-3).
 `compare_with_single` runs both and reports the worst relative errors, so a notebook can assert
 them and a test can assert them on world sizes 2, 4 and one that does not divide evenly.

@@ -1,4 +1,5 @@
-"""fp32 that means fp32 on a GPU: the settings every CUDA run of the loop uses."""
+"""fp32 that means fp32 on a GPU: the settings every CUDA run of the loop uses, applied through
+refimpl.launch_tools' `device_settings` once a rank's device is known (refimpl.train.setup_rank)."""
 from __future__ import annotations
 
 import os

@@ -1,5 +1,5 @@
-"""glibc's malloc policy for a rank process, set by refimpl._rank (our ranks) and refimpl.launch
-(a rank torchrun started): on the host, every CPU tensor comes from malloc.
+"""glibc's malloc policy for a rank process, set as it joins its group (refimpl.lab.runtime.tools'
+`joining`, for our ranks and for a rank torchrun started): every CPU tensor comes from malloc.
 """
 import sys
 
