@@ -1,9 +1,10 @@
 """What a parallelism strategy is: placement plus synchronisation, around one step runner.
 
 A strategy fills in only what makes it itself: placement (`setup`: how this rank's model lives on
-the dp axis) and sync (`micro_step`, `sync_gradients`, `optimizer_step`). Each rank's loss is divided by W and the gradients summed: the same maths as
-DDP's sum-then-divide (Li et al. 2020, §4.2), rounded once instead of once per element, which keeps
-W = 3 closer to `single` (1/3 is inexact in binary).
+the dp axis) and sync (`micro_step`, `sync_gradients`, `optimizer_step`). Each rank's loss is
+divided by W and the gradients summed: the same maths as DDP's sum-then-divide (Li et al. 2020,
+§4.2), rounded once instead of once per element, which keeps W = 3 closer to `single` (1/3 is
+inexact in binary).
 """
 from __future__ import annotations
 

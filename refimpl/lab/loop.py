@@ -1,6 +1,6 @@
 """The lab's additions to the one loop (refimpl.train), through refimpl.loop_extras: the shard-only
-build (refimpl.lab.rank_build.shard_only), run checkpoints (save every K steps, resume), an initial state
-(--init-state, --init-hf, --init-optimizer-state), the full state dict (--return-state), the
+build (refimpl.lab.rank_build.shard_only), run checkpoints (save every K steps, resume), an initial
+state (--init-state, --init-hf, --init-optimizer-state), the full state dict (--return-state), the
 profiler's traces and a run record beside them, the step's transient memory peak, MoE records,
 and AdamW's gathered state. Registered under the entry-point group "refimpl.loop" (pyproject.toml).
 """
