@@ -1,8 +1,9 @@
 """What may be added to the one loop (refimpl.train) from outside it: the lab's checkpoints, traces,
-initial states and records reach the loop through this one record, never through the loop's code.
+initial states, shard-only build and records reach the loop through this one record, never through
+the loop's code.
 
 `LoopExtras` is the plain loop's: it adds nothing. A plug-in registered under the entry-point group
-"refimpl.loop" replaces it (refimpl/lab/loop.py); the loop calls the same six methods either way.
+"refimpl.loop" replaces it (refimpl/lab/loop.py); the loop calls the same hooks either way.
 """
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ from types import SimpleNamespace
 
 
 class LoopExtras:
-    """The loop's six hooks, for one rank's run of `cfg`."""
+    """The loop's hooks, for one rank's run of `cfg`."""
 
     first: int = 0                 # the step the run starts at (a resumed run: its checkpoint's)
     losses: tuple = ()             # the losses of the steps before it
+    # `place(strategy)`: builds the rank's model and places it, returning the reference's parameter
+    # count (refimpl.train.setup_rank); None: the loop's own, refimpl.train.place_seeded
+    place = None
 
     def __init__(self, cfg, rank: int, world_size: int):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -24,14 +28,6 @@ class LoopExtras:
     @staticmethod
     def validate(cfg, strategy_class) -> None:
         """In the launching process: raise LayoutError (one line) for a run the extras refuse."""
-
-    def start(self, reference):
-        """The state to place instead of the seeded init (None: the seed's); may set `first` and
-        `losses` (a resumed run)."""
-        return None
-
-    def placed(self, strategy) -> None:
-        """After the strategy placed the model: what it must be given beyond the weights."""
 
     def steps(self, ctx, strategy, first: int):
         """A context around the steps; it yields `on_step(step, losses)`, called after each with

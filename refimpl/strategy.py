@@ -1,10 +1,10 @@
 """What a parallelism strategy is: placement plus synchronisation, around one step runner.
 
 A strategy fills in only what makes it itself: placement (`setup`: how this rank's model lives on
-the dp axis), sync (`micro_step`, `sync_gradients`, `optimizer_step`) and gathering
-(`full_state_dict`). Each rank's loss is divided by W and the gradients summed: the same maths as
-DDP's sum-then-divide (Li et al. 2020, §4.2), rounded once instead of once per element, which keeps
-W = 3 closer to `single` (1/3 is inexact in binary).
+the dp axis) and sync (`micro_step`, `sync_gradients`, `optimizer_step`). Each rank's loss is
+divided by W and the gradients summed: the same maths as DDP's sum-then-divide (Li et al. 2020,
+§4.2), rounded once instead of once per element, which keeps W = 3 closer to `single` (1/3 is
+inexact in binary).
 """
 from __future__ import annotations
 
@@ -17,9 +17,7 @@ from refimpl.config import Option, RunContext, TrainConfig
 from refimpl.memory import ModelStateBytes, measured_model_state
 from refimpl.mesh import LayoutError
 from refimpl.model import Batch
-from refimpl.placement import gather_full_state_dict
 from refimpl.rank_model import RankModel
-from refimpl.rank_values import RankValues, materialize
 from refimpl.seam import phase
 from refimpl.step import forward_backward, global_mean_loss
 
@@ -35,10 +33,6 @@ class Strategy:
     # (refimpl.placement.data_parallel_axis: an expert's over "edp", the ranks holding the same
     # expert), so it runs a MoE model with --ep > 1; False: it would sum different experts.
     experts_over_edp: bool = False
-    # True: `setup(module, values)` writes the parameters' values itself, one parameter at a time,
-    # straight into the storage it keeps (ZeRO's flat buffer, a ZeRO-3 shard: refimpl.rank_values),
-    # instead of being handed them made (which would hold them twice, or whole, while it copies).
-    builds_own_parameters: bool = False
     # True: runs on a pipeline's stages (--pp > 1): its sync and gathering work on a stage's
     # parameters and its runner on the schedule's table (refimpl.parallel.pp.validate).
     on_a_pipeline: bool = False
@@ -69,20 +63,15 @@ class Strategy:
         return self.ctx.cfg.options.get(key, self.options[key].default)
 
     def transform(self, reference: nn.Module, transforms) -> RankModel:
-        """This rank's share of the reference (shapes only): `transforms(reference, ctx)`, the
+        """This rank's share of the reference: `transforms(reference, ctx)`, the
         model-parallel transforms in their order (refimpl.train hands in
         refimpl.compose.transforms.model_parallel), whose result `place` then places."""
         return transforms(reference, self.ctx)
 
-    def place(self, rank_model: RankModel, values: RankValues) -> None:
-        """Place the module the transforms handed over (shapes only: refimpl.rank_values), and
-        keep the rank model the step runs (refimpl.train.setup_rank). The default gives each of
-        its tensors this rank's value on the device, one at a time, then `setup`s it; a strategy
-        that `builds_own_parameters` writes them itself (zero1/2's flat buffer, zero3's shards)."""
-        if self.builds_own_parameters:   # only the buffers here; setup writes the parameters
-            self.setup(materialize(rank_model.module, values, parameters=False), values)
-        else:
-            self.setup(materialize(rank_model.module, values))
+    def place(self, rank_model: RankModel) -> None:
+        """`setup` the module the transforms handed over, and keep the rank model the step runs
+        (refimpl.train.setup_rank)."""
+        self.setup(rank_model.module)
         self.rank_model = self.step_model(rank_model)
 
     def setup(self, model: nn.Module) -> None:
@@ -151,22 +140,12 @@ class Strategy:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
 
-    # --- gathering and accounting ---------------------------------------------------------------------
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The reference model's full state dict (reference names, full shapes, on CPU)."""
-        return gather_full_state_dict(self.model.state_dict(), self.model, self.mesh)
+    # --- accounting ---------------------------------------------------------------------
 
     def model_state(self) -> ModelStateBytes:
         """Bytes of parameters, gradients and optimizer states this rank holds right now (the
         default counts the model's and the optimizer's tensors, by storage)."""
         return measured_model_state(self.model.parameters(), self.optimizer)
-
-    def activation_exclusions(self) -> list[torch.Tensor]:
-        """Tensors that autograd saves but that are model state, not activations: Linear's
-        backward saves weight.t(), a view that is not a Parameter (~5 MB here), and ZeRO-3
-        saves views of its gathered parameters. The activation tracker leaves them out."""
-        return list(self.model.parameters())
 
 
 def optimizer_settings(cfg: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict]:

@@ -4,7 +4,6 @@
     python -m refimpl train --strategy single --steps 5 --json            # from a shell"""
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 
@@ -19,7 +18,6 @@ from refimpl.loop_extras import extras_class
 from refimpl.mesh import Mesh
 from refimpl.model import build_model, converted, count_params, synthetic_batch
 from refimpl.process_group import backend_and_device, launch_backend, sync
-from refimpl.rank_values import RankValues
 from refimpl.registry import Resolved, resolve
 from refimpl.seam import use_collectives
 from refimpl.strategy import Strategy
@@ -37,12 +35,12 @@ def validate(cfg: TrainConfig) -> Resolved:
     return layout
 
 
-def setup_rank(rank: int, world_size: int, layout: Resolved, state=None,
-               placing=contextlib.nullcontext(), initial=None) -> tuple[RunContext, Strategy, int]:
-    """This rank's context, its strategy placed from the reference model, and the reference's
-    parameter count: everything before the first step. `state` (or `initial(reference)`'s): what
-    to place instead of the seeded init, a full state dict or a checkpoint's pieces; `placing`: a
-    context open while the strategy places the rank's tensors (the dry run counts it)."""
+def setup_rank(rank: int, world_size: int, layout: Resolved,
+               place=None) -> tuple[RunContext, Strategy, int]:
+    """This rank's context, its strategy placed, and the reference's parameter count: everything
+    before the first step. `place(strategy)` builds the rank's model, places it and returns that
+    count: `place_seeded` unless told otherwise (the lab's builds only this rank's shard, or places
+    a checkpoint's values: refimpl.loop_extras)."""
     cfg = layout.cfg
     backend, device = backend_and_device(cfg)
     tools().device_settings(device, cfg)    # e.g. the lab's exact fp32 on a GPU
@@ -50,19 +48,21 @@ def setup_rank(rank: int, world_size: int, layout: Resolved, state=None,
     ctx = RunContext(rank, world_size, backend, device, cfg, mesh)
     use_collectives(refimpl_comm if cfg.collectives == "refimpl" else None)   # refimpl.seam
     torch.manual_seed(cfg.seed)
-    # The reference as shapes only (meta): no rank holds it whole. Each tensor a rank keeps gets
-    # its value as the strategy places it (refimpl.rank_values): the seeded init, or `state`'s.
-    reference = converted(build_model(cfg.model, cfg.seed, device="meta"), dtype=ctx.param_dtype)
-    if initial is not None:
-        state = initial(reference)
-    values = RankValues(reference, cfg.seed, mesh, device, state)
     strategy = layout.strategy(ctx)
+    return ctx, strategy, (place or place_seeded)(strategy)
+
+
+def place_seeded(strategy: Strategy) -> int:
+    """The reference model built from the seed on the host, cut by the model-parallel transforms in
+    their fixed order (refimpl.compose.transforms), moved to the device and handed to the
+    strategy's data-parallel placement; returns the reference's parameter count."""
+    ctx = strategy.ctx
+    reference = converted(build_model(ctx.cfg.model, ctx.cfg.seed), dtype=ctx.param_dtype)
     n_params = count_params(reference)      # before the transforms cut it in place
-    # The model-parallel transforms in their fixed order (refimpl.compose.transforms), on the
-    # shapes, then the strategy's data-parallel placement, which gives them values.
-    with placing:
-        strategy.place(strategy.transform(reference, model_parallel), values)
-    return ctx, strategy, n_params
+    rank_model = strategy.transform(reference, model_parallel)
+    converted(rank_model.module, device=ctx.device)
+    strategy.place(rank_model)
+    return n_params
 
 
 def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
@@ -70,8 +70,7 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     layout = resolve(cfg)         # the axes a shorthand names, and the strategy's class
     cfg = layout.cfg
     extras = extras_class()(cfg, rank, world_size)     # the lab's (refimpl.loop_extras)
-    ctx, strategy, n_params = setup_rank(rank, world_size, layout, initial=extras.start)
-    extras.placed(strategy)
+    ctx, strategy, n_params = setup_rank(rank, world_size, layout, extras.place)
     losses, step_times, activation_peak = list(extras.losses), [], 0
     with extras.steps(ctx, strategy, extras.first) as on_step:
         for step in range(extras.first, cfg.steps):
@@ -92,8 +91,6 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                          "optimizer": int(state.optimizer), "activations_peak": int(activation_peak),
                          "total": int(state.total + activation_peak)},
               "trace_dir": None}
-    if cfg.return_state:
-        result["state_dict"] = strategy.full_state_dict()
     extras.finish(strategy, result)
     return result
 

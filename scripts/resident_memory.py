@@ -124,6 +124,8 @@ def measured_rank(rank: int, world_size: int, cfg) -> dict:
     plugin = extras_class()
 
     class Measured(plugin):
+        # the lab's `place` (refimpl.lab.loop.LabExtras: the shard-only build) calls `start` for
+        # the state to place, then `placed` for what follows the weights
         def start(self, reference):
             phases.enter("build")
             state = super().start(reference)

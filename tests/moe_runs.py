@@ -11,12 +11,13 @@ import torch
 import torch.distributed as dist
 
 from refimpl import launch
+from refimpl.lab.checkpoint.gather import gather_full_state_dict
 from refimpl.lab.measure.moe_traffic import all_to_all_bytes, meter_experts
 from refimpl.lab.verify.group_mesh import GroupMesh
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
 from refimpl.model.moe import moe_aux_loss, moe_layers, update_expert_bias
 from refimpl.parallel.ep.dispatch import parallelize_experts
-from refimpl.placement import Owned, gather_full_state_dict, placement_of
+from refimpl.placement import Owned, placement_of
 from refimpl.seam import use_collectives
 
 BASE = GPTConfig(vocab_size=96, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4)

@@ -13,7 +13,7 @@ it, never one above:
     memory       what a run holds (arithmetic, measured)
     comm         collectives rebuilt from send/recv
     cost         alpha-beta, bytes per collective, hardware datasheets
-    interface    config, placement, rank_model, rank_values, step, strategy: what every strategy plugs into
+    interface    config, placement, rank_model, step, strategy: what every strategy plugs into
     parallel     one folder per parallelism (dp < zero < fsdp may share; tp, pp, cp and ep import
                  no other)
     compose      the transforms in their order, optimizer resharding, composed twins
@@ -23,8 +23,8 @@ it, never one above:
     bench        DESIGN's contract name for the alpha-beta fit and the bus-bandwidth factor
   THE LAB (refimpl/lab/), above every core layer: the core never imports it
     lab measure  the runtime (zygote, flight recorder, staged backend), labels and byte counts,
-                 traces, sweeps and measurements, predictions, checkpoints, the loop's additions,
-                 the pipeline's tools, PyTorch's twins and notebook 10's faults (the plug-ins)
+                 traces, sweeps and measurements, predictions, checkpoints, the shard-only build,
+                 the loop's additions, the pipeline's tools, PyTorch's twins and notebook 10's faults (the plug-ins)
     lab verify   equivalence, the bisector, the dry run, the layout matrix
     lab plan     the planner (it reads the dry run, never the other way round)
     lab tools    plots, the TensorBoard plugin, the CLI
@@ -47,7 +47,7 @@ LAYERS = [
     ("memory", ("memory",)),
     ("comm", ("comm",)),
     ("cost", ("cost",)),
-    ("interface", ("config", "placement", "rank_model", "rank_values", "step", "strategy")),
+    ("interface", ("config", "placement", "rank_model", "step", "strategy")),
     ("parallel", ("parallel",)),
     ("compose", ("compose",)),
     ("registry", ("registry",)),
@@ -56,7 +56,7 @@ LAYERS = [
     # THE LAB (refimpl/lab/): it imports the core, the core never imports it
     ("lab measure", ("lab", "lab.runtime", "lab.instrument", "lab.trace", "lab.measure",
                      "lab.checkpoint", "lab.predict", "lab.progress", "lab.env", "lab.twins",
-                     "lab.faults", "lab.pipeline", "lab.tensor", "lab.loop")),
+                     "lab.faults", "lab.pipeline", "lab.tensor", "lab.rank_build", "lab.loop")),
     ("lab verify", ("lab.verify",)),
     ("lab plan", ("lab.plan",)),
     ("lab tools", ("lab.plots", "lab.source", "lab.tb_plugin", "lab.cli", "__main__")),

@@ -258,9 +258,10 @@ def test_init_hf_reads_only_the_slice_a_rank_keeps(tmp_path):
     # --init-hf places from BoxedParts(HubState): each rank's part is read as a box of the file
     # (safetensors' get_slice), equal to cutting the whole tensor, and the bytes it holds are its
     # part's alone (a view of a whole tensor read first would hold all of it)
+    from refimpl.lab.checkpoint.gather import local_part
     from refimpl.lab.checkpoint.hf import HubState
     from refimpl.lab.checkpoint.shard_boxes import BoxedParts
-    from refimpl.placement import Shard, local_part
+    from refimpl.placement import Shard
 
     ours = build_model(LLAMA, seed=2).to(torch.float64)
     path = save_hf(ours, LLAMA, tmp_path / "ckpt")

@@ -1,8 +1,10 @@
-"""A rank builds only its own shard (refimpl.rank_values, refimpl.model.init; issue 35).
+"""A rank builds only its own shard: the lab's shard-only build (refimpl.lab.rank_build, the CLI's;
+refimpl.model.init; issue 35).
 
 The values a rank makes one tensor at a time are the ones `single`'s whole model has (the
-strategies' equivalence tests check whole runs; these check the pieces), and a ZeRO-3 rank's
-resident memory does not grow by the whole model while it is built.
+strategies' equivalence tests check whole runs; these check the pieces), the rank it builds is the
+one the core's build (refimpl.train.place_seeded: the whole reference, cut) makes, and a ZeRO-3
+rank's resident memory does not grow by the whole model while it is built.
 """
 import re
 from dataclasses import replace
@@ -12,11 +14,11 @@ import torch
 
 from refimpl import launch
 from refimpl.config import TrainConfig
+from refimpl.lab.rank_build.values import RankValues, check_state, materialize, set_data
 from refimpl.mesh import Mesh, ParallelDims
 from refimpl.model import GPTConfig, build_model
 from refimpl.model.init import init_rules, initial_value
 from refimpl.placement import Shard, placement_of, set_placement
-from refimpl.rank_values import RankValues, check_state, materialize, set_data
 
 TINY = GPTConfig(n_layers=2, d_model=32, n_heads=2, vocab_size=64, seq_len=8, n_experts=2)
 
@@ -83,10 +85,10 @@ def _kib(field: str) -> int:
 
 def _build_growth(rank: int, world_size: int, cfgs: list) -> list[dict]:
     """For each configuration in turn: the most this rank's resident memory grew while
-    setup_rank built it (the kernel's high-water mark, reset first by writing 5 to clear_refs),
+    the lab's setup_rank built it (the kernel's high-water mark, reset first by writing 5 to clear_refs),
     and the shards it kept. The strategy is dropped before the next."""
+    from refimpl.lab.loop import setup_rank
     from refimpl.registry import resolve
-    from refimpl.train import setup_rank
 
     out = []
     for cfg in cfgs:
@@ -119,6 +121,47 @@ def test_a_zero3_rank_does_not_grow_by_the_whole_model():
         whole = 4 * r["n_params"]
         assert r["kept"] == pytest.approx(whole, rel=1e-3)
         assert r["growth"] - small["growth"] < r["kept"] + whole / 2, (r, small)
+
+
+def _both_builds(rank: int, world_size: int, cfgs: list) -> list[list]:
+    """Each configuration's rank built both ways, the core's and the lab's (refimpl.train.setup_rank
+    with its own `place_seeded`; refimpl.lab.loop.setup_rank): what a step then gives, and the full
+    state after it."""
+    from refimpl import train
+    from refimpl.lab.checkpoint.full_state import full_state_dict
+    from refimpl.lab.loop import setup_rank
+    from refimpl.model import synthetic_batch
+    from refimpl.registry import resolve
+
+    out = []
+    for cfg in cfgs:
+        layout, built = resolve(cfg), []
+        for setup in (train.setup_rank, setup_rank):
+            _, strategy, n_params = setup(rank, world_size, layout)
+            loss = strategy.train_step(synthetic_batch(cfg.model, cfg.global_batch, cfg.seq_len,
+                                                       cfg.seed, 0))
+            built.append((n_params, float(loss), full_state_dict(strategy)))
+        out.append(built)
+    return out
+
+
+@pytest.mark.ranks
+def test_the_shard_only_build_places_what_the_whole_build_places():
+    """ZeRO's flat buffer and ZeRO-3's shards written one parameter at a time after the strategy
+    was set up on values-less parameters (offloaded too), tensor parallelism's slices, experts over
+    ep: the same rank as the reference built whole and cut, bit for bit, after a step too."""
+    base = TrainConfig(nproc=2, model=replace(TINY, n_experts=0), seq_len=8, device="cpu",
+                       global_batch=4, dtype="float64")
+    cfgs = [base.with_(strategy="zero1"), base.with_(strategy="zero2", options={"offload": True}),
+            base.with_(strategy="zero3"), base.with_(strategy="fsdp", options={"offload": True}),
+            base.with_(strategy="tp", sequence_parallel=True),
+            base.with_(strategy="zero2", model=TINY, ep=2)]
+    for per_cfg in zip(*launch.run(_both_builds, 2, cfgs, backend="gloo", timeout=300,
+                                   quiet=True)):
+        for core, lab in per_cfg:      # each rank's: (n_params, loss, state)
+            assert core[:2] == lab[:2]
+            assert core[2].keys() == lab[2].keys()
+            assert all(torch.equal(core[2][k], lab[2][k]) for k in core[2])
 
 
 def test_a_hook_registered_on_the_shapes_survives_the_values():

@@ -55,9 +55,10 @@ def _old_way(strategy) -> dict:
     then every rank's result on every rank (refimpl.train._train_rank_and_share under torchrun)."""
     import torch.distributed as dist
 
+    from refimpl.lab.checkpoint.full_state import full_state_dict
     from refimpl.lab.checkpoint.optim_reshard import full_optimizer_state
 
-    mine = {"state_dict": strategy.full_state_dict(),
+    mine = {"state_dict": full_state_dict(strategy),
             "optimizer_state": full_optimizer_state(strategy)}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -197,6 +198,7 @@ def _twin_export_rank(rank: int, world_size: int, cfgs: dict, folder: str) -> di
     import torch.distributed as dist
 
     from refimpl.lab.checkpoint.export import export_state
+    from refimpl.lab.checkpoint.full_state import full_state_dict
     from refimpl.lab.loop import setup_rank
     from refimpl.model import build_model, synthetic_batch
     from refimpl.registry import resolve
@@ -213,7 +215,7 @@ def _twin_export_rank(rank: int, world_size: int, cfgs: dict, folder: str) -> di
         new = _allocated_peak(lambda: export_state(strategy, w))
         dist.barrier()
         old = {}
-        was = _allocated_peak(lambda: old.update(strategy.full_state_dict()))
+        was = _allocated_peak(lambda: old.update(full_state_dict(strategy)))
         row = {"export": new, "before": was, "largest_tensor": largest, "model": model}
         if rank == 0:
             saved = torch.load(w, mmap=True)

@@ -1,6 +1,7 @@
-"""The lab's additions to the one loop (refimpl.train), through refimpl.loop_extras: run checkpoints
-(save every K steps, resume), an initial state (--init-state, --init-hf, --init-optimizer-state),
-the profiler's traces and a run record beside them, the step's transient memory peak, MoE records,
+"""The lab's additions to the one loop (refimpl.train), through refimpl.loop_extras: the shard-only
+build (refimpl.lab.rank_build.shard_only), run checkpoints (save every K steps, resume), an initial
+state (--init-state, --init-hf, --init-optimizer-state), the full state dict (--return-state), the
+profiler's traces and a run record beside them, the step's transient memory peak, MoE records,
 and AdamW's gathered state. Registered under the entry-point group "refimpl.loop" (pyproject.toml).
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from refimpl import launch, process_group, train
 from refimpl.config import TrainConfig
 from refimpl.lab.checkpoint import run_checkpoint
 from refimpl.lab.checkpoint.export import export_state
+from refimpl.lab.checkpoint.full_state import full_state_dict
 from refimpl.lab.checkpoint.hf import HubState
 from refimpl.lab.checkpoint.optim_reshard import (
     full_optimizer_state,
@@ -21,9 +23,10 @@ from refimpl.lab.checkpoint.optim_reshard import (
     validate_optimizer_state,
 )
 from refimpl.lab.checkpoint.shard_boxes import BoxedParts
-from refimpl.lab.instrument.activations import ActivationTracker
+from refimpl.lab.instrument.activations import ActivationTracker, activation_exclusions
 from refimpl.lab.measure.moe_traffic import meter_experts, moe_step_record
 from refimpl.lab.moe_scope import batch_scope_problem
+from refimpl.lab.rank_build.shard_only import place_shards
 from refimpl.lab.runtime.lane import refuse_on_nccl
 from refimpl.lab.trace.capture import StepProfiler, profiles_root
 from refimpl.lab.trace.memory_events import StepPeak
@@ -33,13 +36,12 @@ from refimpl.mesh import LayoutError
 
 
 def setup_rank(rank: int, world_size: int, layout, placing=contextlib.nullcontext()):
-    """refimpl.train.setup_rank with the lab's initial state and what is placed after it (a run
-    checkpoint's optimizer, --init-state, --init-hf, --init-optimizer-state)."""
+    """refimpl.train.setup_rank as the CLI's loop runs it: the shard-only build, from the lab's
+    initial state, and what is placed after it (a run checkpoint's optimizer, --init-state,
+    --init-hf, --init-optimizer-state). `placing`: open while the rank's tensors are made."""
     extras = LabExtras(layout.cfg, rank, world_size)
-    ctx, strategy, n_params = train.setup_rank(rank, world_size, layout, placing=placing,
-                                               initial=extras.start)
-    extras.placed(strategy)
-    return ctx, strategy, n_params
+    extras.placing = placing
+    return train.setup_rank(rank, world_size, layout, extras.place)
 
 
 def default_trace_dir(cfg) -> str:
@@ -47,6 +49,7 @@ def default_trace_dir(cfg) -> str:
 
 
 class LabExtras(LoopExtras):
+    placing = contextlib.nullcontext()      # open while the rank's tensors are made (the dry run)
 
     @staticmethod
     def validate(cfg, strategy_class) -> None:
@@ -59,6 +62,12 @@ class LabExtras(LoopExtras):
         if problem:
             raise LayoutError(problem)
         refuse_on_nccl(cfg)         # refimpl.comm's lane runs on gloo only
+
+    def place(self, strategy) -> int:
+        """The rank built shard by shard from `start`'s state, then given what `placed` adds."""
+        n_params = place_shards(strategy, self.start, self.placing)
+        self.placed(strategy)
+        return n_params
 
     def start(self, reference):
         """A run checkpoint to continue (the data at its step, its losses), else a full state dict
@@ -105,9 +114,11 @@ class LabExtras(LoopExtras):
         run_checkpoint.wait()       # the last save in flight is on disk before the run reports
 
     def measure_step(self, strategy):
-        return ActivationTracker(exclude=strategy.activation_exclusions())
+        return ActivationTracker(exclude=activation_exclusions(strategy))
 
     def finish(self, strategy, result: dict) -> None:
+        if self.cfg.return_state:
+            result["state_dict"] = full_state_dict(strategy)
         memory = result["memory"]
         memory.update(self.peak.result(kept_bytes=memory["total"] - memory["activations_peak"]))
         result["trace_dir"] = self.trace_dir

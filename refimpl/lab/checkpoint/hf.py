@@ -183,9 +183,9 @@ def save_hf(model: nn.Module, cfg: GPTConfig, path: str | Path) -> Path:
 class HubState(Mapping):
     """A Hugging Face checkpoint folder as refimpl's full state dict, read lazily: `state[name]`
     reads that one tensor from its safetensors file (memory-mapped) when a rank places it, so a
-    rank holds one checkpoint tensor at a time (refimpl.rank_values), and `box` reads only a part
-    of it (what `--init-hf` uses: each rank reads the slices it keeps). The buffers a Hub
-    checkpoint has not (a MoE layer's expert_bias) start at zero, as refimpl's own init has them.
+    rank holds one checkpoint tensor at a time (refimpl.lab.rank_build.values), and `box` reads
+    only a part of it (what `--init-hf` uses: each rank reads the slices it keeps). The buffers a
+    Hub checkpoint has not (a MoE layer's expert_bias) start at zero, as refimpl's own init has them.
     `reference`: the model it is read into (meta is enough), for those buffers' shapes."""
 
     def __init__(self, path: str | Path, reference: nn.Module):

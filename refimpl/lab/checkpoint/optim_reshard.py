@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import torch
 
+from refimpl.lab.checkpoint.gather import gather_full_state_dict, placements
 from refimpl.lab.checkpoint.sharded_optimizer_state import gathered
+from refimpl.lab.rank_build.values import part_of
 from refimpl.mesh import LayoutError
 from refimpl.parallel.fsdp.zero3 import FullySharded
 from refimpl.parallel.zero.stages import ZeroDataParallel
-from refimpl.placement import gather_full_state_dict, placements
-from refimpl.rank_values import part_of
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # PyTorch's twins keep DTensor moments (their checkpoints go through DCP instead,

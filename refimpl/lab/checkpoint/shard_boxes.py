@@ -15,8 +15,8 @@ import math
 
 import torch.nn.functional as F
 
+from refimpl.lab.rank_build.values import PartialState
 from refimpl.placement import Owned, Shard
-from refimpl.rank_values import PartialState
 
 
 def part_box(shape, where, mesh, full_shape) -> tuple[tuple, tuple]:
@@ -79,7 +79,7 @@ def intersect(a_off, a_len, b_off, b_len):
 def read_part(reader, name: str, shape, where, mesh):
     """This rank's part (local `shape`, placement `where`) of the reference tensor `name`, read
     through `reader.box(name, offsets, lengths)` alone; a padded vocabulary's rows past the
-    reference's come as zeros, as refimpl.placement.local_part pads them."""
+    reference's come as zeros, as refimpl.lab.checkpoint.gather.local_part pads them."""
     off, length = part_box(shape, where, mesh, reader.shape_of(name))
     part = reader.box(name, off, length)
     if tuple(length) != tuple(shape):
@@ -91,8 +91,8 @@ def read_part(reader, name: str, shape, where, mesh):
 
 class BoxedParts(PartialState):
     """A reference state read lazily by boxes (`shape_of(name)`, `box(name, offsets, lengths)`:
-    a Hugging Face folder, refimpl.lab.checkpoint.hf.HubState) as the PartialState refimpl.rank_values
-    places from: each rank reads only the box of the part it keeps."""
+    a Hugging Face folder, refimpl.lab.checkpoint.hf.HubState) as the PartialState
+    refimpl.lab.rank_build.values places from: each rank reads only the box of the part it keeps."""
 
     def __init__(self, boxed):
         self.boxed = boxed

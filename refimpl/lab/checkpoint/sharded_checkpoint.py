@@ -25,10 +25,10 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from refimpl.lab.checkpoint.gather import placements
 from refimpl.lab.checkpoint.optim_reshard import MOMENTS, _holders
 from refimpl.lab.checkpoint.shard_boxes import flat_range_boxes, full_shape_of, intersect, part_box, read_part
-from refimpl.placement import placements
-from refimpl.rank_values import PartialState
+from refimpl.lab.rank_build.values import PartialState
 
 INDEX = "index.json"
 

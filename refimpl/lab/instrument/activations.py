@@ -7,8 +7,21 @@ import weakref
 
 import torch
 
+from refimpl.lab.twins.base import TorchTwin
 from refimpl.memory.measured import storage_id
 from refimpl.model import lm_loss
+from refimpl.parallel.fsdp.zero3 import FullySharded
+
+
+def activation_exclusions(strategy) -> list[torch.Tensor]:
+    """Tensors that autograd saves but that are model state, not activations: Linear's backward
+    saves weight.t(), a view that is not a Parameter (~5 MB here), and ZeRO-3/FSDP saves views of
+    its gathered parameters (each unit's `full`). A PyTorch twin says which are its own."""
+    if isinstance(strategy, TorchTwin):
+        return strategy.activation_exclusions()
+    if isinstance(strategy, FullySharded):
+        return [u.full for u in strategy.units]
+    return list(strategy.model.parameters())
 
 
 class ActivationTracker:

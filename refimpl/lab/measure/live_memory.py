@@ -30,7 +30,7 @@ _ALIASES: dict = {}     # op -> whether its output is a view of an input (OpOver
 
 class LiveBytes(TorchDispatchMode):
     """`count_meta=False`: storages on the meta device are not bytes (a real rank's shapes-only
-    reference and transforms, refimpl.rank_values); the dry run counts them as the device's."""
+    reference and transforms, refimpl.lab.rank_build.values); the dry run counts them as the device's."""
 
     def __init__(self, tensors=(), count_meta: bool = True):
         super().__init__()

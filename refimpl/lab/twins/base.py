@@ -13,9 +13,10 @@ know about, so they live here:
 """
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
-from refimpl.placement import full_state_items
+from refimpl.lab.checkpoint.gather import full_state_items, gather_full_state_dict
 from refimpl.rank_model import RankModel
 from refimpl.strategy import Strategy
 
@@ -36,6 +37,14 @@ class TorchTwin(Strategy):
     @property
     def loss_divisor(self) -> int:
         return 1          # PyTorch divides the summed gradients by W itself
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The reference model's full state dict on every rank (refimpl.lab.checkpoint.full_state)."""
+        return gather_full_state_dict(self.model.state_dict(), self.model, self.mesh)
+
+    def activation_exclusions(self) -> list[torch.Tensor]:
+        """The model's tensors autograd saves (refimpl.lab.instrument.activations)."""
+        return list(self.model.parameters())
 
     def state_items(self):
         """(reference name, full tensor) of this rank's pipeline stage, one gathered at a time,

@@ -20,12 +20,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from refimpl.config import Option, TrainConfig
+from refimpl.lab.checkpoint.gather import full_state_items, gather_full_state_dict, placements
 from refimpl.lab.twins.base import TorchTwin
 from refimpl.lab.twins.torch_ddp import require_dp_group
 from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
 from refimpl.mesh import LayoutError
 from refimpl.model import GPT
-from refimpl.placement import full_state_items, gather_full_state_dict, placements
 from refimpl.strategy import make_optimizer
 
 

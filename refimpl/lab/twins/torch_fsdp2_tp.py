@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 
 from refimpl.config import TrainConfig
+from refimpl.lab.checkpoint.gather import merge_stages
 from refimpl.lab.twins.torch_plan import full_state_dict, state_items, torch_parallelize_tp
 from refimpl.lab.twins.torch_pp import TorchPipeline, check_torch_layout
 from refimpl.lab.twins.torch_tp import TorchTensorParallel, check_plan
@@ -46,7 +47,6 @@ from refimpl.model import GPT, lm_loss
 from refimpl.model.activation_checkpointing import checkpoint_blocks
 from refimpl.parallel.pp.schedules import chunks_per_rank, pipeline_schedule, placement, schedules
 from refimpl.parallel.pp.stage import build_chunks
-from refimpl.placement import merge_stages
 from refimpl.rank_model import Pipeline, RankModel
 from refimpl.strategy import make_optimizer
 

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from refimpl.config import TrainConfig
+from refimpl.lab.checkpoint.full_state import full_state_dict
 from refimpl.lab.loop import setup_rank
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, reference_config
 from refimpl.launch import run
@@ -149,7 +150,7 @@ def record_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         forward.clear(), backward.clear()
         batch = synthetic_batch(cfg.model, cfg.global_batch, cfg.seq_len, cfg.seed, step)
         loss = strategy.train_step(batch)
-        weights = strategy.full_state_dict()          # collective: every rank calls it
+        weights = full_state_dict(strategy)          # collective: every rank calls it
         steps.append({"loss": float(loss),       # fingerprints: [calls (micro-batches), 2, d]
                       "forward": {k: torch.stack(v).cpu() for k, v in forward.items()},
                       "backward": {k: torch.stack(v).cpu() for k, v in backward.items()},

@@ -22,6 +22,7 @@ most the box being read, never more than the tensor.
 """
 from __future__ import annotations
 
+import functools
 import gc
 
 from safetensors import safe_open
@@ -29,10 +30,13 @@ from safetensors import safe_open
 from refimpl import launch
 from refimpl.config import TrainConfig
 from refimpl.lab.checkpoint import run_checkpoint, sharded_checkpoint
+from refimpl.lab.loop import setup_rank
 from refimpl.lab.measure.live_memory import LiveBytes
+from refimpl.lab.rank_build.shard_only import place_shards
 from refimpl.model import synthetic_batch
 from refimpl.registry import resolve
-from refimpl.train import setup_rank, validate
+from refimpl.train import setup_rank as setup_rank_with
+from refimpl.train import validate
 
 
 def _file_bytes(path) -> int:
@@ -53,7 +57,8 @@ def _measure_rank(rank: int, world_size: int, write_cfg: TrainConfig, read_cfg: 
     gc.collect()
     resume = run_checkpoint.load_latest(directory)
     with LiveBytes(count_meta=False) as loading:
-        _, strategy, _ = setup_rank(rank, world_size, resolve(read_cfg), resume.get("weights"))
+        weights = functools.partial(place_shards, initial=lambda reference: resume.get("weights"))
+        _, strategy, _ = setup_rank_with(rank, world_size, resolve(read_cfg), weights)
         run_checkpoint.restore(strategy, resume)
     return {"save_peak": saving.peak, "written": _file_bytes(path / sharded_checkpoint.rank_file(rank)),
             "load_peak": loading.peak, "kept": loading.current}

@@ -32,7 +32,7 @@ bytes alive at any moment of the step (refimpl.lab.measure.live_memory.LiveBytes
 storage an op creates, until it is freed) -- and `comm`: every collective this rank called, bytes per
 op per axis of the grid (the labels' convention, refimpl.lab.instrument.labels: the whole message). Before the
 step, `build_peak`: the most bytes alive while the strategy placed the rank's tensors (the
-reference and the transforms are shapes only, in a real run too: refimpl.rank_values), and
+reference and the transforms are shapes only, in a real run too: refimpl.lab.rank_build.values), and
 `built`, what that left; a rank's peak over its life is the larger of build_peak and peak.
 
 The batch is the only thing not from the loop: `synthetic_batch` draws its noise with a
@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from refimpl.config import TrainConfig
-from refimpl.lab.instrument.activations import ActivationTracker
+from refimpl.lab.instrument.activations import ActivationTracker, activation_exclusions
 from refimpl.lab.loop import setup_rank
 from refimpl.lab.measure.live_memory import LiveBytes
 from refimpl.lab.predict.presets import get_model
@@ -139,7 +139,7 @@ def dry_run(cfg: TrainConfig, rank: int = 0, step: bool = True) -> dict:
             with OnMeta() as made, values_not_drawn():
                 # What the rank's device holds while it is built, before any step:
                 # `build_peak`. The reference and the transforms are shapes only in a real run
-                # too (meta, refimpl.rank_values); only the strategy's placement allocates.
+                # too (meta, refimpl.lab.rank_build.values); only the strategy's placement allocates.
                 building = LiveBytes()
                 ctx, strategy, n_params = setup_rank(rank, cfg.nproc, layout, placing=building)
                 build_peak, built = building.peak, building.current
@@ -156,7 +156,7 @@ def dry_run(cfg: TrainConfig, rank: int = 0, step: bool = True) -> dict:
                 # was a warm-up, and the next one is measured instead.
                 prime_optimizers(strategy)
             for _ in range(2):
-                tracker = ActivationTracker(exclude=strategy.activation_exclusions())
+                tracker = ActivationTracker(exclude=activation_exclusions(strategy))
                 live = LiveBytes(made.alive())
                 held = live.current
                 with recording_collectives(ctx.mesh) as comm, live, tracker:

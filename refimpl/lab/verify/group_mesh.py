@@ -1,5 +1,5 @@
 """A mesh made of process groups built by hand, for the checks that call the core's gathering
-outside a training run (refimpl.placement.gather_full_state_dict, unshard)."""
+outside a training run (refimpl.lab.checkpoint.gather.gather_full_state_dict, unshard)."""
 from __future__ import annotations
 
 from refimpl.seam import dist

@@ -22,6 +22,7 @@ import torch
 
 from refimpl import launch
 from refimpl.config import TrainConfig
+from refimpl.lab.checkpoint.full_state import full_state_dict
 from refimpl.lab.checkpoint.optim_reshard import full_optimizer_state
 from refimpl.lab.loop import setup_rank
 from refimpl.registry import resolve
@@ -38,8 +39,8 @@ def placed_state_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict[str,
     # exactly as refimpl.train's ranks place it
     _, strategy, _ = setup_rank(rank, world_size, resolve(cfg))
     if cfg.init_optimizer_state is None:
-        return strategy.full_state_dict()
-    return {"weights": strategy.full_state_dict(), "optimizer": full_optimizer_state(strategy)}
+        return full_state_dict(strategy)
+    return {"weights": full_state_dict(strategy), "optimizer": full_optimizer_state(strategy)}
 
 
 def placed_state(cfg: TrainConfig) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from refimpl.config import TrainConfig
 from refimpl.cost.collective_bytes import sent_per_rank
+from refimpl.lab.checkpoint.gather import gather_full_state_dict, unshard
 from refimpl.lab.instrument.activations import measure_block_activations
 from refimpl.lab.instrument.labels import CommLog
 from refimpl.lab.verify.group_mesh import GroupMesh
@@ -26,7 +27,7 @@ from refimpl.parallel.tp.blocks import ParallelMLP
 from refimpl.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
 from refimpl.parallel.tp.mappings import group_rank
 from refimpl.parallel.tp.parallelize import parallelize_tp, sequence_partial, tp_loss_for
-from refimpl.placement import gather_full_state_dict, placement_of, unshard
+from refimpl.placement import placement_of
 from refimpl.seam import phase
 from refimpl.strategy import make_optimizer
 

@@ -7,8 +7,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from refimpl.rank_values import set_data
-
 
 @dataclass(frozen=True)
 class Slot:
@@ -52,7 +50,7 @@ class FlatParams:
     def bind(self, flat: torch.Tensor) -> None:
         """Make every parameter's data a view into `flat`, so writing `flat` updates the model."""
         for p, view in zip(self.params, self.views(flat)):
-            set_data(p, view)    # a meta parameter becomes real here
+            p.data = view
 
     def bind_grads(self, flat_grad: torch.Tensor) -> None:
         """Make every parameter's .grad a view into `flat_grad`; autograd then accumulates there."""

@@ -3,8 +3,6 @@ rank r keeping shard r (the `master` its optimizer steps). gather() all-gathers 
 reshard() frees `full`'s storage, reduce_scatter() sums the gradient into this rank's shard."""
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 import torch.nn as nn
 
@@ -37,16 +35,9 @@ class ShardedUnit:
         self.delivered = 0                     # gradients in since its last reduce-scatter
 
     def _own_shard(self, device: torch.device) -> torch.Tensor:
-        """[r·S, (r+1)·S) of the flat parameters (zeros for meta ones: `load` gives them)."""
-        if any(p.is_meta for p in self.flat.params):
-            return torch.zeros(self.flat.shard_numel, dtype=self.flat.dtype, device=device)
+        """[r·S, (r+1)·S) of the flat parameters."""
         param = {s.name: p for s, p in zip(self.flat.slots, self.flat.params)}
         return self.flat.filled_shard(lambda s: param[s.name].detach(), self.rank, device=device)
-
-    @torch.no_grad()
-    def load(self, values: Mapping[str, torch.Tensor]) -> None:
-        """The master shard from `values` (name -> value), reading only the parameters in it."""
-        self.flat.filled_shard(lambda s: values[s.name], self.rank, out=self.master.data)
 
     def gather(self, async_op: bool = False) -> None:
         """All-gather every rank's shard into `full` (no-op if gathered or already on its way)."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 from dataclasses import replace
 
-import torch
 import torch.nn as nn
 
 from refimpl.config import Option, TrainConfig
@@ -15,8 +14,6 @@ from refimpl.mesh import LayoutError
 from refimpl.model import GPT
 from refimpl.parallel.dp.per_group import PerGroup
 from refimpl.parallel.fsdp.schedule import ShardingPolicy, UnitSchedule, assign_params
-from refimpl.placement import gather_full_state_dict
-from refimpl.rank_values import RankValues
 from refimpl.strategy import Strategy, make_optimizer
 
 __all__ = ["FullySharded", "Zero3", "ShardingPolicy", "gpt_units"]
@@ -40,7 +37,6 @@ class FullySharded(Strategy):
     options = {"offload": Option(False, bool)}
     experts_over_edp = True
     on_a_pipeline = True
-    builds_own_parameters = True    # each unit reads only its shard's values
 
     @classmethod
     def policy(cls, cfg: TrainConfig) -> ShardingPolicy:
@@ -53,14 +49,10 @@ class FullySharded(Strategy):
             raise LayoutError(f"strategy {cls.name!r} does not support tied embeddings (the tied "
                               "weight would belong to two units)")
 
-    def setup(self, model: GPT, values: RankValues | None = None) -> None:
+    def setup(self, model: GPT) -> None:
         self.model = model
-        local = None if values is None else values.of(model)   # while the parameters are shapes
         self.groups = PerGroup(model.named_parameters(), self.schedule_over)
         self.units = [u for schedule in self.groups for u in schedule.units]
-        for unit in self.units:
-            if local is not None:
-                unit.load(local)          # each shard's values, one parameter at a time
         self.optimizer = make_optimizer([u.master for u in self.units], self.ctx.cfg)
 
     def schedule_over(self, axis: str, named: list) -> UnitSchedule:
@@ -85,14 +77,6 @@ class FullySharded(Strategy):
         for u in self.units:
             u.master.grad.zero_()
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        state: dict[str, torch.Tensor] = {}
-        for unit in self.units:            # whole over dp x cp; then any model-parallel axes
-            state.update(unit.full_state_dict())
-        # and the buffers, replicated (a MoE layer's expert_bias): the state dict minus the units'
-        state.update({n: t for n, t in self.model.state_dict().items() if n not in state})
-        return gather_full_state_dict(state, self.model, self.mesh)
-
     def model_state(self) -> ModelStateBytes:
         """Bytes on the compute device: the shards, their gradients, m and v (unless offloaded),
         and the parameters gathered now."""
@@ -108,10 +92,6 @@ class FullySharded(Strategy):
         return ModelStateBytes(params=tensor_bytes(masters),
                                grads=tensor_bytes(m.grad for m in masters),
                                optimizer=tensor_bytes(optimizer_state_tensors(self.optimizer)))
-
-    def activation_exclusions(self) -> list[torch.Tensor]:
-        # gathered parameters are model state, though autograd saves views of them
-        return [u.full for u in self.units]
 
 
 class Zero3(FullySharded):

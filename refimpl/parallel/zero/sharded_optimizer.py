@@ -5,8 +5,6 @@
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 import torch.nn as nn
 
@@ -20,10 +18,10 @@ WHO = "ShardedOptimizer"
 
 class ShardedOptimizer(torch.optim.Optimizer):
     """`optimizer_cls(**defaults)` over this rank's partition of `params` over `group` (default:
-    the world). flat: `device` holds the buffer of meta parameters; `alone`: one shard, this rank's."""
+    the world). `alone`: one shard, this rank's (a group of one, or none)."""
 
     def __init__(self, params, optimizer_cls, *, group=None, partition="tensors", offload=False,
-                 device=None, alone=False, **defaults):
+                 alone=False, **defaults):
         if partition not in PARTITIONS:
             raise ValueError(f"{WHO}: partition must be one of {PARTITIONS}, got {partition!r}")
         if offload and partition != "flat":
@@ -37,10 +35,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._load = [0] * self.world_size       # tensors: elements each rank owns
         self.local: torch.optim.Optimizer | None = None
         super().__init__(params, defaults)       # calls add_param_group for each group
-        check_devices([(f"parameter {i}", p) for i, p in enumerate(self.all_params())
-                       if device is None or not p.is_meta], self.group, WHO)
+        check_devices([(f"parameter {i}", p) for i, p in enumerate(self.all_params())],
+                      self.group, WHO)
         if partition == "flat":
-            self._lay_out_flat(device)
+            self._lay_out_flat()
             groups = [{**settings_of(self.param_groups[0]), "params": [self.master]}]
         else:
             groups = [self._local_group(g) for g in self.param_groups]
@@ -70,7 +68,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _local_group(self, group: dict) -> dict:
         return {**group, "params": [p for p in group["params"] if self.owner.get(id(p)) == self.rank]}
 
-    def _lay_out_flat(self, device) -> None:
+    def _lay_out_flat(self) -> None:
         """The flat buffer the parameters view, this rank's `shard`, and the `master` the local
         optimizer steps: the shard itself, or its host copy under offload."""
         group = self.param_groups[0]
@@ -80,10 +78,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{WHO}: partition='flat' needs one dtype for all the parameters "
                              "(they share one flat buffer)")
         self.layout = FlatParams(named, self.world_size)
-        if device is None:
-            device = named[0][1].device if named else torch.device("cpu")
-        self.flat = self.layout.flatten((None if p.is_meta else p.detach() for _, p in named),
-                                        device=device)
+        device = named[0][1].device if named else torch.device("cpu")
+        self.flat = self.layout.flatten((p.detach() for _, p in named), device=device)
         self.layout.bind(self.flat)
         self.shard = self.layout.shard(self.flat, self.rank)
         if self.offload:
@@ -95,14 +91,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         else:
             # A Parameter made from a view shares its storage: the update lands in the flat buffer.
             self.master = nn.Parameter(self.shard)
-
-    @torch.no_grad()
-    def load_parameters(self, values: Mapping[str, torch.Tensor]) -> None:
-        """flat: each parameter's value written into the flat buffer, one tensor at a time."""
-        for slot, view in zip(self.layout.slots, self.layout.views(self.flat)):
-            view.copy_(values[slot.name].reshape(slot.shape))
-        if self.offload:
-            self.master.copy_(self.shard)
 
     def all_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]

@@ -9,7 +9,6 @@ from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_byte
 from refimpl.parallel.dp.per_group import PerGroup
 from refimpl.parallel.zero.sharded_optimizer import ShardedOptimizer
 from refimpl.parallel.zero.shards import Zero1Shards, Zero2Shards, ZeroShards
-from refimpl.rank_values import RankValues
 from refimpl.strategy import Strategy, optimizer_settings
 
 MiB = 2 ** 20
@@ -22,16 +21,11 @@ class ZeroDataParallel(Strategy):
                "offload": Option(False, bool)}
     experts_over_edp = True
     on_a_pipeline = True
-    builds_own_parameters = True   # written into the flat buffer one by one
     stage: type[ZeroShards]
 
-    def setup(self, model: nn.Module, values: RankValues | None = None) -> None:
+    def setup(self, model: nn.Module) -> None:
         self.model = model
-        local = None if values is None else values.of(model)   # while the parameters are shapes
         self.groups = PerGroup(model.named_parameters(), self.shards_over)
-        for part in self.groups:
-            if local is not None:
-                part.optimizer.load_parameters(local)
         self.optimizer = self.groups.parts[0].optimizer    # the dense group's
 
     def shards_over(self, axis: str, named: list) -> ZeroShards:
@@ -39,8 +33,8 @@ class ZeroDataParallel(Strategy):
         group = self.mesh.group(axis)        # None: the axis has one rank
         cls, settings = optimizer_settings(self.ctx.cfg)
         optimizer = ShardedOptimizer(named, cls, group=group, partition="flat",
-                                     offload=bool(self.option("offload")), device=self.ctx.device,
-                                     alone=group is None, **settings)
+                                     offload=bool(self.option("offload")), alone=group is None,
+                                     **settings)
         return self.stage(optimizer, group, self.bucket_bytes())
 
     def bucket_bytes(self) -> float | None:

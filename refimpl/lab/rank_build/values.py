@@ -1,9 +1,10 @@
 """A rank's parameter values, one tensor at a time: a rank builds only its own shard.
 
     reference = build_model(cfg.model, seed, device="meta")     # shapes, no storage
-    values = RankValues(reference, seed, dtype, mesh, device)   # or state=a checkpoint's
+    values = RankValues(reference, seed, mesh, device)          # or state=a checkpoint's
     rank_model = model_parallel(reference, ctx)                 # still shapes only
     materialize(rank_model.module, values)                      # or a strategy's own shards
+                                                                # (refimpl.lab.rank_build.shard_only)
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import torch
 import torch.nn as nn
 from torch.utils import swap_tensors
 
+from refimpl.lab.checkpoint.gather import local_part
 from refimpl.model.init import init_rules, initial_value
-from refimpl.placement import local_part, placement_of, set_placement
+from refimpl.placement import placement_of, set_placement
 
 
 class PartialState(Mapping):
