@@ -44,7 +44,7 @@ class ParallelDims:
 
     def validate(self, world_size: int | None = None) -> None:
         """The grid's own constraints; the model- and batch-dependent ones live with the
-        strategies that need them (refimpl.strategy.TrainConfig.validate gathers them)."""
+        rules that need them (refimpl.lab.layout_rules, before launch)."""
         for f in fields(self):
             size = getattr(self, f.name)
             if not isinstance(size, int) or size < 1:

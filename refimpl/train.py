@@ -12,7 +12,7 @@ import torch
 
 import refimpl.comm as refimpl_comm
 from refimpl import launch
-from refimpl.compose.transforms import model_parallel, validate_model_parallel
+from refimpl.compose.transforms import model_parallel
 from refimpl.config import RunContext, TrainConfig
 from refimpl.loop_extras import extras_class
 from refimpl.mesh import LayoutError, Mesh
@@ -30,10 +30,8 @@ def validate(cfg: TrainConfig) -> Resolved:
     the layout resolved (refimpl.registry: the shorthand's axes filled, the strategy's class)."""
     layout = resolve(cfg)
     cfg = layout.cfg
-    cfg.validate()
-    validate_model_parallel(cfg, layout.strategy)
+    extras_class().validate(cfg, layout.strategy)   # the shared rules (the lab's: refimpl.loop_extras)
     layout.strategy.validate(cfg)
-    extras_class().validate(cfg, layout.strategy)
     if cfg.collectives == "refimpl" and cfg.nproc > 1 and ranks_backend(cfg) == "nccl":
         raise LayoutError("--collectives refimpl runs on gloo only (--device cpu): on NCCL its "
                           "asynchronous lane would post from a second host thread on the default "
