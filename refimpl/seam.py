@@ -85,34 +85,33 @@ class Seam:
 SEAM = Seam()
 
 
+def attached() -> Seam:
+    """The seam, with what the plug-ins attach to it (loaded on first use, in every process)."""
+    if not SEAM.loaded:
+        SEAM.load_plugins()
+    return SEAM
+
+
 class _Dist:
     def __getattr__(self, name: str):
-        if not SEAM.loaded:
-            SEAM.load_plugins()
-        return getattr(SEAM.calls, name)
+        return getattr(attached().calls, name)
 
 
 dist = _Dist()
 
 
 def phase(name: str):
-    if not SEAM.loaded:
-        SEAM.load_plugins()
-    return SEAM.phase(name)
+    return attached().phase(name)
 
 
 def span(op: str, nbytes: int | None = None, group=None, peer: int | None = None,
          tag: int | None = None):
-    if not SEAM.loaded:
-        SEAM.load_plugins()
-    return SEAM.span(op, nbytes, group, peer, tag)
+    return attached().span(op, nbytes, group, peer, tag)
 
 
 def message(direction: str, nbytes: int) -> None:
     """One message of a rebuilt collective: direction "sent" or "received"."""
-    if not SEAM.loaded:
-        SEAM.load_plugins()
-    SEAM.message(direction, nbytes)
+    attached().message(direction, nbytes)
 
 
 def use_collectives(collectives) -> None:

@@ -17,16 +17,32 @@ from refimpl.mesh import LayoutError
 from refimpl.model.moe import validate_moe
 from refimpl.parallel.pp.validate import validate_pipeline
 from refimpl.parallel.tp.attention import kv_split
+from refimpl.registry import entry_of
 
 COLLECTIVES = ("torch", "refimpl")
+AXIS_NAMES = {"tp": "tensor", "pp": "pipeline", "ep": "expert"}
 
 
 def check_run(cfg, strategy) -> None:
     """Every shared rule of `cfg` (a TrainConfig, its shorthand resolved); `strategy`: the class
     that runs it (refimpl.registry), whose traits say what it composes with."""
+    check_shorthand(cfg)
     check_values(cfg)
     check_layout(cfg)
     check_model_parallel(cfg, strategy)
+
+
+def check_shorthand(cfg) -> None:
+    """A shorthand (`tp`, `pp-1f1b`, `ep`, ..., refimpl.registry) has >= 2 ranks on its axis, and
+    runs its own schedule."""
+    entry = entry_of(cfg.strategy)
+    if entry.axis is not None and getattr(cfg, entry.axis) < 2:
+        raise LayoutError(f"--strategy {cfg.strategy} puts on {entry.axis} the ranks the other axes "
+                          f"leave, and they leave {getattr(cfg, entry.axis)} of --nproc {cfg.nproc}: "
+                          f"{AXIS_NAMES[entry.axis]} parallelism needs >= 2")
+    if entry.schedule is not None and cfg.schedule != entry.schedule:
+        raise LayoutError(f"--strategy {cfg.strategy} runs the {entry.schedule} schedule; "
+                          f"drop --schedule {cfg.schedule}")
 
 
 def check_values(cfg) -> None:
