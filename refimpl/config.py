@@ -31,10 +31,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     micro_batches: int = 1            # gradient accumulation / pipeline micro-batches
     mixed_precision: str = "fp32"     # "fp32" or "bf16" (autocast compute, fp32 master weights)
-    # The dtype of weights, gradients and optimizer states. "float64" is the equivalence tests'
-    # dtype: reordered sums then differ by ~1e-15, so a gate at 1e-9 proves the maths on any
-    # processor (refimpl.lab.verify.equivalence); "float32" is what training uses.
-    dtype: str = "float32"
+    dtype: str = "float32"            # weights, grads, optimizer states ("float64": equivalence tests)
     activation_checkpointing: bool = False
     profile: bool = False
     trace_dir: str | None = None      # where --profile writes; default profiles/cli/<strategy>-<n>
@@ -43,20 +40,13 @@ class TrainConfig:
     init_hf: str | None = None        # a Hugging Face checkpoint folder to start from (refimpl.lab.checkpoint.hf)
     init_optimizer_state: str | None = None   # AdamW's m, v, step in reference names (optim_reshard)
     return_optimizer_state: bool = False      # include them, gathered, in rank 0's result
-    # --save-state / --save-optimizer-state: the same, written by rank 0 as the ranks finish,
-    # gathered to it one tensor at a time (refimpl.lab.checkpoint.export)
-    save_state: str | None = None
+    save_state: str | None = None     # the same, written by rank 0 (refimpl.lab.checkpoint.export)
     save_optimizer_state: str | None = None
-    # Recovery (refimpl.lab.checkpoint.run_checkpoint): the whole state every K steps into the directory,
-    # and a run that finds a checkpoint there resumes from its step (it wins over init_state).
-    checkpoint_every: int = 0
+    checkpoint_every: int = 0         # save every K steps; a run resumes from the last (run_checkpoint)
     checkpoint_dir: str | None = None
     record_memory: bool = False       # measure each rank's peak inside a step (memory[r].peak)
     model: GPTConfig = field(default_factory=GPTConfig)
-    # Where an in-process run (nproc 1) computes: "auto" = a GPU if there is one. A reference for
-    # an N-rank comparison sets the ranks' device (equivalence.ranks_device), so the two never
-    # straddle CPU and GPU. Ranks themselves always compute where their backend puts them.
-    device: str = "auto"
+    device: str = "auto"              # an in-process run's (nproc 1): "auto" = a GPU if there is one
     options: dict = field(default_factory=dict)   # strategy-specific knobs, e.g. {"bucket_mb": 25}
     # The grid (refimpl.mesh): dp = nproc / (replicas x pp x cp x tp).
     tp: int = 1
