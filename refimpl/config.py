@@ -1,8 +1,8 @@
 """What a run is told: the layout and knobs (`TrainConfig`, the CLI's flags), where a rank runs
 (`RunContext`), and a strategy's own knobs (`Option`).
 
-`TrainConfig.validate` holds the constraints every strategy shares; it runs in the launching
-process, so a layout that cannot work fails with one line before any rank starts.
+The rules a configuration must keep are checked in the launching process, before any rank starts
+(refimpl.train.validate: the loop plug-in's, then each strategy's `Strategy.validate`).
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import torch
 from refimpl.mesh import LayoutError, Mesh, ParallelDims
 from refimpl.model import GPTConfig
 
-COLLECTIVES = ("torch", "refimpl")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
@@ -32,10 +31,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     micro_batches: int = 1            # gradient accumulation / pipeline micro-batches
     mixed_precision: str = "fp32"     # "fp32" or "bf16" (autocast compute, fp32 master weights)
-    # The dtype of weights, gradients and optimizer states. "float64" is the equivalence tests'
-    # dtype: reordered sums then differ by ~1e-15, so a gate at 1e-9 proves the maths on any
-    # processor (refimpl.lab.verify.equivalence); "float32" is what training uses.
-    dtype: str = "float32"
+    dtype: str = "float32"            # weights, grads, optimizer states ("float64": equivalence tests)
     activation_checkpointing: bool = False
     profile: bool = False
     trace_dir: str | None = None      # where --profile writes; default profiles/cli/<strategy>-<n>
@@ -44,20 +40,13 @@ class TrainConfig:
     init_hf: str | None = None        # a Hugging Face checkpoint folder to start from (refimpl.lab.checkpoint.hf)
     init_optimizer_state: str | None = None   # AdamW's m, v, step in reference names (optim_reshard)
     return_optimizer_state: bool = False      # include them, gathered, in rank 0's result
-    # --save-state / --save-optimizer-state: the same, written by rank 0 as the ranks finish,
-    # gathered to it one tensor at a time (refimpl.lab.checkpoint.export)
-    save_state: str | None = None
+    save_state: str | None = None     # the same, written by rank 0 (refimpl.lab.checkpoint.export)
     save_optimizer_state: str | None = None
-    # Recovery (refimpl.lab.checkpoint.run_checkpoint): the whole state every K steps into the directory,
-    # and a run that finds a checkpoint there resumes from its step (it wins over init_state).
-    checkpoint_every: int = 0
+    checkpoint_every: int = 0         # save every K steps; a run resumes from the last (run_checkpoint)
     checkpoint_dir: str | None = None
     record_memory: bool = False       # measure each rank's peak inside a step (memory[r].peak)
     model: GPTConfig = field(default_factory=GPTConfig)
-    # Where an in-process run (nproc 1) computes: "auto" = a GPU if there is one. A reference for
-    # an N-rank comparison sets the ranks' device (equivalence.ranks_device), so the two never
-    # straddle CPU and GPU. Ranks themselves always compute where their backend puts them.
-    device: str = "auto"
+    device: str = "auto"              # an in-process run's (nproc 1): "auto" = a GPU if there is one
     options: dict = field(default_factory=dict)   # strategy-specific knobs, e.g. {"bucket_mb": 25}
     # The grid (refimpl.mesh): dp = nproc / (replicas x pp x cp x tp).
     tp: int = 1
@@ -80,65 +69,6 @@ class TrainConfig:
         dp = max(self.nproc // per_replica, 1)
         return ParallelDims(dp=dp, pp=self.pp, cp=self.cp, tp=self.tp, ep=self.ep,
                             replica=self.replicas)
-
-    def validate(self) -> None:
-        """Constraints every strategy shares; each strategy adds its own in `Strategy.validate`."""
-        self._validate_values()
-        self._validate_layout()
-
-    def _validate_values(self) -> None:
-        positive = {"steps": self.steps, "nproc": self.nproc, "global-batch": self.global_batch,
-                    "micro-batches": self.micro_batches, "layers": self.model.n_layers,
-                    "d-model": self.model.d_model, "heads": self.model.n_heads,
-                    "vocab": self.model.vocab_size, "tp": self.tp, "pp": self.pp, "cp": self.cp,
-                    "ep": self.ep, "replicas": self.replicas, "virtual-stages": self.virtual_stages}
-        for flag, value in positive.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise LayoutError(f"--{flag} must be a positive integer (got {value!r})")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise LayoutError(f"--lr must be a finite number > 0 (got {self.lr!r})")
-        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise LayoutError(f"weight decay must be finite and >= 0 (got {self.weight_decay!r})")
-        if self.model.n_experts < 0:
-            raise LayoutError(f"--experts must be >= 0 (got {self.model.n_experts})")
-        if not 1 <= self.seq_len <= self.model.seq_len:
-            raise LayoutError(f"--seq-len must be in [1, {self.model.seq_len}] (got {self.seq_len})")
-        if self.mixed_precision not in ("fp32", "bf16"):
-            raise LayoutError(f"--mixed-precision must be fp32 or bf16 (got {self.mixed_precision})")
-        if self.dtype not in DTYPES:
-            raise LayoutError(f"--dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
-        if self.dtype == "float64" and self.mixed_precision != "fp32":
-            raise LayoutError("--dtype float64 computes in float64: drop --mixed-precision "
-                              f"{self.mixed_precision}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise LayoutError(f"device must be auto, cpu or cuda (got {self.device})")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise LayoutError("device cuda asked for, but torch sees no GPU on this machine")
-        if self.collectives not in COLLECTIVES:
-            raise LayoutError(f"--collectives must be one of {', '.join(COLLECTIVES)} "
-                              f"(got {self.collectives!r})")
-        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
-                or self.checkpoint_every < 0:
-            raise LayoutError(f"--checkpoint-every must be an integer >= 0 (got "
-                              f"{self.checkpoint_every!r})")
-        if self.checkpoint_every and not self.checkpoint_dir:
-            raise LayoutError("--checkpoint-every needs --checkpoint-dir (where the checkpoints go)")
-
-    def _validate_layout(self) -> None:
-        if self.global_batch % self.micro_batches:
-            raise LayoutError(f"global batch {self.global_batch} must be a positive multiple of "
-                              f"--micro-batches {self.micro_batches}")
-        per_replica = self.replicas * self.pp * self.cp * self.tp
-        if self.nproc % per_replica:
-            raise LayoutError(f"--nproc {self.nproc} must be a multiple of pp x cp x tp = "
-                              f"{per_replica}" + (f" (x {self.replicas} replicas)"
-                                                  if self.replicas > 1 else ""))
-        self.dims.validate(self.nproc)
-        dp = self.dims.dp
-        if self.global_batch % (dp * self.micro_batches):
-            raise LayoutError(f"global batch {self.global_batch} must be a multiple of {dp} data-"
-                              f"parallel rank(s) x --micro-batches {self.micro_batches} "
-                              f"(= {dp * self.micro_batches}): every rank takes equal rows")
 
 
 @dataclass

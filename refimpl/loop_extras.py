@@ -8,9 +8,9 @@ the loop's code.
 from __future__ import annotations
 
 import contextlib
-from functools import cache
-from importlib.metadata import entry_points
 from types import SimpleNamespace
+
+from refimpl.seam import plugins
 
 
 class LoopExtras:
@@ -43,9 +43,7 @@ class LoopExtras:
         """The rank's result, once the steps are done: fields to add."""
 
 
-@cache
 def extras_class() -> type[LoopExtras]:
-    """The plug-in's class where one is installed (the lab's), else the plain loop's (looked up
-    once: reading the installed packages' entry points takes milliseconds, and validate asks)."""
-    found = [plugin.load() for plugin in entry_points(group="refimpl.loop")]
+    """The plug-in's class where one is installed (the lab's), else the plain loop's."""
+    found = plugins("refimpl.loop")
     return found[0] if found else LoopExtras

@@ -18,13 +18,8 @@ class LayoutError(ValueError):
 
 AXES = ("dp", "pp", "cp", "tp")                 # grid order: outermost to innermost
 GROUP_AXES = ("dp", "pp", "cp", "tp", "dp_cp", "ep", "edp")
-# Axes whose ranks can coincide (dp_cp is dp when cp = 1 and cp when dp = 1; ep and edp are parts
-# of dp_cp) share a process group only within one family: the data-parallel sync's axes run
-# their collectives in the order one thread issues them (refimpl.comm's lane, NCCL's stream),
-# while ring attention's sends and the experts' all-to-alls run on the main thread. On one group
-# the two would interleave differently on each rank -- rebuilt from send/recv, fsdp's prefetched
-# all-gather took ring attention's K/V message (gloo: "Received data size doesn't match") -- so
-# each family gets its own group, as it would its own NCCL communicator.
+# Axes with the same ranks share a process group only within one family: each family issues its
+# collectives from its own thread, so each gets its own group (docs/core_notes_tp.md, "mesh").
 FAMILY = {"dp": "sync", "dp_cp": "sync", "edp": "sync", "cp": "cp", "ep": "ep", "pp": "pp",
           "tp": "tp", "replica": "replica"}
 
@@ -44,7 +39,7 @@ class ParallelDims:
 
     def validate(self, world_size: int | None = None) -> None:
         """The grid's own constraints; the model- and batch-dependent ones live with the
-        strategies that need them (refimpl.strategy.TrainConfig.validate gathers them)."""
+        rules that need them (refimpl.lab.layout_rules, before launch)."""
         for f in fields(self):
             size = getattr(self, f.name)
             if not isinstance(size, int) or size < 1:
@@ -157,11 +152,7 @@ class Mesh:
 
 
 # The groups made in this process, by family and member ranks, for the default group they were
-# made in. A process that trains many runs one after another (a notebook's comparison, the layout
-# matrix: 100s of runs in one launch) reuses them instead of making new ones each run: a gloo group
-# holds three threads and a socket per peer until the process ends, and destroying a run's groups
-# instead breaks DTensor, whose caches hand a later run's equal DeviceMesh the destroyed group's
-# name. Every rank runs the same runs, so every rank misses (and creates, collectively) the same.
+# made in: later runs in the same processes reuse them (docs/core_notes_tp.md, "mesh").
 _MADE: dict = {"world": None, "groups": {}}
 
 

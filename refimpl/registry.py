@@ -55,7 +55,6 @@ class Names(Mapping):
         return len(self.loaded())
 
 
-
 STRATEGIES = Names({
     "single": Entry("refimpl.parallel.dp.single:Single"),
     # the data-parallel flavours
@@ -70,7 +69,6 @@ STRATEGIES = Names({
     **{f"pp-{name}": Entry(NAIVE, axis="pp", schedule=s) for name, s in PIPELINE_SHORTHANDS.items()},
     "ep": Entry(NAIVE, axis="ep"),
 })
-AXIS_NAMES = {"tp": "tensor", "pp": "pipeline", "ep": "expert"}
 
 
 @dataclass(frozen=True)
@@ -97,16 +95,8 @@ def resolve(cfg: TrainConfig) -> Resolved:
     entry = entry_of(cfg.strategy)
     changes = {}
     if entry.axis is not None:
-        size = _whole_world(cfg, entry.axis)
-        if size < 2:
-            raise LayoutError(f"--strategy {cfg.strategy} puts on {entry.axis} the ranks the other "
-                              f"axes leave, and they leave {size} of --nproc {cfg.nproc}: "
-                              f"{AXIS_NAMES[entry.axis]} parallelism needs >= 2")
-        changes[entry.axis] = size
-    if entry.schedule is not None:
-        if cfg.schedule not in (None, entry.schedule):
-            raise LayoutError(f"--strategy {cfg.strategy} runs the {entry.schedule} schedule; "
-                              f"drop --schedule {cfg.schedule}")
+        changes[entry.axis] = _whole_world(cfg, entry.axis)
+    if entry.schedule is not None and cfg.schedule is None:   # another schedule: refused before launch
         changes["schedule"] = entry.schedule
     cfg = cfg.with_(**changes) if changes else cfg
     return Resolved(cfg, variant(cfg, strategy_class(cfg.strategy)))

@@ -24,14 +24,6 @@ def current_name(name: str) -> str:
     return new if new is not None and hasattr(torch_dist, new) else name
 
 
-class TorchCollectives:
-    """torch.distributed under current names, each looked up at call time (so a wrapper put on
-    torch.distributed's functions, the dry run's or a test's, still sees every call)."""
-
-    def __getattr__(self, name: str):
-        return getattr(torch_dist, current_name(name))
-
-
 _NOTHING = nullcontext()
 
 
@@ -51,7 +43,9 @@ def no_message(direction: str, nbytes: int) -> None:
 
 
 def lookup(collectives, name: str):
-    """`name` from `collectives`; what they do not define (get_rank, ReduceOp, ...) from torch's."""
+    """`name` from `collectives`; what they do not define (get_rank, ReduceOp, ...), and every name
+    when they are None, from torch.distributed's, looked up at call time (so a wrapper put on
+    torch.distributed's functions, the dry run's or a test's, still sees every call)."""
     found = getattr(collectives, name, None)
     return found if found is not None else getattr(torch_dist, current_name(name))
 
@@ -68,7 +62,7 @@ class Current:
 
 class Seam:
     def __init__(self):
-        self.collectives = TorchCollectives()   # or refimpl.comm (use_collectives)
+        self.collectives = None   # torch.distributed's own, or refimpl.comm (use_collectives)
         self.calls = Current(self)               # what dist.<name> resolves on
         self.phase = plain_phase
         self.span = no_span
@@ -85,40 +79,39 @@ class Seam:
 SEAM = Seam()
 
 
+def attached() -> Seam:
+    """The seam, with what the plug-ins attach to it (loaded on first use, in every process)."""
+    if not SEAM.loaded:
+        SEAM.load_plugins()
+    return SEAM
+
+
 class _Dist:
     def __getattr__(self, name: str):
-        if not SEAM.loaded:
-            SEAM.load_plugins()
-        return getattr(SEAM.calls, name)
+        return getattr(attached().calls, name)
 
 
 dist = _Dist()
 
 
 def phase(name: str):
-    if not SEAM.loaded:
-        SEAM.load_plugins()
-    return SEAM.phase(name)
+    return attached().phase(name)
 
 
 def span(op: str, nbytes: int | None = None, group=None, peer: int | None = None,
          tag: int | None = None):
-    if not SEAM.loaded:
-        SEAM.load_plugins()
-    return SEAM.span(op, nbytes, group, peer, tag)
+    return attached().span(op, nbytes, group, peer, tag)
 
 
 def message(direction: str, nbytes: int) -> None:
     """One message of a rebuilt collective: direction "sent" or "received"."""
-    if not SEAM.loaded:
-        SEAM.load_plugins()
-    SEAM.message(direction, nbytes)
+    attached().message(direction, nbytes)
 
 
 def use_collectives(collectives) -> None:
     """Run this process's mechanisms on `collectives` (torch.distributed's names and signatures):
     refimpl.comm for `--collectives refimpl`, None for torch.distributed's own."""
-    SEAM.collectives = TorchCollectives() if collectives is None else collectives
+    SEAM.collectives = collectives
 
 
 @cache

@@ -11,7 +11,7 @@ import torch
 
 import refimpl.comm as refimpl_comm
 from refimpl import launch
-from refimpl.compose.transforms import model_parallel, validate_model_parallel
+from refimpl.compose.transforms import model_parallel
 from refimpl.config import RunContext, TrainConfig
 from refimpl.launch_tools import tools
 from refimpl.loop_extras import extras_class
@@ -28,10 +28,8 @@ def validate(cfg: TrainConfig) -> Resolved:
     the layout resolved (refimpl.registry: the shorthand's axes filled, the strategy's class)."""
     layout = resolve(cfg)
     cfg = layout.cfg
-    cfg.validate()
-    validate_model_parallel(cfg, layout.strategy)
+    extras_class().validate(cfg, layout.strategy)   # the shared rules (the lab's: refimpl.loop_extras)
     layout.strategy.validate(cfg)
-    extras_class().validate(cfg, layout.strategy)
     return layout
 
 

@@ -17,6 +17,7 @@ from collections import Counter
 import pytest
 
 from refimpl.lab.cli import build_parser, config_from_args
+from refimpl.lab.layout_rules import check_shorthand
 from refimpl.lab.verify import layout_matrix as lm
 from refimpl.lab.verify.matrix_run import counts, run_layouts
 from refimpl.lab.verify.resume_matrix import resume_pairs, run_resumed
@@ -91,9 +92,10 @@ def test_a_shorthand_gets_the_verdict_of_its_layout_spelled_out():
         short = layout.config().with_(strategy=name, schedule=STRATEGIES[name].schedule
                                       or layout.config().schedule)
         try:
-            spelled = resolve(short).cfg.with_(strategy="dp-naive")
+            check_shorthand(resolve(short).cfg)
         except LayoutError:
             continue                        # the axes leave the shorthand's own < 2 ranks
+        spelled = resolve(short).cfg.with_(strategy="dp-naive")
         assert resolve(spelled).strategy is resolve(short).strategy
         assert _verdict(short) == _verdict(spelled), (name, layout.name())
         checked[name] += 1

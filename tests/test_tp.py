@@ -8,10 +8,10 @@ import torch
 import torch.nn as nn
 
 from refimpl.lab.instrument.labels import CommLog
+from refimpl.lab.layout_rules import tp_layout_problem
 from refimpl.memory import activation_bytes_per_layer, block_activation_bytes, tp_block_activation_bytes
 from refimpl.model import GPTConfig
 from refimpl.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
-from refimpl.parallel.tp.parallelize import tp_layout_problem
 from refimpl.placement import Shard
 from tests.tp_runs import BLOCK_CFG, B, S, checks_on
 

@@ -53,10 +53,3 @@ def apply_context_parallel_over_tp(model: nn.Module, cp_group, rank: int, cp: in
         block.attn = kind(block.attn, ring)
     return model
 
-
-def tp_cp_layout_problem(seq_len: int, tp: int, cp: int, sequence_parallel: bool) -> str | None:
-    """One line naming what a tp x cp layout breaks, or None."""
-    if cp > 1 and sequence_parallel and (seq_len // cp) % tp:
-        return (f"--sequence-parallel with --cp {cp} needs the s/cp = {seq_len // cp} tokens a cp "
-                f"rank holds divisible by --tp {tp} (the tp ranks split them)")
-    return None

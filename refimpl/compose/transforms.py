@@ -5,44 +5,18 @@ import functools
 
 import torch.nn as nn
 
-from refimpl.compose.tp_cp import apply_context_parallel_over_tp, tp_cp_layout_problem
-from refimpl.mesh import LayoutError
+from refimpl.compose.tp_cp import apply_context_parallel_over_tp
 from refimpl.model import lm_loss
 from refimpl.model.activation_checkpointing import checkpoint_blocks
-from refimpl.model.moe import moe_layers, validate_moe
+from refimpl.model.moe import moe_layers
 from refimpl.parallel.cp.parallelize import apply_context_parallel, shard_batch
 from refimpl.parallel.cp.ring import chunk_ids
 from refimpl.parallel.ep.counts import ChunkedSequences
 from refimpl.parallel.ep.dispatch import parallelize_experts, share_routing_counts
 from refimpl.parallel.pp.runner import pipeline_forward_backward
 from refimpl.parallel.pp.stage import split_for_pipeline
-from refimpl.parallel.pp.validate import validate_pipeline
-from refimpl.parallel.tp.parallelize import parallelize_tp, tp_layout_problem, tp_loss_for
+from refimpl.parallel.tp.parallelize import parallelize_tp, tp_loss_for
 from refimpl.rank_model import Pipeline, RankModel
-
-
-def validate_model_parallel(cfg, strategy) -> None:
-    """The model-parallel constraints of a layout, checked before launch (one line each).
-    `strategy`: the class that runs it (refimpl.registry), whose traits say what it composes with."""
-    if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):
-        raise LayoutError(f"--seq-len {cfg.seq_len} must be divisible by 2 x cp = {2 * cfg.cp}: "
-                          "ring attention cuts each sequence into 2·cp equal chunks")
-    validate_moe(cfg.model, cfg.dims.ep)
-    if cfg.dims.ep > 1 and not strategy.experts_over_edp:
-        # a strategy that sums every gradient over dp x cp: expert 0's into expert 2's weights
-        raise LayoutError(f"--ep {cfg.dims.ep}: strategy {cfg.strategy!r} would sum different "
-                          "experts' gradients over dp x cp (use ep, dp-naive, dp, zero1/2/3 or fsdp)")
-    if cfg.sequence_parallel and cfg.tp == 1:
-        raise LayoutError("--sequence-parallel needs --tp > 1 (it splits what tensor parallelism "
-                          "leaves replicated)")
-    if cfg.tp > 1:
-        # under cp a rank holds s/cp tokens: those are what sequence parallelism splits over tp
-        problem = (tp_layout_problem(cfg.model, cfg.tp, cfg.seq_len,
-                                     cfg.sequence_parallel and cfg.cp == 1)
-                   or tp_cp_layout_problem(cfg.seq_len, cfg.tp, cfg.cp, cfg.sequence_parallel))
-        if problem:
-            raise LayoutError(problem)
-    validate_pipeline(cfg, strategy)
 
 
 def model_parallel(model: nn.Module, ctx) -> RankModel:

@@ -24,6 +24,7 @@ from refimpl.lab.checkpoint.optim_reshard import (
 )
 from refimpl.lab.checkpoint.shard_boxes import BoxedParts
 from refimpl.lab.instrument.activations import ActivationTracker, activation_exclusions
+from refimpl.lab.layout_rules import check_run
 from refimpl.lab.measure.moe_traffic import meter_experts, moe_step_record
 from refimpl.lab.moe_scope import batch_scope_problem
 from refimpl.lab.rank_build.shard_only import place_shards
@@ -53,6 +54,7 @@ class LabExtras(LoopExtras):
 
     @staticmethod
     def validate(cfg, strategy_class) -> None:
+        check_run(cfg, strategy_class)     # the rules every run keeps, before the lab's own
         if cfg.init_optimizer_state or cfg.return_optimizer_state or cfg.save_optimizer_state:
             validate_optimizer_state(cfg)
         if cfg.checkpoint_dir:

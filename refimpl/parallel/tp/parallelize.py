@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from refimpl.model.moe import MoEMLP
-from refimpl.parallel.tp.attention import kv_split, parallel_attention
+from refimpl.parallel.tp.attention import parallel_attention
 from refimpl.parallel.tp.blocks import parallel_feed_forward
 from refimpl.parallel.tp.experts import parallelize_moe
 from refimpl.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
@@ -19,31 +19,9 @@ from refimpl.parallel.tp.mappings import all_reduce, group_size
 from refimpl.parallel.tp.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
-def tp_layout_problem(cfg, tp: int, seq_len: int | None = None,
-                      sequence_parallel: bool = False) -> str | None:
-    """One line naming the constraint a model config breaks for this tp, or None if it fits."""
-    if cfg.n_heads % tp:
-        return f"--tp {tp} must divide the number of attention heads ({cfg.n_heads})"
-    width = cfg.swiglu_hidden if cfg.arch == "llama" else cfg.mlp_ratio * cfg.d_model
-    if width % tp:
-        return f"--tp {tp} must divide the MLP width ({width})"
-    if cfg.arch == "llama":
-        try:
-            kv_split(cfg.kv_heads, tp)
-        except ValueError as e:
-            return str(e)
-    if sequence_parallel and seq_len is not None and seq_len % tp:
-        return f"--sequence-parallel needs --seq-len ({seq_len}) divisible by --tp {tp}"
-    return None
-
-
 def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False) -> nn.Module:
     """Replace the reference GPT's layers by this rank's tensor-parallel ones (in place)."""
-    t = group_size(group)
-    problem = tp_layout_problem(model.cfg, t)
-    if problem:
-        raise ValueError(problem)
-    sp = sequence_parallel and t > 1
+    sp = sequence_parallel and group_size(group) > 1
     model.embed = VocabParallelEmbedding.from_embedding(model.embed, group, sp)
     for i, block in enumerate(model.blocks):
         block.attn = parallel_attention(block.attn, group, sp, label=f"tp:blocks.{i}.attn")
