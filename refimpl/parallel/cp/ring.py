@@ -93,7 +93,7 @@ class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the whole ring's keys; [b, h, 2c, d] tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, balanced, stats):
+    def forward(ctx, q, k, v, group, balanced):
         g, cp, rank = _place(group)
         scale = 1.0 / math.sqrt(q.shape[-1])
         mine = chunk_ids(rank, cp, balanced)
@@ -110,8 +110,6 @@ class RingAttention(torch.autograd.Function):
                 block_lse = torch.logsumexp(s, dim=-1)
                 block_out = (s - block_lse.unsqueeze(-1)).exp() @ vs[b]
                 out[a], lse[a] = _merge(out[a], lse[a], block_out.to(acc), block_lse.to(acc))
-            if stats is not None:
-                stats["score_blocks"] = stats.get("score_blocks", 0) + len(blocks_to_compute(mine, theirs))
             if step < cp - 1:
                 pending.wait()
                 kv = incoming
@@ -155,15 +153,15 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 pending.wait()
                 kv = incoming
-        return dq.to(q.dtype), dkv[0].to(q.dtype), dkv[1].to(q.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(q.dtype), dkv[1].to(q.dtype), None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int, group=None, *,
-                   balanced: bool = True, stats: dict | None = None) -> torch.Tensor:
+                   balanced: bool = True) -> torch.Tensor:
     """Drop-in for refimpl.model.attention on this rank's slice of the sequence."""
     b, s, width = q.shape
     hd = width // n_heads
     q, k, v = (t.view(b, s, n_heads, hd).transpose(1, 2) for t in (q, k, v))
-    out = RingAttention.apply(q, k, v, group, balanced, stats)
+    out = RingAttention.apply(q, k, v, group, balanced)
     return out.transpose(1, 2).reshape(b, s, width)
 
