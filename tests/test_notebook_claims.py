@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refimpl.cost.hardware import get_hardware
+from refimpl.lab.predict.hardware import get_hardware
 from refimpl.lab.measure.pp_replay import bubble_sweep, over_ideal, replay
 from refimpl.lab.plan import composition
 from refimpl.lab.predict import cp_comm, tp_comm

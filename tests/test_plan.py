@@ -7,7 +7,7 @@ best few, and predict a throughput near the one they measured.
 """
 import pytest
 
-from refimpl.cost.hardware import GPUS
+from refimpl.lab.predict.hardware import GPUS
 from refimpl.lab.measure.this_machine import cpu_preset
 from refimpl.lab.plan import Layout, best_per_grid, megatron_runs, plan
 from refimpl.lab.plan.cli import plan_main

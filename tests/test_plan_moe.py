@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from refimpl.cost.hardware import GPUS
+from refimpl.lab.predict.hardware import GPUS
 from refimpl.lab.plan import MODELS, Layout, plan
 from refimpl.lab.plan.cli import plan_main
 from refimpl.lab.plan.cpu_calibration import shape_of

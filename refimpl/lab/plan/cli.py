@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from refimpl.cost.hardware import GPUS
+from refimpl.lab.predict.hardware import GPUS
 from refimpl.lab.plan.search import RECOMPUTE, plan
 from refimpl.lab.predict.presets import MODELS, get_model
 

@@ -21,7 +21,7 @@ import pandas as pd
 
 from refimpl.config import TrainConfig
 from refimpl.cost.alpha_beta import ring_seconds
-from refimpl.cost.hardware import Hardware
+from refimpl.lab.predict.hardware import Hardware
 from refimpl.lab.env import cpu_cores
 from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.plan.cpu_calibration import (  # noqa: F401  (re-exported: the notebook, the bench)
