@@ -81,16 +81,9 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
     check_op(op)
 
     def body(g: GroupView):
-        n, r = g.size, g.rank
-        right, left = (r + 1) % n, (r - 1) % n
-        buffers = (torch.empty_like(output), torch.empty_like(output))
-        acc = input_list[(r - 1) % n]  # step 0 forwards our own contribution to chunk r-1
-        for s in range(n - 1):
-            incoming = buffers[s % 2]
-            exchange(g, sends=[(acc, right)], recvs=[(incoming, left)])
-            acc = reduce_into(incoming, input_list[(r - s - 2) % n], op)
-        output.copy_(acc)
-        finish(output, op, n)
+        chunks = [t.reshape(-1).clone() for t in input_list]   # private copies: the ring reduces in place
+        reduce_scatter_ring(chunks, op, g)
+        output.copy_(finish(chunks[g.rank], op, g.size).view_as(output))
 
     return issue("reduce_scatter", group, async_op, body, nbytes(output) * len(input_list))
 
