@@ -24,13 +24,6 @@ def shard_sequence(x: torch.Tensor, rank: int, cp: int, *, balanced: bool = True
     return torch.cat([chunks[i] for i in chunk_ids(rank, cp, balanced)], dim=dim)
 
 
-def positions(rank: int, cp: int, seq_len: int, *, balanced: bool = True,
-              device=None) -> torch.Tensor:
-    """Global token positions of this rank's slice (for position embeddings), on `device`."""
-    return shard_sequence(torch.arange(seq_len, device=device).unsqueeze(0), rank, cp,
-                          balanced=balanced)[0]
-
-
 @dataclass(frozen=True)
 class RingPlace:
     """A cp rank's place on the ring: its group, its index, the ring's size, the chunk order."""
@@ -41,7 +34,8 @@ class RingPlace:
 
     def positions(self, length: int, device=None) -> torch.Tensor:
         """The global positions of this rank's `length` tokens (its chunks of cp·length)."""
-        return positions(self.rank, self.cp, length * self.cp, balanced=self.balanced, device=device)
+        everyone = torch.arange(length * self.cp, device=device).unsqueeze(0)
+        return shard_sequence(everyone, self.rank, self.cp, balanced=self.balanced)[0]
 
 
 def blocks_to_compute(mine: tuple[int, int], theirs: tuple[int, int]):
