@@ -18,9 +18,9 @@ moe_cpu.py   the expert layouts' model-state bytes, predicted beside the loop's 
 The GPU presets it predicts with are refimpl.lab.predict.hardware's (the datasheet numbers, re-exported
 here); this machine as a preset is measured by refimpl.lab.measure.this_machine.
 """
-from refimpl.lab.predict.hardware import GPUS, Hardware, get_hardware  # noqa: F401
 from refimpl.lab.measure.this_machine import cpu_preset  # noqa: F401
 from refimpl.lab.plan.predict import Layout, predict  # noqa: F401
 from refimpl.lab.plan.published import compare_with_megatron  # noqa: F401
 from refimpl.lab.plan.search import best_per_grid, enumerate_layouts, plan  # noqa: F401
+from refimpl.lab.predict.hardware import GPUS, Hardware, get_hardware  # noqa: F401
 from refimpl.lab.predict.presets import MODELS, ModelShape, megatron_runs  # noqa: F401

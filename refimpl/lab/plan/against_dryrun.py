@@ -15,8 +15,8 @@ from __future__ import annotations
 import pandas as pd
 
 from refimpl.config import TrainConfig
-from refimpl.lab.predict.hardware import MEMORY_HEADROOM, get_hardware
 from refimpl.lab.plan.predict import Layout, predict_memory
+from refimpl.lab.predict.hardware import MEMORY_HEADROOM, get_hardware
 from refimpl.lab.predict.presets import get_model
 from refimpl.lab.verify.dryrun import default_batch, dry_run, preset_config
 
