@@ -5,7 +5,7 @@
     .venv/bin/python scripts/bench_mfu.py --device cpu          # the tiny Llama-shaped test model
 
 Prints per mode (eager, each block compiled): step time, tokens/s, model TFLOP/s, MFU against the
-device's datasheet peak (refimpl.cost.hardware; "n/a" on a CPU or a GPU the table lacks), peak
+device's datasheet peak (refimpl.lab.predict.hardware; "n/a" on a CPU or a GPU the table lacks), peak
 memory, and torchtitan's published MFU beside it. On a CPU the model is the small one the tests
 train (a 1B model would take minutes a step) and compiling is off unless --compile asks for it
 (inductor's CPU code generation alone takes ~30 s). A benchmark, not a test: it asserts nothing.

@@ -4,7 +4,7 @@
 
 Prints, as one JSON object:
   * the bf16 GEMM rate of large square matmuls, and its fraction of the preset's datasheet peak
-    (the planner assumes refimpl.cost.hardware.GEMM_FRACTION);
+    (the planner assumes refimpl.lab.predict.hardware.GEMM_FRACTION);
   * the HBM copy bandwidth (read + write bytes / s) against the preset's datasheet number;
   * ring attention on one rank (cp = 1, no communication) on this device, forward and gradients,
     against refimpl.model.attention: the relative errors in fp32.
@@ -63,7 +63,7 @@ def ring_attention_errors(device) -> dict:
 
 
 def main() -> None:
-    from refimpl.cost.hardware import GPUS
+    from refimpl.lab.predict.hardware import GPUS
 
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="h200", choices=sorted(GPUS))

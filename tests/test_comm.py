@@ -46,6 +46,25 @@ def _async_checks(rank: int, world_size: int) -> dict:
     return out
 
 
+def _plain_ring(rank: int, world_size: int) -> dict:
+    """The core's own reduce-scatter steps, called directly: the lab installs segmented ones in
+    their place (refimpl.lab.runtime.ring_segments), which every other check here runs."""
+    import torch.distributed as dist
+
+    from refimpl.comm.p2p import GroupView
+    from refimpl.comm.ring import ring_reduce_scatter_
+    from refimpl.lab.runtime.ring_segments import segmented_reduce_scatter_
+    from refimpl.seam import plugins
+
+    x = torch.arange(1001.0) * (rank + 1)     # 1001 values: uneven chunks on 2, 3 and 4 ranks
+    want = x.clone()
+    dist.all_reduce(want)
+    chunks = list(x.tensor_split(world_size))
+    ring_reduce_scatter_(chunks, dist.ReduceOp.SUM, GroupView.of(None))
+    return {"equal": torch.equal(chunks[rank], want.tensor_split(world_size)[rank]),
+            "installed": plugins("refimpl.ring_reduce_scatter") == (segmented_reduce_scatter_,)}
+
+
 def _all_checks(rank: int, world_size: int) -> dict:
     from refimpl.lab.measure import primitives
     from refimpl.lab.measure.traffic import all_reduce_messages, measure_sent
@@ -55,7 +74,8 @@ def _all_checks(rank: int, world_size: int) -> dict:
            "messages": all_reduce_messages(rank, world_size, 1200),
            "sent": measure_sent(rank, world_size, 1200),
            "sent_uneven": measure_sent(rank, world_size, 1001),
-           "async": _async_checks(rank, world_size)}
+           "async": _async_checks(rank, world_size),
+           "plain_ring": _plain_ring(rank, world_size)}
     if world_size == 4:
         out["primitives"] = {impl: primitives.run_primitives(rank, world_size, impl)
                              for impl in ("torch", "refimpl")}
@@ -119,6 +139,12 @@ def test_halving_doubling_sends_log2_p_messages_and_the_rings_bytes(results):
             assert butterfly == (ring[0], 2 * (n.bit_length() - 1))
     if n == 3:
         assert [res["messages"]["halving-doubling"][0] for res in per_rank] == [m, m + m // 2 + m // 2, m]
+
+
+def test_the_cores_plain_ring_reduce_scatter_equals_torch(results):
+    n, per_rank = results
+    assert all(res["plain_ring"]["installed"] for res in per_rank)   # the others ran the lab's
+    assert all(res["plain_ring"]["equal"] for res in per_rank), n
 
 
 def test_async_handle(results):

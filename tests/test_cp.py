@@ -8,7 +8,7 @@ refimpl.model.attention on the whole sequence.
 import pytest
 import torch
 
-from refimpl.lab.measure.cp_measure import score_blocks_per_rank, unshard_sequence
+from refimpl.lab.measure.cp_measure import counted_ring_attention, score_blocks_per_rank, unshard_sequence
 from refimpl.lab.measure.moe_collectives import ring_hops
 from refimpl.launch import run
 from refimpl.model import attention
@@ -30,18 +30,16 @@ def _ring_rank(rank: int, world: int, balanced: bool) -> dict:
     import torch.distributed as dist
 
     from refimpl.lab.instrument.labels import CommLog
-    from refimpl.parallel.cp.ring import ring_attention
 
     group = dist.new_group(list(range(world)))
     q, k, v, grad = (shard_sequence(t, rank, world, balanced=balanced) for t in _full_inputs())
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    stats = {}
     with CommLog() as forward:
-        out = ring_attention(q, k, v, HEADS, group, balanced=balanced, stats=stats)
+        out, blocks = counted_ring_attention(q, k, v, HEADS, group, balanced=balanced)
     with CommLog() as backward:
         out.backward(grad)
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
-            "score_blocks": stats["score_blocks"],
+            "score_blocks": blocks,
             "messages": {"forward": forward.messages["cp"], "backward": backward.messages["cp"]}}
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from refimpl.config import TrainConfig
-from refimpl.cost.hardware import MEMORY_HEADROOM
+from refimpl.lab.predict.hardware import MEMORY_HEADROOM
 from refimpl.lab.verify.dryrun import default_batch, dry_run, preset_config
 from refimpl.lab.verify.on_meta import values_not_drawn
 from refimpl.mesh import LayoutError

@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refimpl.cost.hardware import get_hardware
 from refimpl.lab.measure.pp_replay import bubble_sweep, over_ideal, replay
 from refimpl.lab.plan import composition
 from refimpl.lab.predict import cp_comm, tp_comm
 from refimpl.lab.predict.capacity_rules import displaced_first_choices, global_keep, per_group_keep
+from refimpl.lab.predict.hardware import get_hardware
 from refimpl.lab.predict.presets import get_model
 from refimpl.model import GPTConfig
 

@@ -7,13 +7,13 @@ best few, and predict a throughput near the one they measured.
 """
 import pytest
 
-from refimpl.cost.hardware import GPUS
 from refimpl.lab.measure.this_machine import cpu_preset
 from refimpl.lab.plan import Layout, best_per_grid, megatron_runs, plan
 from refimpl.lab.plan.cli import plan_main
 from refimpl.lab.plan.cpu import cpu_layouts, train_config
 from refimpl.lab.plan.predict import predict, predict_memory
 from refimpl.lab.plan.published import TECHNIQUES_2021, compare_with_megatron, published_grid_ranks
+from refimpl.lab.predict.hardware import GPUS
 from refimpl.lab.predict.presets import MODELS, ModelShape, megatron_flops
 from refimpl.model import GPTConfig
 

@@ -4,12 +4,12 @@ from dataclasses import replace
 
 import pytest
 
-from refimpl.cost.hardware import GPUS
 from refimpl.lab.plan import MODELS, Layout, plan
 from refimpl.lab.plan.cli import plan_main
 from refimpl.lab.plan.cpu_calibration import shape_of
 from refimpl.lab.plan.moe_cpu import MOE_MODEL, moe_states_table
 from refimpl.lab.plan.predict import predict, predict_memory
+from refimpl.lab.predict.hardware import GPUS
 from refimpl.lab.predict.moe_arithmetic import mixtral_8x7b
 from refimpl.model import build_model
 

@@ -9,9 +9,10 @@ import torch
 from torch.distributed import ReduceOp
 
 from refimpl.comm.halving_doubling import halving_doubling_all_reduce_
-from refimpl.comm.p2p import GroupView, exchange, nbytes, post
+from refimpl.comm.p2p import GroupView, exchange, nbytes
 from refimpl.comm.reduce_ops import check_op, finish, reduce_into
 from refimpl.comm.work import issue
+from refimpl.seam import plugins
 
 
 @contextmanager
@@ -25,48 +26,23 @@ def _flat(tensor: torch.Tensor):
         tensor.copy_(tmp)
 
 
-# A reduce-scatter step's incoming partial sums arrive in segments of at most SEGMENT_BYTES, into
-# two buffers that take turns (segment j is added while j+1 arrives), kept from call to call as
-# NCCL keeps its channels' buffers (docs/core_notes.md, refimpl.comm.ring: why 4 MiB, why kept).
-SEGMENT_BYTES = 4 << 20
-_SEGMENT_BUFFERS: dict = {}
-
-
-def segment_buffers(numel: int, dtype, device) -> list[torch.Tensor]:
-    """The two segment buffers for (dtype, device), grown to `numel` elements when needed."""
-    kept = _SEGMENT_BUFFERS.get((dtype, device))
-    if kept is None or kept[0].numel() < numel:
-        kept = _SEGMENT_BUFFERS[(dtype, device)] = [torch.empty(numel, dtype=dtype, device=device)
-                                                     for _ in range(2)]
-    return kept
-
-
 def ring_reduce_scatter_(chunks: list[torch.Tensor], op, g: GroupView) -> None:
     """In place on `chunks` (one per rank): afterwards chunks[g.rank] is the reduction of all."""
     n, r = g.size, g.rank
     right, left = (r + 1) % n, (r - 1) % n
-    largest = max(c.numel() for c in chunks)
-    n_segments = max(1, -(-largest * chunks[0].element_size() // SEGMENT_BYTES))
-    segment = -(-largest // n_segments)
-    buffers = segment_buffers(segment, chunks[0].dtype, chunks[0].device)
+    scratch = torch.empty(max(c.numel() for c in chunks), dtype=chunks[0].dtype, device=chunks[0].device)
     for s in range(n - 1):
-        outgoing = chunks[(r - s - 1) % n].reshape(-1).tensor_split(n_segments)
-        mine = chunks[(r - s - 2) % n].reshape(-1).tensor_split(n_segments)
-        incoming = [buffers[j % 2][:mine[j].numel()] for j in range(n_segments)]
+        mine = chunks[(r - s - 2) % n]
+        incoming = scratch[:mine.numel()].view_as(mine)
+        exchange(g, sends=[(chunks[(r - s - 1) % n], right)], recvs=[(incoming, left)])
+        reduce_into(mine, incoming, op)
 
-        def segment_pair(j: int):
-            # Segment j's send and receive as one group. Under NCCL's order (a rank's operations
-            # run in posting order; a send completes only once its receive has started) sends
-            # posted before the receives would hang every ring: each rank's first send waits for
-            # a receive its neighbour posted behind its own sends (refimpl.lab.runtime.staged_stream).
-            return post(g, sends=[(outgoing[j], right)], recvs=[(incoming[j], left)])
 
-        arriving = segment_pair(0)
-        for j in range(n_segments):
-            following = segment_pair(j + 1) if j + 1 < n_segments else None
-            arriving.wait()
-            reduce_into(mine[j], incoming[j], op)
-            arriving = following
+def reduce_scatter_ring(chunks: list[torch.Tensor], op, g: GroupView) -> None:
+    """`ring_reduce_scatter_`, or the same steps the lab installs in its place (in segments through
+    buffers kept from call to call, a speed-up on gloo: refimpl.lab.runtime.ring_segments)."""
+    installed = plugins("refimpl.ring_reduce_scatter")
+    (installed[0] if installed else ring_reduce_scatter_)(chunks, op, g)
 
 
 def ring_all_gather_(chunks: list[torch.Tensor], g: GroupView) -> None:
@@ -93,7 +69,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, algorithm="r
                 halving_doubling_all_reduce_(flat, op, g)
                 return
             chunks = list(flat.tensor_split(g.size))
-            ring_reduce_scatter_(chunks, op, g)
+            reduce_scatter_ring(chunks, op, g)
             finish(chunks[g.rank], op, g.size)  # AVG: divide the one chunk we own, before sharing
             ring_all_gather_(chunks, g)
 
@@ -105,16 +81,9 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
     check_op(op)
 
     def body(g: GroupView):
-        n, r = g.size, g.rank
-        right, left = (r + 1) % n, (r - 1) % n
-        buffers = (torch.empty_like(output), torch.empty_like(output))
-        acc = input_list[(r - 1) % n]  # step 0 forwards our own contribution to chunk r-1
-        for s in range(n - 1):
-            incoming = buffers[s % 2]
-            exchange(g, sends=[(acc, right)], recvs=[(incoming, left)])
-            acc = reduce_into(incoming, input_list[(r - s - 2) % n], op)
-        output.copy_(acc)
-        finish(output, op, n)
+        chunks = [t.reshape(-1).clone() for t in input_list]   # private copies: the ring reduces in place
+        reduce_scatter_ring(chunks, op, g)
+        output.copy_(finish(chunks[g.rank], op, g.size).view_as(output))
 
     return issue("reduce_scatter", group, async_op, body, nbytes(output) * len(input_list))
 
@@ -126,7 +95,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     def body(g: GroupView):
         with _flat(input.clone()) as flat:  # a private copy: the ring reduces in place
             chunks = list(flat.chunk(g.size))
-            ring_reduce_scatter_(chunks, op, g)
+            reduce_scatter_ring(chunks, op, g)
             output.copy_(finish(chunks[g.rank], op, g.size).view_as(output))
 
     return issue("reduce_scatter", group, async_op, body, nbytes(input))

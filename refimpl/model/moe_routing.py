@@ -61,8 +61,3 @@ class MoEStats:
     @property
     def dropped(self) -> int:
         return int((self.routed - self.kept).sum())
-
-    @property
-    def imbalance(self) -> float:
-        """max / mean of the routed load: 1.0 is perfect balance, E means one expert takes all."""
-        return float(self.routed.max() / self.routed.float().mean())

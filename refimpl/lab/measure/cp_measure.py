@@ -1,6 +1,6 @@
 """Ring attention measured on real cp ranks (notebook 09 §3): the score blocks each rank computed,
-counted by the ring itself, and the bytes autograd saved for backward on each rank, beside full
-causal attention on one process (refimpl.model.attention) with the whole sequence.
+measured as the matmul FLOPs of its forward, and the bytes autograd saved for backward on each
+rank, beside full causal attention on one process (refimpl.model.attention) with the whole sequence.
 
 What a rank saves: its own slice of q, k, v and of the output (s/cp tokens each) plus the
 log-sum-exp per query; it never holds the s x s scores (a block's scores live only while the block
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
 
 from refimpl.lab.instrument.activations import ActivationTracker
 from refimpl.launch import device_for
@@ -34,6 +35,21 @@ def score_blocks_per_rank(cp: int, balanced: bool = True) -> list[int]:
                 for src in range(cp)) for r in range(cp)]
 
 
+def counted_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int, group,
+                           *, balanced: bool = True) -> tuple[torch.Tensor, int]:
+    """ring_attention's output and the score blocks this rank computed in its forward, measured:
+    the forward's matmul FLOPs over one block's, Q·Kᵀ and P·V on chunk x chunk, 2 · 2·b·h·c²·d."""
+    with FlopCounterMode(display=False) as counter:
+        out = ring_attention(q, k, v, n_heads, group, balanced=balanced)
+    b, s, width = q.shape
+    c, d = s // 2, width // n_heads                 # this rank's two chunks, the head width
+    per_block = 2 * 2 * b * n_heads * c * c * d
+    blocks, rest = divmod(counter.get_total_flops(), per_block)
+    if rest:
+        raise AssertionError(f"{counter.get_total_flops()} FLOPs is not a whole number of score blocks")
+    return out, blocks
+
+
 def _inputs(batch: int, seq: int, width: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(batch, seq, width, generator=g) for _ in range(3)]
@@ -49,11 +65,11 @@ def ring_rank(rank: int, world: int, *, batch: int = 1, seq: int = 64, heads: in
     for balanced in (True, False):
         q, k, v = (shard_sequence(t, rank, world, balanced=balanced).to(device).requires_grad_()
                    for t in _inputs(batch, seq, heads * head_dim, seed))
-        stats: dict = {}
         with ActivationTracker() as saved:
-            ring_attention(q, k, v, heads, group, balanced=balanced, stats=stats).sum().backward()
+            attended, blocks = counted_ring_attention(q, k, v, heads, group, balanced=balanced)
+            attended.sum().backward()
         out.append({"rank": rank, "layout": "head-tail" if balanced else "contiguous",
-                    "score_blocks": stats["score_blocks"], "saved_bytes": saved.peak})
+                    "score_blocks": blocks, "saved_bytes": saved.peak})
     return out
 
 

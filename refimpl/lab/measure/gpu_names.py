@@ -1,11 +1,11 @@
-"""The dense bf16 peak of the GPU CUDA names, for MFU: the presets of refimpl.cost.hardware plus
+"""The dense bf16 peak of the GPU CUDA names, for MFU: the presets of refimpl.lab.predict.hardware plus
 the boards that have none (PCIe and NVL cards: the same die at lower power and clock).
 
 The datasheets quote bf16 "with sparsity"; dense is half of it: H100 NVL and H200 NVL 1,671
 TFLOPS*, H100 PCIe 1,513 TFLOPS* (NVIDIA's H100 and H200 datasheets)."""
 from __future__ import annotations
 
-from refimpl.cost.hardware import GPUS
+from refimpl.lab.predict.hardware import GPUS
 
 DENSE_BF16_PEAKS = {"h100-nvl": 1671e12 / 2, "h200-nvl": 1671e12 / 2, "h100-pcie": 1513e12 / 2}
 

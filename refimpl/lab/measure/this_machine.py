@@ -13,9 +13,9 @@ import time
 import torch
 
 from refimpl.cost.alpha_beta import busbw_factor, fit_alpha_beta, hop_model_from_fit
-from refimpl.cost.hardware import Hardware
 from refimpl.lab.measure.bench import message_sizes, sweep
 from refimpl.lab.measure.ceilings import memcpy_bandwidth
+from refimpl.lab.predict.hardware import Hardware
 from refimpl.memory import GiB
 from refimpl.model import Block, GPTConfig
 

@@ -15,12 +15,12 @@ cpu.py       the layouts that run on a few CPU ranks, predicted for comparison w
 moe.py       what a mixture of experts adds: experts over ep then edp, their activations, all-to-alls
 moe_cpu.py   the expert layouts' model-state bytes, predicted beside the loop's on 4 CPU ranks
 
-The GPU presets it predicts with are refimpl.cost.hardware's (the datasheet numbers, re-exported
+The GPU presets it predicts with are refimpl.lab.predict.hardware's (the datasheet numbers, re-exported
 here); this machine as a preset is measured by refimpl.lab.measure.this_machine.
 """
-from refimpl.cost.hardware import GPUS, Hardware, get_hardware  # noqa: F401
 from refimpl.lab.measure.this_machine import cpu_preset  # noqa: F401
 from refimpl.lab.plan.predict import Layout, predict  # noqa: F401
 from refimpl.lab.plan.published import compare_with_megatron  # noqa: F401
 from refimpl.lab.plan.search import best_per_grid, enumerate_layouts, plan  # noqa: F401
+from refimpl.lab.predict.hardware import GPUS, Hardware, get_hardware  # noqa: F401
 from refimpl.lab.predict.presets import MODELS, ModelShape, megatron_runs  # noqa: F401

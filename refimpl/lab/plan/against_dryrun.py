@@ -15,8 +15,8 @@ from __future__ import annotations
 import pandas as pd
 
 from refimpl.config import TrainConfig
-from refimpl.cost.hardware import MEMORY_HEADROOM, get_hardware
 from refimpl.lab.plan.predict import Layout, predict_memory
+from refimpl.lab.predict.hardware import MEMORY_HEADROOM, get_hardware
 from refimpl.lab.predict.presets import get_model
 from refimpl.lab.verify.dryrun import default_batch, dry_run, preset_config
 
@@ -99,7 +99,7 @@ def compare_again(preset: str, layout: dict, table: pd.DataFrame) -> dict:
 
 
 def will_it_fit(row: dict, gpu: str) -> dict:
-    """Does the layout of a `compare` row fit on `gpu` (refimpl.cost.hardware)? Its usable memory
+    """Does the layout of a `compare` row fit on `gpu` (refimpl.lab.predict.hardware)? Its usable memory
     is the planner's own rule, MEMORY_HEADROOM of the capacity (the CUDA context, NCCL's buffers
     and the allocator's slack take the rest); the dry run's peak and the planner's each answer,
     and the planner alone for bf16 mixed precision (no run of it to compare)."""

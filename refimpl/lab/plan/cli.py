@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from refimpl.cost.hardware import GPUS
 from refimpl.lab.plan.search import RECOMPUTE, plan
+from refimpl.lab.predict.hardware import GPUS
 from refimpl.lab.predict.presets import MODELS, get_model
 
 SHOWN = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "zero_stage": "zero",

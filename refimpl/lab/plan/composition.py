@@ -21,7 +21,7 @@ Which pairs compose here (tests/test_composition.py) and which fail before launc
 
 The placement rule of MT-NLG and Megatron-LM ("model parallel inside a node, data parallel across
 nodes"; seed 003) as arithmetic: `placement_rule` compares each axis's traffic with the compute it
-must hide behind, on NVLink and on InfiniBand (refimpl.cost.hardware's presets, α-β ring model).
+must hide behind, on NVLink and on InfiniBand (refimpl.lab.predict.hardware's presets, α-β ring model).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import pandas as pd
 import torch
 
 from refimpl.cost.alpha_beta import ring_seconds
-from refimpl.cost.hardware import Hardware
+from refimpl.lab.predict.hardware import Hardware
 from refimpl.lab.predict.presets import ModelShape
 from refimpl.lab.predict.tp_comm import (
     LayerShape,

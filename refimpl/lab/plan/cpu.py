@@ -21,7 +21,6 @@ import pandas as pd
 
 from refimpl.config import TrainConfig
 from refimpl.cost.alpha_beta import ring_seconds
-from refimpl.cost.hardware import Hardware
 from refimpl.lab.env import cpu_cores
 from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.plan.cpu_calibration import (  # noqa: F401  (re-exported: the notebook, the bench)
@@ -31,6 +30,7 @@ from refimpl.lab.plan.cpu_calibration import (  # noqa: F401  (re-exported: the 
 )
 from refimpl.lab.plan.predict import PRECISIONS, Layout, micro_batch_work, predict
 from refimpl.lab.plan.search import enumerate_layouts, rank_layouts
+from refimpl.lab.predict.hardware import Hardware
 from refimpl.lab.predict.presets import ModelShape
 from refimpl.lab.verify.step_time import step_times_in_rounds
 from refimpl.model import GPT, GPTConfig

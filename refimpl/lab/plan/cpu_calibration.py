@@ -7,9 +7,9 @@ from dataclasses import replace
 import numpy as np
 
 from refimpl.config import TrainConfig
-from refimpl.cost.hardware import Hardware
 from refimpl.lab.measure.this_machine import measure_cpu_preset
 from refimpl.lab.plan.predict import PRECISIONS, Layout, micro_batch_work, predict
+from refimpl.lab.predict.hardware import Hardware
 from refimpl.lab.predict.presets import ModelShape
 from refimpl.model import GPTConfig
 from refimpl.train import train_on_ranks

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import refimpl.lab.plan.moe as moe  # what a mixture of experts adds
 from refimpl.cost.alpha_beta import ring_seconds
-from refimpl.cost.hardware import MEMORY_HEADROOM, Hardware
 from refimpl.lab.plan.dp_sync import dp_sync_seconds
 from refimpl.lab.plan.layout import Layout
 from refimpl.lab.plan.memory import PRECISIONS, layer_activation_bytes, predict_memory, stage_params
+from refimpl.lab.predict.hardware import MEMORY_HEADROOM, Hardware
 from refimpl.lab.predict.presets import ModelShape
 from refimpl.memory import training_flops
 

@@ -18,8 +18,8 @@ from dataclasses import replace
 
 import pandas as pd
 
-from refimpl.cost.hardware import GPUS
 from refimpl.lab.plan.search import best_per_grid, plan
+from refimpl.lab.predict.hardware import GPUS
 from refimpl.lab.predict.links import gbit
 from refimpl.lab.predict.presets import GPT3_ON_1024, MODELS, megatron_runs
 

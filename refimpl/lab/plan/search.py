@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from refimpl.cost.hardware import get_hardware
 from refimpl.lab.plan.predict import Layout, predict
+from refimpl.lab.predict.hardware import get_hardware
 from refimpl.lab.predict.presets import ModelShape
 
 RECOMPUTE = ("none", "selective", "full")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from refimpl.cost.hardware import get_hardware
+from refimpl.lab.predict.hardware import get_hardware
 
 PETAFLOP_DAY = 1e15 * 86400
 
@@ -22,7 +22,7 @@ def compute_optimal_tokens(n_params: float, tokens_per_param: float = CHINCHILLA
 
 @dataclass(frozen=True)
 class Cluster:
-    """A named cluster: how many GPUs of which kind (a refimpl.cost.hardware preset)."""
+    """A named cluster: how many GPUs of which kind (a refimpl.lab.predict.hardware preset)."""
 
     name: str
     gpu: str

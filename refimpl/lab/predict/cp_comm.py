@@ -1,7 +1,7 @@
 """When ring attention's K/V transfer hides under its block compute (notebook 09 §3)."""
 from __future__ import annotations
 
-from refimpl.cost.hardware import Hardware, get_hardware
+from refimpl.lab.predict.hardware import Hardware, get_hardware
 from refimpl.memory import block_activation_bytes
 
 

@@ -19,7 +19,7 @@ Compute, to compare with. One layer's forward is 24·b·s·h² + 4·b·s²·h FL
 2021, §5.1: the four h×h-sized matmuls and the 4h MLP, plus scores and S·V); backward twice that:
 72·b·s·h²·(1 + s/(6h)) per layer, split t ways under TP.
 
-Links and rates come from the planner's GPU presets (refimpl.cost.hardware: the datasheet
+Links and rates come from the planner's GPU presets (refimpl.lab.predict.hardware: the datasheet
 numbers and their sources, written once): NVLink inside a node, one InfiniBand port per GPU across
 nodes; `comm_to_compute` uses what a preset says is *achievable* (Hardware.link: latency and the
 link fraction; Hardware.matmul_rate: the GEMM fraction of the peak), the one ratio notebooks 06 and
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from refimpl.cost.alpha_beta import ring_seconds
-from refimpl.cost.hardware import Hardware, get_hardware
+from refimpl.lab.predict.hardware import Hardware, get_hardware
 from refimpl.lab.predict.presets import get_model
 from refimpl.parallel.tp.attention import kv_split
 

@@ -17,7 +17,7 @@ the share of a step its ranks spend communicating, and the less the split buys.
     waits inside the call for the other, which is not transfer time).
 `predicted_shares` puts beside them what the arithmetic says the communication share is, with no
 run: the α-β ring model (a fit on this machine's ranks, notebook 02's method) against the FLOPs at
-this machine's matmul rate, and the same layers on an H100 preset (refimpl.cost.hardware), where
+this machine's matmul rate, and the same layers on an H100 preset (refimpl.lab.predict.hardware), where
 the seed's claim is about GPUs.
 """
 from __future__ import annotations

@@ -24,13 +24,6 @@ def shard_sequence(x: torch.Tensor, rank: int, cp: int, *, balanced: bool = True
     return torch.cat([chunks[i] for i in chunk_ids(rank, cp, balanced)], dim=dim)
 
 
-def positions(rank: int, cp: int, seq_len: int, *, balanced: bool = True,
-              device=None) -> torch.Tensor:
-    """Global token positions of this rank's slice (for position embeddings), on `device`."""
-    return shard_sequence(torch.arange(seq_len, device=device).unsqueeze(0), rank, cp,
-                          balanced=balanced)[0]
-
-
 @dataclass(frozen=True)
 class RingPlace:
     """A cp rank's place on the ring: its group, its index, the ring's size, the chunk order."""
@@ -41,7 +34,8 @@ class RingPlace:
 
     def positions(self, length: int, device=None) -> torch.Tensor:
         """The global positions of this rank's `length` tokens (its chunks of cp·length)."""
-        return positions(self.rank, self.cp, length * self.cp, balanced=self.balanced, device=device)
+        everyone = torch.arange(length * self.cp, device=device).unsqueeze(0)
+        return shard_sequence(everyone, self.rank, self.cp, balanced=self.balanced)[0]
 
 
 def blocks_to_compute(mine: tuple[int, int], theirs: tuple[int, int]):
@@ -93,7 +87,7 @@ class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the whole ring's keys; [b, h, 2c, d] tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, balanced, stats):
+    def forward(ctx, q, k, v, group, balanced):
         g, cp, rank = _place(group)
         scale = 1.0 / math.sqrt(q.shape[-1])
         mine = chunk_ids(rank, cp, balanced)
@@ -110,8 +104,6 @@ class RingAttention(torch.autograd.Function):
                 block_lse = torch.logsumexp(s, dim=-1)
                 block_out = (s - block_lse.unsqueeze(-1)).exp() @ vs[b]
                 out[a], lse[a] = _merge(out[a], lse[a], block_out.to(acc), block_lse.to(acc))
-            if stats is not None:
-                stats["score_blocks"] = stats.get("score_blocks", 0) + len(blocks_to_compute(mine, theirs))
             if step < cp - 1:
                 pending.wait()
                 kv = incoming
@@ -155,15 +147,15 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 pending.wait()
                 kv = incoming
-        return dq.to(q.dtype), dkv[0].to(q.dtype), dkv[1].to(q.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(q.dtype), dkv[1].to(q.dtype), None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int, group=None, *,
-                   balanced: bool = True, stats: dict | None = None) -> torch.Tensor:
+                   balanced: bool = True) -> torch.Tensor:
     """Drop-in for refimpl.model.attention on this rank's slice of the sequence."""
     b, s, width = q.shape
     hd = width // n_heads
     q, k, v = (t.view(b, s, n_heads, hd).transpose(1, 2) for t in (q, k, v))
-    out = RingAttention.apply(q, k, v, group, balanced, stats)
+    out = RingAttention.apply(q, k, v, group, balanced)
     return out.transpose(1, 2).reshape(b, s, width)
 

@@ -1,5 +1,6 @@
 """The one table of GPU datasheet numbers: dense bf16 peak ("with sparsity" halved), HBM capacity
-(as nvidia-smi reports it) and bandwidth, NVLink and one InfiniBand NIC per GPU, per direction."""
+(as nvidia-smi reports it) and bandwidth, NVLink and one InfiniBand NIC per GPU, per direction; with
+the shares of them the planner assumes reachable (refimpl.lab.plan predicts with these presets)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
