@@ -14,7 +14,9 @@ backward=Backward)` runs the core's own step.
 - `MergedBackward`: a B followed at once by its own W, on a chunk without experts or ZeRO-3/FSDP
   units, runs as one plain backward (PyTorch's pipelining merges such a pair too); so does the
   first piece's W, which has no input gradient to send: its B keeps the output's gradient and W
-  runs the plain backward from there.
+  runs the plain backward from there. The layers W covers are found once per step, not at every
+  F, and a W enters autograd's engine once per block (`BlockRecord`), not once per layer (about
+  0.15 ms a call on a CPU).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from refimpl.parallel.pp.links import Links
 from refimpl.parallel.pp.order import n_pieces, rank_order
 from refimpl.parallel.pp.runner import Backward
 from refimpl.parallel.pp.schedules import Action, parse_entry
+from refimpl.parallel.pp.zero_bubble import WeightGradRecord, parameters, record_weight_grads, weight_layers
 from refimpl.placement import is_resharded
 from refimpl.seam import dist
 
@@ -96,6 +99,27 @@ def whole_backwards(entries: list[list[Action]], plain: list[bool]) -> frozenset
     return frozenset(whole)
 
 
+class BlockRecord(WeightGradRecord):
+    """W's gradients handed to autograd one block at a time, last block first."""
+
+    def __init__(self, block_of: dict[int, str]):
+        super().__init__()
+        self.block_of = block_of        # id(layer) -> its block ("blocks.3", "lm_head")
+
+    def apply(self) -> None:
+        params, grads_in, block = [], [], None
+        for module, grads in self.gradients():
+            if self.block_of[id(module)] != block and params:
+                torch.autograd.backward(params, grads_in)
+                params, grads_in = [], []
+            block = self.block_of[id(module)]
+            params += parameters(module)
+            grads_in += grads
+        if params:
+            torch.autograd.backward(params, grads_in)
+        self.entries.clear()
+
+
 class MergedBackward(Backward):
     def __init__(self, chunks: list, row: list[list[Action]]):
         super().__init__(chunks, row)
@@ -103,12 +127,17 @@ class MergedBackward(Backward):
         self.whole = whole_backwards(row, plain) if self.split else frozenset()
         self.first = {c for c, chunk in enumerate(chunks) if self.split and chunk.is_first and plain[c]}
         self.deferred: dict = {}        # the first piece's (micro-batch, chunk) -> (output, its gradient)
+        self.layers = [weight_layers(c) for c in chunks] if self.split else []
+        self.block_of = [{id(m): ".".join(name.split(".")[:2]) for name, m in layers} for layers in self.layers]
 
     def merged(self, a: Action) -> bool:
         return (a.micro_batch, a.chunk) in self.whole or a.chunk in self.first
 
     def recording(self, a: Action, chunk):
-        return nullcontext([]) if self.merged(a) else super().recording(a, chunk)
+        if self.merged(a) or not self.split:
+            return nullcontext([])
+        self.records[(a.micro_batch, a.chunk)] = record = BlockRecord(self.block_of[a.chunk])
+        return record_weight_grads(chunk, record, self.layers[a.chunk])
 
     def backward(self, a: Action, out, grad, x, kept):
         if (a.micro_batch, a.chunk) in self.whole:

@@ -4,6 +4,7 @@ F records each layer's input X and B its output gradient dY; W computes dA = dY^
 """
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import contextmanager
 
 import torch
@@ -22,33 +23,31 @@ class WeightGradRecord:
 
     def __init__(self):
         self.entries: list[list] = []
-        self.block_of: dict[int, str] = {}   # id(module) -> its block ("blocks.3", "lm_head")
 
     def apply(self) -> None:
-        """W: the weight gradients into .grad, last block first, a layer run twice summed first;
-        one autograd call per block."""
+        """W: each layer's weight gradients into .grad through autograd's accumulator (so what dp
+        hooked on a parameter runs as after a plain backward)."""
+        for module, grads in self.gradients():
+            torch.autograd.backward(parameters(module), grads)
+        self.entries.clear()
+
+    def gradients(self):
+        """(layer, its weight gradients), last layer first; a layer run twice once, summed."""
         live = [(m, x, dy) for m, x, dy in self.entries if dy is not None]
-        first_use = {}
-        for i, (module, _, _) in enumerate(live):
-            first_use.setdefault(id(module), i)
-        summed, params, grads_in, block = {}, [], [], None
-        for i in reversed(range(len(live))):
-            module, x, dy = live[i]
+        uses, summed = Counter(id(m) for m, _, _ in live), {}
+        for module, x, dy in reversed(live):
             grads = weight_grads(module, x, dy)
             if id(module) in summed:
                 grads = [a + b for a, b in zip(summed.pop(id(module)), grads)]
-            if i > first_use[id(module)]:
+            uses[id(module)] -= 1
+            if uses[id(module)]:
                 summed[id(module)] = grads
-                continue
-            if self.block_of.get(id(module)) != block and params:
-                torch.autograd.backward(params, grads_in)   # AccumulateGrad: .grad += g, and its hooks
-                params, grads_in = [], []
-            block = self.block_of.get(id(module))
-            params += [p for p in (module.weight, getattr(module, "bias", None)) if p is not None]
-            grads_in += grads
-        if params:
-            torch.autograd.backward(params, grads_in)
-        self.entries.clear()
+            else:
+                yield module, grads
+
+
+def parameters(module: nn.Module) -> list[torch.Tensor]:
+    return [p for p in (module.weight, getattr(module, "bias", None)) if p is not None]
 
 
 def weight_layers(chunk: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -67,10 +66,10 @@ def _keep(entry: list, y: torch.Tensor) -> None:
 
 
 @contextmanager
-def record_weight_grads(chunk: nn.Module, record: WeightGradRecord):
-    """Fill `record` during one forward of `chunk`. Yields the (entry, embedding output) pairs
-    whose gradient B stores in entry[2] itself."""
-    layers, kept = weight_layers(chunk), []
+def record_weight_grads(chunk: nn.Module, record: WeightGradRecord, layers: list | None = None):
+    """Fill `record` during one forward of `chunk` (`layers`: its `weight_layers`). Yields the
+    (entry, embedding output) pairs whose gradient B stores in entry[2] itself."""
+    layers, kept = weight_layers(chunk) if layers is None else layers, []
 
     def hook(module, inputs, output):
         entry = [module, inputs[0].detach(), None]
@@ -85,7 +84,6 @@ def record_weight_grads(chunk: nn.Module, record: WeightGradRecord):
         record.entries.append(entry)
         _keep(entry, y)
 
-    record.block_of = {id(m): ".".join(name.split(".")[:2]) for name, m in layers}
     watched = [m for _, m in layers if isinstance(m, WatchedLinear)]
     handles = [m.register_forward_hook(hook) for _, m in layers if not isinstance(m, WatchedLinear)]
     for m in watched:
