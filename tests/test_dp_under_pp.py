@@ -142,7 +142,7 @@ def test_dp_buckets_leave_while_the_pipeline_still_runs_its_backwards():
         # The V: chunk 1's W's end before chunk 0's, so its buckets leave before the last action.
         assert actions[-1].endswith(".0") and min(launches) < len(actions) - 1, (rank, actions, launches)
         # The action that finishes chunk 1's last weight gradients: its last W, or the B before
-        # that W when the two ran as one whole backward (runner.whole_backwards: W then is empty).
+        # that W when the two ran as one whole backward (lab.pipeline.speedups.whole_backwards: W then is empty).
         first = min(launches)
         finishing = actions[first] if actions[first].startswith("pp:W") else actions[first + 1]
         assert finishing == "pp:W" + actions[first][4:] and finishing.endswith(".1"), (rank, actions, first)

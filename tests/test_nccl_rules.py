@@ -520,8 +520,8 @@ def test_a_failed_staged_collective_raises_where_it_is_waited_on():
 
 
 def _both_plans_on_the_strict_stream(rank: int, world: int) -> dict:
-    """One rank of 1F1B on 2 stages (m = 4) on a staged group, under its stream order: the runner's
-    own choice for the backend (links.Links: the global order, order.rank_order), then the
+    """One rank of 1F1B on 2 stages (m = 4) on a staged group, under its stream order: the core's
+    own links (links.Links: the global order, order.rank_order), then the
     old one-ahead posting (lab.pipeline.posting.AheadLinks: receives of this entry and the next posted before
     the entry, each send as its action ends). The launch is a gloo one (`_on_gloo_ranks`); the
     group is the staged backend's."""
@@ -532,7 +532,8 @@ def _both_plans_on_the_strict_stream(rank: int, world: int) -> dict:
 
     from refimpl.lab.pipeline.posting import AheadLinks
     from refimpl.model import build_model, lm_loss, synthetic_batch
-    from refimpl.parallel.pp.runner import run_schedule, schedule_table
+    from refimpl.parallel.pp.links import Links
+    from refimpl.parallel.pp.runner import Backward, run_schedule, schedule_table
     from refimpl.parallel.pp.stage import build_chunks
 
     out, group = {}, dist.new_group([0, 1], backend="staged")
@@ -555,7 +556,7 @@ def _both_plans_on_the_strict_stream(rank: int, world: int) -> dict:
     chunks = build_chunks(build_model(cfg, 0).double().to(device), 2, rank)
     batch = synthetic_batch(cfg, 8, cfg.seq_len, 0, 0).to(device)
     micro, table = batch.micro_batches(4), schedule_table(2, 4, "1f1b")
-    loss = run_schedule(chunks, table, micro, group)
+    loss = run_schedule(chunks, table, micro, group, links=Links, backward=Backward)
     if rank == 1:
         reference = build_model(cfg, 0).double().to(device)
         out["loss"], out["single"] = loss.item(), lm_loss(reference(batch.inputs), batch.targets).item()

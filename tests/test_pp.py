@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 
 from refimpl.launch import run
+from refimpl.parallel.pp.links import Links
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
-from refimpl.parallel.pp.runner import run_schedule
+from refimpl.parallel.pp.runner import Backward, run_schedule, step_parts
 from refimpl.parallel.pp.schedules import chunks_per_rank, placement, schedule_table, schedules
 from refimpl.parallel.pp.stage import build_chunks, partition
 from refimpl.parallel.pp.zero_bubble import WeightGradRecord, record_weight_grads
@@ -39,6 +40,12 @@ CASES = {
     3: [("gpipe", 3, 1, 4), ("1f1b", 2, 1, 4), ("1f1b", 4, 1, 4), ("interleaved", 3, 2, 7),
         ("zb-h1", 4, 1, 4)],
 }
+# The same cases on the core's own Links and Backward ("core"): the default run takes the lab's
+# faster ones (refimpl.lab.pipeline.speedups, the "refimpl.pipeline" plug-in).
+CORE = "core"
+CASES[2] += [(CORE, "1f1b", 4, 1, 4), (CORE, "interleaved", 4, 2, 4), (CORE, "zb-h1", 4, 1, 4),
+             (CORE, "interleaved-zb", 4, 2, 4), (CORE, "zbv", 4, 2, 4), (CORE, "dualpipev", 4, 2, 4)]
+CASES[4] += [(CORE, "zb-h1", 6, 1, 4), (CORE, "dualpipev", 12, 2, 8)]
 
 
 def reference(m: int, n_layers: int):
@@ -54,14 +61,17 @@ def reference(m: int, n_layers: int):
 def pipeline_rank(rank, world, cases):
     group = dist.new_group(list(range(world)))
     out = {}
-    for schedule, m, v, n_layers in cases:
+    for case in cases:
+        core = case[0] == CORE
+        schedule, m, v, n_layers = case[1:] if core else case
         where = placement(schedule)
         chunks = build_chunks(build_model(config(n_layers), SEED), world, rank, v, where=where)
         micro = synthetic_batch(config(n_layers), BATCH, SEQ, SEED, 0).micro_batches(m)
         table = schedule_table(world, m, schedule, v)
-        loss = run_schedule(chunks, table, micro, group, where=where)
+        parts = {"links": Links, "backward": Backward} if core else {}
+        loss = run_schedule(chunks, table, micro, group, where=where, **parts)
         grads = {n: p.grad for c in chunks for n, p in c.named_parameters()}
-        out[(schedule, m, v, n_layers)] = (loss, grads)
+        out[case] = (loss, grads)
     return out
 
 
@@ -78,9 +88,10 @@ def rel_err(a, b):
 def test_pipeline_matches_one_process(world, case):
     ranks = runs_on(world)
     losses = [r[case][0] for r in ranks]
-    last = 0 if placement(case[0]) == "v" else world - 1     # the rank with the last piece: the V's is 0
+    schedule, m, _, n_layers = case[1:] if case[0] == CORE else case
+    last = 0 if placement(schedule) == "v" else world - 1     # the rank with the last piece: the V's is 0
     assert [loss is None for loss in losses] == [r != last for r in range(world)]
-    ref_loss, ref_grads = reference(case[1], case[3])
+    ref_loss, ref_grads = reference(m, n_layers)
     assert abs(losses[last] - ref_loss) / ref_loss <= 1e-6
     grads = [r[case][1] for r in ranks]
     names = [n for g in grads for n in g]
@@ -88,21 +99,30 @@ def test_pipeline_matches_one_process(world, case):
     merged = {n: t for g in grads for n, t in g.items()}
     worst = max(rel_err(merged[n], ref_grads[n]) for n in ref_grads)
     assert worst <= 1e-5, worst
-    if not schedules()[case[0]].split:                      # same ops in the same order
+    if not schedules()[schedule].split:                     # same ops in the same order
         assert all(torch.equal(merged[n], ref_grads[n]) for n in ref_grads)
 
 
+@pytest.mark.parametrize("core", [False, True], ids=["default", "core"])
 @pytest.mark.parametrize("schedule", schedules())
-def test_one_stage_with_two_chunks_passes_tensors_locally(schedule):
+def test_one_stage_with_two_chunks_passes_tensors_locally(schedule, core):
     v = 2 if schedule.startswith("interleaved") else chunks_per_rank(schedule)
     chunks = build_chunks(build_model(config(4), SEED), 1, 0, v, where=placement(schedule))
     micro = synthetic_batch(config(4), BATCH, SEQ, SEED, 0).micro_batches(2)
-    loss = run_schedule(chunks, schedule_table(1, 2, schedule, v), micro, None, where=placement(schedule))
+    parts = {"links": Links, "backward": Backward} if core else {}
+    loss = run_schedule(chunks, schedule_table(1, 2, schedule, v), micro, None, where=placement(schedule),
+                        **parts)
     ref_loss, ref_grads = reference(2, 4)
     assert float(loss) == pytest.approx(ref_loss, rel=1e-6)
     for c in chunks:
         for n, p in c.named_parameters():
             assert rel_err(p.grad, ref_grads[n]) <= 1e-5
+
+
+def test_the_runner_takes_the_lab_s_speedups_by_default():
+    from refimpl.lab.pipeline.speedups import MergedBackward, PostedLinks
+
+    assert step_parts() == (PostedLinks, MergedBackward)
 
 
 def test_zero_bubble_b_leaves_weights_alone_and_w_finishes_them():
@@ -164,10 +184,14 @@ def test_zero_bubble_b_skips_the_weight_products():
 
 @pytest.mark.parametrize("resharded", [False, True])
 def test_first_piece_w_is_the_whole_backward_unless_a_parameter_is_resharded(resharded):
-    # The first piece has no input gradient to send, so its B does no matrix product and its W is
-    # the whole backward; a chunk holding a parameter ZeRO-3/FSDP marked resharded keeps the split.
-    # Gradients equal the plain backward either way, and a parameter's hook fires once, in W.
+    # The first piece has no input gradient to send, so under the lab's speed-ups (MergedBackward)
+    # its B does no matrix product and its W is the whole backward; a chunk holding a parameter
+    # ZeRO-3/FSDP marked resharded keeps the core's split (B to the embedding's output, W the
+    # formulas). Gradients equal the plain backward either way, and a parameter's hook fires once, in W.
     from torch.utils.flop_counter import FlopCounterMode
+
+    from refimpl.lab.pipeline.speedups import MergedBackward
+    from refimpl.parallel.pp.schedules import Action, parse_entry
 
     (chunk,) = build_chunks(build_model(config(2), SEED), 2, 0)   # embedding + block 0
     mb = synthetic_batch(config(2), BATCH, SEQ, SEED, 0)
@@ -190,16 +214,12 @@ def test_first_piece_w_is_the_whole_backward_unless_a_parameter_is_resharded(res
     full = counter.get_total_flops() - flops(lambda: chunk(mb.inputs))
     chunk.zero_grad(set_to_none=True)
     calls.clear()
-    record = WeightGradRecord()
-    with record_weight_grads(chunk, record) as embeds:
+    split = MergedBackward([chunk], [parse_entry(e) for e in ["F0", "B0", "F1", "W0"]])  # W0 not at once
+    with split.recording(Action("F", 0), chunk) as kept:
         out = chunk(mb.inputs)
-
-    def b():
-        for (entry, _), g in zip(embeds, torch.autograd.grad(out, [t for _, t in embeds], dy)):
-            entry[2] = g
-    fb = flops(b)
+    fb = flops(lambda: split.backward(Action("B", 0), out, dy, None, kept))
     assert calls == []
-    fw = flops(record.apply)
+    fw = flops(lambda: split.weights(Action("W", 0)))
     assert fb + fw == full and (0 < fw < fb if resharded else fb == 0)
     assert len(calls) == 1                                       # the hook fired once, in W
     for n, p in chunk.named_parameters():

@@ -14,8 +14,8 @@ from refimpl.lab.pipeline.simulate import (
     simulate,
     simulated_bubble,
 )
+from refimpl.lab.pipeline.speedups import whole_backwards
 from refimpl.mesh import LayoutError
-from refimpl.parallel.pp.runner import whole_backwards
 from refimpl.parallel.pp.schedules import bubble_fraction, parse_entry, schedule_table, schedules
 
 SIZES = [(2, 1), (2, 2), (2, 4), (3, 3), (3, 5), (4, 1), (4, 2), (4, 4), (4, 8), (8, 16)]

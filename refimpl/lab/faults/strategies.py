@@ -15,10 +15,10 @@ import torch
 import torch.nn as nn
 
 from refimpl.lab.faults.lost_rank import lose_this_rank
+from refimpl.lab.pipeline.speedups import PostedLinks
 from refimpl.model import lm_loss
 from refimpl.model.rmsnorm import RMSNorm
 from refimpl.parallel.dp.naive import NaiveDataParallel
-from refimpl.parallel.pp.links import Links
 from refimpl.parallel.pp.order import incoming
 from refimpl.parallel.pp.runner import run_schedule
 from refimpl.parallel.pp.schedules import Action
@@ -136,7 +136,7 @@ def _misordered_run(stage, micro, *, divisor: int = 1, autocast=nullcontext, los
     return torch.zeros((), dtype=torch.float64, device=micro[0].inputs.device) if loss is None else loss
 
 
-class MisorderedLinks(Links):
+class MisorderedLinks(PostedLinks):
     """Stage 0's first backward receives the last micro-batch's gradient, its receive posted
     ahead of the step's order: it waits for a message its peer sends only after messages this
     rank has not sent yet (PyTorch #118369). A hang on gloo (messages paired by tag) and under

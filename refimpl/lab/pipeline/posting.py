@@ -36,9 +36,6 @@ class AheadLinks(Links):
                     if hit is not None:
                         self.entry_of[(is_send, hit[1])] = i
 
-    def begin(self) -> None:
-        pass                         # nothing at the step's start
-
     def post_through(self, op: tuple) -> None:
         """The receives of this entry and the next, each sender's earlier ones first; then `op`."""
         is_send, _, message = op
@@ -55,12 +52,8 @@ class AheadLinks(Links):
         while (False, src, message) not in self.done:
             self.post((False, src, self.queue[src].pop(0)))
 
-    def finish(self) -> None:
-        for work, _ in self.sends:
-            work.wait()
-        self.sends.clear()
-
 
 def chosen_links():
-    """The Links a run's environment asks for: AheadLinks under REFIMPL_PP_POST=ahead."""
-    return AheadLinks if os.environ.get(ENV) == "ahead" else Links
+    """The Links a run's environment asks for: AheadLinks under REFIMPL_PP_POST=ahead, else None
+    (the runner's default)."""
+    return AheadLinks if os.environ.get(ENV) == "ahead" else None

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from refimpl.parallel.pp.schedules import Action, parse_entry, piece_of, rank_of
 
+STEP = {"F": 1, "B": -1}      # F's message goes down the pieces, B's back up; W sends nothing
+
 
 class ScheduleError(ValueError):
     """A table that is not a valid pipeline schedule."""
@@ -18,39 +20,42 @@ def n_pieces(rows) -> int:
     return len(rows) * (1 + max((a.chunk for row in rows for e in row for a in e), default=0))
 
 
-def dependencies(a: Action, rank: int, p: int, pieces: int, where: str = "loop") -> list[tuple]:
-    """(kind, micro-batch, piece) of what `a` waits for: F the activation, B the gradient (the
-    loss on the last piece) and its own F, W its own B."""
-    k = piece_of(rank, a.chunk, p, where)
-    if a.kind == "F":
-        return [("F", a.micro_batch, k - 1)] if k > 0 else []
-    if a.kind == "B":
-        upstream = ("B", a.micro_batch, k + 1) if k < pieces - 1 else ("F", a.micro_batch, k)
-        return [upstream, ("F", a.micro_batch, k)]
-    return [("B", a.micro_batch, k)]
-
-
 def outgoing(a: Action, rank: int, p: int, pieces: int, where: str = "loop"):
     """(receiving rank, message) of what `a` sends, or None (the last F, the first B, any W)."""
-    k = piece_of(rank, a.chunk, p, where)
-    to = {"F": k + 1 if k < pieces - 1 else None, "B": k - 1 if k > 0 else None}.get(a.kind)
-    return None if to is None else (rank_of(to, p, where), (a.kind, a.micro_batch, to))
+    if a.kind == "W":
+        return None
+    to = piece_of(rank, a.chunk, p, where) + STEP[a.kind]
+    return (rank_of(to, p, where), (a.kind, a.micro_batch, to)) if 0 <= to < pieces else None
 
 
 def incoming(a: Action, rank: int, p: int, pieces: int, where: str = "loop"):
     """(sending rank, message) of what `a` receives, or None (the first F, the last B, any W)."""
-    k = piece_of(rank, a.chunk, p, where)
-    if (a.kind == "F" and k == 0) or (a.kind == "B" and k == pieces - 1) or a.kind == "W":
+    if a.kind == "W":
         return None
-    return rank_of(k - 1 if a.kind == "F" else k + 1, p, where), (a.kind, a.micro_batch, k)
+    k = piece_of(rank, a.chunk, p, where)
+    src = k - STEP[a.kind]
+    return (rank_of(src, p, where), (a.kind, a.micro_batch, k)) if 0 <= src < pieces else None
 
 
-def unit_replay(table, where: str = "loop") -> list[tuple[int, int, Action]]:
-    """(end time, rank, action) of every action, each taking one unit and starting once its rank
-    is free and its inputs exist (a pair: both inputs). Raises ScheduleError on a deadlock."""
+def dependencies(a: Action, rank: int, p: int, pieces: int, where: str = "loop") -> list[tuple]:
+    """(kind, micro-batch, piece) of the actions `a` waits for: F the activation, B the gradient
+    (the loss on the last piece) and its own F, W its own B."""
+    k = piece_of(rank, a.chunk, p, where)
+    if a.kind == "W":
+        return [("B", a.micro_batch, k)]
+    src = k - STEP[a.kind]
+    upstream = [(a.kind, a.micro_batch, src)] if 0 <= src < pieces else []
+    return upstream + ([("F", a.micro_batch, k)] if a.kind == "B" else [])
+
+
+def global_order(table, where: str = "loop") -> list[tuple[int, int, tuple]]:
+    """Every message between two ranks as (sender, receiver, message), in the order a replay of the
+    table produces them: every action takes one unit and starts once its rank is free and its
+    inputs exist (a pair: both inputs); ties by sender, then the replay's order. Raises
+    ScheduleError on a deadlock."""
     rows = [[parse_entry(e) for e in row] for row in table]
     p, pieces = len(rows), n_pieces(rows)
-    end, nxt, free, out = {}, [0] * p, [0] * p, []
+    end, nxt, free, made = {}, [0] * p, [0] * p, []
     while any(nxt[r] < len(rows[r]) for r in range(p)):
         moved = False
         for r in range(p):
@@ -62,24 +67,13 @@ def unit_replay(table, where: str = "loop") -> list[tuple[int, int, Action]]:
                 for a in rows[r][nxt[r]]:
                     t += 1
                     end[(a.kind, a.micro_batch, piece_of(r, a.chunk, p, where))] = t
-                    out.append((t, r, a))
+                    out = outgoing(a, r, p, pieces, where)
+                    if out is not None and out[0] != r:
+                        made.append(((t, r, len(made)), (r, *out)))
                 free[r], nxt[r], moved = t, nxt[r] + 1, True
         if not moved:
             stuck = {r: table[r][nxt[r]] for r in range(p) if nxt[r] < len(rows[r])}
             raise ScheduleError(f"deadlock: every rank waits ({stuck})")
-    return out
-
-
-def global_order(table, where: str = "loop") -> list[tuple[int, int, tuple]]:
-    """Every message between two ranks as (sender, receiver, message), in the order the replay
-    produces them (ties by sender, then the replay's order)."""
-    p = len(table)
-    pieces = n_pieces([[parse_entry(e) for e in row] for row in table])
-    made = []
-    for i, (t, r, a) in enumerate(unit_replay(table, where)):
-        out = outgoing(a, r, p, pieces, where)
-        if out is not None and out[0] != r:
-            made.append(((t, r, i), (r, out[0], out[1])))
     return [m for _, m in sorted(made)]
 
 

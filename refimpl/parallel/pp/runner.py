@@ -17,17 +17,19 @@ from refimpl.parallel.pp.links import Links
 
 # schedule_table and bubble_fraction: DESIGN's contract names them here.
 from refimpl.parallel.pp.schedules import Action, bubble_fraction, parse_entry, schedule_table  # noqa: F401
-from refimpl.parallel.pp.zero_bubble import WeightGradRecord, chunk_layers, record_weight_grads
-from refimpl.seam import dist, phase
+from refimpl.parallel.pp.zero_bubble import WeightGradRecord, record_weight_grads
+from refimpl.seam import dist, phase, plugins
 
 
 def run_schedule(chunks: list, table: list[list[str]], micro: list[Batch], group, *,
                  divisor: int = 1, autocast=nullcontext, loss_fn=lm_loss, where: str = "loop",
-                 links=Links) -> torch.Tensor | None:
+                 links=None, backward=None) -> torch.Tensor | None:
     """Run this rank's row of `table` on `micro`, accumulating the gradients of loss / `divisor`;
-    returns this rank's part of the mean loss. `where`: the placement; `links`: Links or a variant."""
+    returns this rank's part of the mean loss. `where`: the placement; `links`, `backward`: the
+    Links and Backward to run on (None: `step_parts()`'s)."""
     rank = 0 if group is None else dist.get_rank(group)
     row = [parse_entry(e) for e in table[rank]]
+    links, backward = links or step_parts()[0], backward or step_parts()[1]
 
     def shape(mb: int):
         rows, seq = micro[mb].inputs.shape
@@ -35,13 +37,20 @@ def run_schedule(chunks: list, table: list[list[str]], micro: list[Batch], group
 
     step = PipelineStep(chunks, micro, links(group, table, where, len(micro), shape,
                                              next(chunks[0].parameters(), None)),
-                        StepLoss(len(micro), divisor, loss_fn, autocast), Backward(chunks, row))
+                        StepLoss(len(micro), divisor, loss_fn, autocast), backward(chunks, row))
     run = {"F": step.forward, "B": step.backward, "W": step.weights}
     for entry in row:
         for a in entry:
             run[a.kind](a)
     step.links.finish()
     return step.loss.total
+
+
+def step_parts() -> tuple[type, type]:
+    """(Links, Backward): the core's, or a "refimpl.pipeline" plug-in's (the same step, faster)."""
+    for plugin in plugins("refimpl.pipeline"):
+        return plugin()
+    return Links, Backward
 
 
 class PipelineStep:
@@ -80,25 +89,20 @@ class PipelineStep:
 
 class Backward:
     """B and W: one whole backward, or under a table with W's zero bubble's split (Qi et al. 2023):
-    B the input gradient only, W the weights' (a B its own W follows at once stays whole)."""
+    B the input gradient only, W the weights' from what F recorded and B stored."""
 
     def __init__(self, chunks: list, row: list[list[Action]]):
-        split = any(a.kind == "W" for entry in row for a in entry)
-        self.layers = [chunk_layers(c) for c in chunks] if split else []
-        self.whole = whole_backwards(row, [cl.plain for cl in self.layers]) if split else None
+        self.split = any(a.kind == "W" for entry in row for a in entry)
         self.records: dict = {}
 
-    def is_whole(self, a: Action) -> bool:
-        return self.whole is None or (a.micro_batch, a.chunk) in self.whole
-
     def recording(self, a: Action, chunk):
-        if self.is_whole(a):
+        if not self.split:
             return nullcontext([])
         self.records[(a.micro_batch, a.chunk)] = record = WeightGradRecord()
-        return record_weight_grads(chunk, record, self.layers[a.chunk])
+        return record_weight_grads(chunk, record)
 
     def backward(self, a: Action, out, grad, x, kept):
-        if self.is_whole(a):
+        if not self.split:
             torch.autograd.backward(out, grad)
             return None if x is None else x.grad
         if x is not None:
@@ -108,22 +112,7 @@ class Backward:
         return None
 
     def weights(self, a: Action) -> None:
-        record = self.records.pop((a.micro_batch, a.chunk), None)
-        if record is not None:      # none when its B was whole
-            record.apply()
-
-
-def whole_backwards(entries: list[list[Action]], plain: list[bool]) -> frozenset:
-    """The (micro-batch, chunk) whose B is followed at once by its own W, on a chunk that may take
-    a plain backward: one whole backward does both."""
-    whole = set()
-    for entry, after in zip(entries, entries[1:]):
-        b = entry[-1]               # a pair (F&B) runs its B last
-        if len(after) == 1 and (b.kind, after[0].kind) == ("B", "W"):
-            w = after[0]
-            if (b.micro_batch, b.chunk) == (w.micro_batch, w.chunk) and plain[b.chunk]:
-                whole.add((b.micro_batch, b.chunk))
-    return frozenset(whole)
+        self.records.pop((a.micro_batch, a.chunk)).apply()
 
 
 class StepLoss:
@@ -133,7 +122,7 @@ class StepLoss:
     def __init__(self, m: int, divisor: int = 1, loss_fn=lm_loss, autocast=nullcontext,
                  aux_loss=moe_aux_loss):
         self.m, self.divisor, self.loss_fn, self.autocast, self.aux_loss = m, divisor, loss_fn, autocast, aux_loss
-        self.total, self.dense = None, set()     # dense: the chunks without a loss of their own
+        self.total = None
 
     def add(self, part: torch.Tensor) -> torch.Tensor:
         self.total = part.detach().double() if self.total is None else self.total + part.detach().double()
@@ -141,9 +130,7 @@ class StepLoss:
 
     def __call__(self, chunk, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """What the piece backpropagates: its loss on the last piece, else its output."""
-        aux = 0.0 if id(chunk) in self.dense else self.aux_loss(chunk)
-        if not isinstance(aux, torch.Tensor):
-            self.dense.add(id(chunk))
+        aux = self.aux_loss(chunk)
         if chunk.is_last:
             with self.autocast():
                 return self.add((self.loss_fn(out, targets) + aux) / self.m)
@@ -168,9 +155,9 @@ class WithLoss(torch.autograd.Function):
 
 
 def pipeline_forward_backward(stage, micro: list[Batch], *, divisor: int = 1,
-                              autocast=nullcontext, loss_fn=lm_loss, links=Links) -> torch.Tensor:
+                              autocast=nullcontext, loss_fn=lm_loss) -> torch.Tensor:
     """The step's pipeline (RankModel.pipeline.run) on a PipelineStageModel; zero where no loss."""
     loss = run_schedule(stage.chunks, stage.table, micro, stage.group, divisor=divisor,
-                        autocast=autocast, loss_fn=loss_fn, where=stage.where, links=links)
+                        autocast=autocast, loss_fn=loss_fn, where=stage.where)
     device = micro[0].inputs.device
     return torch.zeros((), dtype=torch.float64, device=device) if loss is None else loss

@@ -99,9 +99,6 @@ class PipelineStageModel(nn.Module):
         return {name: per_chunk[c] for c, chunk in enumerate(self.chunks)
                 for name, _ in chunk.named_parameters()}
 
-    def forward(self, *_):
-        raise RuntimeError("a pipeline stage runs through pipeline_forward_backward, not forward()")
-
 
 def split_for_pipeline(model: GPT, ctx, seq_split: int = 1) -> PipelineStageModel:
     """The pipeline transform: this rank's stage of `model` on the mesh's pp axis."""

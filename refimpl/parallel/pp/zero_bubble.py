@@ -4,17 +4,15 @@ F records each layer's input X and B its output gradient dY; W computes dA = dY^
 """
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from refimpl.model.layers import WatchedLinear
-from refimpl.model.moe import MoEMLP
 from refimpl.model.rmsnorm import RMSNorm
-from refimpl.placement import is_resharded
 
 # The layers W has a formula for; any other trainable parameter is refused (`_check_covered`).
 WEIGHT_LAYERS = (nn.Linear, nn.LayerNorm, RMSNorm, nn.Embedding)
@@ -25,60 +23,39 @@ class WeightGradRecord:
 
     def __init__(self):
         self.entries: list[list] = []
-        self.block_of: dict[int, str] = {}   # id(module) -> its block ("blocks.3", "lm_head")
-        self.whole: list = []                # the first piece: [(its output, [.., .., dY])]
 
     def apply(self) -> None:
-        """W: the weight gradients into .grad, last block first, a layer run twice summed first;
-        one autograd call per block."""
-        for out, entry in self.whole:
-            torch.autograd.backward(out, entry[2])
-        self.whole.clear()
+        """W: each layer's weight gradients into .grad through autograd's accumulator (so what dp
+        hooked on a parameter runs as after a plain backward)."""
+        for module, grads in self.gradients():
+            torch.autograd.backward(parameters(module), grads)
+        self.entries.clear()
+
+    def gradients(self):
+        """(layer, its weight gradients), last layer first; a layer run twice once, summed."""
         live = [(m, x, dy) for m, x, dy in self.entries if dy is not None]
-        first_use = {}
-        for i, (module, _, _) in enumerate(live):
-            first_use.setdefault(id(module), i)
-        summed, params, grads_in, block = {}, [], [], None
-        for i in reversed(range(len(live))):
-            module, x, dy = live[i]
+        uses, summed = Counter(id(m) for m, _, _ in live), {}
+        for module, x, dy in reversed(live):
             grads = weight_grads(module, x, dy)
             if id(module) in summed:
                 grads = [a + b for a, b in zip(summed.pop(id(module)), grads)]
-            if i > first_use[id(module)]:
+            uses[id(module)] -= 1
+            if uses[id(module)]:
                 summed[id(module)] = grads
-                continue
-            if self.block_of.get(id(module)) != block and params:
-                torch.autograd.backward(params, grads_in)   # AccumulateGrad: .grad += g, and its hooks
-                params, grads_in = [], []
-            block = self.block_of.get(id(module))
-            params += [p for p in (module.weight, getattr(module, "bias", None)) if p is not None]
-            grads_in += grads
-        if params:
-            torch.autograd.backward(params, grads_in)
-        self.entries.clear()
+            else:
+                yield module, grads
 
 
-@dataclass(frozen=True)
-class ChunkLayers:
-    """What `record_weight_grads` hooks on a chunk (found once per step)."""
-    hooked: tuple          # layers of WEIGHT_LAYERS, each given a forward hook
-    watched: tuple         # tensor-parallel linears, which report their matmul
-    block_of: dict         # id(module) -> its block
-    plain: bool            # no experts and no ZeRO-3/FSDP unit: may take a plain backward
-    whole: bool            # the first piece, whose W is the whole backward
+def parameters(module: nn.Module) -> list[torch.Tensor]:
+    return [p for p in (module.weight, getattr(module, "bias", None)) if p is not None]
 
 
-def chunk_layers(chunk: nn.Module) -> ChunkLayers:
+def weight_layers(chunk: nn.Module) -> list[tuple[str, nn.Module]]:
     """The layers of `chunk` that W covers; raises if a trainable parameter is in none of them."""
     layers = [(name, m) for name, m in chunk.named_modules()
               if isinstance(m, (*WEIGHT_LAYERS, WatchedLinear))]
     _check_covered(chunk, [m for _, m in layers])
-    plain = (not any(isinstance(m, MoEMLP) for m in chunk.modules())
-             and not any(is_resharded(p) for p in chunk.parameters()))
-    return ChunkLayers(hooked=tuple(m for _, m in layers if not isinstance(m, WatchedLinear)),
-                       watched=tuple(m for _, m in layers if isinstance(m, WatchedLinear)),
-                       block_of={id(m): ".".join(name.split(".")[:2]) for name, m in layers},
-                       plain=plain, whole=plain and any(isinstance(m, nn.Embedding) for _, m in layers))
+    return layers
 
 
 def _keep(entry: list, y: torch.Tensor) -> None:
@@ -89,17 +66,16 @@ def _keep(entry: list, y: torch.Tensor) -> None:
 
 
 @contextmanager
-def record_weight_grads(chunk: nn.Module, record: WeightGradRecord, layers: ChunkLayers | None = None):
-    """Fill `record` during one forward of `chunk`. Yields the (entry, tensor) pairs whose gradient
-    B stores in entry[2]: the embeddings' outputs, or the output of a first piece whose W is whole."""
-    layers = chunk_layers(chunk) if layers is None else layers
-    kept, outputs = [], []
+def record_weight_grads(chunk: nn.Module, record: WeightGradRecord, layers: list | None = None):
+    """Fill `record` during one forward of `chunk` (`layers`: its `weight_layers`). Yields the
+    (entry, embedding output) pairs whose gradient B stores in entry[2] itself."""
+    layers, kept = weight_layers(chunk) if layers is None else layers, []
 
     def hook(module, inputs, output):
         entry = [module, inputs[0].detach(), None]
         record.entries.append(entry)
         if isinstance(module, nn.Embedding):
-            kept.append((entry, output))       # B hands their dY over itself
+            kept.append((entry, output))
         else:
             _keep(entry, output)
 
@@ -108,24 +84,17 @@ def record_weight_grads(chunk: nn.Module, record: WeightGradRecord, layers: Chun
         record.entries.append(entry)
         _keep(entry, y)
 
-    record.block_of = layers.block_of
-    if layers.whole:
-        handles = [chunk.register_forward_hook(lambda m, i, output: outputs.append(output))]
-    else:
-        handles = [m.register_forward_hook(hook) for m in layers.hooked]
-        for m in layers.watched:
-            m.watch_matmul(watch)
+    watched = [m for _, m in layers if isinstance(m, WatchedLinear)]
+    handles = [m.register_forward_hook(hook) for _, m in layers if not isinstance(m, WatchedLinear)]
+    for m in watched:
+        m.watch_matmul(watch)
     try:
         yield kept
     finally:
         for h in handles:
             h.remove()
-        for m in layers.watched if not layers.whole else ():
+        for m in watched:
             m.watch_matmul(None)
-    if outputs:
-        entry = [chunk, None, None]
-        record.whole.append((outputs[-1], entry))
-        kept.append((entry, outputs[-1]))
 
 
 def _check_covered(chunk: nn.Module, layers: list[nn.Module]) -> None:
