@@ -78,7 +78,7 @@ def test_every_collective_equals_torch(results):
     bad = [row for row in rows if not row["equal"]]
     assert not bad, f"world size {n}: {bad[:5]}"
     covered = {row["collective"] for row in rows}
-    assert covered >= {"all_reduce", "all_reduce (halving-doubling)", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+    assert covered >= {"all_reduce", "all_reduce (halving-doubling)", "all_reduce (tree)", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
                        "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
                        "all_to_all_single", "all_to_all"}
     cases = {row["case"] for row in rows}
@@ -119,6 +119,23 @@ def test_halving_doubling_sends_log2_p_messages_and_the_rings_bytes(results):
             assert butterfly == (ring[0], 2 * (n.bit_length() - 1))
     if n == 3:
         assert [res["messages"]["halving-doubling"][0] for res in per_rank] == [m, m + m // 2 + m // 2, m]
+
+
+def test_tree_all_reduce_sends_whole_messages_up_then_down_the_tree(results):
+    """Every rank but the root sends its partial result once, then the result to its broadcast
+    children: each message the whole M. The root receives ceil(log2 n) of them and sends as many:
+    the alpha-beta formula's 2 ceil(log2 n) messages on the critical path."""
+    from refimpl.comm import tree
+    from refimpl.lab.measure.traffic import tree_sent
+
+    n, per_rank = results
+    m = 1200 * 4
+    for rank, res in enumerate(per_rank):
+        assert res["messages"]["tree"] == tree_sent(rank, n, 1200)
+    root_sent, root_messages = per_rank[0]["messages"]["tree"]
+    assert 2 * root_messages == tree.messages_on_critical_path(n) == 2 * (n - 1).bit_length()
+    assert 2 * root_sent == tree.bytes_on_critical_path(n, m)
+    assert sum(res["messages"]["tree"][0] for res in per_rank) == 2 * (n - 1) * m   # n-1 up, n-1 down
 
 
 def test_async_handle(results):
