@@ -66,3 +66,14 @@ def test_all_reduce_rows_price_the_tree_when_asked():
     rows = all_reduce_rows([8], [1, 1e9], ALPHA, BETA, algorithms=("ring", "tree"))
     got = {(r["size_bytes"], r["algorithm"]): r["seconds"] for r in rows}
     assert got[(1, "tree")] < got[(1, "ring")] and got[(1e9, "tree")] > got[(1e9, "ring")]
+
+
+@pytest.mark.ranks
+def test_tree_vs_ring_checks_and_times_in_one_launch():
+    from refimpl.lab.measure.all_reduce_algorithms import tree_vs_ring
+
+    checked, timed = tree_vs_ring(3, [4, 4096], numel=101, repeats=2, backend="gloo")
+    assert [all(r["equal"].values()) for r in checked] == [True] * 3
+    assert [(r["sent"], r["messages"]) for r in checked] == [tree_sent(rank, 3, 101) for rank in range(3)]
+    assert sorted(zip(timed.algorithm, timed.size_bytes)) == [("ring", 4), ("ring", 4096), ("tree", 4), ("tree", 4096)]
+    assert (timed.median_s > 0).all() and (timed.min_s <= timed.median_s).all()

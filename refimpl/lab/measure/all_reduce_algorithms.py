@@ -1,4 +1,5 @@
-"""refimpl.comm's all-reduce algorithms timed against each other on the same ranks and sizes.
+"""refimpl.comm's all-reduce algorithms timed against each other on the same ranks and sizes, and
+the tree checked against torch.distributed's all-reduce (notebook 02, section 4d).
 
 Each repetition runs every algorithm once, in an order that rotates from one repetition to the
 next, after a barrier, timed as the slowest rank (refimpl.lab.measure.bench's rule): load that
@@ -39,14 +40,6 @@ def time_algorithms_rank(rank: int, world_size: int, sizes_bytes, algorithms=("r
     return rows if rank == 0 else None
 
 
-def time_algorithms(world_size: int, sizes_bytes, algorithms=("ring", "tree"), repeats: int = 15,
-                    backend: str = "auto") -> pd.DataFrame:
-    """`time_algorithms_rank` on fresh ranks: one row per (algorithm, size)."""
-    rows = run(time_algorithms_rank, world_size, sizes_bytes=list(sizes_bytes), algorithms=tuple(algorithms),
-               repeats=repeats, backend=backend, quiet=True)[0]
-    return pd.DataFrame(rows)
-
-
 def tree_against_torch(rank: int, world_size: int, numel: int = 1001) -> dict:
     """Runs on every rank: the tree all-reduce beside torch.distributed.all_reduce on the same small
     integers stored as floats (exact in any order, so equal means bit for bit) for SUM, MAX and AVG
@@ -68,3 +61,17 @@ def tree_against_torch(rank: int, world_size: int, numel: int = 1001) -> dict:
         comm.all_reduce(x.clone(), algorithm="tree")
     return {"equal": equal, "sent": counted.sent.get("all_reduce", 0),
             "received": counted.received.get("all_reduce", 0), "messages": counted.messages.get("all_reduce", 0)}
+
+
+def _check_then_time(rank: int, world_size: int, numel: int, sizes_bytes, repeats: int):
+    return tree_against_torch(rank, world_size, numel), time_algorithms_rank(
+        rank, world_size, sizes_bytes, ("ring", "tree"), repeats)
+
+
+def tree_vs_ring(world_size: int, sizes_bytes, numel: int = 1001, repeats: int = 15,
+                 backend: str = "auto") -> tuple[list[dict], pd.DataFrame]:
+    """One launch of fresh ranks: `tree_against_torch` on each, then the ring and the tree timed
+    (`time_algorithms_rank`). Returns (each rank's check, one row per algorithm and size)."""
+    per_rank = run(_check_then_time, world_size, numel=numel, sizes_bytes=list(sizes_bytes),
+                   repeats=repeats, backend=backend, quiet=True)
+    return [checked for checked, _ in per_rank], pd.DataFrame(per_rank[0][1])
