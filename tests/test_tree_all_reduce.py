@@ -10,7 +10,6 @@ import pytest
 from refimpl.comm import tree
 from refimpl.cost import alpha_beta as ab
 from refimpl.lab.measure.traffic import tree_sent
-from refimpl.lab.predict.all_reduce import all_reduce_rows
 
 ALPHA, BETA = 20e-6, 10e9
 
@@ -60,12 +59,6 @@ def test_tree_beats_the_ring_below_the_crossover_only_from_4_ranks():
 def test_crossover_refuses_an_unknown_algorithm():
     with pytest.raises(ValueError, match="beside the ring"):
         ab.crossover_bytes(4, ALPHA, BETA, other="butterfly")
-
-
-def test_all_reduce_rows_price_the_tree_when_asked():
-    rows = all_reduce_rows([8], [1, 1e9], ALPHA, BETA, algorithms=("ring", "tree"))
-    got = {(r["size_bytes"], r["algorithm"]): r["seconds"] for r in rows}
-    assert got[(1, "tree")] < got[(1, "ring")] and got[(1e9, "tree")] > got[(1e9, "ring")]
 
 
 @pytest.mark.ranks

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import pandas as pd
 import torch
+from torch.distributed import ReduceOp
 
 import refimpl.comm as comm
+from refimpl.lab.instrument.labels import CommLog
 from refimpl.lab.measure.bench import _rank_device, _slowest_rank, _timed
 from refimpl.launch import run
 
@@ -45,9 +47,6 @@ def tree_against_torch(rank: int, world_size: int, numel: int = 1001) -> dict:
     integers stored as floats (exact in any order, so equal means bit for bit) for SUM, MAX and AVG
     (gloo has no AVG: torch's side is SUM / n), and what this rank sent and received in one tree."""
     import torch.distributed as dist
-    from torch.distributed import ReduceOp
-
-    from refimpl.lab.instrument.labels import CommLog
 
     gen = torch.Generator().manual_seed(rank)
     x = torch.randint(-8, 9, (numel,), generator=gen).float().to(_rank_device())

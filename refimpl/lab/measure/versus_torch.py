@@ -232,6 +232,6 @@ def _subgroup_cases(rows, seed, n, rank):
 
 def check_and_count(rank: int, world_size: int, numel: int = 1200) -> tuple:
     """One launch, three answers (notebook 01): every collective against torch's, the bytes each
-    sent on a `numel`-element tensor, and both all-reduce algorithms' bytes and messages."""
+    sent on a `numel`-element tensor, and every all-reduce algorithm's bytes and messages."""
     return (compare_with_torch(rank, world_size), measure_sent(rank, world_size, numel),
             all_reduce_messages(rank, world_size, numel))
