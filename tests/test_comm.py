@@ -98,7 +98,7 @@ def test_every_collective_equals_torch(results):
     bad = [row for row in rows if not row["equal"]]
     assert not bad, f"world size {n}: {bad[:5]}"
     covered = {row["collective"] for row in rows}
-    assert covered >= {"all_reduce", "all_reduce (halving-doubling)", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+    assert covered >= {"all_reduce", "all_reduce (halving-doubling)", "all_reduce (tree)", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
                        "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
                        "all_to_all_single", "all_to_all"}
     cases = {row["case"] for row in rows}
@@ -145,6 +145,23 @@ def test_the_cores_plain_ring_reduce_scatter_equals_torch(results):
     n, per_rank = results
     assert all(res["plain_ring"]["installed"] for res in per_rank)   # the others ran the lab's
     assert all(res["plain_ring"]["equal"] for res in per_rank), n
+
+
+def test_tree_all_reduce_sends_whole_messages_up_then_down_the_tree(results):
+    """Every rank but the root sends its partial result once, then the result to its broadcast
+    children: each message the whole M. The root receives ceil(log2 n) of them and sends as many:
+    the alpha-beta formula's 2 ceil(log2 n) messages on the critical path."""
+    from refimpl.comm import tree
+    from refimpl.lab.measure.traffic import tree_sent
+
+    n, per_rank = results
+    m = 1200 * 4
+    for rank, res in enumerate(per_rank):
+        assert res["messages"]["tree"] == tree_sent(rank, n, 1200)
+    root_sent, root_messages = per_rank[0]["messages"]["tree"]
+    assert 2 * root_messages == tree.messages_on_critical_path(n) == 2 * (n - 1).bit_length()
+    assert 2 * root_sent == tree.bytes_on_critical_path(n, m)
+    assert sum(res["messages"]["tree"][0] for res in per_rank) == 2 * (n - 1) * m   # n-1 up, n-1 down
 
 
 def test_async_handle(results):

@@ -151,6 +151,24 @@ def test_op_counts_see_the_recomputed_forward():
     assert "--no-python nsys profile" in op_counts.nsys_command()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_profiled_step_sorts_by_device_time_only_where_it_ran_on_one(device):
+    """The seed's table sorts by cuda_time_total: a GPU step records its kernels' device time and
+    is sorted by it; a CPU step has none and is sorted by CPU time."""
+    from refimpl.lab.trace import op_counts
+    from refimpl.model import GPTConfig, build_model, synthetic_batch
+
+    cfg = GPTConfig(n_layers=1)
+    data = synthetic_batch(cfg, 2, 16, seed=0, step=0)
+    prof = op_counts.profile_step(build_model(cfg, 0, device=device), data.inputs.to(device),
+                                  data.targets.to(device))
+    device_us = sum(e.self_device_time_total for e in prof.key_averages())
+    assert (device_us > 0) == (device == "cuda")
+    assert op_counts.time_column(prof) == ("cuda_time_total" if device == "cuda" else "cpu_time_total")
+    assert "aten::linear" in prof.key_averages().table(sort_by=op_counts.time_column(prof), row_limit=50)
+
+
 def test_zero_state_bytes_pads_units_only_at_stage_3():
     from refimpl.memory import model_state_bytes, zero_state_bytes
 

@@ -140,6 +140,19 @@ def test_boundary_gradient_sketch_and_fix():
                           boundary.reference_gradient(first, last, inputs, loss_fn), rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize("layers, stages", [(4, 2), (4, 3), (7, 4), (10, 4), (30, 8), (8, 8)])
+def test_the_sketchs_split_gives_the_remainder_to_the_last_stage(layers, stages):
+    from refimpl.lab.pipeline.boundary import sketch_split
+    from refimpl.parallel.pp.stage import partition
+
+    sketch, ours = sketch_split(layers, stages), partition(layers, stages)
+    for split in (sketch, ours):   # consecutive, every layer once
+        assert [i for r in split for i in r] == list(range(layers))
+    assert [len(r) for r in sketch] == [layers // stages] * (stages - 1) + [layers // stages + layers % stages]
+    assert max(len(r) for r in ours) == -(-layers // stages)    # the fewest a slowest stage can hold
+    assert max(len(r) for r in sketch) - max(len(r) for r in ours) == max(0, layers % stages - 1)
+
+
 def test_p2p_messages_and_interleaved_peak_against_the_tables():
     from refimpl.lab.measure import pp_p2p_volume as p2p_volume
     from refimpl.lab.measure.pp_measure import predicted_activation_peak

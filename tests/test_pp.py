@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from refimpl.launch import run
-from refimpl.parallel.pp.links import Links
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig, build_model, lm_loss, synthetic_batch
+from refimpl.parallel.pp.links import Links
 from refimpl.parallel.pp.runner import Backward, run_schedule, step_parts
 from refimpl.parallel.pp.schedules import chunks_per_rank, placement, schedule_table, schedules
 from refimpl.parallel.pp.stage import build_chunks, partition

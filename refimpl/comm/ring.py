@@ -11,6 +11,7 @@ from torch.distributed import ReduceOp
 from refimpl.comm.halving_doubling import halving_doubling_all_reduce_
 from refimpl.comm.p2p import GroupView, exchange, nbytes
 from refimpl.comm.reduce_ops import check_op, finish, reduce_into
+from refimpl.comm.tree import tree_all_reduce_
 from refimpl.comm.work import issue
 from refimpl.seam import plugins
 
@@ -53,20 +54,22 @@ def ring_all_gather_(chunks: list[torch.Tensor], g: GroupView) -> None:
         exchange(g, sends=[(chunks[(r - s) % n], right)], recvs=[(chunks[(r - s - 1) % n], left)])
 
 
-ALGORITHMS = ("ring", "halving-doubling")
+ALGORITHMS = ("ring", "halving-doubling", "tree")
+_NOT_RING = {"halving-doubling": halving_doubling_all_reduce_, "tree": tree_all_reduce_}
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, algorithm="ring"):
     """torch.distributed.all_reduce, in place: on a ring (reduce-scatter, then all-gather), or with
-    `algorithm="halving-doubling"` by recursive halving and doubling (halving_doubling.py)."""
+    `algorithm="halving-doubling"` by recursive halving and doubling (halving_doubling.py), or
+    `algorithm="tree"` as a binomial reduce then broadcast (tree.py)."""
     check_op(op)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"all_reduce algorithm must be one of {ALGORITHMS}, not {algorithm!r}")
 
     def body(g: GroupView):
         with _flat(tensor) as flat:
-            if algorithm == "halving-doubling":
-                halving_doubling_all_reduce_(flat, op, g)
+            if algorithm in _NOT_RING:
+                _NOT_RING[algorithm](flat, op, g)
                 return
             chunks = list(flat.tensor_split(g.size))
             reduce_scatter_ring(chunks, op, g)

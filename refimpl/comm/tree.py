@@ -1,5 +1,8 @@
-"""Broadcast and reduce on a binomial tree."""
+"""Broadcast and reduce on a binomial tree, and the tree all-reduce: the two back to back (seed
+§2.3's tree beside the ring: 2 ceil(log2 n) messages of the whole M, against the ring's 2(n-1) of M/n)."""
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.distributed import ReduceOp
@@ -41,6 +44,29 @@ def binomial_reduce_(tensor: torch.Tensor, root: int, op, g: GroupView) -> None:
             reduce_into(acc, incoming, op)
         mask <<= 1
     finish(acc, op, n)  # only the root gets here
+
+
+def tree_all_reduce_(flat: torch.Tensor, op, g: GroupView) -> None:
+    """Every rank ends with the reduction: reduced up the tree to rank 0, then broadcast down it.
+    Few steps (log2 n each way), but every step carries the whole message: the latency-optimal,
+    bandwidth-poor end of the trade NCCL's pipelined double binary tree balances."""
+    binomial_reduce_(flat, 0, op, g)
+    binomial_broadcast_(flat, 0, g)
+
+
+def rounds(n: int) -> int:
+    """Rounds of a binomial tree on n ranks: ceil(log2 n)."""
+    return math.ceil(math.log2(n)) if n > 1 else 0
+
+
+def messages_on_critical_path(n: int) -> int:
+    """The alpha count of the tree all-reduce: the root receives one message per round, then sends one."""
+    return 2 * rounds(n)
+
+
+def bytes_on_critical_path(n: int, m: float) -> float:
+    """The beta term's bytes: each of those 2 ceil(log2 n) messages is the whole M."""
+    return messages_on_critical_path(n) * m
 
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):

@@ -1,11 +1,13 @@
 """The alpha-beta model of a collective (seed §2.2): a message of n bytes takes T = alpha + n / beta;
-a ring all-reduce of M bytes on p ranks 2(p-1)·alpha + 2(p-1)/p · M / beta. Fitted by `fit_alpha_beta`."""
+a ring all-reduce of M bytes on p ranks 2(p-1)·alpha + 2(p-1)/p · M / beta; halving-doubling and the
+tree trade the ring's steps for bytes (`crossover_bytes`). Fitted by `fit_alpha_beta`."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
 
+from refimpl.comm import tree
 from refimpl.comm.halving_doubling import bytes_on_critical_path, messages_per_rank
 from refimpl.cost.collective_bytes import bytes_per_rank_factor
 
@@ -33,10 +35,26 @@ def halving_doubling_seconds(nbytes: float, n: int, alpha: float, beta: float) -
     return messages_per_rank(n) * alpha + bytes_on_critical_path(n, nbytes) / beta
 
 
-def crossover_bytes(n: int, alpha: float, beta: float) -> float:
-    """Message size above which the ring all-reduce beats halving-doubling on n ranks (inf: never)."""
-    extra_alpha = ring_steps("all_reduce", n) - messages_per_rank(n)   # the ring's extra steps
-    extra_bytes = bytes_on_critical_path(n, 1.0) - bytes_per_rank_factor("all_reduce", n)
+def tree_seconds(nbytes: float, n: int, alpha: float, beta: float) -> float:
+    """The tree all-reduce (reduce to a root, then broadcast): 2 ceil(log2 p) (alpha + M / beta)."""
+    return tree.messages_on_critical_path(n) * alpha + tree.bytes_on_critical_path(n, nbytes) / beta
+
+
+def _counts(algorithm: str, n: int) -> tuple[float, float]:
+    """(messages, bytes per byte of M) on an all-reduce's critical path: the line's two slopes."""
+    if algorithm == "halving-doubling":
+        return messages_per_rank(n), bytes_on_critical_path(n, 1.0)
+    if algorithm == "tree":
+        return tree.messages_on_critical_path(n), tree.bytes_on_critical_path(n, 1.0)
+    raise ValueError(f"no all-reduce {algorithm!r} beside the ring")
+
+
+def crossover_bytes(n: int, alpha: float, beta: float, other: str = "halving-doubling") -> float:
+    """Message size above which the ring all-reduce beats `other` (halving-doubling or tree) on n
+    ranks: where the other's saved latencies equal its extra bytes (inf: never; 0: at every size)."""
+    messages, per_byte = _counts(other, n)
+    extra_alpha = ring_steps("all_reduce", n) - messages            # the ring's extra steps
+    extra_bytes = per_byte - bytes_per_rank_factor("all_reduce", n)  # the other's extra bytes per byte
     if extra_bytes <= 0:
         return math.inf
     return max(0.0, extra_alpha * alpha * beta / extra_bytes)

@@ -8,6 +8,8 @@ send unevenly by design:
 
     all_reduce (halving-      2(p-1)/p * M   p = 2^k ranks; on other counts the folded ranks
                doubling)                     also send M in or out (halving_doubling.py)
+    all_reduce (tree)          M per message the binomial reduce to rank 0 (M from every other
+                                             rank), then the broadcast (M per child)
     broadcast (binomial)       M per child   root sends most: ceil(log2 n) * M
     reduce (binomial)          M             every rank but the root, once
     scatter / gather           (n-1)/n * M at the root / M/n from each other rank
@@ -159,3 +161,10 @@ def halving_doubling_sent(rank: int, n: int, numel: int, itemsize: int = 4) -> t
     sent = [k for k in sent if k]
     return sum(sent) * itemsize, len(sent)
 
+
+
+def tree_sent(rank: int, n: int, numel: int, itemsize: int = 4) -> tuple[int, int]:
+    """(bytes, messages) that `rank` sends in the tree all-reduce (root 0) of `numel` values: its
+    partial result to its parent (every rank but the root), then the result to each broadcast child."""
+    messages = (rank != 0) + binomial_children(rank, n)
+    return messages * numel * itemsize, messages

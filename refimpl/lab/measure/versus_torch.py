@@ -49,8 +49,9 @@ def compare_with_torch(rank: int, world_size: int, sizes=(1, 7, 13, 1001)) -> li
     return rows
 
 
-# Both all-reduce algorithms face the same cases; rows name the halving-doubling one apart.
-ALL_REDUCE_ROWS = {"ring": "all_reduce", "halving-doubling": "all_reduce (halving-doubling)"}
+# Every all-reduce algorithm faces the same cases; rows name the ring's alternatives apart.
+ALL_REDUCE_ROWS = {"ring": "all_reduce", "halving-doubling": "all_reduce (halving-doubling)",
+                   "tree": "all_reduce (tree)"}
 
 
 def _all_reduce_cases(rows, numel, seed, n):
@@ -184,9 +185,10 @@ def _subgroup_cases(rows, seed, n, rank):
     comm.all_reduce(a, group=group)
     dist.all_reduce(b, group=group)
     _row(rows, "all_reduce", f"subgroup {members}", a, b)
-    a = x.clone()
-    comm.all_reduce(a, group=group, algorithm="halving-doubling")
-    _row(rows, ALL_REDUCE_ROWS["halving-doubling"], f"subgroup {members}", a, b)
+    for algorithm in ("halving-doubling", "tree"):
+        a = x.clone()
+        comm.all_reduce(a, group=group, algorithm=algorithm)
+        _row(rows, ALL_REDUCE_ROWS[algorithm], f"subgroup {members}", a, b)
     a, b = x.clone(), x.clone()
     comm.broadcast(a, src=members[-1], group=group)  # src is a global rank, as in torch
     dist.broadcast(b, src=members[-1], group=group)
@@ -230,6 +232,6 @@ def _subgroup_cases(rows, seed, n, rank):
 
 def check_and_count(rank: int, world_size: int, numel: int = 1200) -> tuple:
     """One launch, three answers (notebook 01): every collective against torch's, the bytes each
-    sent on a `numel`-element tensor, and both all-reduce algorithms' bytes and messages."""
+    sent on a `numel`-element tensor, and every all-reduce algorithm's bytes and messages."""
     return (compare_with_torch(rank, world_size), measure_sent(rank, world_size, numel),
             all_reduce_messages(rank, world_size, numel))

@@ -1,4 +1,5 @@
-"""The gradient a pipeline stage sends back, and the seed's sketch that sends the wrong one.
+"""The gradient a pipeline stage sends back, and the seed's sketch that sends the wrong one; and
+the sketch's layer split (`sketch_split`), beside refimpl.parallel.pp.stage.partition.
 
 Seed 000 (§3.4's code sketch) ends the last stage's step with `grad_to_send = output_activations.grad`.
 That is not what the previous stage needs, and it is not even there: `output_activations` is the
@@ -38,3 +39,11 @@ def reference_gradient(first: nn.Module, last: nn.Module, inputs: torch.Tensor, 
     boundary = first(inputs)
     (grad,) = torch.autograd.grad(loss_fn(last(boundary)), [boundary])
     return grad
+
+
+def sketch_split(n_layers: int, stages: int) -> list[range]:
+    """The layers each stage gets in the seed's sketch (§3.4): `n_layers // stages` each, and the
+    last stage runs to `len(model_layers)`, so it takes the whole remainder as well."""
+    per_stage = n_layers // stages
+    return [range(s * per_stage, n_layers if s == stages - 1 else (s + 1) * per_stage)
+            for s in range(stages)]

@@ -2,7 +2,8 @@
 
 * `profile_step` runs one forward + backward (+ optimizer step) of a model under torch.profiler in
   this process and returns the profiler, so `prof.key_averages().table(...)` shows the operators a
-  real step spends its time in, as the PyTorch profiler recipe does.
+  real step spends its time in, as the PyTorch profiler recipe does; on a GPU with CUDA activity,
+  sorted by device time as the seed's table is (`time_column`).
 * `op_calls` / `calls_per_step` count how often an operator ran; activation checkpointing shows up
   as every nn.Linear of a block running twice (`aten::linear`), one recomputed forward.
 * `nsys_command` is what to run on a GPU server: Nsight Systems records CUDA kernels, NCCL kernels
@@ -20,11 +21,14 @@ from refimpl.model import lm_loss
 
 def profile_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                  optimizer: torch.optim.Optimizer | None = None):
-    """One training step of `model` under torch.profiler (CPU activity, shapes recorded)."""
+    """One training step of `model` under torch.profiler (shapes recorded): CPU activity, and CUDA
+    activity (each kernel's time on the device) when the model lives on a GPU."""
     from torch.profiler import ProfilerActivity, profile
 
-
-    with quiet_profiler_in_notebook(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    activities = [ProfilerActivity.CPU]
+    if next(model.parameters()).is_cuda:
+        activities.append(ProfilerActivity.CUDA)
+    with quiet_profiler_in_notebook(), profile(activities=activities, record_shapes=True) as prof:
         with phase("forward"):
             loss = lm_loss(model(inputs), targets)
         with phase("backward"):
@@ -34,6 +38,14 @@ def profile_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                 optimizer.step()
                 optimizer.zero_grad()
     return prof
+
+
+def time_column(prof) -> str:
+    """The column to sort `key_averages().table` by: the seed's "cuda_time_total" (torch 2.x reads
+    it as device_time_total, the kernels' time) where the profile recorded device time, else
+    "cpu_time_total" (a CPU run has no device column to sort by)."""
+    on_device = any(e.device_time_total > 0 for e in prof.key_averages())
+    return "cuda_time_total" if on_device else "cpu_time_total"
 
 
 def op_calls(prof, name: str) -> int:
