@@ -6,9 +6,10 @@
 
 Prints per mode (eager, each block compiled): step time, tokens/s, model TFLOP/s, MFU against the
 device's datasheet peak (refimpl.lab.predict.hardware; "n/a" on a CPU or a GPU the table lacks), peak
-memory, and torchtitan's published MFU beside it. On a CPU the model is the small one the tests
-train (a 1B model would take minutes a step) and compiling is off unless --compile asks for it
-(inductor's CPU code generation alone takes ~30 s). A benchmark, not a test: it asserts nothing.
+memory, and torchtitan's MFU beside it (from its published tokens/s). On a CPU the model is the
+small one the tests train (a 1B model would take minutes a step) and compiling is off unless
+--compile asks for it (inductor's CPU code generation alone takes ~30 s). A benchmark, not a test:
+it asserts nothing.
 """
 from __future__ import annotations
 
@@ -57,10 +58,12 @@ def main(argv=None) -> int:
               f"{r['step_s'] * 1e3:>9.1f} {r['tokens_per_s']:>10,.0f} {r['achieved_flops'] / 1e12:>8.2f} "
               f"{util:>7} {peak:>9} {r['first_step_s']:>10.1f} "
               f"{r['loss_first']:>7.3f}->{r['loss_last']:.3f}")
-    titan = mfu.TORCHTITAN_LLAMA3_8B_MFU
-    print(f"\ntorchtitan (docs/performance.md), Llama 3.1 8B, FSDP on H100s, bf16, flash attention: "
-          f"{titan['eager']:.0%} MFU eager, {titan['compiled']:.0%} compiled. refimpl's attention is "
-          "written out (its s x s scores go through memory): expect less at the same shape.")
+    titan = ", ".join(f"{r['mode']} on {r['GPUs']} {r['MFU']:.0%}" for r in mfu.torchtitan_mfu())
+    print(f"\ntorchtitan (benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3), Llama 3.1 8B "
+          f"with FSDP on 8 and 128 H100s, bf16, flash attention; MFU from its published tokens/s per "
+          f"GPU with the FLOPs per token above: {titan}. A different model on many GPUs, compared as a "
+          "share of the peak; refimpl's attention is written out (its s x s scores go through "
+          "memory): expect less at the same shape.")
     return 0
 
 

@@ -80,6 +80,15 @@ def test_a_measured_step_trains_and_compiling_each_block_traces_one_graph_for_al
     assert eager["params"] == count_params(build_model(cfg, 0))
 
 
+def test_torchtitans_mfu_from_its_published_tokens_per_second():
+    """Llama 3.1 8B as torchtitan configures it has the released model's 8,030,261,248 parameters,
+    and torchtitan's published tokens/s per GPU, times flops_per_token at 8192 tokens over H100
+    SXM's peak, land in the "33% to 39% MFU" its text states (its own FLOPs code, its own logs)."""
+    assert count_params(build_model(mfu.LLAMA_3_1_8B, 0, device="meta")) == 8_030_261_248
+    rows = mfu.torchtitan_mfu()
+    assert len(rows) == 4 and all(0.33 <= round(r["MFU"], 2) <= 0.39 for r in rows), rows
+    assert {round(r["MFU"], 2) for r in rows} >= {0.33, 0.39}, rows      # both ends of its range
+
 def test_the_benchmark_script_runs_on_a_cpu_and_says_mfu_is_not_defined_there():
     """scripts/bench_mfu.py on the CPU: the small Llama-shaped model, eager, one row whose MFU
     column reads n/a (no datasheet peak), beside torchtitan's published figure."""

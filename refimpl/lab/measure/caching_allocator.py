@@ -36,6 +36,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from refimpl.lab.measure.allocator import MIN_BLOCK, SMALL_SIZE, block_bytes, segment_bytes
+from refimpl.lab.trace.native_stderr import quiet_profiler_in_notebook
 from refimpl.lab.trace.profiling import read_trace
 from refimpl.model import build_model, lm_loss, synthetic_batch
 
@@ -152,7 +153,9 @@ def one_step_stream(model_cfg, global_batch: int = 8, seq_len: int | None = None
     model = build_model(model_cfg, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     seq_len = seq_len or model_cfg.seq_len
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    # in a Jupyter kernel, kineto's start/stop lines on fd 2 would show as red stderr blocks
+    with (quiet_profiler_in_notebook(),
+          profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof):
         for step in range(steps):
             with record_function("step"):
                 b = synthetic_batch(model_cfg, global_batch, seq_len, seed, step)

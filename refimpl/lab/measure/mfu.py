@@ -36,6 +36,7 @@ from contextlib import nullcontext
 import torch
 
 from refimpl.lab.measure.gpu_names import dense_bf16_peak
+from refimpl.lab.predict.hardware import GPUS
 from refimpl.memory import training_flops
 from refimpl.model import GPTConfig, build_model, count_params, lm_loss
 
@@ -48,10 +49,27 @@ LLAMA_3_2_1B = GPTConfig(arch="llama", vocab_size=128256, seq_len=2048, d_model=
                          n_layers=16, n_kv_heads=8, ffn_hidden=8192, rope_theta=500000.0,
                          tie_embeddings=True)
 
-# torchtitan's published MFU for the closest run it reports (docs/performance.md): Llama 3.1 8B,
-# FSDP on 8 or 128 H100s, bf16, no Float8, flash attention: "33% to 39% MFU (with or without
-# torch.compile, respectively)".
-TORCHTITAN_LLAMA3_8B_MFU = {"compiled": 0.33, "eager": 0.39}
+# Llama 3.1 8B as torchtitan benchmarked it (torchtitan 9dec370: torchtitan/models/llama/__init__.py
+# "8B", train_configs/llama3_8b.toml's seq_len 8192): 32 layers, d_model 4096, 32 query and 8
+# key/value heads, SwiGLU width 14336, a 128256-entry vocabulary, an untied output layer.
+LLAMA_3_1_8B = GPTConfig(arch="llama", vocab_size=128256, seq_len=8192, d_model=4096, n_heads=32,
+                         n_layers=32, n_kv_heads=8, ffn_hidden=14336, rope_theta=500000.0)
+
+# torchtitan's published throughput for it, tokens/s per GPU (benchmarks/llama3_h100_202412_torchtitan.md,
+# docs/performance.md until June 2025): Table 1 (8 H100s) and Table 3 (128 H100s), FSDP, bf16, no
+# Float8, selective activation checkpointing, local batch 2 x 8192, flash attention. It publishes no
+# FLOPs; its text says "33% to 39% MFU (with or without torch.compile, respectively)" against H100
+# SXM's dense bf16 peak (its footnote 2), which `torchtitan_mfu` recomputes from these rows.
+TORCHTITAN_LLAMA3_8B_TPS = {("eager", 8): 5762, ("compiled", 8): 6667,
+                            ("eager", 128): 5605, ("compiled", 128): 6514}
+
+
+def torchtitan_mfu() -> list[dict]:
+    """torchtitan's MFU per published row: its tokens/s per GPU x `flops_per_token` of Llama 3.1 8B
+    at 8192 tokens, over H100 SXM's dense bf16 peak (refimpl.lab.predict.hardware), as its footnote does."""
+    per_token, peak = flops_per_token(LLAMA_3_1_8B, 8192), GPUS["h100-sxm"].peak_flops
+    return [{"mode": mode, "GPUs": gpus, "tokens/s per GPU": tps, "MFU": tps * per_token / peak}
+            for (mode, gpus), tps in TORCHTITAN_LLAMA3_8B_TPS.items()]
 
 
 def matmul_weights(cfg: GPTConfig) -> int:
