@@ -41,3 +41,16 @@ def test_no_section_reads_what_another_section_defined(path):
 def test_each_section_runs_alone_in_a_fresh_kernel(path):
     failures = run_alone(path)
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("path", PATHS, ids=lambda p: p.stem)
+def test_the_notebook_is_valid_nbformat_with_unique_cell_ids(path):
+    """nbformat 4.5 gives every cell an id, unique in the notebook (JupyterLab and nbclient warn on
+    a missing one and assign their own, which then shows up as a diff on every save). Read from the
+    file's JSON: nbformat.read fills a missing id in silently."""
+    import nbformat
+
+    raw = json.loads(path.read_text())
+    ids = [cell.get("id") for cell in raw["cells"]]
+    assert None not in ids and len(set(ids)) == len(ids), [i for i in ids if ids.count(i) > 1 or i is None]
+    nbformat.validate(nbformat.from_dict(raw))
