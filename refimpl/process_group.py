@@ -99,12 +99,3 @@ def backend_and_device(cfg) -> tuple:
         return backend, device_for(backend)
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     return ("nccl", torch.device("cuda", 0)) if use_cuda else ("gloo", torch.device("cpu"))
-
-
-
-def sync(device) -> None:
-    """Wait for the device's queued work (a step's time on a GPU is when its kernels end)."""
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)
