@@ -14,7 +14,6 @@ import torch
 import torch.nn as nn
 
 from refimpl.config import Option, RunContext, TrainConfig
-from refimpl.memory import ModelStateBytes, measured_model_state
 from refimpl.mesh import LayoutError
 from refimpl.model import Batch
 from refimpl.rank_model import RankModel
@@ -139,13 +138,6 @@ class Strategy:
     def optimizer_step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
-
-    # --- accounting ---------------------------------------------------------------------
-
-    def model_state(self) -> ModelStateBytes:
-        """Bytes of parameters, gradients and optimizer states this rank holds right now (the
-        default counts the model's and the optimizer's tensors, by storage)."""
-        return measured_model_state(self.model.parameters(), self.optimizer)
 
 
 def optimizer_settings(cfg: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict]:

@@ -26,6 +26,7 @@ from refimpl.lab.checkpoint.optim_reshard import (
 )
 from refimpl.lab.checkpoint.shard_boxes import BoxedParts
 from refimpl.lab.instrument.activations import ActivationTracker, activation_exclusions
+from refimpl.lab.instrument.model_state import model_state
 from refimpl.lab.layout_rules import check_run
 from refimpl.lab.measure.moe_traffic import meter_experts, moe_step_record
 from refimpl.lab.moe_scope import batch_scope_problem
@@ -132,7 +133,7 @@ class LabExtras(LoopExtras):
     def finish(self, strategy, result: dict) -> None:
         if self.cfg.return_state:
             result["state_dict"] = full_state_dict(strategy)
-        state, peak = strategy.model_state(), self.activation_peak
+        state, peak = model_state(strategy), self.activation_peak
         result["step_times"] = self.step_times
         result["memory"] = {"params": int(state.params), "grads": int(state.grads),
                             "optimizer": int(state.optimizer), "activations_peak": int(peak),
