@@ -33,7 +33,7 @@ class Strategy:
     # expert), so it runs a MoE model with --ep > 1; False: it would sum different experts.
     experts_over_edp: bool = False
     # True: runs on a pipeline's stages (--pp > 1): its sync and gathering work on a stage's
-    # parameters and its runner on the schedule's table (refimpl.parallel.pp.validate).
+    # parameters and its runner on the schedule's table (refimpl.lab.layout_rules.check_pipeline).
     on_a_pipeline: bool = False
 
     def __init__(self, ctx: RunContext):

@@ -15,7 +15,8 @@ import torch
 from refimpl.config import DTYPES
 from refimpl.mesh import LayoutError
 from refimpl.model.moe import validate_moe
-from refimpl.parallel.pp.validate import validate_pipeline
+from refimpl.parallel.pp import schedules as pp
+from refimpl.parallel.pp.stage import partition
 from refimpl.parallel.tp.attention import kv_split
 from refimpl.registry import entry_of
 
@@ -125,7 +126,28 @@ def check_model_parallel(cfg, strategy) -> None:
                    or tp_cp_layout_problem(cfg.seq_len, cfg.tp, cfg.cp, cfg.sequence_parallel))
         if problem:
             raise LayoutError(problem)
-    validate_pipeline(cfg, strategy)
+    check_pipeline(cfg, strategy)
+
+
+def check_pipeline(cfg, strategy) -> None:
+    """A pipeline's layout (--pp, --schedule, --virtual-stages); `strategy`, the class that runs it,
+    must run on a pipeline's stages."""
+    v = cfg.virtual_stages
+    if cfg.pp == 1:
+        if v != 1 or cfg.schedule:
+            raise LayoutError("--schedule / --virtual-stages need a pipeline: --pp >= 2")
+        return
+    if not strategy.on_a_pipeline:
+        raise LayoutError(f"--pp {cfg.pp}: strategy {cfg.strategy!r} does not run on pipeline "
+                          "stages (ours do: dp-naive, dp, zero1, zero2, zero3, fsdp and the tp, "
+                          "ep, pp-* shorthands; PyTorch's: torch-fsdp2-tp, torch-pp-*)")
+    schedule = pp.pipeline_schedule(cfg)
+    pp.check_layout(cfg.pp, cfg.micro_batches, schedule, v)
+    partition(cfg.model.n_layers, cfg.pp * pp.chunks_per_rank(schedule, v))
+    if cfg.model.tie_embeddings:
+        raise LayoutError("--pp needs untied embeddings: the head and the embedding sit on different stages")
+    if pp.schedules()[schedule].split and cfg.activation_checkpointing:
+        raise LayoutError(f"{schedule} records each layer's input for the deferred W: not with --checkpointing")
 
 
 def tp_layout_problem(cfg, tp: int, seq_len: int | None = None,
