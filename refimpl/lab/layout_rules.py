@@ -14,7 +14,6 @@ import torch
 
 from refimpl.config import DTYPES
 from refimpl.mesh import LayoutError
-from refimpl.model.moe import validate_moe
 from refimpl.parallel.pp import schedules as pp
 from refimpl.parallel.pp.stage import partition
 from refimpl.parallel.tp.attention import kv_split
@@ -111,7 +110,7 @@ def check_model_parallel(cfg, strategy) -> None:
     if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):
         raise LayoutError(f"--seq-len {cfg.seq_len} must be divisible by 2 x cp = {2 * cfg.cp}: "
                           "ring attention cuts each sequence into 2·cp equal chunks")
-    validate_moe(cfg.model, cfg.dims.ep)
+    check_moe(cfg.model, cfg.dims.ep)
     if cfg.dims.ep > 1 and not strategy.experts_over_edp:
         # a strategy that sums every gradient over dp x cp: expert 0's into expert 2's weights
         raise LayoutError(f"--ep {cfg.dims.ep}: strategy {cfg.strategy!r} would sum different "
@@ -148,6 +147,37 @@ def check_pipeline(cfg, strategy) -> None:
         raise LayoutError("--pp needs untied embeddings: the head and the embedding sit on different stages")
     if pp.schedules()[schedule].split and cfg.activation_checkpointing:
         raise LayoutError(f"{schedule} records each layer's input for the deferred W: not with --checkpointing")
+
+
+
+BALANCE = ("aux", "bias", "none")
+SCOPES = ("batch", "sequence")       # capacity_scope: what C and the aux loss's f_i count over
+
+
+def check_moe(cfg, ep: int = 1) -> None:
+    """The MoE layer's options (a GPTConfig's) and its expert-parallel layout."""
+    if cfg.n_experts == 0:
+        if ep > 1:
+            raise LayoutError(f"expert parallelism (ep = {ep}) needs --experts E > 0")
+        return
+    if cfg.n_experts < 0:
+        raise LayoutError(f"--experts must be >= 0 (got {cfg.n_experts})")
+    if not 1 <= cfg.top_k <= cfg.n_experts:
+        raise LayoutError(f"--top-k must be in [1, --experts = {cfg.n_experts}] (got {cfg.top_k})")
+    if not cfg.capacity_factor > 0:
+        raise LayoutError(f"--capacity-factor must be > 0 (got {cfg.capacity_factor})")
+    if cfg.balance not in BALANCE:
+        raise LayoutError(f"--set balance must be one of {', '.join(BALANCE)} (got {cfg.balance!r})")
+    if cfg.capacity_scope not in SCOPES:
+        raise LayoutError(f"--set capacity_scope must be one of {', '.join(SCOPES)} "
+                          f"(got {cfg.capacity_scope!r})")
+    for key in ("aux_alpha", "bias_gamma"):
+        value = getattr(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise LayoutError(f"--set {key} must be a number >= 0 (got {value!r})")
+    if cfg.n_experts % ep:
+        raise LayoutError(f"--experts {cfg.n_experts} must be divisible by ep = {ep}: "
+                          f"every rank of the ep group holds E/ep experts")
 
 
 def tp_layout_problem(cfg, tp: int, seq_len: int | None = None,
