@@ -50,13 +50,6 @@ class Strategy:
         if cls.max_world_size is not None and cfg.nproc > cls.max_world_size:
             raise LayoutError(f"strategy {cls.name!r} runs on at most {cls.max_world_size} "
                               f"process(es), got --nproc {cfg.nproc}")
-        unknown = set(cfg.options) - set(cls.options)
-        if unknown:
-            known = ", ".join(sorted(cls.options)) or "none"
-            raise LayoutError(f"strategy {cls.name!r} has no option(s) {sorted(unknown)}; "
-                              f"known: {known}")
-        for key, value in cfg.options.items():
-            cls.options[key].check(key, value)
 
     def option(self, key: str):
         return self.ctx.cfg.options.get(key, self.options[key].default)

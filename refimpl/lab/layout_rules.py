@@ -28,6 +28,7 @@ def check_run(cfg, strategy) -> None:
     that runs it (refimpl.registry), whose traits say what it composes with."""
     check_shorthand(cfg)
     check_values(cfg)
+    check_options(cfg, strategy)
     check_layout(cfg)
     check_model_parallel(cfg, strategy)
 
@@ -72,6 +73,33 @@ def check_values(cfg) -> None:
         raise LayoutError(f"--checkpoint-every must be an integer >= 0 (got {cfg.checkpoint_every!r})")
     if cfg.checkpoint_every and not cfg.checkpoint_dir:
         raise LayoutError("--checkpoint-every needs --checkpoint-dir (where the checkpoints go)")
+
+
+def check_options(cfg, strategy) -> None:
+    """Every `--set key=value` is one of the strategy's options (refimpl.config.Option), with a value
+    it accepts."""
+    unknown = set(cfg.options) - set(strategy.options)
+    if unknown:
+        known = ", ".join(sorted(strategy.options)) or "none"
+        raise LayoutError(f"strategy {strategy.name!r} has no option(s) {sorted(unknown)}; "
+                          f"known: {known}")
+    for key, value in cfg.options.items():
+        check_option(key, strategy.options[key], value)
+
+
+def check_option(key: str, option, value) -> None:
+    if option.kind is bool and not isinstance(value, bool):
+        raise LayoutError(f"--set {key} must be true or false (got {value!r})")
+    if option.kind in (int, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or (option.kind is int and value != int(value)):
+            raise LayoutError(f"--set {key} must be a{'n integer' if option.kind is int else ' number'}"
+                              f" (got {value!r})")
+        if option.positive and not value > 0:
+            raise LayoutError(f"--set {key} must be > 0 (got {value!r})")
+    if option.choices and value not in option.choices:
+        raise LayoutError(f"--set {key} must be one of {', '.join(map(str, option.choices))} "
+                          f"(got {value!r})")
 
 
 def check_numerics(cfg) -> None:
