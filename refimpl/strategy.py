@@ -14,7 +14,6 @@ import torch
 import torch.nn as nn
 
 from refimpl.config import Option, RunContext, TrainConfig
-from refimpl.mesh import LayoutError
 from refimpl.model import Batch
 from refimpl.rank_model import RankModel
 from refimpl.seam import phase
@@ -44,12 +43,8 @@ class Strategy:
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
-        """Raise LayoutError (one line) if this strategy cannot run `cfg`. Runs before launch."""
-        if cfg.nproc < cls.min_world_size:
-            raise LayoutError(f"strategy {cls.name!r} needs --nproc >= {cls.min_world_size}")
-        if cls.max_world_size is not None and cfg.nproc > cls.max_world_size:
-            raise LayoutError(f"strategy {cls.name!r} runs on at most {cls.max_world_size} "
-                              f"process(es), got --nproc {cfg.nproc}")
+        """Raise LayoutError (one line) if this strategy cannot run `cfg`. Runs before launch, after
+        the shared rules (refimpl.lab.layout_rules: --nproc within the sizes above, the options)."""
 
     def option(self, key: str):
         return self.ctx.cfg.options.get(key, self.options[key].default)

@@ -28,9 +28,9 @@ def check_run(cfg, strategy) -> None:
     that runs it (refimpl.registry), whose traits say what it composes with."""
     check_shorthand(cfg)
     check_values(cfg)
-    check_options(cfg, strategy)
     check_layout(cfg)
     check_model_parallel(cfg, strategy)
+    check_options(cfg, strategy)     # last, as the strategy's own validate once did them
 
 
 def check_shorthand(cfg) -> None:
@@ -76,8 +76,13 @@ def check_values(cfg) -> None:
 
 
 def check_options(cfg, strategy) -> None:
-    """Every `--set key=value` is one of the strategy's options (refimpl.config.Option), with a value
-    it accepts."""
+    """--nproc within the strategy's world sizes; every `--set key=value` one of its options
+    (refimpl.config.Option), with a value it accepts."""
+    if cfg.nproc < strategy.min_world_size:
+        raise LayoutError(f"strategy {strategy.name!r} needs --nproc >= {strategy.min_world_size}")
+    if strategy.max_world_size is not None and cfg.nproc > strategy.max_world_size:
+        raise LayoutError(f"strategy {strategy.name!r} runs on at most {strategy.max_world_size} "
+                          f"process(es), got --nproc {cfg.nproc}")
     unknown = set(cfg.options) - set(strategy.options)
     if unknown:
         known = ", ".join(sorted(strategy.options)) or "none"
