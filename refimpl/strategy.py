@@ -1,11 +1,6 @@
-"""What a parallelism strategy is: placement plus synchronisation, around one step runner.
-
-A strategy fills in only what makes it itself: placement (`setup`: how this rank's model lives on
-the dp axis) and sync (`micro_step`, `sync_gradients`, `optimizer_step`). Each rank's loss is
-divided by W and the gradients summed: the same maths as DDP's sum-then-divide (Li et al. 2020,
-§4.2), rounded once instead of once per element, which keeps W = 3 closer to `single` (1/3 is
-inexact in binary).
-"""
+"""What a parallelism strategy is: placement (`setup`) plus synchronisation (`micro_step`,
+`sync_gradients`, `optimizer_step`), around one step runner. Each rank's loss is divided by W and the
+gradients summed: DDP's sum-then-divide (Li et al. 2020, §4.2), rounded once (docs/core_notes.md)."""
 from __future__ import annotations
 
 import contextlib
