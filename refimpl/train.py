@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 import refimpl.comm as refimpl_comm
 from refimpl import launch
@@ -110,8 +111,6 @@ def in_this_process(fn, *args):
 
 
 def _train_rank_and_share(rank: int, world_size: int, cfg: TrainConfig) -> list[dict]:
-    import torch.distributed as dist
-
     mine = train_rank(rank, world_size, cfg)
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, mine)
