@@ -7,13 +7,12 @@ The rules a configuration must keep are checked in the launching process, before
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from refimpl.mesh import LayoutError, Mesh, ParallelDims
+from refimpl.mesh import Mesh, ParallelDims
 from refimpl.model import GPTConfig
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -102,22 +101,9 @@ class RunContext:
 
 @dataclass(frozen=True)
 class Option:
-    """One strategy knob (`--set key=value`): its default and what values it accepts."""
+    """One strategy knob (`--set key=value`): its default and what values it accepts (checked
+    before launch: refimpl.lab.layout_rules.check_options)."""
     default: Any
     kind: type = float                # bool, float, int or str
     choices: tuple = ()
     positive: bool = False
-
-    def check(self, key: str, value) -> None:
-        if self.kind is bool and not isinstance(value, bool):
-            raise LayoutError(f"--set {key} must be true or false (got {value!r})")
-        if self.kind in (int, float):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value) or (self.kind is int and value != int(value)):
-                raise LayoutError(f"--set {key} must be a{'n integer' if self.kind is int else ' number'}"
-                                  f" (got {value!r})")
-            if self.positive and not value > 0:
-                raise LayoutError(f"--set {key} must be > 0 (got {value!r})")
-        if self.choices and value not in self.choices:
-            raise LayoutError(f"--set {key} must be one of {', '.join(map(str, self.choices))} "
-                              f"(got {value!r})")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import cloudpickle
+import torch.distributed as dist
 
 from refimpl.launch_tools import tools
 from refimpl.process_group import CHILD_MARK as _CHILD_MARK
@@ -45,8 +46,6 @@ def run(fn: Callable[..., Any], world_size: int = 2, *args, backend: str = "auto
         return [run_this_torchrun_rank(fn, args, kwargs, backend, timeout)]
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-
-    import torch.distributed as dist
 
     backend = pick_backend(world_size, backend)
     # The caller hosts the store; port=0 lets the OS choose a free port, so launches never collide.

@@ -1,14 +1,10 @@
-"""What may be added to the one loop (refimpl.train) from outside it: the lab's checkpoints, traces,
-initial states, shard-only build and records reach the loop through this one record, never through
-the loop's code.
-
-`LoopExtras` is the plain loop's: it adds nothing. A plug-in registered under the entry-point group
-"refimpl.loop" replaces it (refimpl/lab/loop.py); the loop calls the same hooks either way.
-"""
+"""What may be added to the one loop (refimpl.train) from outside it: the lab's step times, memory
+counts, checkpoints, traces, initial states and shard-only build reach the loop through this one
+record, never through the loop's code. `LoopExtras` adds nothing; a plug-in registered under the
+entry-point group "refimpl.loop" replaces it (refimpl/lab/loop.py)."""
 from __future__ import annotations
 
 import contextlib
-from types import SimpleNamespace
 
 from refimpl.seam import plugins
 
@@ -35,12 +31,16 @@ class LoopExtras:
         return contextlib.nullcontext(lambda step, losses: None)
 
     def measure_step(self, strategy):
-        """A context around one step, yielding what has `peak`: the bytes autograd saved for
-        backward (none measured here; the lab's count them)."""
-        return contextlib.nullcontext(SimpleNamespace(peak=0))
+        """A context around one step (the lab's times it and counts the bytes autograd saves)."""
+        return contextlib.nullcontext()
 
     def finish(self, strategy, result: dict) -> None:
         """The rank's result, once the steps are done: fields to add."""
+
+    @staticmethod
+    def merged(cfg, per_rank: list[dict]) -> dict:
+        """In the launching process: fields of the run's result, merged from every rank's."""
+        return {}
 
 
 def extras_class() -> type[LoopExtras]:

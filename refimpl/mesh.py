@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-import torch
+import torch.distributed as dist
 
 
 class LayoutError(ValueError):
@@ -53,13 +53,8 @@ class ParallelDims:
             raise LayoutError(f"--ep {self.ep} must divide dp x cp = {self.dp * self.cp}: expert "
                               "parallelism reuses the data-parallel ranks")
 
-    def grid(self) -> torch.Tensor:
-        """Global rank at each coordinate: shape (replica, dp, pp, cp, tp)."""
-        return torch.arange(self.world_size).view(self.replica, self.dp, self.pp, self.cp, self.tp)
-
-    # The groups and coordinates below are the grid's, computed on integers rather than on
-    # `grid()`: they are host bookkeeping, and a tensor here would be a meta one under the dry
-    # run (refimpl.lab.verify.dryrun), where `.nonzero()` and `.tolist()` cannot run.
+    # The grid's groups and coordinates, computed on integers, not on a tensor: host bookkeeping
+    # (a tensor would be a meta one under the dry run, where `.tolist()` cannot run).
     def _stride(self, axis: str) -> int:
         """How far apart neighbours along `axis` are in rank (tp innermost: 1)."""
         order = ("replica",) + AXES
@@ -114,8 +109,6 @@ class Mesh:
         self.coords = dims.coordinates(rank)
         self._ranks: dict[str, list[int]] = {}
         self._groups: dict = {}
-        import torch.distributed as dist
-
         distributed = dist.is_available() and dist.is_initialized()
         made = _groups_of_this_world() if distributed else {}
         for axis in GROUP_AXES + ("replica",):
@@ -157,8 +150,6 @@ _MADE: dict = {"world": None, "groups": {}}
 
 
 def _groups_of_this_world() -> dict[tuple, object]:
-    import torch.distributed as dist
-
     world = dist.group.WORLD
     if _MADE["world"] is not world:      # a new default group (a restart, the dry run's fake one)
         _MADE["world"], _MADE["groups"] = world, {}

@@ -29,14 +29,6 @@ class Owned:
     count: int         # how many the reference has (E); each rank of the axis owns count / size
     within: Shard | None = None   # the owned module's own tensor split too (tp inside an expert)
 
-    def slot(self, axis_size: int) -> int:
-        """Its place among its owner's modules (the owner is the rank index // per-rank count)."""
-        return self.index % (self.count // axis_size)
-
-    def renamed(self, name: str, index: int) -> str:
-        """`name` with this module's index replaced by `index` (the same slot on another rank)."""
-        return name.replace(f"{self.segment}.{self.index}.", f"{self.segment}.{index}.", 1)
-
 
 Placement = Shard | Owned
 

@@ -6,6 +6,9 @@ import gc
 import os
 from datetime import timedelta
 
+import torch
+import torch.distributed as dist
+
 from refimpl.launch_tools import tools
 
 # Set on every child refimpl.launch.run starts, so a nested `run` inside a rank is not mistaken
@@ -19,8 +22,6 @@ def pick_backend(world_size: int, backend: str = "auto") -> str:
         return backend
     if os.environ.get("REFIMPL_SHARED_DEVICE"):     # several ranks on one device (shared_device)
         return "staged"
-    import torch
-
     if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
         return "nccl"
     return "gloo"
@@ -33,8 +34,6 @@ def under_torchrun() -> bool:
 def run_this_torchrun_rank(fn, args, kwargs, backend: str, timeout: float):
     """Under torchrun every process calls `run`; each runs `fn` once, for its own rank, on the
     backend asked for and with the caller's `timeout` for its process group."""
-    import torch.distributed as dist
-
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     created = not dist.is_initialized()
     if created:
@@ -54,9 +53,6 @@ def run_this_torchrun_rank(fn, args, kwargs, backend: str, timeout: float):
 def init_process_group(rank: int, world_size: int, backend: str, timeout: float = 600.0) -> None:
     """Join the default process group: our own child through the store the caller hosts (it counts
     as one extra client), a rank torchrun started through its environment (env://)."""
-    import torch
-    import torch.distributed as dist
-
     launched = CHILD_MARK in os.environ
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -71,8 +67,6 @@ def init_process_group(rank: int, world_size: int, backend: str, timeout: float 
 def device_for(backend: str):
     """The device this rank computes on: its own GPU under NCCL, the CPU under gloo, the shared
     device under the staged backend, `meta` under the dry run's fake one."""
-    import torch
-
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     if backend == "staged":     # every rank on the one shared device (refimpl.lab.runtime.shared_device)
@@ -91,20 +85,8 @@ def launch_backend(cfg) -> str:
 def backend_and_device(cfg) -> tuple:
     """A rank computes where its backend puts it. The in-process run (no process group) computes
     on `cfg.device`: a reference sets it to its comparison's ranks' device (never straddling)."""
-    import torch
-    import torch.distributed as dist
-
     if dist.is_initialized():
         backend = dist.get_backend()
         return backend, device_for(backend)
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     return ("nccl", torch.device("cuda", 0)) if use_cuda else ("gloo", torch.device("cpu"))
-
-
-
-def sync(device) -> None:
-    """Wait for the device's queued work (a step's time on a GPU is when its kernels end)."""
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)

@@ -1,7 +1,6 @@
 """What the transforms hand the step runner: this rank's model, and how to run it."""
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -26,15 +25,14 @@ class RankModel:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
     shard_batch: Callable[[Batch], Batch] | None = None
     pipeline: Pipeline | None = None
-    aux_loss: Callable[[], torch.Tensor | float] | None = None    # default: the module's MoE layers'
-    after_step: Callable[[], None] | None = None                 # default: their bias step
 
-    def __post_init__(self):
-        # the defaults read the module, so they are made here (a frozen field is set once, now)
-        if self.aux_loss is None:
-            object.__setattr__(self, "aux_loss", functools.partial(moe_aux_loss, self.module))
-        if self.after_step is None:
-            object.__setattr__(self, "after_step", functools.partial(update_expert_bias, self.module))
+    def aux_loss(self) -> torch.Tensor | float:
+        """The module's MoE layers' auxiliary loss of the last forward (0.0 for a dense model)."""
+        return moe_aux_loss(self.module)
+
+    def after_step(self) -> None:
+        """After the optimizer step: the MoE layers' bias step (balance=bias; else nothing)."""
+        update_expert_bias(self.module)
 
     def with_pipeline_run(self, run: Callable[..., torch.Tensor]) -> "RankModel":
         """The same rank model with the pipeline's step replaced (its loss stage and how the

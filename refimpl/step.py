@@ -1,11 +1,5 @@
-"""The step runner: micro-batches through forward and backward, and the global loss.
-
-Written once for every strategy (refimpl.strategy.Strategy.train_step calls it). With
-`--micro-batches k` a rank's rows are split into k micro-batches whose gradients accumulate; each
-loss is divided by k so the accumulated gradient is the mean over the rank's rows, and by the
-strategy's `divisor` (W for our data-parallel strategies: the 1/W rationale is in
-refimpl.strategy's docstring). A pipeline (pp > 1) replaces this loop by a schedule's table.
-"""
+"""The step runner: micro-batches through forward and backward (each loss / k, then / W: the
+gradients accumulate to the mean), and the global loss. A pipeline runs a schedule's table instead."""
 from __future__ import annotations
 
 import contextlib

@@ -1,11 +1,6 @@
-"""What a parallelism strategy is: placement plus synchronisation, around one step runner.
-
-A strategy fills in only what makes it itself: placement (`setup`: how this rank's model lives on
-the dp axis) and sync (`micro_step`, `sync_gradients`, `optimizer_step`). Each rank's loss is
-divided by W and the gradients summed: the same maths as DDP's sum-then-divide (Li et al. 2020,
-§4.2), rounded once instead of once per element, which keeps W = 3 closer to `single` (1/3 is
-inexact in binary).
-"""
+"""What a parallelism strategy is: placement (`setup`) plus synchronisation (`micro_step`,
+`sync_gradients`, `optimizer_step`), around one step runner. Each rank's loss is divided by W and the
+gradients summed: DDP's sum-then-divide (Li et al. 2020, §4.2), rounded once (docs/core_notes.md)."""
 from __future__ import annotations
 
 import contextlib
@@ -14,8 +9,6 @@ import torch
 import torch.nn as nn
 
 from refimpl.config import Option, RunContext, TrainConfig
-from refimpl.memory import ModelStateBytes, measured_model_state
-from refimpl.mesh import LayoutError
 from refimpl.model import Batch
 from refimpl.rank_model import RankModel
 from refimpl.seam import phase
@@ -34,7 +27,7 @@ class Strategy:
     # expert), so it runs a MoE model with --ep > 1; False: it would sum different experts.
     experts_over_edp: bool = False
     # True: runs on a pipeline's stages (--pp > 1): its sync and gathering work on a stage's
-    # parameters and its runner on the schedule's table (refimpl.parallel.pp.validate).
+    # parameters and its runner on the schedule's table (refimpl.lab.layout_rules.check_pipeline).
     on_a_pipeline: bool = False
 
     def __init__(self, ctx: RunContext):
@@ -45,19 +38,8 @@ class Strategy:
 
     @classmethod
     def validate(cls, cfg: TrainConfig) -> None:
-        """Raise LayoutError (one line) if this strategy cannot run `cfg`. Runs before launch."""
-        if cfg.nproc < cls.min_world_size:
-            raise LayoutError(f"strategy {cls.name!r} needs --nproc >= {cls.min_world_size}")
-        if cls.max_world_size is not None and cfg.nproc > cls.max_world_size:
-            raise LayoutError(f"strategy {cls.name!r} runs on at most {cls.max_world_size} "
-                              f"process(es), got --nproc {cfg.nproc}")
-        unknown = set(cfg.options) - set(cls.options)
-        if unknown:
-            known = ", ".join(sorted(cls.options)) or "none"
-            raise LayoutError(f"strategy {cls.name!r} has no option(s) {sorted(unknown)}; "
-                              f"known: {known}")
-        for key, value in cfg.options.items():
-            cls.options[key].check(key, value)
+        """Raise LayoutError (one line) if this strategy cannot run `cfg`. Runs before launch, after
+        the shared rules (refimpl.lab.layout_rules: --nproc within the sizes above, the options)."""
 
     def option(self, key: str):
         return self.ctx.cfg.options.get(key, self.options[key].default)
@@ -139,13 +121,6 @@ class Strategy:
     def optimizer_step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
-
-    # --- accounting ---------------------------------------------------------------------
-
-    def model_state(self) -> ModelStateBytes:
-        """Bytes of parameters, gradients and optimizer states this rank holds right now (the
-        default counts the model's and the optimizer's tensors, by storage)."""
-        return measured_model_state(self.model.parameters(), self.optimizer)
 
 
 def optimizer_settings(cfg: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict]:

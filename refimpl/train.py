@@ -4,10 +4,8 @@
     python -m refimpl train --strategy single --steps 5 --json            # from a shell"""
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
+import torch.distributed as dist
 
 import refimpl.comm as refimpl_comm
 from refimpl import launch
@@ -17,7 +15,7 @@ from refimpl.launch_tools import tools
 from refimpl.loop_extras import extras_class
 from refimpl.mesh import Mesh
 from refimpl.model import build_model, converted, count_params, synthetic_batch
-from refimpl.process_group import backend_and_device, launch_backend, sync
+from refimpl.process_group import backend_and_device, launch_backend
 from refimpl.registry import Resolved, resolve
 from refimpl.seam import use_collectives
 from refimpl.strategy import Strategy
@@ -64,31 +62,21 @@ def place_seeded(strategy: Strategy) -> int:
 
 
 def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
-    """Train on this rank; run by `launch.run` on every rank (or once, for `single`)."""
+    """Train on this rank; run by `launch.run` on every rank (or once, for `single`). What the
+    loop's extras measure (a step's time, the memory held) they add to the result."""
     layout = resolve(cfg)         # the axes a shorthand names, and the strategy's class
     cfg = layout.cfg
     extras = extras_class()(cfg, rank, world_size)     # the lab's (refimpl.loop_extras)
     ctx, strategy, n_params = setup_rank(rank, world_size, layout, extras.place)
-    losses, step_times, activation_peak = list(extras.losses), [], 0
+    losses = list(extras.losses)
     with extras.steps(ctx, strategy, extras.first) as on_step:
         for step in range(extras.first, cfg.steps):
             batch = synthetic_batch(cfg.model, cfg.global_batch, cfg.seq_len, cfg.seed, step)
-            measuring = extras.measure_step(strategy)
-            sync(ctx.device)
-            begin = time.perf_counter()
-            with measuring as saved:
+            with extras.measure_step(strategy):
                 loss = strategy.train_step(batch)
-            sync(ctx.device)
-            step_times.append(time.perf_counter() - begin)
             losses.append(float(loss))
-            activation_peak = max(activation_peak, saved.peak)
             on_step(step, losses)
-    state = strategy.model_state()
-    result = {"rank": rank, "losses": losses, "step_times": step_times, "n_params": n_params,
-              "memory": {"params": int(state.params), "grads": int(state.grads),
-                         "optimizer": int(state.optimizer), "activations_peak": int(activation_peak),
-                         "total": int(state.total + activation_peak)},
-              "trace_dir": None}
+    result = {"rank": rank, "losses": losses, "n_params": n_params}
     extras.finish(strategy, result)
     return result
 
@@ -123,8 +111,6 @@ def in_this_process(fn, *args):
 
 
 def _train_rank_and_share(rank: int, world_size: int, cfg: TrainConfig) -> list[dict]:
-    import torch.distributed as dist
-
     mine = train_rank(rank, world_size, cfg)
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, mine)
@@ -132,26 +118,11 @@ def _train_rank_and_share(rank: int, world_size: int, cfg: TrainConfig) -> list[
 
 
 def merge_results(cfg: TrainConfig, per_rank: list[dict]) -> dict:
+    """One result for the run: rank 0's losses (each rank's is the global loss), what the loop's
+    extras merge from every rank's (refimpl.loop_extras), and every rank's own."""
     first = per_rank[0]
-    # A step takes as long as its slowest rank; the median over steps after the first (warm-up).
-    slowest = [max(times) for times in zip(*(r["step_times"] for r in per_rank))]
-    timed = slowest[1:] if len(slowest) > 1 else slowest
-    out = {
-        "strategy": cfg.strategy,
-        "world_size": cfg.nproc,
-        "losses": first["losses"],
-        # None only when a resumed run found nothing left to do (its checkpoint is its last step)
-        "step_time_s": statistics.median(timed) if timed else None,
-        "n_params": first["n_params"],
-        "memory": [r["memory"] for r in per_rank],
-        "trace_dir": first["trace_dir"],
-        "per_rank": per_rank,
-    }
-    if cfg.checkpoint_dir:   # the step the run started from (0: no checkpoint was there)
-        out["resumed_from"] = first["resumed_from"]
-    for key in ("state_dict", "optimizer_state"):     # rank 0's gathered copy, where asked
-        if key in first:
-            out[key] = first[key]
-    if "moe" in first:   # per rank, per step (the lab loop's moe_step_record)
-        out["moe"] = [r["moe"] for r in per_rank]
+    out = {"strategy": cfg.strategy, "world_size": cfg.nproc, "losses": first["losses"],
+           "n_params": first["n_params"]}
+    out.update(extras_class().merged(cfg, per_rank))
+    out["per_rank"] = per_rank
     return out

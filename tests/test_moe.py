@@ -246,11 +246,11 @@ def test_published_moe_sizes_from_their_configs(name, total_tol, active_tol):
     (dict(n_experts=4, capacity_factor=0.0), 1, "--capacity-factor"),
     (dict(n_experts=4, balance="loss"), 1, "balance"), (dict(), 2, "needs --experts")])
 def test_bad_moe_layouts_are_one_line_layout_errors(changes, ep, words):
+    from refimpl.lab.layout_rules import check_moe
     from refimpl.mesh import LayoutError
-    from refimpl.model.moe import validate_moe
 
     with pytest.raises(LayoutError, match=words) as e:
-        validate_moe(GPTConfig(**changes), ep=ep)
+        check_moe(GPTConfig(**changes), ep=ep)
     assert "\n" not in str(e.value)
 
 

@@ -87,6 +87,7 @@ def _build_growth(rank: int, world_size: int, cfgs: list) -> list[dict]:
     """For each configuration in turn: the most this rank's resident memory grew while
     the lab's setup_rank built it (the kernel's high-water mark, reset first by writing 5 to clear_refs),
     and the shards it kept. The strategy is dropped before the next."""
+    from refimpl.lab.instrument.model_state import shard_state
     from refimpl.lab.loop import setup_rank
     from refimpl.registry import resolve
 
@@ -98,7 +99,7 @@ def _build_growth(rank: int, world_size: int, cfgs: list) -> list[dict]:
         before = _kib("VmRSS")
         _, strategy, n_params = setup_rank(rank, world_size, layout)
         growth = (_kib("VmHWM") - before) * 1024
-        kept = strategy.shard_state()
+        kept = shard_state(strategy)
         out.append({"growth": growth, "kept": int(kept.params + kept.grads), "n_params": n_params})
         del strategy
     return out

@@ -1,10 +1,5 @@
-"""The reduction a collective applies when two partial results meet: `acc = op(acc, incoming)`.
-
-Every reduction here is associative and commutative, which is what lets a ring or a tree combine
-partial results in whatever order its messages arrive and still agree with any other order (up to
-floating-point rounding for SUM/PRODUCT/AVG). AVG is SUM followed by one division by the group
-size, done once at the end, as NCCL does (its ncclAvg divides after summing).
-"""
+"""The reduction a collective applies when two partial results meet: `acc = op(acc, incoming)`;
+AVG is SUM, divided once at the end (as NCCL's ncclAvg)."""
 from __future__ import annotations
 
 import torch

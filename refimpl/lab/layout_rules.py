@@ -14,8 +14,8 @@ import torch
 
 from refimpl.config import DTYPES
 from refimpl.mesh import LayoutError
-from refimpl.model.moe import validate_moe
-from refimpl.parallel.pp.validate import validate_pipeline
+from refimpl.parallel.pp import schedules as pp
+from refimpl.parallel.pp.stage import partition
 from refimpl.parallel.tp.attention import kv_split
 from refimpl.registry import entry_of
 
@@ -30,6 +30,7 @@ def check_run(cfg, strategy) -> None:
     check_values(cfg)
     check_layout(cfg)
     check_model_parallel(cfg, strategy)
+    check_options(cfg, strategy)     # last, as the strategy's own validate once did them
 
 
 def check_shorthand(cfg) -> None:
@@ -74,6 +75,38 @@ def check_values(cfg) -> None:
         raise LayoutError("--checkpoint-every needs --checkpoint-dir (where the checkpoints go)")
 
 
+def check_options(cfg, strategy) -> None:
+    """--nproc within the strategy's world sizes; every `--set key=value` one of its options
+    (refimpl.config.Option), with a value it accepts."""
+    if cfg.nproc < strategy.min_world_size:
+        raise LayoutError(f"strategy {strategy.name!r} needs --nproc >= {strategy.min_world_size}")
+    if strategy.max_world_size is not None and cfg.nproc > strategy.max_world_size:
+        raise LayoutError(f"strategy {strategy.name!r} runs on at most {strategy.max_world_size} "
+                          f"process(es), got --nproc {cfg.nproc}")
+    unknown = set(cfg.options) - set(strategy.options)
+    if unknown:
+        known = ", ".join(sorted(strategy.options)) or "none"
+        raise LayoutError(f"strategy {strategy.name!r} has no option(s) {sorted(unknown)}; "
+                          f"known: {known}")
+    for key, value in cfg.options.items():
+        check_option(key, strategy.options[key], value)
+
+
+def check_option(key: str, option, value) -> None:
+    if option.kind is bool and not isinstance(value, bool):
+        raise LayoutError(f"--set {key} must be true or false (got {value!r})")
+    if option.kind in (int, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or (option.kind is int and value != int(value)):
+            raise LayoutError(f"--set {key} must be a{'n integer' if option.kind is int else ' number'}"
+                              f" (got {value!r})")
+        if option.positive and not value > 0:
+            raise LayoutError(f"--set {key} must be > 0 (got {value!r})")
+    if option.choices and value not in option.choices:
+        raise LayoutError(f"--set {key} must be one of {', '.join(map(str, option.choices))} "
+                          f"(got {value!r})")
+
+
 def check_numerics(cfg) -> None:
     """The dtype, the mixed precision and the device."""
     if cfg.mixed_precision not in ("fp32", "bf16"):
@@ -110,7 +143,7 @@ def check_model_parallel(cfg, strategy) -> None:
     if cfg.cp > 1 and cfg.seq_len % (2 * cfg.cp):
         raise LayoutError(f"--seq-len {cfg.seq_len} must be divisible by 2 x cp = {2 * cfg.cp}: "
                           "ring attention cuts each sequence into 2·cp equal chunks")
-    validate_moe(cfg.model, cfg.dims.ep)
+    check_moe(cfg.model, cfg.dims.ep)
     if cfg.dims.ep > 1 and not strategy.experts_over_edp:
         # a strategy that sums every gradient over dp x cp: expert 0's into expert 2's weights
         raise LayoutError(f"--ep {cfg.dims.ep}: strategy {cfg.strategy!r} would sum different "
@@ -125,7 +158,59 @@ def check_model_parallel(cfg, strategy) -> None:
                    or tp_cp_layout_problem(cfg.seq_len, cfg.tp, cfg.cp, cfg.sequence_parallel))
         if problem:
             raise LayoutError(problem)
-    validate_pipeline(cfg, strategy)
+    check_pipeline(cfg, strategy)
+
+
+def check_pipeline(cfg, strategy) -> None:
+    """A pipeline's layout (--pp, --schedule, --virtual-stages); `strategy`, the class that runs it,
+    must run on a pipeline's stages."""
+    v = cfg.virtual_stages
+    if cfg.pp == 1:
+        if v != 1 or cfg.schedule:
+            raise LayoutError("--schedule / --virtual-stages need a pipeline: --pp >= 2")
+        return
+    if not strategy.on_a_pipeline:
+        raise LayoutError(f"--pp {cfg.pp}: strategy {cfg.strategy!r} does not run on pipeline "
+                          "stages (ours do: dp-naive, dp, zero1, zero2, zero3, fsdp and the tp, "
+                          "ep, pp-* shorthands; PyTorch's: torch-fsdp2-tp, torch-pp-*)")
+    schedule = pp.pipeline_schedule(cfg)
+    pp.check_layout(cfg.pp, cfg.micro_batches, schedule, v)
+    partition(cfg.model.n_layers, cfg.pp * pp.chunks_per_rank(schedule, v))
+    if cfg.model.tie_embeddings:
+        raise LayoutError("--pp needs untied embeddings: the head and the embedding sit on different stages")
+    if pp.schedules()[schedule].split and cfg.activation_checkpointing:
+        raise LayoutError(f"{schedule} records each layer's input for the deferred W: not with --checkpointing")
+
+
+
+BALANCE = ("aux", "bias", "none")
+SCOPES = ("batch", "sequence")       # capacity_scope: what C and the aux loss's f_i count over
+
+
+def check_moe(cfg, ep: int = 1) -> None:
+    """The MoE layer's options (a GPTConfig's) and its expert-parallel layout."""
+    if cfg.n_experts == 0:
+        if ep > 1:
+            raise LayoutError(f"expert parallelism (ep = {ep}) needs --experts E > 0")
+        return
+    if cfg.n_experts < 0:
+        raise LayoutError(f"--experts must be >= 0 (got {cfg.n_experts})")
+    if not 1 <= cfg.top_k <= cfg.n_experts:
+        raise LayoutError(f"--top-k must be in [1, --experts = {cfg.n_experts}] (got {cfg.top_k})")
+    if not cfg.capacity_factor > 0:
+        raise LayoutError(f"--capacity-factor must be > 0 (got {cfg.capacity_factor})")
+    if cfg.balance not in BALANCE:
+        raise LayoutError(f"--set balance must be one of {', '.join(BALANCE)} (got {cfg.balance!r})")
+    if cfg.capacity_scope not in SCOPES:
+        raise LayoutError(f"--set capacity_scope must be one of {', '.join(SCOPES)} "
+                          f"(got {cfg.capacity_scope!r})")
+    for key in ("aux_alpha", "bias_gamma"):
+        value = getattr(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise LayoutError(f"--set {key} must be a number >= 0 (got {value!r})")
+    if cfg.n_experts % ep:
+        raise LayoutError(f"--experts {cfg.n_experts} must be divisible by ep = {ep}: "
+                          f"every rank of the ep group holds E/ep experts")
 
 
 def tp_layout_problem(cfg, tp: int, seq_len: int | None = None,

@@ -1,13 +1,15 @@
 """The lab's additions to the one loop (refimpl.train), through refimpl.loop_extras: the shard-only
 build (refimpl.lab.rank_build.shard_only), run checkpoints (save every K steps, resume), an initial
 state (--init-state, --init-hf, --init-optimizer-state), the full state dict (--return-state), the
-profiler's traces and a run record beside them, the step's transient memory peak, MoE records,
-and AdamW's gathered state. Registered under the entry-point group "refimpl.loop" (pyproject.toml).
+profiler's traces and a run record beside them, each step's time, the memory a rank holds and
+the step's transient peak, MoE records, and AdamW's gathered state. Registered under the entry-point group "refimpl.loop" (pyproject.toml).
 """
 from __future__ import annotations
 
 import contextlib
 import gc
+import statistics
+import time
 
 import torch
 
@@ -24,6 +26,7 @@ from refimpl.lab.checkpoint.optim_reshard import (
 )
 from refimpl.lab.checkpoint.shard_boxes import BoxedParts
 from refimpl.lab.instrument.activations import ActivationTracker, activation_exclusions
+from refimpl.lab.instrument.model_state import model_state
 from refimpl.lab.layout_rules import check_run
 from refimpl.lab.measure.moe_traffic import meter_experts, moe_step_record
 from refimpl.lab.moe_scope import batch_scope_problem
@@ -95,7 +98,7 @@ class LabExtras(LoopExtras):
     @contextlib.contextmanager
     def steps(self, ctx, strategy, first: int):
         cfg = self.cfg
-        self.moe = []
+        self.moe, self.device, self.step_times, self.activation_peak = [], ctx.device, [], 0
         meter_experts(strategy.model)      # the all-to-all bytes of moe_step_record
         self.trace_dir = (cfg.trace_dir or default_trace_dir(cfg)) if cfg.profile else None
         self.peak = StepPeak(ctx.device, enabled=cfg.record_memory and not cfg.profile)
@@ -115,14 +118,27 @@ class LabExtras(LoopExtras):
             yield on_step
         run_checkpoint.wait()       # the last save in flight is on disk before the run reports
 
+    @contextlib.contextmanager
     def measure_step(self, strategy):
-        return ActivationTracker(exclude=activation_exclusions(strategy))
+        """The step's time (its device's queued work done at both ends) and the bytes autograd saved."""
+        tracker = ActivationTracker(exclude=activation_exclusions(strategy))
+        sync(self.device)
+        begin = time.perf_counter()
+        with tracker:
+            yield
+        sync(self.device)
+        self.step_times.append(time.perf_counter() - begin)
+        self.activation_peak = max(self.activation_peak, tracker.peak)
 
     def finish(self, strategy, result: dict) -> None:
         if self.cfg.return_state:
             result["state_dict"] = full_state_dict(strategy)
-        memory = result["memory"]
-        memory.update(self.peak.result(kept_bytes=memory["total"] - memory["activations_peak"]))
+        state, peak = model_state(strategy), self.activation_peak
+        result["step_times"] = self.step_times
+        result["memory"] = {"params": int(state.params), "grads": int(state.grads),
+                            "optimizer": int(state.optimizer), "activations_peak": int(peak),
+                            "total": int(state.total + peak)}
+        result["memory"].update(self.peak.result(kept_bytes=int(state.total)))
         result["trace_dir"] = self.trace_dir
         result["resumed_from"] = self.first
         if self.moe:   # MoE: per step, tokens per expert (routed, and received by this rank)
@@ -133,6 +149,29 @@ class LabExtras(LoopExtras):
             export_state(strategy, self.cfg.save_state, self.cfg.save_optimizer_state)   # at a time
         if self.trace_dir is not None:   # traces are flushed: a summary and scalars beside them
             record_run(self.trace_dir, self.rank, self.world_size, self.cfg.strategy, result)
+
+    @staticmethod
+    def merged(cfg, per_rank: list[dict]) -> dict:
+        first = per_rank[0]
+        # A step takes as long as its slowest rank; the median over steps after the first (warm-up).
+        slowest = [max(times) for times in zip(*(r["step_times"] for r in per_rank))]
+        timed = slowest[1:] if len(slowest) > 1 else slowest
+        out = {"step_time_s": statistics.median(timed) if timed else None,   # None: a resumed run
+               "memory": [r["memory"] for r in per_rank], "trace_dir": first["trace_dir"]}
+        if cfg.checkpoint_dir:   # the step the run started from (0: no checkpoint was there)
+            out["resumed_from"] = first["resumed_from"]
+        for key in ("state_dict", "optimizer_state"):     # rank 0's gathered copy, where asked
+            if key in first:
+                out[key] = first[key]
+        if "moe" in first:   # per rank, per step (moe_step_record)
+            out["moe"] = [r["moe"] for r in per_rank]
+        return out
+
+
+def sync(device) -> None:
+    """Wait for the device's queued work (a step's time on a GPU is when its kernels end)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def train_several_recording_memory(cfgs, record_memory: list[bool], timeout: float = 900.0):

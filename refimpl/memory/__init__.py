@@ -1,5 +1,5 @@
-"""Memory of training: the arithmetic the papers and the seed predict (arithmetic.py) and the same
-quantities counted on a live run (measured.py)."""
+"""Memory of training: the arithmetic the papers and the seed predict (arithmetic.py); the same
+quantities counted on a live run are the lab's (refimpl.lab.instrument.model_state)."""
 from refimpl.memory.arithmetic import (  # noqa: F401
     GB,
     GiB,
@@ -12,10 +12,4 @@ from refimpl.memory.arithmetic import (  # noqa: F401
     tp_block_activation_bytes,
     training_flops,
     zero_state_bytes,
-)
-from refimpl.memory.measured import (  # noqa: F401
-    measured_model_state,
-    optimizer_state_tensors,
-    per_element,
-    tensor_bytes,
 )

@@ -7,7 +7,6 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from refimpl.mesh import LayoutError
 from refimpl.model.config import GPTConfig
 from refimpl.model.moe_routing import MoEStats, expert_capacity, route, switch_aux_loss, within_capacity
 from refimpl.model.moe_sequence import WholeSequences, keep_per_sequence, sequence_aux_loss, sequence_tokens
@@ -150,36 +149,3 @@ def update_expert_bias(model: nn.Module) -> None:
     """After the optimizer step: nudge every layer's bias (balance=bias; a no-op otherwise)."""
     for layer in moe_layers(model):
         layer.update_bias()
-
-
-# --- what the launching process checks --------------------------------------------------------------
-
-BALANCE = ("aux", "bias", "none")
-SCOPES = ("batch", "sequence")       # capacity_scope: what C and the aux loss's f_i count over
-
-
-def validate_moe(cfg: GPTConfig, ep: int = 1) -> None:
-    """The MoE layout constraints, in the launching process; raises LayoutError (one line)."""
-    if cfg.n_experts == 0:
-        if ep > 1:
-            raise LayoutError(f"expert parallelism (ep = {ep}) needs --experts E > 0")
-        return
-    if cfg.n_experts < 0:
-        raise LayoutError(f"--experts must be >= 0 (got {cfg.n_experts})")
-    if not 1 <= cfg.top_k <= cfg.n_experts:
-        raise LayoutError(f"--top-k must be in [1, --experts = {cfg.n_experts}] (got {cfg.top_k})")
-    if not cfg.capacity_factor > 0:
-        raise LayoutError(f"--capacity-factor must be > 0 (got {cfg.capacity_factor})")
-    if cfg.balance not in BALANCE:
-        raise LayoutError(f"--set balance must be one of {', '.join(BALANCE)} (got {cfg.balance!r})")
-    if cfg.capacity_scope not in SCOPES:
-        raise LayoutError(f"--set capacity_scope must be one of {', '.join(SCOPES)} "
-                          f"(got {cfg.capacity_scope!r})")
-    for key in ("aux_alpha", "bias_gamma"):
-        value = getattr(cfg, key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise LayoutError(f"--set {key} must be a number >= 0 (got {value!r})")
-    if cfg.n_experts % ep:
-        raise LayoutError(f"--experts {cfg.n_experts} must be divisible by ep = {ep}: "
-                          f"every rank of the ep group holds E/ep experts")
-

@@ -80,8 +80,18 @@ def full_state_items(local, model: nn.Module, mesh, sharded: dict[str, Placement
 
 def _canonical(name: str, where: Placement | None, mesh) -> str:
     if isinstance(where, Owned):
-        return where.renamed(name, where.slot(mesh.size(where.axis)))
+        return renamed(where, name, slot(where, mesh.size(where.axis)))
     return name
+
+
+def slot(owned: Owned, axis_size: int) -> int:
+    """An owned module's place among its owner's modules (the owner: the index // per-rank count)."""
+    return owned.index % (owned.count // axis_size)
+
+
+def renamed(owned: Owned, name: str, index: int) -> str:
+    """`name` with the owned module's index replaced by `index` (the same slot on another rank)."""
+    return name.replace(f"{owned.segment}.{owned.index}.", f"{owned.segment}.{index}.", 1)
 
 
 def gather_owned(name: str, tensor: torch.Tensor, owned: Owned, mesh) -> dict[str, torch.Tensor]:
@@ -92,8 +102,8 @@ def gather_owned(name: str, tensor: torch.Tensor, owned: Owned, mesh) -> dict[st
         return {name: tensor}
     copies = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(copies, tensor.contiguous(), group=mesh.group(owned.axis))
-    per, slot = owned.count // size, owned.slot(size)
-    return {owned.renamed(name, owner * per + slot): t for owner, t in enumerate(copies)}
+    per, mine = owned.count // size, slot(owned, size)
+    return {renamed(owned, name, owner * per + mine): t for owner, t in enumerate(copies)}
 
 
 def merge_stages(stage_state: dict[str, torch.Tensor], mesh) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from refimpl.memory import per_element
+from refimpl.lab.instrument.state_bytes import per_element
 from refimpl.parallel.zero.sharded_optimizer import settings_of
 from refimpl.seam import dist
 

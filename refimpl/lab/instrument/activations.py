@@ -7,8 +7,8 @@ import weakref
 
 import torch
 
+from refimpl.lab.instrument.state_bytes import storage_id
 from refimpl.lab.twins.base import TorchTwin
-from refimpl.memory.measured import storage_id
 from refimpl.model import lm_loss
 from refimpl.parallel.fsdp.zero3 import FullySharded
 

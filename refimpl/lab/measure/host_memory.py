@@ -3,7 +3,8 @@ shard, its gradient, and the optimizer's state; the master copy counts as optimi
 ZeRO paper's K = 12 for fp32 AdamW: master + m + v)."""
 from __future__ import annotations
 
-from refimpl.memory import ModelStateBytes, measured_model_state
+from refimpl.lab.instrument.state_bytes import measured_model_state
+from refimpl.memory import ModelStateBytes
 
 
 def host_state(optimizer) -> ModelStateBytes:

@@ -3,7 +3,7 @@
     table = moe_states_table(LAYOUTS, cfg)      # one launch of 4 CPU ranks, one step per layout
 
 Each layout runs one step of refimpl's own loop (refimpl.train) on a small MoE GPT; every rank
-reports the parameters, gradients and optimizer states it holds (strategy.model_state(): the
+reports the parameters, gradients and optimizer states it holds (refimpl.lab.instrument.model_state: the
 dense ones replicated or sharded over dp x cp, the experts over edp). The planner predicts the
 same bytes from its arithmetic (refimpl.lab.plan.moe through predict_memory, precision "fp32": the
 loop's fp32 weights and grads and AdamW's m and v). Arithmetic against arithmetic: they must agree

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 
 from refimpl.lab.checkpoint.gather import full_state_items, gather_full_state_dict
+from refimpl.lab.instrument.state_bytes import measured_model_state
+from refimpl.memory import ModelStateBytes
 from refimpl.rank_model import RankModel
 from refimpl.strategy import Strategy
 
@@ -41,6 +43,11 @@ class TorchTwin(Strategy):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The reference model's full state dict on every rank (refimpl.lab.checkpoint.full_state)."""
         return gather_full_state_dict(self.model.state_dict(), self.model, self.mesh)
+
+    def model_state(self) -> ModelStateBytes:
+        """Bytes of parameters, gradients and optimizer states this rank holds now
+        (refimpl.lab.instrument.model_state); the default counts the model's and the optimizer's."""
+        return measured_model_state(self.model.parameters(), self.optimizer)
 
     def activation_exclusions(self) -> list[torch.Tensor]:
         """The model's tensors autograd saves (refimpl.lab.instrument.activations)."""

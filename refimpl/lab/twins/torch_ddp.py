@@ -18,8 +18,9 @@ import contextlib
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from refimpl.config import Option, TrainConfig
+from refimpl.lab.instrument.state_bytes import measured_model_state
 from refimpl.lab.twins.base import TorchTwin
-from refimpl.memory import ModelStateBytes, measured_model_state
+from refimpl.memory import ModelStateBytes
 from refimpl.mesh import LayoutError
 from refimpl.model import GPT
 from refimpl.strategy import make_optimizer

@@ -21,9 +21,10 @@ from torch.distributed.tensor import DTensor
 
 from refimpl.config import Option, TrainConfig
 from refimpl.lab.checkpoint.gather import full_state_items, gather_full_state_dict, placements
+from refimpl.lab.instrument.state_bytes import optimizer_state_tensors, tensor_bytes
 from refimpl.lab.twins.base import TorchTwin
 from refimpl.lab.twins.torch_ddp import require_dp_group
-from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
+from refimpl.memory import ModelStateBytes
 from refimpl.mesh import LayoutError
 from refimpl.model import GPT
 from refimpl.strategy import make_optimizer

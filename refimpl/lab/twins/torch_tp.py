@@ -13,6 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from refimpl.config import TrainConfig
+from refimpl.lab.instrument.state_bytes import optimizer_state_tensors, tensor_bytes
 from refimpl.lab.twins.base import TorchTwin
 from refimpl.lab.twins.torch_plan import (
     full_state_dict,
@@ -20,7 +21,7 @@ from refimpl.lab.twins.torch_plan import (
     torch_parallelize_tp,
     torch_plan_problem,
 )
-from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
+from refimpl.memory import ModelStateBytes
 from refimpl.mesh import LayoutError
 from refimpl.model import GPT, lm_loss
 from refimpl.model.activation_checkpointing import checkpoint_blocks

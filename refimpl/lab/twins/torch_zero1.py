@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from refimpl.lab.instrument.state_bytes import measured_model_state
 from refimpl.lab.twins.torch_ddp import TorchTwinDDP
-from refimpl.memory import ModelStateBytes, measured_model_state
+from refimpl.memory import ModelStateBytes
 from refimpl.model import GPT
 
 

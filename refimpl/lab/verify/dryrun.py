@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from refimpl.config import TrainConfig
 from refimpl.lab.instrument.activations import ActivationTracker, activation_exclusions
+from refimpl.lab.instrument.model_state import model_state
 from refimpl.lab.loop import setup_rank
 from refimpl.lab.measure.live_memory import LiveBytes
 from refimpl.lab.predict.presets import get_model
@@ -164,7 +165,7 @@ def dry_run(cfg: TrainConfig, rank: int = 0, step: bool = True) -> dict:
                 if live.current <= held:
                     break
                 made.add(live.storages())   # what the warm-up left is held next
-            state = strategy.model_state()
+            state = model_state(strategy)
     finally:
         dist.destroy_process_group()
     return {"rank": rank, "world_size": cfg.nproc, "n_params": n_params,

@@ -9,7 +9,6 @@ from dataclasses import replace
 import torch.nn as nn
 
 from refimpl.config import Option, TrainConfig
-from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
 from refimpl.mesh import LayoutError
 from refimpl.model import GPT
 from refimpl.parallel.dp.per_group import PerGroup
@@ -76,22 +75,6 @@ class FullySharded(Strategy):
         self.optimizer.step()
         for u in self.units:
             u.master.grad.zero_()
-
-    def model_state(self) -> ModelStateBytes:
-        """Bytes on the compute device: the shards, their gradients, m and v (unless offloaded),
-        and the parameters gathered now."""
-        gathered = sum(u.full.untyped_storage().nbytes() for u in self.units)   # 0: resharded
-        if self.option("offload"):
-            return ModelStateBytes(params=gathered, grads=0, optimizer=0)
-        shards = self.shard_state()
-        return ModelStateBytes(shards.params + gathered, shards.grads, shards.optimizer)
-
-    def shard_state(self) -> ModelStateBytes:
-        """Bytes of this rank's shards, their gradients and Adam's m and v, wherever they live."""
-        masters = [u.master for u in self.units]
-        return ModelStateBytes(params=tensor_bytes(masters),
-                               grads=tensor_bytes(m.grad for m in masters),
-                               optimizer=tensor_bytes(optimizer_state_tensors(self.optimizer)))
 
 
 class Zero3(FullySharded):

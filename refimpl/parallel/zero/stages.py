@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch.nn as nn
 
 from refimpl.config import Option
-from refimpl.memory import ModelStateBytes, optimizer_state_tensors, tensor_bytes
 from refimpl.parallel.dp.per_group import PerGroup
 from refimpl.parallel.zero.sharded_optimizer import ShardedOptimizer
 from refimpl.parallel.zero.shards import Zero1Shards, Zero2Shards, ZeroShards
@@ -53,17 +52,6 @@ class ZeroDataParallel(Strategy):
     def optimizer_step(self) -> None:
         for part in self.groups:
             part.step()
-
-    def model_state(self) -> ModelStateBytes:
-        """Bytes on the compute device (offload: the master shard, m and v are on the host)."""
-        params, parts = list(self.model.parameters()), self.groups.parts
-        offload = bool(self.option("offload"))
-        optimizer = 0 if offload else sum(
-            tensor_bytes(optimizer_state_tensors(part.optimizer.local)) for part in parts)
-        shards = [] if offload else [part.grad_shard for part in parts]
-        return ModelStateBytes(params=tensor_bytes(params),
-                               grads=tensor_bytes([p.grad for p in params] + shards),
-                               optimizer=optimizer)
 
 
 class Zero1(ZeroDataParallel):

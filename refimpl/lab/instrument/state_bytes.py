@@ -1,5 +1,5 @@
-"""Memory a live run holds: the bytes of its model-state tensors, what a strategy reports (the
-activations autograd saves are the lab's to count: refimpl.lab.instrument.activations)."""
+"""Memory a live run holds: the bytes of its model-state tensors, counted by storage (a strategy's
+held bytes: refimpl.lab.instrument.model_state; the activations autograd saves: activations.py)."""
 from __future__ import annotations
 
 import torch
