@@ -72,8 +72,8 @@ class Seam:
     def load_plugins(self) -> None:
         if not self.loaded:
             self.loaded = True
-            for plugin in entry_points(group="refimpl.seam"):
-                plugin.load()(self)
+            for attach in plugins("refimpl.seam"):
+                attach(self)
 
 
 SEAM = Seam()
