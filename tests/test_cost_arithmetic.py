@@ -127,6 +127,16 @@ def test_per_step_times_reads_the_rank_that_waited_least():
     assert row["rank"] == 1 and row.comm_us == 50 and row.compute_us == 650
 
 
+def test_least_disturbed_times_takes_each_least_over_the_steps():
+    # three steps; in each the rank that waited least is read, then the least comm and least compute
+    per_step = {5: _summary([400, 100], [1000, 1300]), 6: _summary([90, 300], [2000, 1900]),
+                7: _summary([500, 600], [700, 800])}
+    trace = pd.DataFrame({"step": pd.array([5, 6, 7, None], dtype="Int64")})
+    got = dp_scaling.least_disturbed_times(trace, lambda t: per_step[int(t.step.iloc[0])])
+    # step 5's rank 1 (50, 650), step 6's rank 0 (45, 1000), step 7's rank 0 (250, 350)
+    assert (got.comm_us, got.compute_us, got.steps) == (45, 350, 3)
+
+
 def test_bottleneck_table_predicts_from_two_ranks():
     fits = pd.DataFrame({"alpha_s": [1e-4, 2e-4, 3e-4], "beta_bytes_per_s": [1e9] * 3}, index=[2, 3, 4])
     summaries = {n: _summary([100, 100], [1000, 1000]) for n in (2, 3, 4)}

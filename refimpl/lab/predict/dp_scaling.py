@@ -32,6 +32,15 @@ def per_step_times(summary: pd.DataFrame) -> pd.Series:
     return s.loc[s.comm_us.idxmin()]
 
 
+def least_disturbed_times(trace: pd.DataFrame, summarize) -> pd.Series:
+    """Compute and comm (us) of one step, each the least over the profiled steps (`per_step_times`
+    within each step): a busy machine that takes a rank's core away only ever adds time, so the
+    smallest reading of each is the nearest to its cost. `summarize` is `profiling.summarize`."""
+    steps = [per_step_times(summarize(trace[trace.step == n])) for n in trace.step.dropna().unique()]
+    return pd.Series({"comm_us": min(t.comm_us for t in steps),
+                      "compute_us": min(t.compute_us for t in steps), "steps": len(steps)})
+
+
 def bottleneck_table(fits: pd.DataFrame, summaries: dict, grad_bytes: float) -> pd.DataFrame:
     """Predicted (from n = 2) vs measured all-reduce time and comm share of the step, per n.
 

@@ -9,12 +9,13 @@ message. Compute grows as h², traffic as h, latency not at all: the narrower th
 the share of a step its ranks spend communicating, and the less the split buys.
 
 `measure` trains models of growing width (same depth, same global batch) under `single` and under
-`tp` on t ranks, times both, and reads from one profiled tp step per width:
+`tp` on t ranks, times both, and reads from three profiled tp steps per width:
   * the activation all-reduces of the residual stream, counted and sized (to compare with
     tp_comm's (4L + 2) messages of b·s·h values: 4 per layer, the embedding's and the LM head's);
   * per step, the communication and the compute time of the rank that waited least inside the
     collectives (refimpl.lab.predict.dp_scaling.per_step_times: under gloo a rank that arrives first
-    waits inside the call for the other, which is not transfer time).
+    waits inside the call for the other, which is not transfer time), each the least of three
+    recorded steps (a core taken away by a busy machine only adds time).
 `predicted_shares` puts beside them what the arithmetic says the communication share is, with no
 run: the α-β ring model (a fit on this machine's ranks, notebook 02's method) against the FLOPs at
 this machine's matmul rate, and the same layers on an H100 preset (refimpl.lab.predict.hardware), where
@@ -27,7 +28,7 @@ import pandas as pd
 from refimpl.config import DTYPES, TrainConfig
 from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.predict import tp_comm
-from refimpl.lab.predict.dp_scaling import per_step_times
+from refimpl.lab.predict.dp_scaling import least_disturbed_times
 from refimpl.lab.trace import capture, profiling
 from refimpl.model import GPTConfig
 from refimpl.train import train_on_ranks
@@ -48,12 +49,12 @@ def share(comm_s: float, compute_s: float) -> float:
 
 
 def _configs(models, tp: int, steps: int, global_batch: int, group: str) -> dict:
-    """Per width: tp timed, tp profiled (one warm-up step and one recorded), single timed."""
+    """Per width: tp timed, tp profiled (one warm-up step and three recorded), single timed."""
     runs = {}
     for m in models:
         timed = TrainConfig(strategy="tp", nproc=tp, steps=steps, global_batch=global_batch,
                             seq_len=m.seq_len, model=m)
-        runs[m.d_model] = (timed, capture.profiled(timed.with_(steps=2), group, f"tp{tp}-h{m.d_model}"),
+        runs[m.d_model] = (timed, capture.profiled(timed.with_(steps=4), group, f"tp{tp}-h{m.d_model}"),
                            timed.with_(strategy="single", nproc=1))
     return runs
 
@@ -76,8 +77,8 @@ def largest_all_reduce(trace: pd.DataFrame, rank: int = 0) -> int:
 def measure(models: list[GPTConfig], *, tp: int = 2, steps: int = 3, global_batch: int = 8,
             group: str = "06_tensor_parallel/small-models") -> pd.DataFrame:
     """One row per model: single's and tp's step times and the speed-up (no profiler: it costs a
-    fixed time per operator, which would weigh on the small model most), and from a profiled tp
-    step the residual all-reduces and the communication share of the step (module docstring).
+    fixed time per operator, which would weigh on the small model most), and from profiled tp
+    steps the residual all-reduces and the communication share of the step (module docstring).
     Every tp run shares one launch; single runs in this process, one thread, as a rank does."""
     runs = _configs(models, tp, steps, global_batch, group)
     done = iter(train_several_on_ranks([c for timed, traced, _ in runs.values() for c in (timed, traced)]))
@@ -86,7 +87,7 @@ def measure(models: list[GPTConfig], *, tp: int = 2, steps: int = 3, global_batc
         tp_run, _ = next(done), next(done)
         single = train_on_ranks(single_cfg)
         trace = profiling.load_trace(traced.trace_dir)
-        times = per_step_times(profiling.summarize(trace))
+        times = least_disturbed_times(trace, profiling.summarize)
         message = global_batch * m.seq_len * h * DTYPES[timed.dtype].itemsize
         calls = residual_all_reduces(trace, message)
         rows.append({"d_model": h, "n_params": tp_run["n_params"],
