@@ -6,8 +6,8 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cache
 
 from refimpl.config import TrainConfig
 from refimpl.mesh import LayoutError
@@ -27,35 +27,7 @@ NAIVE = "refimpl.parallel.dp.naive:NaiveDataParallel"
 PIPELINE_SHORTHANDS = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "zb": "zb-h1"}
 
 
-class Names(Mapping):
-    """The `--strategy` names: refimpl's own, then each plug-in's (the module docstring)."""
-
-    def __init__(self, own: dict[str, Entry]):
-        self.own, self.every = own, None
-
-    def loaded(self) -> dict[str, Entry]:
-        if self.every is None:
-            every = dict(self.own)
-            for plugin in plugins("refimpl.strategies"):
-                added = plugin()
-                if set(added) & set(every):
-                    raise ValueError(f"{plugin} names strategies already named: "
-                                     f"{sorted(set(added) & set(every))}")
-                every.update(added)
-            self.every = every
-        return self.every
-
-    def __getitem__(self, name: str) -> Entry:
-        return self.loaded()[name]
-
-    def __iter__(self):
-        return iter(self.loaded())
-
-    def __len__(self) -> int:
-        return len(self.loaded())
-
-
-STRATEGIES = Names({
+OWN = {   # refimpl's own names; the plug-ins' are added by `strategies()`
     "single": Entry("refimpl.parallel.dp.single:Single"),
     # the data-parallel flavours
     "dp-naive": Entry(NAIVE),
@@ -68,7 +40,19 @@ STRATEGIES = Names({
     "tp": Entry(NAIVE, axis="tp"),
     **{f"pp-{name}": Entry(NAIVE, axis="pp", schedule=s) for name, s in PIPELINE_SHORTHANDS.items()},
     "ep": Entry(NAIVE, axis="ep"),
-})
+}
+
+
+@cache
+def strategies() -> dict[str, Entry]:
+    """The `--strategy` names: refimpl's own, then each plug-in's (loaded on first use)."""
+    every = dict(OWN)
+    for plugin in plugins("refimpl.strategies"):
+        added = plugin()
+        if set(added) & set(every):
+            raise ValueError(f"{plugin} names strategies already named: {sorted(set(added) & set(every))}")
+        every.update(added)
+    return every
 
 
 @dataclass(frozen=True)
@@ -80,9 +64,9 @@ class Resolved:
 
 
 def entry_of(name: str) -> Entry:
-    if name not in STRATEGIES:
-        raise LayoutError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
-    return STRATEGIES[name]
+    if name not in strategies():
+        raise LayoutError(f"unknown strategy {name!r}; choose one of: {', '.join(strategies())}")
+    return strategies()[name]
 
 
 def strategy_class(name: str) -> type[Strategy]:

@@ -33,15 +33,6 @@ def plain_phase(name: str):
     return profiler.record_function(name) if profiler._is_profiler_enabled else _NOTHING
 
 
-def no_span(op: str, nbytes: int | None = None, group=None, peer: int | None = None,
-            tag: int | None = None):
-    return _NOTHING
-
-
-def no_message(direction: str, nbytes: int) -> None:
-    return None
-
-
 def lookup(collectives, name: str):
     """`name` from `collectives`; what they do not define (get_rank, ReduceOp, ...), and every name
     when they are None, from torch.distributed's, looked up at call time (so a wrapper put on
@@ -50,30 +41,22 @@ def lookup(collectives, name: str):
     return found if found is not None else getattr(torch_dist, current_name(name))
 
 
-class Current:
-    """The collectives the seam points at now (what `dist.<name>` finds with nothing attached)."""
-
-    def __init__(self, seam: "Seam"):
-        self.seam = seam
-
-    def __getattr__(self, name: str):
-        return lookup(self.seam.collectives, name)
-
-
 class Seam:
+    """What `dist`, `phase`, `span` and `message` go to. The lab's plug-ins (entry-point group
+    "refimpl.seam", each `attach(SEAM)`) replace `calls`, `phase`, `span` and `message` on first use."""
+
     def __init__(self):
         self.collectives = None   # torch.distributed's own, or refimpl.comm (use_collectives)
-        self.calls = Current(self)               # what dist.<name> resolves on
+        self.calls = None         # what dist.<name> resolves on; None: `lookup(collectives, name)`
         self.phase = plain_phase
-        self.span = no_span
-        self.message = no_message
+        self.span = lambda op, nbytes=None, group=None, peer=None, tag=None: _NOTHING
+        self.message = lambda direction, nbytes: None
         self.loaded = False
 
-    def load_plugins(self) -> None:
-        if not self.loaded:
-            self.loaded = True
-            for attach in plugins("refimpl.seam"):
-                attach(self)
+    def __getattr__(self, name: str):
+        """`dist.<name>`: the collective `name` as the seam has it now."""
+        calls = attached().calls
+        return getattr(calls, name) if calls is not None else lookup(self.collectives, name)
 
 
 SEAM = Seam()
@@ -82,16 +65,13 @@ SEAM = Seam()
 def attached() -> Seam:
     """The seam, with what the plug-ins attach to it (loaded on first use, in every process)."""
     if not SEAM.loaded:
-        SEAM.load_plugins()
+        SEAM.loaded = True
+        for attach in plugins("refimpl.seam"):
+            attach(SEAM)
     return SEAM
 
 
-class _Dist:
-    def __getattr__(self, name: str):
-        return getattr(attached().calls, name)
-
-
-dist = _Dist()
+dist = SEAM     # dist.<name>: torch.distributed's signatures, whatever is attached
 
 
 def phase(name: str):

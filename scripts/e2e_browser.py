@@ -47,12 +47,12 @@ from tests.trace_runs import BIG_RUN, write_synthetic_run  # noqa: E402
 
 def make_runs(logdir: Path) -> Path:
     """A 2-rank profiled run, and a synthetic 4-rank, 10-step one, under logdir."""
-    from refimpl.registry import STRATEGIES
+    from refimpl.registry import strategies
 
     write_synthetic_run(logdir / BIG_RUN, ranks=4, steps=10)
 
     run = logdir / "e2e" / "dp-n2"
-    if "dp" in STRATEGIES:
+    if "dp" in strategies():
         subprocess.run([sys.executable, "-m", "refimpl", "train", "--strategy", "dp", "--nproc",
                         "2", "--steps", "5", "--profile", "--set", "bucket_mb=0.25",
                         "--trace-dir", str(run), "--json"],

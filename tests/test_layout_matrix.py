@@ -22,7 +22,7 @@ from refimpl.lab.verify import layout_matrix as lm
 from refimpl.lab.verify.matrix_run import counts, run_layouts
 from refimpl.lab.verify.resume_matrix import resume_pairs, run_resumed
 from refimpl.mesh import LayoutError
-from refimpl.registry import STRATEGIES, resolve
+from refimpl.registry import resolve, strategies
 from refimpl.train import validate
 
 pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips it)
@@ -83,13 +83,13 @@ def test_a_shorthand_gets_the_verdict_of_its_layout_spelled_out():
     import random
 
     rng, checked = random.Random(1), Counter()
-    shorthands = [s for s in STRATEGIES if s not in lm.COVER_STRATEGIES and s != "single"]
+    shorthands = [s for s in strategies() if s not in lm.COVER_STRATEGIES and s != "single"]
     while min(checked[s] for s in shorthands) < 20:
         layout = lm.random_layout(rng)
         if layout is None:
             continue
         name = rng.choice(shorthands)
-        short = layout.config().with_(strategy=name, schedule=STRATEGIES[name].schedule
+        short = layout.config().with_(strategy=name, schedule=strategies()[name].schedule
                                       or layout.config().schedule)
         try:
             check_shorthand(resolve(short).cfg)

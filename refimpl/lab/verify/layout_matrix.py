@@ -48,7 +48,7 @@ from refimpl.lab.verify.covering import constructed_cover, greedy_cover, tuples,
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig
 from refimpl.parallel.pp.schedules import schedules
-from refimpl.registry import NAIVE, STRATEGIES, entry_of, strategy_class
+from refimpl.registry import NAIVE, entry_of, strategies, strategy_class
 from refimpl.train import validate
 
 WORLDS = (2, 3, 4, 8)
@@ -117,7 +117,7 @@ def _moe(values: tuple) -> Callable[[dict], tuple]:
 
 FACTORS: tuple[Factor, ...] = (
     Factor("world", lambda _: WORLDS),
-    Factor("strategy", lambda _: tuple(s for s in STRATEGIES if s != "single")),
+    Factor("strategy", lambda _: tuple(s for s in strategies() if s != "single")),
     Factor("tp", lambda lay: _grid_fits(lay, "tp")),
     Factor("pp", lambda lay: _grid_fits(lay, "pp")),
     Factor("cp", lambda lay: _grid_fits(lay, "cp")),
@@ -399,7 +399,7 @@ def searched_layout(rng: random.Random, fixed: dict, accept: Callable[[Layout], 
 # runs the same code as that layout spelled out. The census validates every spelling (and
 # tests/test_layout_matrix.py checks that each shorthand's verdict is its spelled-out layout's);
 # the covers run the distinct layouts: the flavours and PyTorch's twins.
-COVER_STRATEGIES = tuple(s for s, e in STRATEGIES.items()
+COVER_STRATEGIES = tuple(s for s, e in strategies().items()
                          if s != "single" and not (e.axis and e.strategy == NAIVE))
 # make test's pairwise cover: 2, 3 and 4 ranks, and neither of PyTorch's DTensor twins (a layout of
 # theirs takes ~4x one of ours: DTensor's dispatch). With 8 ranks and the twins the cover costs
@@ -419,7 +419,7 @@ DOMAINS: dict[str, tuple] = {
     "ep": AXIS_SIZES["ep"], "sequence_parallel": (False, True), "checkpointing": (False, True),
     "micro_batches": (1, 2, 4, 8), "collectives": ("torch", "refimpl"),
     "precision": ("float64", "bf16"),
-    "option": tuple(dict.fromkeys(v for s in STRATEGIES for v in _option_values(s))),
+    "option": tuple(dict.fromkeys(v for s in strategies() for v in _option_values(s))),
 }
 
 
