@@ -27,7 +27,19 @@ from refimpl.process_group import (  # noqa: F401  (the rank's side, re-exported
     run_this_torchrun_rank,
     under_torchrun,
 )
-from refimpl.rank_failures import LaunchTimeoutError, RankFailedError, failure_text
+
+
+class RankFailedError(RuntimeError):
+    """One rank failed; `rank` says which and `child_traceback` is what it printed."""
+
+    def __init__(self, rank: int, child_traceback: str):
+        self.rank = rank
+        self.child_traceback = child_traceback
+        super().__init__(f"rank {rank} failed:\n{child_traceback}")
+
+
+class LaunchTimeoutError(TimeoutError):
+    """The ranks did not finish within `timeout` seconds; all were killed."""
 
 
 @dataclass
@@ -82,7 +94,7 @@ def _start_rank(rank: int, world_size: int, backend: str, port: int, payload: Pa
         "REFIMPL_PAYLOAD": str(payload), "REFIMPL_OUTDIR": str(tmp),
     })
     tools().rank_env(env, backend, watch)
-    if backend in ("gloo", "staged"):
+    if backend == "gloo":
         # One thread per CPU rank, set before the child imports torch (4 ranks ran 12x slower).
         env["OMP_NUM_THREADS"] = "1"
         env["MKL_NUM_THREADS"] = "1"
@@ -112,6 +124,18 @@ def wait_all(ranks: list[_Rank], tmp: Path, timeout: float) -> None:
             raise LaunchTimeoutError(f"ranks {running} still running after {timeout:.0f} s; "
                                      f"killed all {len(ranks)} ranks")
         time.sleep(0.02)
+
+
+def failure_text(r, tmp: Path) -> str:
+    """What rank `r` left: the traceback refimpl._rank wrote, or, killed before it could write one
+    (a signal, an abort in C++), how it ended and the end of its stderr."""
+    tb = tmp / f"error{r.rank}.txt"
+    if tb.exists():
+        return tb.read_text()
+    code = r.proc.poll()
+    stderr = r.stderr.read_text(errors="replace")[-4000:] if r.stderr.exists() else ""
+    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    return f"rank {r.rank} exited ({how}) without a Python traceback\n{stderr}"
 
 
 def _kill_all(ranks: list[_Rank]) -> None:

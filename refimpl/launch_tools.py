@@ -9,10 +9,20 @@ import contextlib
 from functools import cache
 from pathlib import Path
 
+import torch
+
 from refimpl.seam import plugins
 
 
 class LaunchTools:
+
+    def backend(self, world_size: int) -> str | None:
+        """A backend of the tools' own for every launch (the lab's staged one), or None."""
+        return None
+
+    def device(self, backend: str) -> torch.device:
+        """Where a rank computes under `backend` (not NCCL: refimpl.process_group.device_for)."""
+        return torch.device("cpu")
 
     def starter(self, backend: str):
         """Something with `start(env, stdout, stderr) -> process`, or None: `python -m refimpl._rank`."""

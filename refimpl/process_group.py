@@ -17,14 +17,12 @@ CHILD_MARK = "REFIMPL_RANK_CHILD"
 
 
 def pick_backend(world_size: int, backend: str = "auto") -> str:
-    """NCCL only when every rank can have a GPU of its own; gloo (CPU) otherwise."""
+    """NCCL only when every rank can have a GPU of its own; gloo (CPU) otherwise; or the launch
+    tools' own backend where they have one (refimpl.launch_tools)."""
     if backend != "auto":
         return backend
-    if os.environ.get("REFIMPL_SHARED_DEVICE"):     # several ranks on one device (shared_device)
-        return "staged"
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return "nccl"
-    return "gloo"
+    gpus = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+    return tools().backend(world_size) or ("nccl" if gpus else "gloo")
 
 
 def under_torchrun() -> bool:
@@ -65,15 +63,11 @@ def init_process_group(rank: int, world_size: int, backend: str, timeout: float 
 
 
 def device_for(backend: str):
-    """The device this rank computes on: its own GPU under NCCL, the CPU under gloo, the shared
-    device under the staged backend, `meta` under the dry run's fake one."""
+    """The device this rank computes on: its own GPU under NCCL, the CPU under gloo, where the
+    launch tools say under a backend of theirs."""
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
-    if backend == "staged":     # every rank on the one shared device (refimpl.lab.runtime.shared_device)
-        return torch.device(os.environ.get("REFIMPL_SHARED_DEVICE", "cpu"))
-    if backend == "fake":       # the dry run (refimpl.lab.verify.dryrun): shapes only, no storage
-        return torch.device("meta")
-    return torch.device("cpu")
+    return tools().device(backend)
 
 
 def launch_backend(cfg) -> str:

@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "refimpl"
 
 LAYERS = [
-    ("foundation", ("launch", "process_group", "rank_failures", "launch_tools", "_rank", "seam",
+    ("foundation", ("launch", "process_group", "launch_tools", "_rank", "seam",
                     "mesh", "__init__")),
     ("model", ("model",)),
     ("memory", ("memory",)),

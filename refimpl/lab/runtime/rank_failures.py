@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from refimpl.rank_failures import RankFailedError, failure_text
+from refimpl.launch import RankFailedError, failure_text
 
 
 class RankFailedAmongOthers(RankFailedError):

@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 from refimpl.lab.runtime import flight_recorder, group_options, numerics, zygote_client
 from refimpl.lab.runtime.host_heap import heap_policy
 from refimpl.lab.runtime.watch import Watch
@@ -18,6 +20,17 @@ from refimpl.launch_tools import LaunchTools
 
 
 class RuntimeTools(LaunchTools):
+
+    def backend(self, world_size: int) -> str | None:
+        # several ranks on one device: the staged NCCL-rules backend (shared_device)
+        return "staged" if os.environ.get("REFIMPL_SHARED_DEVICE") else None
+
+    def device(self, backend: str) -> torch.device:
+        if backend == "staged":     # every rank on the one shared device (shared_device)
+            return torch.device(os.environ.get("REFIMPL_SHARED_DEVICE", "cpu"))
+        if backend == "fake":       # the dry run (refimpl.lab.verify.dryrun): shapes only, no storage
+            return torch.device("meta")
+        return torch.device("cpu")
 
     def starter(self, backend: str):
         return zygote_client.for_backend(backend)
@@ -39,13 +52,13 @@ class RuntimeTools(LaunchTools):
             env.setdefault("CUBLAS_WORKSPACE_CONFIG", numerics.CUBLAS_WORKSPACE)
         # All ranks are on this host: keep gloo's connections on loopback instead of whatever
         # interface the hostname resolves to.
+        if backend == "staged":     # one thread per CPU rank, as refimpl.launch gives gloo's
+            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = "1"
         if backend in ("gloo", "staged") and sys.platform.startswith("linux"):
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
     def torchrun_picked(self, local_ranks: int, asked: str, chosen: str) -> None:
         if asked == "auto" and chosen == "gloo" and os.environ.get("LOCAL_RANK", "0") == "0":
-            import torch
-
             gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
             why = group_options.gloo_fallback_warning(local_ranks, gpus, os.environ)
             if why:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from refimpl.lab.runtime import flight_recorder
 from refimpl.lab.runtime.rank_failures import rank_failed
-from refimpl.rank_failures import LaunchTimeoutError
+from refimpl.launch import LaunchTimeoutError
 
 
 class Watch:
