@@ -1,9 +1,6 @@
-"""Entry point of one rank started by `refimpl.launch.run` (python -m refimpl._rank).
-
-Reads the cloudpickled function, joins the process group, runs it, and writes either the
-cloudpickled result or the traceback where the parent looks for it. Kept apart from launch.py so
-the child imports as little as possible before OMP_NUM_THREADS takes effect.
-"""
+"""One rank started by `refimpl.launch.run` (python -m refimpl._rank): joins the process group, runs
+the cloudpickled function, writes its result or its traceback where the parent looks. Apart from
+launch.py so the child imports as little as possible before OMP_NUM_THREADS takes effect."""
 import json
 import os
 import sys

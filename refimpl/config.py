@@ -1,9 +1,6 @@
 """What a run is told: the layout and knobs (`TrainConfig`, the CLI's flags), where a rank runs
-(`RunContext`), and a strategy's own knobs (`Option`).
-
-The rules a configuration must keep are checked in the launching process, before any rank starts
-(refimpl.train.validate: the loop plug-in's, then each strategy's `Strategy.validate`).
-"""
+(`RunContext`), and a strategy's own knobs (`Option`); checked before any rank starts
+(refimpl.train.validate)."""
 from __future__ import annotations
 
 import contextlib
@@ -94,8 +91,8 @@ class RunContext:
         """bf16 autocast under --mixed-precision bf16: matmuls in bf16, weights and optimizer
         states stay fp32 (the master copy). bf16 has fp32's exponent range, so unlike fp16 it
         needs no loss scaling."""
-        if self.cfg.mixed_precision != "bf16":   # nothing to cast (and the dry run's meta
-            return contextlib.nullcontext()        # device has no autocast: refimpl.lab.verify.dryrun)
+        if self.cfg.mixed_precision != "bf16":   # nothing to cast (nor an autocast on `meta`)
+            return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
 

@@ -1,8 +1,6 @@
 """What the launcher (refimpl.launch) may be handed from outside it: a faster way to start a rank,
-a watch on the ranks while they run, what a rank needs as it joins its group or once its device
-is known. The lab's runtime (refimpl/lab/runtime/) supplies them through the entry-point group
-"refimpl.launch"; these defaults add nothing, and ranks start as fresh interpreters.
-"""
+a watch on the ranks, what a rank needs as it joins its group. The lab's runtime supplies them
+(entry-point group "refimpl.launch"); these defaults add nothing: ranks start as fresh interpreters."""
 from __future__ import annotations
 
 import contextlib

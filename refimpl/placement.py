@@ -44,11 +44,8 @@ def placement_of(tensor: torch.Tensor) -> Placement | None:
     return _PLACEMENTS.get(tensor)
 
 
-# A ZeRO-3/FSDP parameter (refimpl.parallel.fsdp): its full value exists only while its unit is
-# gathered, and the unit is freed once a backward (or a split schedule's W) has delivered its
-# gradients. A pipeline's zero bubble (refimpl.parallel.pp.zero_bubble) keeps the split W on a chunk
-# holding one: that W reads no weight, where the whole backward it runs on other first pieces
-# rereads the weights autograd saved in the forward.
+# A ZeRO-3/FSDP parameter (refimpl.parallel.fsdp): whole only while its unit is gathered, so a
+# pipeline's backward keeps its W split on a chunk holding one (docs/core_notes.md, placement).
 _RESHARDED = WeakIdKeyDictionary()
 
 
@@ -62,10 +59,7 @@ def is_resharded(tensor: torch.Tensor) -> bool:
 
 def data_parallel_axis(tensor: torch.Tensor) -> str:
     """The group over which a parameter's gradient is summed (and a ZeRO/FSDP shard cut): the
-    ranks holding the same copy of it. Every replicated or tp/pp-split parameter: "dp_cp". A
-    module owned over ep (an expert): "edp", the ranks of the other ep chunks holding the same
-    experts -- summing over dp_cp would add expert 0's gradient into expert 2's weights
-    (Megatron-core keeps expert parameters in their own buffers over the expert-data-parallel
-    group for that reason; its distributed optimizer shards them there)."""
+    ranks holding the same copy of it: "dp_cp", or for an expert (Owned over ep) "edp", the ranks
+    holding the same experts (over dp_cp expert 0's gradient would land in expert 2's weights)."""
     where = placement_of(tensor)
     return "edp" if isinstance(where, Owned) and where.axis == "ep" else "dp_cp"

@@ -22,13 +22,10 @@ class Strategy:
     min_world_size: int = 1
     max_world_size: int | None = None
     options: dict[str, Option] = {}
-    # True: sums each parameter's gradient over its placement's data-parallel group
-    # (refimpl.placement.data_parallel_axis: an expert's over "edp", the ranks holding the same
-    # expert), so it runs a MoE model with --ep > 1; False: it would sum different experts.
+    # Checked before launch (refimpl.lab.layout_rules). --ep > 1: it sums an expert's gradient
+    # over "edp" (refimpl.placement.data_parallel_axis), not over the ranks of other experts.
     experts_over_edp: bool = False
-    # True: runs on a pipeline's stages (--pp > 1): its sync and gathering work on a stage's
-    # parameters and its runner on the schedule's table (refimpl.lab.layout_rules.check_pipeline).
-    on_a_pipeline: bool = False
+    on_a_pipeline: bool = False       # --pp > 1: it syncs a stage's parameters, runs its table
 
     def __init__(self, ctx: RunContext):
         self.ctx = ctx
@@ -45,14 +42,12 @@ class Strategy:
         return self.ctx.cfg.options.get(key, self.options[key].default)
 
     def transform(self, reference: nn.Module, transforms) -> RankModel:
-        """This rank's share of the reference: `transforms(reference, ctx)`, the
-        model-parallel transforms in their order (refimpl.train hands in
-        refimpl.compose.transforms.model_parallel), whose result `place` then places."""
+        """This rank's share of the reference: the model-parallel `transforms` in their order
+        (refimpl.compose.transforms.model_parallel), whose result `place` then places."""
         return transforms(reference, self.ctx)
 
     def place(self, rank_model: RankModel) -> None:
-        """`setup` the module the transforms handed over, and keep the rank model the step runs
-        (refimpl.train.setup_rank)."""
+        """`setup` the module the transforms handed over; keep the rank model the step runs."""
         self.setup(rank_model.module)
         self.rank_model = self.step_model(rank_model)
 
@@ -63,8 +58,8 @@ class Strategy:
         self.optimizer = make_optimizer(model.parameters(), self.ctx.cfg)
 
     def step_model(self, rank_model: RankModel) -> RankModel:
-        """What the step runner runs, after `setup`: the transforms' rank model (the default), or
-        a new one (RankModel is frozen) where this strategy runs the model its own way."""
+        """What the step runner runs, after `setup`: the transforms' rank model, or a new one
+        where this strategy runs the model its own way."""
         return rank_model
 
     # --- the step: one runner, the same for every strategy -----------------------------------------
@@ -124,12 +119,10 @@ class Strategy:
 
 
 def optimizer_settings(cfg: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict]:
-    """The one optimizer every strategy uses, as (class, hyper-parameters): AdamW, so the
-    arithmetic has m and v."""
+    """The one optimizer every strategy uses: AdamW (the arithmetic's m and v)."""
     return torch.optim.AdamW, {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "foreach": False}
 
 
 def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """`optimizer_settings(cfg)`'s optimizer over `params`."""
     cls, settings = optimizer_settings(cfg)
     return cls(params, **settings)

@@ -40,19 +40,15 @@ def tree_seconds(nbytes: float, n: int, alpha: float, beta: float) -> float:
     return tree.messages_on_critical_path(n) * alpha + tree.bytes_on_critical_path(n, nbytes) / beta
 
 
-def _counts(algorithm: str, n: int) -> tuple[float, float]:
-    """(messages, bytes per byte of M) on an all-reduce's critical path: the line's two slopes."""
-    if algorithm == "halving-doubling":
-        return messages_per_rank(n), bytes_on_critical_path(n, 1.0)
-    if algorithm == "tree":
-        return tree.messages_on_critical_path(n), tree.bytes_on_critical_path(n, 1.0)
-    raise ValueError(f"no all-reduce {algorithm!r} beside the ring")
-
-
 def crossover_bytes(n: int, alpha: float, beta: float, other: str = "halving-doubling") -> float:
     """Message size above which the ring all-reduce beats `other` (halving-doubling or tree) on n
     ranks: where the other's saved latencies equal its extra bytes (inf: never; 0: at every size)."""
-    messages, per_byte = _counts(other, n)
+    if other == "halving-doubling":     # its messages and bytes per byte of M, critical path
+        messages, per_byte = messages_per_rank(n), bytes_on_critical_path(n, 1.0)
+    elif other == "tree":
+        messages, per_byte = tree.messages_on_critical_path(n), tree.bytes_on_critical_path(n, 1.0)
+    else:
+        raise ValueError(f"no all-reduce {other!r} beside the ring")
     extra_alpha = ring_steps("all_reduce", n) - messages            # the ring's extra steps
     extra_bytes = per_byte - bytes_per_rank_factor("all_reduce", n)  # the other's extra bytes per byte
     if extra_bytes <= 0:

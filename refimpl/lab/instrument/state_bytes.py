@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from refimpl.memory.arithmetic import ModelStateBytes
+from refimpl.memory import ModelStateBytes
 
 
 def tensor_bytes(tensors) -> int:

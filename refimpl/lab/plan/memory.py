@@ -11,8 +11,7 @@ import refimpl.lab.plan.moe as moe  # what a mixture of experts adds
 from refimpl.lab.plan.layout import Layout
 from refimpl.lab.predict.cp_comm import ring_block_delta_bytes
 from refimpl.lab.predict.presets import ModelShape
-from refimpl.memory import activation_bytes_per_layer, model_state_bytes
-from refimpl.memory.arithmetic import tp_block_activation_bytes
+from refimpl.memory import activation_bytes_per_layer, model_state_bytes, tp_block_activation_bytes
 
 PRECISIONS = {
     # mixed-precision Adam (the ZeRO paper's K = 12), 16-bit activations: what GPU trainings use.

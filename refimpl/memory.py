@@ -1,5 +1,6 @@
 """Memory and compute arithmetic of training: model states (ZeRO, Rajbhandari et al. 2020),
-activations (Korthikanti et al. 2022, and refimpl's blocks tensor by tensor), training FLOPs."""
+activations (Korthikanti et al. 2022, and refimpl's blocks tensor by tensor), training FLOPs.
+The same quantities counted on a live run are the lab's (refimpl.lab.instrument.model_state)."""
 from __future__ import annotations
 
 import math
