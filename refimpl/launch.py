@@ -3,6 +3,7 @@
     results = run(fn, 2, x, backend="auto")      # -> [fn(0, 2, x), fn(1, 2, x)]"""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -140,15 +141,14 @@ def failure_text(r, tmp: Path) -> str:
 
 def _kill_all(ranks: list[_Rank]) -> None:
     for r in ranks:
-        if r.proc.poll() is None:
-            if not isinstance(r.proc, subprocess.Popen):   # a starter's: it kills, it knows the pid
-                r.proc.kill_group()
-                continue
-            try:  # the rank's whole session: it may have started helpers of its own (a Popen
-                # child not yet waited for keeps its pid, so this cannot hit another process)
+        if r.proc.poll() is not None:
+            continue
+        if not isinstance(r.proc, subprocess.Popen):   # a starter's: it kills, it knows the pid
+            r.proc.kill_group()
+        else:   # the rank's whole session: it may have started helpers of its own (a Popen child
+            # not yet waited for keeps its pid, so this cannot hit another process)
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(r.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     for r in ranks:
         r.proc.wait()
 

@@ -1,7 +1,6 @@
 """What may be added to the one loop (refimpl.train) from outside it: the lab's step times, memory
-counts, checkpoints, traces, initial states and shard-only build reach the loop through this one
-record, never through the loop's code. `LoopExtras` adds nothing; a plug-in registered under the
-entry-point group "refimpl.loop" replaces it (refimpl/lab/loop.py)."""
+counts, checkpoints, traces, initial states and shard-only build. `LoopExtras` adds nothing; a
+plug-in under the entry-point group "refimpl.loop" replaces it (refimpl/lab/loop.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -14,8 +13,8 @@ class LoopExtras:
 
     first: int = 0                 # the step the run starts at (a resumed run: its checkpoint's)
     losses: tuple = ()             # the losses of the steps before it
-    # `place(strategy)`: builds the rank's model and places it, returning the reference's parameter
-    # count (refimpl.train.setup_rank); None: the loop's own, refimpl.train.place_seeded
+    # `place(strategy)`: builds and places the rank's model, returns the reference's parameter
+    # count (refimpl.train.setup_rank); None: refimpl.train.place_seeded
     place = None
 
     def __init__(self, cfg, rank: int, world_size: int):

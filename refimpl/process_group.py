@@ -11,8 +11,7 @@ import torch.distributed as dist
 
 from refimpl.launch_tools import tools
 
-# Set on every child refimpl.launch.run starts, so a nested `run` inside a rank is not mistaken
-# for torchrun.
+# Set on every child refimpl.launch.run starts: a nested `run` inside a rank is not torchrun's.
 CHILD_MARK = "REFIMPL_RANK_CHILD"
 
 
@@ -71,8 +70,7 @@ def device_for(backend: str):
 
 
 def launch_backend(cfg) -> str:
-    """device "cpu" keeps the ranks on gloo even where there are GPUs enough for NCCL (the CPU
-    planner check, refimpl.lab.plan.cpu); otherwise NCCL exactly when every rank gets a GPU."""
+    """gloo for a run told device "cpu", even where GPUs would give NCCL; else pick_backend's."""
     return "gloo" if cfg.device == "cpu" else "auto"
 
 

@@ -57,8 +57,8 @@ def strategies() -> dict[str, Entry]:
 
 @dataclass(frozen=True)
 class Resolved:
-    """A configuration with its shorthand filled in, and the class that runs it (as the
-    variants' plug-ins make it for this configuration)."""
+    """A configuration with its shorthand filled in, and the class that runs it (as the variants'
+    plug-ins make it)."""
     cfg: TrainConfig
     strategy: type[Strategy]
 
@@ -98,7 +98,5 @@ def _whole_world(cfg: TrainConfig, axis: str) -> int:
     data-parallel rank, dp x cp, since expert parallelism reuses them)."""
     if getattr(cfg, axis) != 1:
         return getattr(cfg, axis)
-    grid = cfg.replicas * cfg.pp * cfg.cp * cfg.tp
-    if axis == "ep":
-        return max(cfg.nproc // grid, 1) * cfg.cp
-    return max(cfg.nproc // grid, 1)
+    dims = cfg.dims     # its dp: the ranks the other axes leave
+    return dims.dp * dims.cp if axis == "ep" else dims.dp

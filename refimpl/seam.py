@@ -34,9 +34,8 @@ def plain_phase(name: str):
 
 
 def lookup(collectives, name: str):
-    """`name` from `collectives`; what they do not define (get_rank, ReduceOp, ...), and every name
-    when they are None, from torch.distributed's, looked up at call time (so a wrapper put on
-    torch.distributed's functions, the dry run's or a test's, still sees every call)."""
+    """`name` from `collectives`, else from torch.distributed, looked up at call time (so a wrapper
+    put on torch.distributed's functions, the dry run's or a test's, still sees every call)."""
     found = getattr(collectives, name, None)
     return found if found is not None else getattr(torch_dist, current_name(name))
 

@@ -2,7 +2,6 @@
 gradients accumulate to the mean), and the global loss. A pipeline runs a schedule's table instead."""
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, ContextManager
 
 import torch
@@ -12,17 +11,15 @@ from refimpl.rank_model import Pipeline
 from refimpl.seam import dist, phase
 
 
-def forward_backward(model: Callable, micro_batches: list[Batch], *, loss_fn: Callable,
-                     divisor: int = 1,
-                     micro_step: Callable[[bool], ContextManager] | None = None,
-                     autocast: Callable[[], ContextManager] = contextlib.nullcontext
-                     ) -> torch.Tensor:
+def forward_backward(model: Callable, micro_batches: list[Batch], *, loss_fn: Callable, divisor: int,
+                     micro_step: Callable[[bool], ContextManager],
+                     autocast: Callable[[], ContextManager]) -> torch.Tensor:
     """Forward and backward over `micro_batches`; returns this rank's mean loss over them (a
     float64 0-d tensor on the model's device: accumulating it costs no host sync)."""
     total = torch.zeros((), dtype=torch.float64, device=micro_batches[0].inputs.device)
     for i, mb in enumerate(micro_batches):
         is_last = i == len(micro_batches) - 1
-        with micro_step(is_last) if micro_step else contextlib.nullcontext():
+        with micro_step(is_last):
             with phase("forward"), autocast():
                 loss = loss_fn(model(mb.inputs), mb.targets) / len(micro_batches)
             with phase("backward"):

@@ -25,18 +25,16 @@ def validate(cfg: TrainConfig) -> Resolved:
     """Every layout check, in the launching process: raises LayoutError with one line, or returns
     the layout resolved (refimpl.registry: the shorthand's axes filled, the strategy's class)."""
     layout = resolve(cfg)
-    cfg = layout.cfg
-    extras_class().validate(cfg, layout.strategy)   # the shared rules (the lab's: refimpl.loop_extras)
-    layout.strategy.validate(cfg)
+    extras_class().validate(layout.cfg, layout.strategy)   # the shared rules (refimpl.loop_extras)
+    layout.strategy.validate(layout.cfg)
     return layout
 
 
 def setup_rank(rank: int, world_size: int, layout: Resolved,
                place=None) -> tuple[RunContext, Strategy, int]:
     """This rank's context, its strategy placed, and the reference's parameter count: everything
-    before the first step. `place(strategy)` builds the rank's model, places it and returns that
-    count: `place_seeded` unless told otherwise (the lab's builds only this rank's shard, or places
-    a checkpoint's values: refimpl.loop_extras)."""
+    before the first step. `place(strategy)` builds, places and counts: `place_seeded`, or the
+    loop extras' (the lab's builds only this rank's shard, or places a checkpoint's values)."""
     cfg = layout.cfg
     backend, device = backend_and_device(cfg)
     tools().device_settings(device, cfg)    # e.g. the lab's exact fp32 on a GPU
