@@ -1,6 +1,8 @@
 """One rank started by `refimpl.launch.run` (python -m refimpl._rank): joins the process group, runs
 the cloudpickled function, writes its result or its traceback where the parent looks. Apart from
 launch.py so the child imports as little as possible before OMP_NUM_THREADS takes effect."""
+import contextlib
+import gc
 import json
 import os
 import sys
@@ -15,10 +17,8 @@ def _die_with_parent() -> None:
         import signal
 
         PR_SET_PDEATHSIG = 1
-        try:
+        with contextlib.suppress(OSError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except OSError:
-            pass
         if os.getppid() == 1:  # the parent died before we could ask
             os._exit(1)
 
@@ -45,8 +45,6 @@ def main() -> None:
         with tools().running():        # e.g. the lab's device audit (refimpl.launch_tools)
             result = job["fn"](rank, world_size, *job["args"], **job["kwargs"])
         (outdir / f"result{rank}.pkl").write_bytes(cloudpickle.dumps(result))
-        import gc
-
         import torch.distributed as dist
 
         gc.collect()    # drop reference cycles holding tensors/hooks while the group still exists

@@ -27,9 +27,8 @@ class LaunchTools:
         return None
 
     def watch(self, folder: Path, backend: str, wanted: bool | None, stall: float | None):
-        """Something with `wait(ranks, tmp, timeout)` that waits for a launch's ranks as
-        refimpl.launch's `wait_all` does, and more (`wanted`: record the ranks' communication
-        calls for a hang report; `stall`: seconds in one call that make a hang), or None."""
+        """None, or what `wait(ranks, tmp, timeout)`s as refimpl.launch.wait_all does, and more
+        (`wanted`: a record of the ranks' calls; `stall`: seconds in one call that make a hang)."""
         if stall is not None:
             raise ValueError("stall needs a watch on the ranks' calls (refimpl.lab's runtime)")
         return None

@@ -3,8 +3,7 @@ grid; the seed's rule "model parallel inside a node, data parallel across nodes"
 
     dims = ParallelDims(dp=2, pp=2, tp=2)     # validated in the launching process
     dims.groups("tp")  -> [[0, 1], [2, 3], [4, 5], [6, 7]]
-    mesh = Mesh(dims, rank)                    # on each rank: mesh.size/index/group/ranks("dp")
-"""
+    mesh = Mesh(dims, rank)                    # on each rank: mesh.size/index/group/ranks("dp")"""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -78,10 +77,9 @@ class ParallelDims:
                      if (r // sdp) % self.dp == 0 and (r // scp) % self.cp == 0]
             if axis == "dp_cp":
                 return dp_cp
-            ep = self.ep
             if axis == "ep":   # consecutive chunks of ep ranks inside each dp_cp group
-                return [row[i:i + ep] for row in dp_cp for i in range(0, len(row), ep)]
-            return [row[j::ep] for row in dp_cp for j in range(ep)]   # one rank of each chunk
+                return [row[i:i + self.ep] for row in dp_cp for i in range(0, len(row), self.ep)]
+            return [row[j::self.ep] for row in dp_cp for j in range(self.ep)]   # one rank of each chunk
         raise ValueError(f"unknown axis {axis!r}; axes: {', '.join(GROUP_AXES)}")
 
     def coordinates(self, rank: int) -> dict[str, int]:

@@ -1,8 +1,7 @@
 """The `--strategy` names: which strategy class runs each, and what a shorthand fills in.
 
     layout = resolve(TrainConfig(strategy="pp-1f1b", nproc=4, tp=2))
-    layout.cfg.pp, layout.cfg.schedule, layout.strategy    # 2, "1f1b", NaiveDataParallel
-"""
+    layout.cfg.pp, layout.cfg.schedule, layout.strategy    # 2, "1f1b", NaiveDataParallel"""
 from __future__ import annotations
 
 import importlib

@@ -82,8 +82,7 @@ class Strategy:
         return global_mean_loss(local, self.mesh, rank_model.pipeline)
 
     def loss_with_moe_aux(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The loss, plus the MoE layers' auxiliary load-balancing loss of the forward that made
-        `logits` (refimpl.model.moe; 0 for a dense model, so its loss is unchanged)."""
+        """The loss plus the MoE layers' load-balancing loss of this forward (0 for a dense model)."""
         return self.rank_model.loss_fn(logits, targets) + self.rank_model.aux_loss()
 
     @property

@@ -119,8 +119,6 @@ def merge_results(cfg: TrainConfig, per_rank: list[dict]) -> dict:
     """One result for the run: rank 0's losses (each rank's is the global loss), what the loop's
     extras merge from every rank's (refimpl.loop_extras), and every rank's own."""
     first = per_rank[0]
-    out = {"strategy": cfg.strategy, "world_size": cfg.nproc, "losses": first["losses"],
-           "n_params": first["n_params"]}
-    out.update(extras_class().merged(cfg, per_rank))
-    out["per_rank"] = per_rank
-    return out
+    return {"strategy": cfg.strategy, "world_size": cfg.nproc, "losses": first["losses"],
+            "n_params": first["n_params"], **extras_class().merged(cfg, per_rank),
+            "per_rank": per_rank}

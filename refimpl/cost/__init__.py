@@ -1,2 +1,1 @@
-"""What communication costs: the bytes each collective sends (`collective_bytes`), and the alpha-beta
-model and its fit (`alpha_beta`)."""
+"""What communication costs: bytes per collective (`collective_bytes`), the alpha-beta model (`alpha_beta`)."""
