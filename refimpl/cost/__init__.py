@@ -1,1 +1,1 @@
-"""What communication costs: bytes per collective (`collective_bytes`), the alpha-beta model (`alpha_beta`)."""
+"""What communication costs: bytes per collective (collective_bytes), the alpha-beta model (alpha_beta)."""
