@@ -1,6 +1,7 @@
 """All-reduce by recursive halving and doubling (the "butterfly"), beside the ring."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -53,35 +54,29 @@ def halving_doubling_all_reduce_(flat: torch.Tensor, op, g: GroupView) -> None:
 def _butterfly(flat: torch.Tensor, op, g: GroupView, v: int, p: int) -> None:
     """Butterfly member v of p (a power of two): halving reduce-scatter, then doubling all-gather."""
     n = g.size
-    sizes = [c.numel() for c in flat.tensor_split(p)]
-    offsets = [0] + [sum(sizes[: i + 1]) for i in range(p)]
+    offsets = list(itertools.accumulate((c.numel() for c in flat.tensor_split(p)), initial=0))
 
     def span(lo: int, hi: int) -> torch.Tensor:      # chunks lo..hi-1 as one slice of flat
         return flat[offsets[lo]: offsets[hi]]
 
+    distances = [1 << j for j in range(p.bit_length() - 1)]   # 1, 2, ..., p/2
     lo, hi = 0, p
     # the first round's kept half is the largest (tensor_split puts the longer chunks first)
     scratch = torch.empty(offsets[max(p // 2, 1)], dtype=flat.dtype, device=flat.device)
-    d = p // 2
-    while d >= 1:                                     # recursive halving: reduce-scatter
-        partner, mid = v ^ d, (lo + hi) // 2
+    for d in reversed(distances):                     # recursive halving: reduce-scatter
+        peer, mid = real_rank(v ^ d, n), (lo + hi) // 2
         keep, give = ((lo, mid), (mid, hi)) if v & d == 0 else ((mid, hi), (lo, mid))
         mine = span(*keep)
         incoming = scratch[: mine.numel()]
-        exchange(g, sends=[(span(*give), real_rank(partner, n))],
-                 recvs=[(incoming, real_rank(partner, n))])
+        exchange(g, sends=[(span(*give), peer)], recvs=[(incoming, peer)])
         reduce_into(mine, incoming, op)
         lo, hi = keep
-        d //= 2
     finish(span(lo, hi), op, n)                       # AVG: divide the chunk we own, once
-    d = 1
-    while d < p:                                      # recursive doubling: all-gather
-        partner = v ^ d
+    for d in distances:                               # recursive doubling: all-gather
         other = (hi, 2 * hi - lo) if v & d == 0 else (2 * lo - hi, lo)
-        exchange(g, sends=[(span(lo, hi), real_rank(partner, n))],
-                 recvs=[(span(*other), real_rank(partner, n))])
+        peer = real_rank(v ^ d, n)
+        exchange(g, sends=[(span(lo, hi), peer)], recvs=[(span(*other), peer)])
         lo, hi = min(lo, other[0]), max(hi, other[1])
-        d *= 2
 
 
 def messages_per_rank(n: int) -> int:

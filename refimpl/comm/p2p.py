@@ -15,12 +15,8 @@ COLLECTIVE_TAG = 0x636F  # "co"
 
 
 def wire_tag(tag: int) -> int:
-    """The tag a message really carries. NCCL ignores tags: between two ranks it pairs messages in
-    the order they were posted. gloo pairs them by tag, which can hide a posting order that NCCL
-    would pair wrongly (the wrong tensor, silently, when shapes agree) or not at all (a hang).
-    REFIMPL_P2P_TAGS=one sends every message with tag 0, so gloo pairs them as NCCL does: the test
-    mode in which every schedule, ring and rebuilt collective must still equal single
-    (tests/test_nccl_rules.py)."""
+    """The tag a message really carries: REFIMPL_P2P_TAGS=one sends every message with tag 0, so
+    gloo pairs messages in posting order as NCCL does (docs/core_notes.md, refimpl.comm.p2p)."""
     return 0 if os.environ.get("REFIMPL_P2P_TAGS") == "one" else tag
 
 
@@ -45,15 +41,11 @@ class GroupView:
         """torch's convention: a root is given either as a global rank or as a group rank."""
         if global_rank is not None and group_rank is not None:
             raise ValueError("give either a global rank or a group rank, not both")
-        if group_rank is not None:
-            return group_rank
         if global_rank is None:
-            if default is None:
+            if group_rank is None and default is None:
                 raise ValueError("a root rank is required")
-            return default
-        if self.group is None:
-            return global_rank
-        return dist.get_group_rank(self.group, global_rank)
+            return default if group_rank is None else group_rank
+        return global_rank if self.group is None else dist.get_group_rank(self.group, global_rank)
 
 
 class Posted:
@@ -90,11 +82,8 @@ def post(g: GroupView, sends=(), recvs=()) -> Posted:
     tag = wire_tag(COLLECTIVE_TAG)
     backend = dist.get_backend(g.group) if ops else None
     if backend in ("nccl", "staged"):
-        # One group (batch_isend_irecv): NCCL runs the operations between two ranks in posting
-        # order and a send may wait for its receive, so a receive and a send to the same peer
-        # posted one by one would wait for each other (a 2-rank ring, every pairwise exchange);
-        # in a group they start together (refimpl.parallel.pp.order has the rule). The
-        # staged backend keeps that rule (refimpl.lab.runtime.staged_stream runs the batch as one group).
+        # One group (batch_isend_irecv): a receive and a send to the same peer, posted one by one,
+        # could wait for each other (docs/core_notes.md, refimpl.comm.p2p)
         works = dist.batch_isend_irecv([
             dist.P2POp(dist.irecv if kind == "recv" else dist.isend, buf, group=g.group, group_peer=peer, tag=tag)
             for kind, buf, peer in ops])

@@ -96,10 +96,9 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     check_op(op)
 
     def body(g: GroupView):
-        with _flat(input.clone()) as flat:  # a private copy: the ring reduces in place
-            chunks = list(flat.chunk(g.size))
-            reduce_scatter_ring(chunks, op, g)
-            output.copy_(finish(chunks[g.rank], op, g.size).view_as(output))
+        chunks = list(input.reshape(-1).clone().chunk(g.size))   # a private copy: the ring reduces in place
+        reduce_scatter_ring(chunks, op, g)
+        output.copy_(finish(chunks[g.rank], op, g.size).view_as(output))
 
     return issue("reduce_scatter", group, async_op, body, nbytes(input))
 

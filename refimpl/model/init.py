@@ -52,13 +52,6 @@ def _kind(module: nn.Module, local: str, name: str) -> str:
     raise ValueError(f"no initial value for {name} ({type(module).__name__}.{local})")
 
 
-def parameter_seed(seed: int, name: str) -> int:
-    """32 bits of a digest of the run's seed and the name: the same in every process (unlike
-    hash()), and no more bits than the CPU generator keeps."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:4], "little")
-
-
 def initial_value(rule: tuple[str, str], shape, seed: int,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """One tensor's initial value on the host, whole: drawn in fp32, then cast (a float64 run starts
@@ -68,7 +61,9 @@ def initial_value(rule: tuple[str, str], shape, seed: int,
         return torch.zeros(shape, dtype=dtype, device="cpu")
     if kind == ONES:
         return torch.ones(shape, dtype=dtype, device="cpu")
-    generator = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, key))
+    # 32 bits of a digest of seed and name, the same in every process (docs/core_notes_model.md)
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    generator = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:4], "little"))
     drawn = torch.empty(shape, dtype=torch.float32, device="cpu")
     return drawn.normal_(0.0, STD, generator=generator).to(dtype)
 

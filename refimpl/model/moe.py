@@ -141,8 +141,7 @@ def moe_layers(model: nn.Module) -> list[MoEMLP]:
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor | float:
     """Sum of the MoE layers' auxiliary losses from the last forward (0.0 for a dense model)."""
-    layers = moe_layers(model)
-    return sum(layer.aux_loss for layer in layers) if layers else 0.0
+    return sum((layer.aux_loss for layer in moe_layers(model)), 0.0)
 
 
 def update_expert_bias(model: nn.Module) -> None:

@@ -129,7 +129,3 @@ class RowParallelLinear(ParallelLinear):
             s = dy.shape[1] // group_size(self.group)
             dy = dy[:, group_rank(self.group) * s:][:, :s]
         return super().bias_grad(dy)
-
-    def sequence_partial(self) -> list[nn.Parameter]:
-        """Replicated parameters whose gradient covers this rank's tokens only (under SP)."""
-        return [self.bias] if self.sequence_parallel and self.bias is not None else []

@@ -45,8 +45,11 @@ def sequence_partial(model: nn.Module, sequence_parallel: bool) -> list[nn.Param
     if not sequence_parallel:
         return []
     norms = [model.final_norm] + [n for block in model.blocks for n in (block.ln1, block.ln2)]
-    layers = [m for m in model.modules() if isinstance(m, (RowParallelLinear, VocabParallelEmbedding))]
-    return [p for n in norms for p in n.parameters()] + [p for m in layers for p in m.sequence_partial()]
+    # a row layer's bias is added after SP's reduce-scatter (an expert's, built without SP, is not)
+    biases = [m.bias for m in model.modules()
+              if isinstance(m, RowParallelLinear) and m.sequence_parallel and m.bias is not None]
+    positions = [] if model.embed.pos is None else [model.embed.pos.weight]
+    return [p for n in norms for p in n.parameters()] + positions + biases
 
 
 def tp_loss_for(head: ColumnParallelLinear):

@@ -52,10 +52,6 @@ class VocabParallelEmbedding(nn.Module):
         first = group_rank(self.group) * s if self.sequence_parallel else 0
         return x + self.pos(where[first:first + s])
 
-    def sequence_partial(self) -> list[nn.Parameter]:
-        """Under SP each rank adds the positions of its own tokens: that gradient is partial."""
-        return [self.pos.weight] if self.sequence_parallel and self.pos is not None else []
-
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
