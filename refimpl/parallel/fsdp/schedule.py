@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -58,7 +59,7 @@ class UnitSchedule:
         self.last = len(units) - 1
         self.root = len(units) if root else None
         self.units = [u for u in self.at if u is not None]    # every flat shard, in order
-        self._cast = _InputCast(compute_dtype, device.type)
+        self._cast = partial(_cast_inputs, dtype=compute_dtype, device_type=device.type)
         self._pending_reduce: list = []
         self._install_hooks([modules for _, modules, _ in units])
 
@@ -148,18 +149,12 @@ class UnitSchedule:
         self._finish_reduces()
 
 
-class _InputCast:
+def _cast_inputs(args: tuple, dtype: torch.dtype | None, device_type: str):
     """A unit's floating inputs in the compute dtype, unless autocast picks each op's dtype."""
-
-    def __init__(self, dtype: torch.dtype | None, device_type: str):
-        self.dtype, self.device_type = dtype, device_type
-
-    def __call__(self, args: tuple):
-        if self.dtype is None or (self.device_type in ("cpu", "cuda")
-                                  and torch.is_autocast_enabled(self.device_type)):
-            return None
-        cast = [torch.is_tensor(a) and a.is_floating_point() and a.dtype != self.dtype for a in args]
-        return tuple(a.to(self.dtype) if c else a for a, c in zip(args, cast)) if any(cast) else None
+    if dtype is None or (device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type)):
+        return None
+    cast = [torch.is_tensor(a) and a.is_floating_point() and a.dtype != dtype for a in args]
+    return tuple(a.to(dtype) if c else a for a, c in zip(args, cast)) if any(cast) else None
 
 
 def _on_first_grad(tensors: list[torch.Tensor], fn) -> None:

@@ -78,19 +78,10 @@ class ShardedUnit:
         a split schedule a B may start before an earlier W delivered)."""
         self.grads_left += len(self.flat.params)
 
-    def flat_grads(self) -> torch.Tensor:
-        """The unit's gradients in a new flat buffer of the master dtype, each .grad dropped."""
-        flat = self.flat.empty(self.flat.dtype, self.device)
-        for slot, p in zip(self.flat.slots, self.flat.params):
-            if p.grad is not None:
-                flat[slot.offset:slot.offset + slot.numel].copy_(p.grad.reshape(-1))
-                p.grad = None
-        return flat
-
     def reduce_scatter(self, async_op: bool = False):
         """Sum the flat gradient over ranks in the master dtype; `finish` (returned) waits and
         adds this rank's shard into the master's grad."""
-        send = self.flat_grads()
+        send = self.flat.take_grads(device=self.device)   # in the master dtype
         shard = torch.empty(self.flat.shard_numel, dtype=self.flat.dtype, device=self.device)
         if self.group is None:
             shard.copy_(send)

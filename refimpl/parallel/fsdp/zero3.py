@@ -15,8 +15,6 @@ from refimpl.parallel.dp.per_group import PerGroup
 from refimpl.parallel.fsdp.schedule import ShardingPolicy, UnitSchedule, assign_params
 from refimpl.strategy import Strategy, make_optimizer
 
-__all__ = ["FullySharded", "Zero3", "ShardingPolicy", "gpt_units"]
-
 
 def gpt_units(model: GPT) -> list[tuple[str, list]]:
     """(unit name, modules) in forward order: embed, one per block, final_norm + lm_head (those
@@ -51,7 +49,7 @@ class FullySharded(Strategy):
     def setup(self, model: GPT) -> None:
         self.model = model
         self.groups = PerGroup(model.named_parameters(), self.schedule_over)
-        self.units = [u for schedule in self.groups for u in schedule.units]
+        self.units = [u for schedule in self.groups.parts for u in schedule.units]
         self.optimizer = make_optimizer([u.master for u in self.units], self.ctx.cfg)
 
     def schedule_over(self, axis: str, named: list) -> UnitSchedule:
