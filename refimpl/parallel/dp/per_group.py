@@ -17,6 +17,9 @@ class PerGroup:
                 by_axis.setdefault(data_parallel_axis(p), []).append((name, p))
         self.parts = [build(axis, part) for axis, part in by_axis.items()]
 
+    def __iter__(self):
+        return iter(self.parts)
+
     @contextlib.contextmanager
     def micro_step(self, is_last: bool):
         """Each part's context around one micro-batch's forward and backward."""

@@ -49,7 +49,7 @@ class FullySharded(Strategy):
     def setup(self, model: GPT) -> None:
         self.model = model
         self.groups = PerGroup(model.named_parameters(), self.schedule_over)
-        self.units = [u for schedule in self.groups.parts for u in schedule.units]
+        self.units = [u for schedule in self.groups for u in schedule.units]
         self.optimizer = make_optimizer([u.master for u in self.units], self.ctx.cfg)
 
     def schedule_over(self, axis: str, named: list) -> UnitSchedule:

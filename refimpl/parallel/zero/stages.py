@@ -50,7 +50,7 @@ class ZeroDataParallel(Strategy):
         self.groups.finish_gradient_synchronization()
 
     def optimizer_step(self) -> None:
-        for part in self.groups.parts:
+        for part in self.groups:
             part.step()
 
 
