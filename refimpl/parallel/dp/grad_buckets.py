@@ -15,7 +15,6 @@ from refimpl.seam import dist
 
 @dataclass
 class Bucket:
-    index: int                 # launch order: 0 holds the last parameters (ready first)
     start: int                 # [start, end) in the flat gradient buffer
     end: int
     params: list[int]          # indices of the parameters with elements in [start, end)
@@ -29,8 +28,8 @@ class Bucket:
 
 def assign_buckets(layout: FlatParams, cap_bytes: float, element_size: int = 4,
                    cut_at=()) -> list[Bucket]:
-    """Cut the flat layout into buckets in reverse parameter order: a bucket closes when its
-    parameters reach `cap_bytes`, and at every offset of `cut_at`."""
+    """Cut the flat layout into buckets in reverse parameter order (the launch order: the last
+    parameters' gradients are ready first); one closes at `cap_bytes`, and at each of `cut_at`."""
     edges, size = {layout.padded_numel}, 0
     for slot in reversed(layout.slots):
         size += slot.numel * element_size
@@ -39,10 +38,10 @@ def assign_buckets(layout: FlatParams, cap_bytes: float, element_size: int = 4,
             size = 0
     edges = sorted(edges | {c for c in cut_at if 0 < c < layout.padded_numel}, reverse=True)
     buckets = []
-    for index, (stop, start) in enumerate(zip(edges, edges[1:])):
+    for stop, start in zip(edges, edges[1:]):
         params = [i for i, s in enumerate(layout.slots)
                   if s.offset < stop and s.offset + s.numel > start]
-        buckets.append(Bucket(index, start, stop, params))
+        buckets.append(Bucket(start, stop, params))
     return buckets
 
 
