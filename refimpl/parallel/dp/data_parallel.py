@@ -10,11 +10,9 @@ import contextlib
 
 import torch.nn as nn
 
-from refimpl.parallel.dp.grad_buckets import replicated_buckets
+from refimpl.parallel.dp.grad_buckets import MiB, replicated_buckets
 from refimpl.parallel.dp.wrapping import check_devices, claim, named_state, resolve_group
 from refimpl.seam import dist
-
-MiB = 2 ** 20
 
 
 class DataParallel(nn.Module):

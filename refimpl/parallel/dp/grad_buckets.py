@@ -12,6 +12,8 @@ import torch
 from refimpl.parallel.dp.flat_param import FlatParams
 from refimpl.seam import dist
 
+MiB = 2 ** 20
+
 
 @dataclass
 class Bucket:
