@@ -100,9 +100,10 @@ class UnitSchedule:
             _on_first_grad(outputs, lambda this=weakref.ref(self): this()._before_backward(i))
 
     def _before_backward(self, i: int) -> None:
-        if self.at[i] is not None:
-            self.at[i].wait_gather()
-            self.at[i].expect_grads()
+        unit = self.at[i]
+        if unit is not None:
+            unit.wait_gather()
+            unit.grads_left += len(unit.flat.params)   # added: a B may start before a W delivered
         preceding = self._neighbour(i, -1) if self.policy.prefetch else None
         if preceding is not None:
             preceding.gather(async_op=True)    # overlaps with unit i's backward

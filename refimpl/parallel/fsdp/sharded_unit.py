@@ -70,11 +70,6 @@ class ShardedUnit:
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
-    def expect_grads(self) -> None:
-        """A backward through the unit starts: one gradient per parameter will come (added: under
-        a split schedule a B may start before an earlier W delivered)."""
-        self.grads_left += len(self.flat.params)
-
     def reduce_scatter(self, async_op: bool = False):
         """Sum the flat gradient over ranks in the master dtype; `finish` (returned) waits and
         adds this rank's shard into the master's grad."""
