@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+from torch.autograd.graph import register_multi_grad_hook
 
 from refimpl.parallel.fsdp.sharded_unit import ShardedUnit
 from refimpl.placement import mark_resharded
@@ -96,8 +97,9 @@ class UnitSchedule:
         if self.at[i] is not None and (
                 not backward_follows or (self.policy.reshard_after_forward and not keep)):
             self.at[i].reshard()
-        if backward_follows:
-            _on_first_grad(outputs, lambda this=weakref.ref(self): this()._before_backward(i))
+        if backward_follows:      # at the first of the outputs' gradients, once per backward
+            this = weakref.ref(self)
+            register_multi_grad_hook(outputs, lambda _grad: this()._before_backward(i), mode="any")
 
     def _before_backward(self, i: int) -> None:
         unit = self.at[i]
@@ -156,19 +158,6 @@ def _cast_inputs(args: tuple, dtype: torch.dtype | None, device_type: str):
         return None
     cast = [torch.is_tensor(a) and a.is_floating_point() and a.dtype != dtype for a in args]
     return tuple(a.to(dtype) if c else a for a, c in zip(args, cast)) if any(cast) else None
-
-
-def _on_first_grad(tensors: list[torch.Tensor], fn) -> None:
-    """Call `fn` once, when the first of `tensors` gets its gradient."""
-    fired: list = []
-
-    def hook(grad):
-        if not fired:
-            fired.append(True)
-            fn()
-
-    for t in tensors:
-        t.register_hook(hook)
 
 
 def _tensors(out) -> list[torch.Tensor]:
