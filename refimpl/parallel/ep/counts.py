@@ -8,8 +8,8 @@ from refimpl.seam import dist
 
 
 class SharedCounts(LocalExperts):
-    """Every expert in this process, the counts over `token_group` (the ranks holding the other
-    rows of the batch): a data-parallel replica's dispatch."""
+    """A dispatch counting over `token_group` (the ranks holding the other rows of the batch): with
+    every expert in this process, a data-parallel replica's (ExpertParallelDispatch spreads them)."""
 
     def __init__(self, token_group):
         self.token_group = token_group
