@@ -150,7 +150,7 @@ def expected_calls(cfg: TrainConfig, stage: int = 0) -> pd.DataFrame:
 def count_gather_bytes(cfg: TrainConfig) -> int:
     """Bytes of ep's all-gather of the routing counts: int64 counts per expert (routed and kept
     under the sequence scope, routed under the batch scope) from every dp x cp rank
-    (refimpl.parallel.ep.counts: `all_gather_counts`)."""
+    (refimpl.parallel.ep.counts: `SharedCounts.gather_counts`)."""
     rows = 2 if cfg.model.capacity_scope == "sequence" else 1
     return 8 * rows * cfg.model.n_experts * cfg.dims.dp * cfg.dims.cp
 

@@ -6,12 +6,10 @@ import weakref
 
 from refimpl.config import Option
 from refimpl.model import GPT
-from refimpl.parallel.dp.grad_buckets import GradBuckets, replicated_buckets
+from refimpl.parallel.dp.grad_buckets import GradBuckets, MiB, replicated_buckets
 from refimpl.parallel.dp.per_group import PerGroup
 from refimpl.rank_model import RankModel
 from refimpl.strategy import Strategy, make_optimizer
-
-MiB = 2 ** 20
 
 
 class BucketedDataParallel(Strategy):
@@ -49,11 +47,11 @@ def _armed(run, parts: list[GradBuckets], accumulations: dict[str, int]):
     """`run` inside one synchronised micro-step of every part, parameter `name` expected
     `accumulations[name]` times (the parts held weakly: no cycle through the hooks)."""
     refs = [weakref.ref(buckets) for buckets in parts]
+    counts = [[accumulations[slot.name] for slot in buckets.layout.slots] for buckets in parts]
 
     def armed(*args, **kwargs):
-        for ref in refs:
-            buckets = ref()
-            buckets.arm(True, [accumulations[slot.name] for slot in buckets.layout.slots])
+        for ref, each in zip(refs, counts):
+            ref().arm(True, each)
         return run(*args, **kwargs)
 
     return armed

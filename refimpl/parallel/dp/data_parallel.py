@@ -10,11 +10,9 @@ import contextlib
 
 import torch.nn as nn
 
-from refimpl.parallel.dp.grad_buckets import replicated_buckets
+from refimpl.parallel.dp.grad_buckets import MiB, replicated_buckets
 from refimpl.parallel.dp.wrapping import check_devices, claim, named_state, resolve_group
 from refimpl.seam import dist
-
-MiB = 2 ** 20
 
 
 class DataParallel(nn.Module):
@@ -43,20 +41,15 @@ class DataParallel(nn.Module):
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
-    def micro_step(self, sync: bool = True):
-        """The backward(s) inside communicate (sync) or only accumulate."""
+    def no_sync(self):
+        """Backwards inside only accumulate; the next one outside reduces the sum."""
         for buckets in self.bucket_sets:
-            buckets.arm(sync)
+            buckets.arm(sync=False)
         try:
             yield
         finally:
-            if not sync:
-                for buckets in self.bucket_sets:
-                    buckets.arm(sync=True)
-
-    def no_sync(self):
-        """Backwards inside only accumulate; the next one outside reduces the sum."""
-        return self.micro_step(sync=False)
+            for buckets in self.bucket_sets:
+                buckets.arm(sync=True)
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every bucket's all-reduce (launching any not yet launched)."""

@@ -57,6 +57,13 @@ class FlatParams:
         for p, view in zip(self.params, self.views(flat_grad)):
             p.grad = view
 
+    def take_grads(self, dtype=None, device="cpu") -> torch.Tensor:
+        """The gradients in a new flat buffer (None: zeros), each parameter's .grad dropped."""
+        flat = self.flatten([p.grad for p in self.params], dtype, device)
+        for p in self.params:
+            p.grad = None
+        return flat
+
     def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank `rank`'s contiguous slice of a flat buffer (a view)."""
         return flat[rank * self.shard_numel:(rank + 1) * self.shard_numel]

@@ -12,15 +12,16 @@ import torch
 from refimpl.parallel.dp.flat_param import FlatParams
 from refimpl.seam import dist
 
+MiB = 2 ** 20
+
 
 @dataclass
 class Bucket:
-    index: int                 # launch order: 0 holds the last parameters (ready first)
     start: int                 # [start, end) in the flat gradient buffer
     end: int
     params: list[int]          # indices of the parameters with elements in [start, end)
     pending: int = 0           # gradients not yet accumulated in this backward
-    work: object = field(default=None, repr=False)   # the collective's handle, in flight
+    work: object = field(default=None, repr=False)   # the collective's handle (None: none)
 
     @property
     def numel(self) -> int:
@@ -29,49 +30,31 @@ class Bucket:
 
 def assign_buckets(layout: FlatParams, cap_bytes: float, element_size: int = 4,
                    cut_at=()) -> list[Bucket]:
-    """Cut the flat layout into buckets in reverse parameter order."""
-    ranges, end, size = [], layout.padded_numel, 0
+    """Cut the flat layout into buckets in reverse parameter order (the launch order: the last
+    parameters' gradients are ready first); one closes at `cap_bytes`, and at each of `cut_at`."""
+    edges, size = {layout.padded_numel}, 0
     for slot in reversed(layout.slots):
         size += slot.numel * element_size
         if size >= cap_bytes or slot is layout.slots[0]:
-            ranges.append((slot.offset, end))
-            end, size = slot.offset, 0
-    cuts = sorted(set(cut_at))
-    split = []
-    for start, stop in ranges:
-        inner = [c for c in reversed(cuts) if start < c < stop]
-        bounds = [stop, *inner, start]
-        split += [(lo, hi) for hi, lo in zip(bounds, bounds[1:])]
+            edges.add(slot.offset)
+            size = 0
+    edges = sorted(edges | {c for c in cut_at if 0 < c < layout.padded_numel}, reverse=True)
     buckets = []
-    for index, (start, stop) in enumerate(split):
+    for stop, start in zip(edges, edges[1:]):
         params = [i for i, s in enumerate(layout.slots)
                   if s.offset < stop and s.offset + s.numel > start]
-        buckets.append(Bucket(index, start, stop, params))
+        buckets.append(Bucket(start, stop, params))
     return buckets
 
 
-class _Done:
-    """The handle of a collective that had nothing to do (one rank on the axis)."""
-
-    def wait(self) -> bool:
-        return True
-
-
 def all_reduce_sum(bucket: Bucket, grads: torch.Tensor, *, group, divisor: int = 1):
-    """The bucket summed on every rank of `group` (async), divided first by `divisor` (a mean)."""
+    """The bucket summed on every rank of `group` (async; None: one rank, nothing to wait for),
+    divided first by `divisor` (a mean)."""
     if divisor != 1:
         grads.div_(divisor)
     if group is None:
-        return _Done()
+        return None
     return dist.all_reduce(grads, group=group, async_op=True)
-
-
-def reduce_sum_to_owner(bucket: Bucket, grads: torch.Tensor, *, shard_numel: int,
-                        owners: list[int], group):
-    """The bucket summed onto the rank whose shard holds it (async); `owners`: global ranks."""
-    if group is None:
-        return _Done()
-    return dist.reduce(grads, dst=owners[bucket.start // shard_numel], group=group, async_op=True)
 
 
 class GradBuckets:
@@ -82,21 +65,18 @@ class GradBuckets:
         self.layout = layout
         self.reduce = reduce
         self.buckets = assign_buckets(layout, cap_bytes, cut_at=cut_at)
-        self._buckets_of = [[] for _ in layout.slots]   # parameter index -> buckets it feeds
-        for b in self.buckets:
-            for i in b.params:
-                self._buckets_of[i].append(b)
+        self._buckets_of = [[b for b in self.buckets if i in b.params]   # the buckets it feeds
+                            for i in range(len(layout.slots))]
         self.flat_grad: torch.Tensor | None = None
         self._sync = False
         self._left: list[int] | None = None             # accumulations still to come (a pipeline)
         self._next = 0                                  # the next bucket to launch, in order
         self._ready = [False] * len(layout.slots)       # gradients in, this synchronised backward
         this = weakref.ref(self)      # hooks hold self weakly: no cycle through the parameters
-        self._handles = [p.register_post_accumulate_grad_hook(
-            lambda _p, i=i: this()._on_gradient_ready(i)) for i, p in enumerate(layout.params)]
-        # before autograd accumulates: a .grad zero_grad() set to None is bound to its view again
-        self._handles += [p.register_hook(lambda _g, i=i: this()._rebind(i))
-                          for i, p in enumerate(layout.params)]
+        for i, p in enumerate(layout.params):
+            p.register_post_accumulate_grad_hook(lambda _p, i=i: this()._on_gradient_ready(i))
+            # before autograd accumulates: a .grad zero_grad() set to None is bound to its view again
+            p.register_hook(lambda _g, i=i: this()._rebind(i))
 
     def attach(self, flat_grad: torch.Tensor) -> None:
         """Point every parameter's .grad into `flat_grad`, where autograd will accumulate."""
@@ -169,7 +149,6 @@ class GradBuckets:
                 b.work.wait()
                 b.work = None
         self._sync = False
-
 
 
 def replicated_buckets(named: list, group, cap_bytes: float, divisor: int = 1) -> GradBuckets:

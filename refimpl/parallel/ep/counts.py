@@ -7,22 +7,18 @@ from refimpl.model.moe import LocalExperts
 from refimpl.seam import dist
 
 
-def all_gather_counts(counts: torch.Tensor, group) -> tuple[torch.Tensor, int]:
-    """[ranks, E] per-expert counts of every rank of `group` (in batch order), and my row."""
-    rows = [torch.empty_like(counts) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(rows, counts, group=group)
-    return torch.stack(rows), dist.get_rank(group)
-
-
 class SharedCounts(LocalExperts):
-    """Every expert in this process, the counts over `token_group` (the ranks holding the other
-    rows of the batch): a data-parallel replica's dispatch."""
+    """A dispatch counting over `token_group` (the ranks holding the other rows of the batch): with
+    every expert in this process, a data-parallel replica's (ExpertParallelDispatch spreads them)."""
 
     def __init__(self, token_group):
         self.token_group = token_group
 
     def gather_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, int]:
-        return all_gather_counts(counts, self.token_group)
+        """[ranks, E] per-expert counts of every rank of `token_group` (in batch order), my row."""
+        rows = [torch.empty_like(counts) for _ in range(dist.get_world_size(self.token_group))]
+        dist.all_gather(rows, counts, group=self.token_group)
+        return torch.stack(rows), dist.get_rank(self.token_group)
 
 
 class ChunkedSequences:

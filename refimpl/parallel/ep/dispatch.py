@@ -6,7 +6,7 @@ import torch.nn as nn
 
 from refimpl.model.moe import moe_layers
 from refimpl.model.moe_slots import compact_destinations, pack, unpack
-from refimpl.parallel.ep.counts import SharedCounts, all_gather_counts
+from refimpl.parallel.ep.counts import SharedCounts
 from refimpl.placement import Owned, Shard, placement_of, set_placement
 from refimpl.seam import dist, phase
 
@@ -32,19 +32,17 @@ class AllToAll(torch.autograd.Function):
             return exchange(grad, ctx.group), None, None
 
 
-class ExpertParallelDispatch:
-    """The `dispatch` of an MoE layer whose experts are spread over `ep_group`. `token_group`:
-    every rank holding another slice of the global batch, in batch order (ep's group itself when
-    ep spans the data-parallel ranks, dp x cp's when ep is smaller)."""
+class ExpertParallelDispatch(SharedCounts):
+    """The `dispatch` of an MoE layer whose experts are spread over `ep_group`; the counts shared
+    over `token_group` (ep's group itself when ep spans the data-parallel ranks, dp x cp's when
+    ep is smaller)."""
 
     def __init__(self, ep_group, token_group, n_experts: int):
-        self.ep_group, self.token_group, self.n_experts = ep_group, token_group, n_experts
+        super().__init__(token_group)
+        self.ep_group, self.n_experts = ep_group, n_experts
         self.ep = dist.get_world_size(ep_group)
         self.local = n_experts // self.ep
         self.first = dist.get_rank(ep_group) * self.local      # my first expert's global index
-
-    def gather_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, int]:
-        return all_gather_counts(counts, self.token_group)
 
     def __call__(self, x: torch.Tensor, counts: torch.Tensor, room: int | None,
                  experts: nn.ModuleDict) -> tuple:

@@ -3,7 +3,8 @@ the next unit prefetched, the first backward's unit kept, and SHARD_GRAD_OP ("gr
 from __future__ import annotations
 
 from refimpl.config import Option, TrainConfig
-from refimpl.parallel.fsdp.zero3 import FullySharded, ShardingPolicy
+from refimpl.parallel.fsdp.schedule import ShardingPolicy
+from refimpl.parallel.fsdp.zero3 import FullySharded
 
 SHARDING_MODES = ("full", "grad_op")
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from functools import partial
 
 import torch
+from torch.autograd.graph import register_multi_grad_hook
 
 from refimpl.parallel.fsdp.sharded_unit import ShardedUnit
 from refimpl.placement import mark_resharded
@@ -58,7 +60,7 @@ class UnitSchedule:
         self.last = len(units) - 1
         self.root = len(units) if root else None
         self.units = [u for u in self.at if u is not None]    # every flat shard, in order
-        self._cast = _InputCast(compute_dtype, device.type)
+        self._cast = partial(_cast_inputs, dtype=compute_dtype, device_type=device.type)
         self._pending_reduce: list = []
         self._install_hooks([modules for _, modules, _ in units])
 
@@ -95,13 +97,15 @@ class UnitSchedule:
         if self.at[i] is not None and (
                 not backward_follows or (self.policy.reshard_after_forward and not keep)):
             self.at[i].reshard()
-        if backward_follows:
-            _on_first_grad(outputs, lambda this=weakref.ref(self): this()._before_backward(i))
+        if backward_follows:      # at the first of the outputs' gradients, once per backward
+            this = weakref.ref(self)
+            register_multi_grad_hook(outputs, lambda _grad: this()._before_backward(i), mode="any")
 
     def _before_backward(self, i: int) -> None:
-        if self.at[i] is not None:
-            self.at[i].wait_gather()
-            self.at[i].expect_grads()
+        unit = self.at[i]
+        if unit is not None:
+            unit.wait_gather()
+            unit.grads_left += len(unit.flat.params)   # added: a B may start before a W delivered
         preceding = self._neighbour(i, -1) if self.policy.prefetch else None
         if preceding is not None:
             preceding.gather(async_op=True)    # overlaps with unit i's backward
@@ -148,31 +152,12 @@ class UnitSchedule:
         self._finish_reduces()
 
 
-class _InputCast:
+def _cast_inputs(args: tuple, dtype: torch.dtype | None, device_type: str):
     """A unit's floating inputs in the compute dtype, unless autocast picks each op's dtype."""
-
-    def __init__(self, dtype: torch.dtype | None, device_type: str):
-        self.dtype, self.device_type = dtype, device_type
-
-    def __call__(self, args: tuple):
-        if self.dtype is None or (self.device_type in ("cpu", "cuda")
-                                  and torch.is_autocast_enabled(self.device_type)):
-            return None
-        cast = [torch.is_tensor(a) and a.is_floating_point() and a.dtype != self.dtype for a in args]
-        return tuple(a.to(self.dtype) if c else a for a, c in zip(args, cast)) if any(cast) else None
-
-
-def _on_first_grad(tensors: list[torch.Tensor], fn) -> None:
-    """Call `fn` once, when the first of `tensors` gets its gradient."""
-    fired: list = []
-
-    def hook(grad):
-        if not fired:
-            fired.append(True)
-            fn()
-
-    for t in tensors:
-        t.register_hook(hook)
+    if dtype is None or (device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type)):
+        return None
+    cast = [torch.is_tensor(a) and a.is_floating_point() and a.dtype != dtype for a in args]
+    return tuple(a.to(dtype) if c else a for a, c in zip(args, cast)) if any(cast) else None
 
 
 def _tensors(out) -> list[torch.Tensor]:

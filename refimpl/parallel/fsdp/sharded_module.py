@@ -49,13 +49,12 @@ class FullyShard(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """{name: whole tensor} under the module's names, on the CPU (collective)."""
-        whole: dict[str, torch.Tensor] = {}
+        by_id: dict[int, torch.Tensor] = {}
         for u in self.units:
-            whole.update(u.full_state_dict())
-        by_id = {id(p): whole[s.name] for u in self.units for s, p in zip(u.flat.slots, u.flat.params)}
-        out = {}
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            out[name] = by_id[id(p)] if id(p) in by_id else p.detach().cpu().clone()
+            whole = u.full_state_dict()
+            by_id.update({id(p): whole[s.name] for s, p in zip(u.flat.slots, u.flat.params)})
+        out = {name: by_id[id(p)] if id(p) in by_id else p.detach().cpu().clone()
+               for name, p in self.module.named_parameters(remove_duplicate=False)}
         for name, b in self.module.named_buffers():
             out[name] = b.detach().cpu().clone()
         return out

@@ -22,7 +22,9 @@ class ShardedUnit:
         self.world_size = 1 if group is None else dist.get_world_size(group)
         self.device, self.compute_dtype = device, compute_dtype
         self.flat = FlatParams(named_params, self.world_size)
-        self.master = nn.Parameter(self._own_shard(master_device))
+        named = dict(named_params)        # the master shard: [r·S, (r+1)·S) of the flat parameters
+        self.master = nn.Parameter(self.flat.filled_shard(lambda s: named[s.name].detach(),
+                                                          self.rank, device=master_device))
         self.master.grad = torch.zeros_like(self.master)
         # allocated once, then freed and refilled; the parameters become views of it (never
         # zeroed here: the host's heap would keep every unit's pages)
@@ -33,11 +35,6 @@ class ShardedUnit:
         self.pending_gather = None             # (work, send buffer) of an async all-gather
         self.grads_left = 0                    # gradients still expected from running backwards
         self.delivered = 0                     # gradients in since its last reduce-scatter
-
-    def _own_shard(self, device: torch.device) -> torch.Tensor:
-        """[r·S, (r+1)·S) of the flat parameters."""
-        param = {s.name: p for s, p in zip(self.flat.slots, self.flat.params)}
-        return self.flat.filled_shard(lambda s: param[s.name].detach(), self.rank, device=device)
 
     def gather(self, async_op: bool = False) -> None:
         """All-gather every rank's shard into `full` (no-op if gathered or already on its way)."""
@@ -73,24 +70,10 @@ class ShardedUnit:
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
-    def expect_grads(self) -> None:
-        """A backward through the unit starts: one gradient per parameter will come (added: under
-        a split schedule a B may start before an earlier W delivered)."""
-        self.grads_left += len(self.flat.params)
-
-    def flat_grads(self) -> torch.Tensor:
-        """The unit's gradients in a new flat buffer of the master dtype, each .grad dropped."""
-        flat = self.flat.empty(self.flat.dtype, self.device)
-        for slot, p in zip(self.flat.slots, self.flat.params):
-            if p.grad is not None:
-                flat[slot.offset:slot.offset + slot.numel].copy_(p.grad.reshape(-1))
-                p.grad = None
-        return flat
-
     def reduce_scatter(self, async_op: bool = False):
         """Sum the flat gradient over ranks in the master dtype; `finish` (returned) waits and
         adds this rank's shard into the master's grad."""
-        send = self.flat_grads()
+        send = self.flat.take_grads(device=self.device)   # in the master dtype
         shard = torch.empty(self.flat.shard_numel, dtype=self.flat.dtype, device=self.device)
         if self.group is None:
             shard.copy_(send)

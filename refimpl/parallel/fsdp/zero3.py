@@ -15,8 +15,6 @@ from refimpl.parallel.dp.per_group import PerGroup
 from refimpl.parallel.fsdp.schedule import ShardingPolicy, UnitSchedule, assign_params
 from refimpl.strategy import Strategy, make_optimizer
 
-__all__ = ["FullySharded", "Zero3", "ShardingPolicy", "gpt_units"]
-
 
 def gpt_units(model: GPT) -> list[tuple[str, list]]:
     """(unit name, modules) in forward order: embed, one per block, final_norm + lm_head (those

@@ -27,7 +27,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if offload and partition != "flat":
             raise ValueError(f"{WHO}: offload=True needs partition='flat' (the host holds one "
                              "flat shard)")
-        self.partition, self.offload, self.optimizer_cls = partition, offload, optimizer_cls
+        self.partition, self.offload = partition, offload
         self.group = resolve_group(group, WHO)
         self.rank, self.world_size = ((0, 1) if alone else
                                       (dist.get_rank(self.group), dist.get_world_size(self.group)))

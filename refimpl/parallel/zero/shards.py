@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 
 import torch
 
-from refimpl.parallel.dp.grad_buckets import GradBuckets, reduce_sum_to_owner
+from refimpl.parallel.dp.grad_buckets import Bucket, GradBuckets
 from refimpl.parallel.zero.sharded_optimizer import ShardedOptimizer
 from refimpl.parallel.zero.streaming_reduce import StreamingReduce
 from refimpl.seam import dist
@@ -16,10 +15,10 @@ from refimpl.seam import dist
 
 class ZeroShards:
     """Both stages: a flat ShardedOptimizer and this rank's `grad_shard`. `group` None: one rank
-    holds everything; `bucket_bytes` None: one reduce-scatter after backward, no overlap."""
+    holds everything. A subclass's `bucket_bytes` None: one reduce-scatter after backward."""
 
-    def __init__(self, optimizer: ShardedOptimizer, group, bucket_bytes: float | None):
-        self.optimizer, self.group, self.bucket_bytes = optimizer, group, bucket_bytes
+    def __init__(self, optimizer: ShardedOptimizer, group):
+        self.optimizer, self.group = optimizer, group
         self.layout, self.index, self.device = optimizer.layout, optimizer.rank, optimizer.flat.device
 
     def reduce_scatter(self, flat_grad: torch.Tensor) -> None:
@@ -38,12 +37,12 @@ class ZeroShards:
             dist.all_gather_into_tensor(self.optimizer.flat, self.optimizer.shard, group=self.group)
         self.grad_shard.zero_()
 
-    def reduce_to_owner(self):
-        """A bucket's collective: summed onto the rank owning its range (bucketed step 1)."""
-        size = 1 if self.group is None else dist.get_world_size(self.group)
-        owners = [dist.get_global_rank(self.group, r) for r in range(size)] if size > 1 else [0]
-        return partial(reduce_sum_to_owner, shard_numel=self.layout.shard_numel, owners=owners,
-                       group=self.group)
+    def reduce_to_owner(self, bucket: Bucket, grads: torch.Tensor):
+        """A bucket's collective (bucketed step 1): summed onto the rank whose shard holds it."""
+        if self.group is None:
+            return None
+        owner = dist.get_global_rank(self.group, bucket.start // self.layout.shard_numel)
+        return dist.reduce(grads, dst=owner, group=self.group, async_op=True)
 
     def bucket_cuts(self) -> list[int]:
         # a bucket never straddles two shards: each has one owner
@@ -54,14 +53,14 @@ class Zero1Shards(ZeroShards):
     """Stage 1: full gradients accumulate in one flat buffer; only this rank's shard is summed."""
 
     def __init__(self, optimizer: ShardedOptimizer, group, bucket_bytes: float | None):
-        super().__init__(optimizer, group, bucket_bytes)
+        super().__init__(optimizer, group)
         self.flat_grad = self.layout.empty(device=self.device)
         self.grad_shard = self.layout.shard(self.flat_grad, self.index)   # a view: no copy
         self.buckets = None
         if bucket_bytes is None:
             self.layout.bind_grads(self.flat_grad)
         else:
-            self.buckets = GradBuckets(self.layout, bucket_bytes, reduce=self.reduce_to_owner(),
+            self.buckets = GradBuckets(self.layout, bucket_bytes, reduce=self.reduce_to_owner,
                                        cut_at=self.bucket_cuts())
             self.buckets.attach(self.flat_grad)
 
@@ -83,12 +82,12 @@ class Zero2Shards(ZeroShards):
     """Stage 2: no full gradient buffer; with buckets, each leaves during backward and is freed."""
 
     def __init__(self, optimizer: ShardedOptimizer, group, bucket_bytes: float | None):
-        super().__init__(optimizer, group, bucket_bytes)
+        super().__init__(optimizer, group)
         # the only gradient memory outliving a step (on the host under offload)
         self.grad_shard = (optimizer.master.grad if optimizer.offload else torch.zeros(
             self.layout.shard_numel, dtype=self.layout.dtype, device=self.device))
         self.stream = None if bucket_bytes is None else StreamingReduce(
-            self.layout, bucket_bytes, self.bucket_cuts(), self.reduce_to_owner(),
+            self.layout, bucket_bytes, self.bucket_cuts(), self.reduce_to_owner,
             self.grad_shard, self.index)
 
     def micro_step(self, is_last: bool):
@@ -101,8 +100,4 @@ class Zero2Shards(ZeroShards):
             self.stream.wait()
             return
         # without buckets: flatten autograd's full gradients, free them, reduce-scatter
-        params = self.layout.params
-        flat_grad = self.layout.flatten([p.grad for p in params], device=self.device)
-        for p in params:
-            p.grad = None
-        self.reduce_scatter(flat_grad)
+        self.reduce_scatter(self.layout.take_grads(device=self.device))

@@ -5,12 +5,11 @@ from __future__ import annotations
 import torch.nn as nn
 
 from refimpl.config import Option
+from refimpl.parallel.dp.grad_buckets import MiB
 from refimpl.parallel.dp.per_group import PerGroup
 from refimpl.parallel.zero.sharded_optimizer import ShardedOptimizer
 from refimpl.parallel.zero.shards import Zero1Shards, Zero2Shards, ZeroShards
 from refimpl.strategy import Strategy, optimizer_settings
-
-MiB = 2 ** 20
 
 
 class ZeroDataParallel(Strategy):

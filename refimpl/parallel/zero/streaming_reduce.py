@@ -40,7 +40,8 @@ class StreamingReduce(GradBuckets):
         self._in_flight.append((bucket, buf, self.reduce(bucket, buf)))
 
     def _finish(self, bucket: Bucket, buf: torch.Tensor, work) -> None:
-        work.wait()
+        if work is not None:
+            work.wait()
         start = bucket.start - self.shard_start
         if 0 <= start < self.grad_shard.numel():          # this rank owns the bucket
             self.grad_shard[start:start + bucket.numel] += buf.to(self.grad_shard.device)
