@@ -116,12 +116,11 @@ class Backward:
 
 
 class StepLoss:
-    """Each micro-batch's loss (the last piece's `loss_fn` plus every piece's `aux_loss`) over m,
+    """Each micro-batch's loss (the last piece's `loss_fn` plus every piece's MoE aux loss) over m,
     backpropagated as loss / `divisor`; `total`: this rank's part of the mean loss (float64)."""
 
-    def __init__(self, m: int, divisor: int = 1, loss_fn=lm_loss, autocast=nullcontext,
-                 aux_loss=moe_aux_loss):
-        self.m, self.divisor, self.loss_fn, self.autocast, self.aux_loss = m, divisor, loss_fn, autocast, aux_loss
+    def __init__(self, m: int, divisor: int = 1, loss_fn=lm_loss, autocast=nullcontext):
+        self.m, self.divisor, self.loss_fn, self.autocast = m, divisor, loss_fn, autocast
         self.total = None
 
     def add(self, part: torch.Tensor) -> torch.Tensor:
@@ -130,7 +129,7 @@ class StepLoss:
 
     def __call__(self, chunk, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """What the piece backpropagates: its loss on the last piece, else its output."""
-        aux = self.aux_loss(chunk)
+        aux = moe_aux_loss(chunk)
         if chunk.is_last:
             with self.autocast():
                 return self.add((self.loss_fn(out, targets) + aux) / self.m)

@@ -31,10 +31,8 @@ def partition(n_blocks: int, pieces: int) -> list[range]:
         raise LayoutError(f"{pieces} pipeline pieces (stages x virtual stages) need at least as many "
                           f"transformer blocks; the model has {n_blocks}")
     base, extra = divmod(n_blocks, pieces)
-    bounds = [0]
-    for k in range(pieces):
-        bounds.append(bounds[-1] + base + (k < extra))
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    starts = [k * base + min(k, extra) for k in range(pieces + 1)]
+    return [range(a, b) for a, b in zip(starts, starts[1:])]
 
 
 class StageChunk(nn.Module):

@@ -4,6 +4,7 @@ F records each layer's input X and B its output gradient dY; W computes dA = dY^
 """
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from contextlib import contextmanager
 
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from refimpl.model.layers import WatchedLinear
 from refimpl.model.rmsnorm import RMSNorm
 
-# The layers W has a formula for; any other trainable parameter is refused (`_check_covered`).
+# The layers W has a formula for; any other trainable parameter is refused (`weight_layers`).
 WEIGHT_LAYERS = (nn.Linear, nn.LayerNorm, RMSNorm, nn.Embedding)
 
 
@@ -54,15 +55,18 @@ def weight_layers(chunk: nn.Module) -> list[tuple[str, nn.Module]]:
     """The layers of `chunk` that W covers; raises if a trainable parameter is in none of them."""
     layers = [(name, m) for name, m in chunk.named_modules()
               if isinstance(m, (*WEIGHT_LAYERS, WatchedLinear))]
-    _check_covered(chunk, [m for _, m in layers])
+    covered = {id(p) for _, m in layers for p in m.parameters(recurse=False)}
+    for name, p in chunk.named_parameters():
+        if p.requires_grad and id(p) not in covered:
+            owner = chunk.get_submodule(name.rpartition(".")[0])
+            raise ValueError(f"zero bubble's W has no weight-gradient formula for {name} "
+                             f"({type(owner).__name__}): add one to weight_grads")
     return layers
 
 
-def _keep(entry: list, y: torch.Tensor) -> None:
-    """Store Y's gradient in entry[2] when B reaches it (summed if it arrives in parts)."""
-    def keep(grad):
-        entry[2] = grad if entry[2] is None else entry[2] + grad
-    y.register_hook(keep)
+def _keep(entry: list, grad: torch.Tensor) -> None:
+    """B reached the layer's output: its gradient into entry[2] (summed if it arrives in parts)."""
+    entry[2] = grad if entry[2] is None else entry[2] + grad
 
 
 @contextmanager
@@ -71,21 +75,17 @@ def record_weight_grads(chunk: nn.Module, record: WeightGradRecord, layers: list
     (entry, embedding output) pairs whose gradient B stores in entry[2] itself."""
     layers, kept = weight_layers(chunk) if layers is None else layers, []
 
-    def hook(module, inputs, output):
-        entry = [module, inputs[0].detach(), None]
-        record.entries.append(entry)
-        if isinstance(module, nn.Embedding):
-            kept.append((entry, output))
-        else:
-            _keep(entry, output)
-
     def watch(module, x, y):
         entry = [module, x.detach(), None]
         record.entries.append(entry)
-        _keep(entry, y)
+        if isinstance(module, nn.Embedding):
+            kept.append((entry, y))
+        else:
+            y.register_hook(functools.partial(_keep, entry))
 
     watched = [m for _, m in layers if isinstance(m, WatchedLinear)]
-    handles = [m.register_forward_hook(hook) for _, m in layers if not isinstance(m, WatchedLinear)]
+    handles = [m.register_forward_hook(lambda m, inputs, y: watch(m, inputs[0], y))
+               for _, m in layers if not isinstance(m, WatchedLinear)]
     for m in watched:
         m.watch_matmul(watch)
     try:
@@ -95,15 +95,6 @@ def record_weight_grads(chunk: nn.Module, record: WeightGradRecord, layers: list
             h.remove()
         for m in watched:
             m.watch_matmul(None)
-
-
-def _check_covered(chunk: nn.Module, layers: list[nn.Module]) -> None:
-    covered = {id(p) for m in layers for p in m.parameters(recurse=False)}
-    for name, p in chunk.named_parameters():
-        if p.requires_grad and id(p) not in covered:
-            owner = chunk.get_submodule(name.rpartition(".")[0]) if "." in name else chunk
-            raise ValueError(f"zero bubble's W has no weight-gradient formula for {name} "
-                             f"({type(owner).__name__}): add one to weight_grads")
 
 
 def weight_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
