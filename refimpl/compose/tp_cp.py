@@ -15,7 +15,7 @@ class RingParallelSelfAttention(ParallelSelfAttention):
 
     def __init__(self, attn: ParallelSelfAttention, ring: RingPlace):
         super().__init__(attn.q, attn.k, attn.v, attn.o, attn.n_heads, attn.group,
-                         attn.sequence_parallel, attn.label)
+                         attn.sequence_parallel)
         self.ring = ring
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -28,7 +28,7 @@ class RingParallelGroupedAttention(ParallelGroupedAttention):
 
     def __init__(self, attn: ParallelGroupedAttention, ring: RingPlace):
         super().__init__(attn.q, attn.k, attn.v, attn.o, attn.n_heads, attn.n_kv_heads, attn.theta,
-                         attn.group, attn.sequence_parallel, attn.label)
+                         attn.group, attn.sequence_parallel)
         self.ring = ring
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

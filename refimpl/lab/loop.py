@@ -26,6 +26,7 @@ from refimpl.lab.checkpoint.optim_reshard import (
 )
 from refimpl.lab.checkpoint.shard_boxes import BoxedParts
 from refimpl.lab.instrument.activations import ActivationTracker, activation_exclusions
+from refimpl.lab.instrument.layer_ranges import label_layers
 from refimpl.lab.instrument.model_state import model_state
 from refimpl.lab.layout_rules import check_run
 from refimpl.lab.measure.moe_traffic import meter_experts, moe_step_record
@@ -100,6 +101,7 @@ class LabExtras(LoopExtras):
         cfg = self.cfg
         self.moe, self.device, self.step_times, self.activation_peak = [], ctx.device, [], 0
         meter_experts(strategy.model)      # the all-to-all bytes of moe_step_record
+        label_layers(strategy.model)       # tp:blocks.<i>.attn / .mlp ranges in the trace
         self.trace_dir = (cfg.trace_dir or default_trace_dir(cfg)) if cfg.profile else None
         self.peak = StepPeak(ctx.device, enabled=cfg.record_memory and not cfg.profile)
         with StepProfiler(self.trace_dir, self.rank, max(cfg.steps - first, 1),

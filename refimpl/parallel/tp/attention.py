@@ -3,7 +3,7 @@ heads [r·a/t, (r+1)·a/t) whole and scores, softmax and S·V run locally; W_O r
 Grouped-query attention splits K/V by their heads, or, with fewer K/V heads than ranks, gives
 each rank the one its query heads read (shared by t/kv ranks, as vLLM's QKVParallelLinear).
 
-    block.attn = parallel_attention(block.attn, group, sequence_parallel=sp, label="tp:blocks.0.attn")
+    block.attn = parallel_attention(block.attn, group, sequence_parallel=sp)
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from refimpl.parallel.tp.blocks import ColumnInputs
 from refimpl.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, default_group
 from refimpl.parallel.tp.mappings import all_reduce, group_rank, group_size
 from refimpl.placement import Shard, set_placement
-from refimpl.seam import phase
 
 
 def kv_split(n_kv_heads: int, t: int) -> tuple[int, int]:
@@ -46,26 +45,24 @@ class ParallelSelfAttention(ColumnInputs):
     """Multi-head attention on this rank's a/t heads (`refimpl.model.attention`), X entering the
     region once for Q, K and V (Megatron's fused QKV, for the same reason)."""
 
-    def __init__(self, q, k, v, o, n_heads_local: int, group, sequence_parallel: bool,
-                 label: str = "tp:attn"):
+    def __init__(self, q, k, v, o, n_heads_local: int, group, sequence_parallel: bool):
         super().__init__()
-        self.q, self.k, self.v, self.o, self.label = q, k, v, o, label   # label: a profiler range
+        self.q, self.k, self.v, self.o = q, k, v, o
         self.n_heads, self.group, self.sequence_parallel = n_heads_local, group, sequence_parallel
 
     @classmethod
-    def from_attention(cls, attn: nn.Module, group=None, sequence_parallel: bool = False,
-                       label: str = "tp:attn") -> "ParallelSelfAttention":
+    def from_attention(cls, attn: nn.Module, group=None,
+                       sequence_parallel: bool = False) -> "ParallelSelfAttention":
         group = default_group(group)
         q, k, v = _columns((attn.q, attn.k, attn.v), group)
         o = RowParallelLinear.from_linear(attn.o, group, sequence_parallel=sequence_parallel)
-        return cls(q, k, v, o, _heads(attn, group), group, sequence_parallel, label)
+        return cls(q, k, v, o, _heads(attn, group), group, sequence_parallel)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return attention(q, k, v, self.n_heads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with phase(self.label):
-            return self.o(self.attend(*self.columns(x, (self.q, self.k, self.v))))
+        return self.o(self.attend(*self.columns(x, (self.q, self.k, self.v))))
 
 
 def _shared_kv(linear: nn.Linear, group, repeats: int) -> ColumnParallelLinear:
@@ -90,29 +87,27 @@ class ParallelGroupedAttention(ParallelSelfAttention):
     query heads are grouped consecutively, so rank r's read its kv/t K/V heads, or head r // (t/kv)."""
 
     def __init__(self, q, k, v, o, n_heads_local: int, n_kv_local: int, theta: float, group,
-                 sequence_parallel: bool, label: str = "tp:attn"):
-        super().__init__(q, k, v, o, n_heads_local, group, sequence_parallel, label)
+                 sequence_parallel: bool):
+        super().__init__(q, k, v, o, n_heads_local, group, sequence_parallel)
         self.n_kv_heads, self.theta = n_kv_local, theta
 
     @classmethod
-    def from_attention(cls, attn: nn.Module, group=None, sequence_parallel: bool = False,
-                       label: str = "tp:attn") -> "ParallelGroupedAttention":
+    def from_attention(cls, attn: nn.Module, group=None,
+                       sequence_parallel: bool = False) -> "ParallelGroupedAttention":
         group = default_group(group)
         kv_local, repeats = kv_split(attn.n_kv_heads, group_size(group))
         (q,) = _columns((attn.q,), group)
         k, v = (_columns((attn.k, attn.v), group) if repeats == 1 else
                 (_shared_kv(attn.k, group, repeats), _shared_kv(attn.v, group, repeats)))
         o = RowParallelLinear.from_linear(attn.o, group, sequence_parallel=sequence_parallel)
-        return cls(q, k, v, o, _heads(attn, group), kv_local, attn.theta, group,
-                   sequence_parallel, label)
+        return cls(q, k, v, o, _heads(attn, group), kv_local, attn.theta, group, sequence_parallel)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(q.shape[1], device=q.device)   # every token, once gathered
         return grouped_attention(q, k, v, self.n_heads, self.n_kv_heads, positions, self.theta)
 
 
-def parallel_attention(attn: nn.Module, group=None, sequence_parallel: bool = False,
-                       label: str = "tp:attn") -> nn.Module:
+def parallel_attention(attn: nn.Module, group=None, sequence_parallel: bool = False) -> nn.Module:
     """The tensor-parallel form of a block's attention (multi-head or grouped-query)."""
     kind = ParallelGroupedAttention if isinstance(attn, GroupedQueryAttention) else ParallelSelfAttention
-    return kind.from_attention(attn, group, sequence_parallel, label)
+    return kind.from_attention(attn, group, sequence_parallel)

@@ -2,7 +2,7 @@
 B row-parallel, so rank r computes GELU(X·A_r)·B_r alone; one reduction forward, one backward.
 Llama's SwiGLU splits W_gate and W_up alike, so the product ⊙ stays local.
 
-    block.mlp = parallel_feed_forward(block.mlp, group, sequence_parallel=sp, label="tp:blocks.0.mlp")
+    block.mlp = parallel_feed_forward(block.mlp, group, sequence_parallel=sp)
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from refimpl.model.swiglu import SwiGLU
 from refimpl.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, default_group
 from refimpl.parallel.tp.mappings import enter_region
-from refimpl.seam import phase
 
 
 class ColumnInputs(nn.Module):
@@ -28,48 +27,44 @@ class ColumnInputs(nn.Module):
 class ParallelMLP(nn.Module):
     """GELU(X·A_r)·B_r on rank r, reduced over ranks by the row layer."""
 
-    def __init__(self, up: ColumnParallelLinear, down: RowParallelLinear, label: str = "tp:mlp"):
+    def __init__(self, up: ColumnParallelLinear, down: RowParallelLinear):
         super().__init__()
-        self.up, self.down, self.label = up, down, label     # label: the block's profiler range
+        self.up, self.down = up, down
 
     @classmethod
-    def from_mlp(cls, mlp: nn.Module, group=None, sequence_parallel: bool = False,
-                 label: str = "tp:mlp") -> "ParallelMLP":
+    def from_mlp(cls, mlp: nn.Module, group=None, sequence_parallel: bool = False) -> "ParallelMLP":
         up = ColumnParallelLinear.from_linear(mlp.up, group, sequence_parallel=sequence_parallel)
         down = RowParallelLinear.from_linear(mlp.down, group, sequence_parallel=sequence_parallel)
-        return cls(up, down, label)
+        return cls(up, down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with phase(self.label):
-            return self.down(F.gelu(self.up(x)))
+        return self.down(F.gelu(self.up(x)))
 
 
 class ParallelSwiGLU(ColumnInputs):
     """(SiLU(X·W_gate,r) ⊙ X·W_up,r)·W_down,r: X enters the region once for gate and up."""
 
     def __init__(self, gate: ColumnParallelLinear, up: ColumnParallelLinear,
-                 down: RowParallelLinear, group, sequence_parallel: bool, label: str = "tp:mlp"):
+                 down: RowParallelLinear, group, sequence_parallel: bool):
         super().__init__()
-        self.gate, self.up, self.down, self.label = gate, up, down, label
+        self.gate, self.up, self.down = gate, up, down
         self.group, self.sequence_parallel = group, sequence_parallel
 
     @classmethod
-    def from_swiglu(cls, mlp: SwiGLU, group=None, sequence_parallel: bool = False,
-                    label: str = "tp:mlp") -> "ParallelSwiGLU":
+    def from_swiglu(cls, mlp: SwiGLU, group=None,
+                    sequence_parallel: bool = False) -> "ParallelSwiGLU":
         gate, up = (ColumnParallelLinear.from_linear(lin, group, input_in_region=True)
                     for lin in (mlp.gate, mlp.up))
         down = RowParallelLinear.from_linear(mlp.down, group, sequence_parallel=sequence_parallel)
-        return cls(gate, up, down, default_group(group), sequence_parallel, label)
+        return cls(gate, up, down, default_group(group), sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with phase(self.label):
-            gate, up = self.columns(x, (self.gate, self.up))
-            return self.down(F.silu(gate) * up)
+        gate, up = self.columns(x, (self.gate, self.up))
+        return self.down(F.silu(gate) * up)
 
 
-def parallel_feed_forward(mlp: nn.Module, group=None, sequence_parallel: bool = False,
-                          label: str = "tp:mlp") -> nn.Module:
+def parallel_feed_forward(mlp: nn.Module, group=None, sequence_parallel: bool = False) -> nn.Module:
     """The tensor-parallel form of a dense feed-forward layer (GELU MLP or SwiGLU)."""
     if isinstance(mlp, SwiGLU):
-        return ParallelSwiGLU.from_swiglu(mlp, group, sequence_parallel, label)
-    return ParallelMLP.from_mlp(mlp, group, sequence_parallel, label)
+        return ParallelSwiGLU.from_swiglu(mlp, group, sequence_parallel)
+    return ParallelMLP.from_mlp(mlp, group, sequence_parallel)

@@ -23,12 +23,12 @@ def parallelize_tp(model: nn.Module, group, sequence_parallel: bool = False) -> 
     """Replace the reference GPT's layers by this rank's tensor-parallel ones (in place)."""
     sp = sequence_parallel and group_size(group) > 1
     model.embed = VocabParallelEmbedding.from_embedding(model.embed, group, sp)
-    for i, block in enumerate(model.blocks):
-        block.attn = parallel_attention(block.attn, group, sp, label=f"tp:blocks.{i}.attn")
+    for block in model.blocks:
+        block.attn = parallel_attention(block.attn, group, sp)
         if isinstance(block.mlp, MoEMLP):    # every expert split over tp
-            parallelize_moe(block.mlp, group, sp, label=f"tp:blocks.{i}.mlp")
+            parallelize_moe(block.mlp, group, sp)
         else:
-            block.mlp = parallel_feed_forward(block.mlp, group, sp, label=f"tp:blocks.{i}.mlp")
+            block.mlp = parallel_feed_forward(block.mlp, group, sp)
     # the output layer reads the final norm's output: full tokens (f) or gathered ones (SP)
     model.lm_head = ColumnParallelLinear.from_linear(model.lm_head, group, sequence_parallel=sp,
                                                      pad=True)
