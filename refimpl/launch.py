@@ -52,8 +52,7 @@ class _Rank:
 
 
 def run(fn: Callable[..., Any], world_size: int = 2, *args, backend: str = "auto",
-        timeout: float = 600.0, quiet: bool = False, flight_recorder_on: bool | None = None,
-        stall: float | None = None, **kwargs) -> list:
+        timeout: float = 600.0, quiet: bool = False, **kwargs) -> list:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` ranks; return results in rank order."""
     if under_torchrun():
         return [run_this_torchrun_rank(fn, args, kwargs, backend, timeout)]
@@ -69,7 +68,7 @@ def run(fn: Callable[..., Any], world_size: int = 2, *args, backend: str = "auto
         payload = tmp / "payload.pkl"
         payload.write_bytes(cloudpickle.dumps({"fn": fn, "args": args, "kwargs": kwargs}))
         payload.with_suffix(".path.json").write_text(json.dumps(sys.path))
-        watch = tools().watch(tmp, backend, flight_recorder_on, stall)   # e.g. the hang report's
+        watch = tools().watch(tmp, backend)     # e.g. the lab's hang report
         ranks = [_start_rank(r, world_size, backend, store.port, payload, tmp, timeout, watch)
                  for r in range(world_size)]
         try:

@@ -26,11 +26,8 @@ class LaunchTools:
         """Something with `start(env, stdout, stderr) -> process`, or None: `python -m refimpl._rank`."""
         return None
 
-    def watch(self, folder: Path, backend: str, wanted: bool | None, stall: float | None):
-        """None, or what `wait(ranks, tmp, timeout)`s as refimpl.launch.wait_all does, and more
-        (`wanted`: a record of the ranks' calls; `stall`: seconds in one call that make a hang)."""
-        if stall is not None:
-            raise ValueError("stall needs a watch on the ranks' calls (refimpl.lab's runtime)")
+    def watch(self, folder: Path, backend: str):
+        """None, or what `wait(ranks, tmp, timeout)`s as refimpl.launch.wait_all does, and more."""
         return None
 
     def rank_env(self, env: dict, backend: str, watch) -> None:

@@ -79,10 +79,8 @@ def train_rank(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     return result
 
 
-def train_on_ranks(cfg: TrainConfig, timeout: float = 900.0, quiet: bool = True,
-                   stall: float | None = None) -> dict:
-    """Validate, launch `cfg.nproc` ranks (or run in this process for nproc == 1), and merge.
-    `stall`: refimpl.launch.run's hang watchdog (seconds all ranks wait in one call)."""
+def train_on_ranks(cfg: TrainConfig, timeout: float = 900.0, quiet: bool = True) -> dict:
+    """Validate, launch `cfg.nproc` ranks (or run in this process for nproc == 1), and merge."""
     validate(cfg)
     if launch.under_torchrun():
         # torchrun started one process per rank; each trains, then all exchange their results
@@ -93,7 +91,7 @@ def train_on_ranks(cfg: TrainConfig, timeout: float = 900.0, quiet: bool = True,
         per_rank = [in_this_process(train_rank, 0, 1, cfg)]   # the reference needs no group
     else:
         per_rank = launch.run(train_rank, cfg.nproc, cfg, timeout=timeout, quiet=quiet,
-                              backend=launch_backend(cfg), stall=stall)
+                              backend=launch_backend(cfg))
     return merge_results(cfg, per_rank)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from refimpl.lab.runtime.tools import watching
 from refimpl.lab.trace import profiling
 from refimpl.launch import run
 
@@ -81,7 +82,9 @@ def _both(rank: int, world_size: int) -> dict:
 
 @pytest.mark.ranks
 def test_a_backward_on_another_thread_is_labelled_and_counted_in_full():
-    for out in run(_both, 2, quiet=True, flight_recorder_on=True):
+    with watching(flight_recorder=True):
+        per_rank = run(_both, 2, quiet=True)
+    for out in per_rank:
         main, thread = out["main"], out["thread"]
         assert {c["op"] for c in main["calls"]} >= {"all_reduce", "all_to_all"}
         assert main["sent"]["all_reduce"] > 0 and main["sent"]["all_to_all"] > 0

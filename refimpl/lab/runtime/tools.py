@@ -7,6 +7,7 @@ NCCL-rules backend registered in a rank, exact fp32 on a GPU, and the device aud
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import sys
 from pathlib import Path
@@ -17,6 +18,22 @@ from refimpl.lab.runtime import flight_recorder, group_options, numerics, zygote
 from refimpl.lab.runtime.host_heap import heap_policy
 from refimpl.lab.runtime.watch import Watch
 from refimpl.launch_tools import LaunchTools
+
+
+# (flight recorder on, stall seconds) for the launches made inside `watching`
+_WATCHING: contextvars.ContextVar = contextvars.ContextVar("watching", default=(None, None))
+
+
+@contextlib.contextmanager
+def watching(flight_recorder: bool | None = None, stall: float | None = None):
+    """Around refimpl.launch.run (or train_on_ranks): every rank's calls recorded (`flight_recorder`;
+    None: unless REFIMPL_FLIGHT_RECORDER=0) and, with `stall` seconds, the hang watchdog: a hang is
+    every running rank waiting in the same call that long; the hang report names them."""
+    token = _WATCHING.set((flight_recorder, stall))
+    try:
+        yield
+    finally:
+        _WATCHING.reset(token)
 
 
 class RuntimeTools(LaunchTools):
@@ -35,7 +52,8 @@ class RuntimeTools(LaunchTools):
     def starter(self, backend: str):
         return zygote_client.for_backend(backend)
 
-    def watch(self, folder: Path, backend: str, wanted: bool | None, stall: float | None):
+    def watch(self, folder: Path, backend: str):
+        wanted, stall = _WATCHING.get()
         if wanted is None:
             wanted = os.environ.get(flight_recorder.ENV) != "0"
         if stall is not None and (stall <= 0 or not wanted):
