@@ -1,6 +1,6 @@
-"""What a run is told: the layout and knobs (`TrainConfig`, the CLI's flags), where a rank runs
-(`RunContext`), and a strategy's own knobs (`Option`); checked before any rank starts
-(refimpl.train.validate)."""
+"""What a run is told: the layout and knobs (`TrainConfig`), where a rank runs (`RunContext`), and a
+strategy's own knobs (`Option`); checked before any rank starts (refimpl.train.validate). What to
+record, save, load or break is the lab's (refimpl.lab.config.LabConfig, the CLI's other flags)."""
 from __future__ import annotations
 
 import contextlib
@@ -29,18 +29,6 @@ class TrainConfig:
     mixed_precision: str = "fp32"     # "fp32" or "bf16" (autocast compute, fp32 master weights)
     dtype: str = "float32"            # weights, grads, optimizer states ("float64": equivalence tests)
     activation_checkpointing: bool = False
-    profile: bool = False
-    trace_dir: str | None = None      # where --profile writes; default profiles/cli/<strategy>-<n>
-    return_state: bool = False        # include the full state dict in each rank's result
-    init_state: str | None = None     # torch.save'd full state dict to start from (any strategy's)
-    init_hf: str | None = None        # a Hugging Face checkpoint folder to start from (refimpl.lab.checkpoint.hf)
-    init_optimizer_state: str | None = None   # AdamW's m, v, step in reference names (optim_reshard)
-    return_optimizer_state: bool = False      # include them, gathered, in rank 0's result
-    save_state: str | None = None     # the same, written by rank 0 (refimpl.lab.checkpoint.export)
-    save_optimizer_state: str | None = None
-    checkpoint_every: int = 0         # save every K steps; a run resumes from the last (run_checkpoint)
-    checkpoint_dir: str | None = None
-    record_memory: bool = False       # measure each rank's peak inside a step (memory[r].peak)
     model: GPTConfig = field(default_factory=GPTConfig)
     device: str = "auto"              # an in-process run's (nproc 1): "auto" = a GPU if there is one
     options: dict = field(default_factory=dict)   # strategy-specific knobs, e.g. {"bucket_mb": 25}
@@ -54,7 +42,6 @@ class TrainConfig:
     collectives: str = "torch"        # "refimpl": every collective from refimpl.comm's send/recv
     schedule: str | None = None       # pipeline schedule (pp > 1): gpipe, 1f1b, interleaved, zb-h1, interleaved-zb, zbv, dualpipev
     virtual_stages: int = 1           # model chunks per pipeline rank (interleaved)
-    fault: str | None = None          # a bug on purpose: read by refimpl.registry's variant plug-ins
 
     def with_(self, **changes) -> "TrainConfig":
         return replace(self, **changes)

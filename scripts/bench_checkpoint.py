@@ -17,8 +17,8 @@ import tempfile
 import time
 
 from refimpl import launch
-from refimpl.config import TrainConfig
 from refimpl.lab.checkpoint import run_checkpoint
+from refimpl.lab.config import LabConfig
 from refimpl.model import GPTConfig
 from refimpl.train import train_rank
 
@@ -48,9 +48,9 @@ def main() -> None:
     p.add_argument("--saves", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
     args = p.parse_args()
-    cfg = TrainConfig(strategy=args.strategy, nproc=args.nproc, steps=args.saves,
-                      checkpoint_every=1, global_batch=4,
-                      model=GPTConfig(vocab_size=512, seq_len=32, d_model=args.d_model,
+    cfg = LabConfig(strategy=args.strategy, nproc=args.nproc, steps=args.saves,
+                    checkpoint_every=1, global_batch=4,
+                    model=GPTConfig(vocab_size=512, seq_len=32, d_model=args.d_model,
                                       n_heads=4, n_layers=4))
     with tempfile.TemporaryDirectory() as d:
         waits = launch.run(_waits, args.nproc, cfg, d)[0]

@@ -129,20 +129,20 @@ def _memory(add, gpu, out):
 
 
 def _steps(add, gpu, out):
-    from refimpl.config import TrainConfig
+    from refimpl.lab.config import LabConfig
     from refimpl.train import train_on_ranks
 
     device = "cuda" if gpu else "cpu"
     res = {}
     for mp in ("fp32", "bf16"):
-        r = train_on_ranks(TrainConfig(steps=6, mixed_precision=mp, device=device))
+        r = train_on_ranks(LabConfig(steps=6, mixed_precision=mp, device=device))
         res[mp] = r
         add("steps", f"single, {mp}, {device}: median step",
             f"{r['step_time_s'] * 1e3:.2f} ms", f"losses {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")
     rel = max(abs(a - b) / b for a, b in zip(res["bf16"]["losses"], res["fp32"]["losses"]))
     add("steps", "bf16 vs fp32 loss, max rel. difference", f"{rel:.2e}", "expected < 1e-2")
     if gpu:   # the same fp32 run on the CPU: devices differ by round-off, not by the strategy
-        cpu = train_on_ranks(TrainConfig(steps=6, device="cpu"))
+        cpu = train_on_ranks(LabConfig(steps=6, device="cpu"))
         rel = max(abs(a - b) / b for a, b in zip(res["fp32"]["losses"], cpu["losses"]))
         add("steps", "fp32 loss, GPU vs CPU, max rel. difference", f"{rel:.2e}",
             "TF32 off; not bit-exact across devices, which is why references run on the ranks' device")
@@ -232,14 +232,14 @@ def toolchain_missing(include: Path | None = None) -> str | None:
 
 
 def _profiled_step(add, gpu, out):
-    from refimpl.config import TrainConfig
     from refimpl.lab import plots
+    from refimpl.lab.config import LabConfig
     from refimpl.lab.trace import profiling
     from refimpl.train import train_on_ranks
 
     trace_dir = out / "trace-single"
     device = "cuda" if gpu else "cpu"
-    train_on_ranks(TrainConfig(steps=4, profile=True, trace_dir=str(trace_dir), device=device))
+    train_on_ranks(LabConfig(steps=4, profile=True, trace_dir=str(trace_dir), device=device))
     df = profiling.load_trace(trace_dir)
     s = profiling.summarize(df).iloc[0]
     kernels = df[df.category.isin(["gpu", "gpu_comm"]) & df.step.notna()]
@@ -277,7 +277,7 @@ def _nccl_step(add, gpu, out):
     """dp on 2 ranks over NCCL, profiled: NCCL kernels beside compute kernels (>= 2 GPUs only)."""
     import torch
 
-    from refimpl.config import TrainConfig
+    from refimpl.lab.config import LabConfig
     from refimpl.lab.trace import profiling
     from refimpl.train import train_on_ranks
 
@@ -285,8 +285,8 @@ def _nccl_step(add, gpu, out):
         add("NCCL", "dp, 2 ranks, profiled", "skipped: NCCL needs one GPU per rank (>= 2 GPUs)")
         return
     trace_dir = out / "trace-dp-nccl"
-    train_on_ranks(TrainConfig(strategy="dp", nproc=2, steps=4, profile=True,
-                               trace_dir=str(trace_dir), options={"bucket_mb": 0.25}))
+    train_on_ranks(LabConfig(strategy="dp", nproc=2, steps=4, profile=True,
+                             trace_dir=str(trace_dir), options={"bucket_mb": 0.25}))
     df = profiling.load_trace(trace_dir)
     s = profiling.summarize(df)
     nccl = df[(df.category == "gpu_comm") & df.step.notna()]
@@ -301,11 +301,11 @@ def _nccl_step(add, gpu, out):
 
 
 def _equivalence(add, gpu, out):
-    from refimpl.config import TrainConfig
+    from refimpl.lab.config import LabConfig
     from refimpl.lab.env import machine
     from refimpl.lab.verify.equivalence import compare_with_single, ranks_device
 
-    eq = compare_with_single(TrainConfig(strategy="dp", nproc=2, steps=3))
+    eq = compare_with_single(LabConfig(strategy="dp", nproc=2, steps=3))
     add("equivalence", f"dp, 2 ranks on {machine(topology=False).where(2)}, reference on "
         f"{ranks_device(2)}", f"loss {eq.loss_rel_err:.1e}, weights {eq.weight_rel_err:.1e}",
         f"tolerance 1e-5: {'ok' if eq.ok else 'FAILED'}")

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from refimpl.config import TrainConfig
+from refimpl.lab.config import LabConfig
 from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single, ranks_device, reference_run
 from refimpl.train import train_on_ranks
@@ -38,8 +39,8 @@ FAMILIES = {"dp": lambda name: not name.startswith(("zero", "torch-zero", "dp-fr
 
 
 def base(world: int, strategy: str, **changes) -> TrainConfig:
-    return TrainConfig(strategy=strategy, nproc=world, steps=STEPS, dtype="float64", model=SMALL,
-                       global_batch=12 if world == 3 else 8, return_state=True).with_(**changes)
+    return LabConfig(strategy=strategy, nproc=world, steps=STEPS, dtype="float64", model=SMALL,
+                     global_batch=12 if world == 3 else 8, return_state=True).with_(**changes)
 
 
 def configs(world: int, family: str) -> dict[str, TrainConfig]:
@@ -109,6 +110,6 @@ def single_accumulating(world: int, global_batch: int) -> dict:
     """`single` with one micro-batch per rank's rows, in one thread like a rank: each micro-step's
     gradient is computed with exactly the arithmetic a data-parallel rank uses, and with 2 ranks
     the sum of two halves is the same in any order -- so DP must be bit-exact with it."""
-    return train_on_ranks(TrainConfig(steps=STEPS, global_batch=global_batch, dtype="float64", model=SMALL,
-                                      micro_batches=world, return_state=True,
-                                      device=ranks_device(world)))
+    return train_on_ranks(LabConfig(steps=STEPS, global_batch=global_batch, dtype="float64", model=SMALL,
+                                    micro_batches=world, return_state=True,
+                                    device=ranks_device(world)))

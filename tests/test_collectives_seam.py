@@ -7,7 +7,7 @@ traffic (a seam that silently fell back to torch.distributed would send nothing 
 """
 import pytest
 
-from refimpl.config import TrainConfig
+from refimpl.lab.config import LabConfig
 from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_states, reference_run
 from tests.models import SMALL
@@ -18,9 +18,9 @@ STRATEGIES = ["dp", "zero2", "zero3"]
 
 
 def _configs(world):
-    return [TrainConfig(strategy=s, nproc=world, steps=3, global_batch=12 if world == 3 else 8,
-                        collectives="refimpl", return_state=True, dtype="float64", model=SMALL,
-                        options={"bucket_mb": 0.25} if s != "zero3" else {})
+    return [LabConfig(strategy=s, nproc=world, steps=3, global_batch=12 if world == 3 else 8,
+                      collectives="refimpl", return_state=True, dtype="float64", model=SMALL,
+                      options={"bucket_mb": 0.25} if s != "zero3" else {})
             for s in STRATEGIES]
 
 
@@ -53,7 +53,7 @@ def test_the_rebuilt_ring_carries_the_gradient_all_reduce():
     # the gradient bytes once per step, plus a few bytes for the loss.
     from refimpl import launch
 
-    cfg = TrainConfig(strategy="dp", nproc=2, steps=3, collectives="refimpl")
+    cfg = LabConfig(strategy="dp", nproc=2, steps=3, collectives="refimpl")
     per_rank = launch.run(_train_counting, 2, cfg, timeout=600, quiet=True)
     for sent, n_params in per_rank:
         grad_bytes = 4 * n_params

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from refimpl.config import TrainConfig
+from refimpl.lab.config import LabConfig
 from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.measure import moe_collectives
 from refimpl.lab.trace.profiling import load_trace
@@ -45,8 +46,8 @@ atexit.register(shutil.rmtree, WORK, ignore_errors=True)
 def layout(strategy, world, **kw):
     kw.setdefault("micro_batches", 2)
     kw.setdefault("dtype", "float64")     # the equivalence gate (refimpl.lab.verify.equivalence)
-    return TrainConfig(strategy=strategy, nproc=world, steps=3, global_batch=8, return_state=True,
-                       model=SMALL, **kw)
+    return LabConfig(strategy=strategy, nproc=world, steps=3, global_batch=8, return_state=True,
+                     model=SMALL, **kw)
 
 
 # The layouts the other tests here read (memory shares, PyTorch's twin, the traced MoE run, the
@@ -221,7 +222,7 @@ def test_checkpoint_saved_under_one_layout_resumes_under_another(tmp_path):
 ])
 def test_what_does_not_compose_fails_before_launch(kw, message):
     with pytest.raises(LayoutError, match=message):
-        validate(TrainConfig(model=SMALL, **kw))
+        validate(LabConfig(model=SMALL, **kw))
 
 
 def test_fsdp2_on_our_tp_is_refused_where_tp_ranks_share_a_kv_head():
@@ -233,9 +234,9 @@ def test_fsdp2_on_our_tp_is_refused_where_tp_ranks_share_a_kv_head():
     llama = replace(SMALL, arch="llama", n_kv_heads=2)
     for strategy in ("torch-fsdp2", "torch-fsdp2-gradop"):
         with pytest.raises(LayoutError, match="above the 2 key/value heads") as refused:
-            validate(TrainConfig(strategy=strategy, nproc=8, tp=4, model=llama))
+            validate(LabConfig(strategy=strategy, nproc=8, tp=4, model=llama))
         assert "\n" not in str(refused.value)
-        validate(TrainConfig(strategy=strategy, nproc=4, tp=2, model=llama))   # one head each
+        validate(LabConfig(strategy=strategy, nproc=4, tp=2, model=llama))   # one head each
 
 
 def test_cli_checkpoint_flags(tmp_path):

@@ -113,13 +113,13 @@ def test_loop_with_context_parallel_equals_single(strategy, nproc, cp, checkpoin
     """In float64 ring attention's reordered softmax sums cost ~1e-16 each: the whole model after
     3 AdamW steps is single's to the 1e-9 gate (in fp32 the same reordering, amplified by AdamW,
     leaves ~1.5e-5, whatever the layout: refimpl.lab.verify.equivalence.fp32_noise_floor)."""
-    from refimpl.config import TrainConfig
+    from refimpl.lab.config import LabConfig
     from refimpl.lab.predict.cp_comm import rank_activation_bytes
     from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single
     from refimpl.train import train_on_ranks
 
-    cfg = TrainConfig(strategy=strategy, nproc=nproc, cp=cp, steps=3, return_state=True,
-                      activation_checkpointing=checkpointing, dtype="float64", model=SMALL)
+    cfg = LabConfig(strategy=strategy, nproc=nproc, cp=cp, steps=3, return_state=True,
+                    activation_checkpointing=checkpointing, dtype="float64", model=SMALL)
     run = train_on_ranks(cfg)
     eq = compare_with_single(cfg, run)
     assert eq.tolerance == FP64_TOLERANCE and eq.ok, eq

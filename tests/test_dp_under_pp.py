@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from refimpl.config import TrainConfig
+from refimpl.lab.config import LabConfig
 from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.trace.profiling import load_trace
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single
@@ -45,8 +45,8 @@ TINY_BUCKETS = {"bucket_mb": 0.01}    # ~10 KiB: several buckets per stage (DDP'
 
 
 def layout(strategy, m=4, nproc=4, **kw):
-    return TrainConfig(strategy=strategy, nproc=nproc, pp=2, steps=2, global_batch=8, micro_batches=m,
-                       return_state=True, dtype="float64", model=SMALL, **kw)
+    return LabConfig(strategy=strategy, nproc=nproc, pp=2, steps=2, global_batch=8, micro_batches=m,
+                     return_state=True, dtype="float64", model=SMALL, **kw)
 
 
 def traced(name, **kw):

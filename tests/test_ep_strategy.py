@@ -5,6 +5,7 @@ import functools
 import pytest
 
 from refimpl.config import TrainConfig
+from refimpl.lab.config import LabConfig
 from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.measure.ep_load import all_to_all_frame, dropped_by_step, expert_frame, rank_frame
 from refimpl.lab.predict.strategy_cost import ep_buffer_bytes
@@ -22,8 +23,8 @@ TIGHT = dict(top_k=1, capacity_factor=0.5, balance="bias", bias_gamma=0.01)  # h
 def config(nproc: int, ep: int = 1, **moe) -> TrainConfig:
     from dataclasses import replace
 
-    return TrainConfig(strategy="ep", nproc=nproc, ep=ep, steps=3, global_batch=8, seq_len=16,
-                       model=replace(MODEL, **moe), return_state=True, dtype="float64")
+    return LabConfig(strategy="ep", nproc=nproc, ep=ep, steps=3, global_batch=8, seq_len=16,
+                     model=replace(MODEL, **moe), return_state=True, dtype="float64")
 
 
 CASES = {2: {"loose": config(2, **LOOSE), "tight": config(2, **TIGHT),

@@ -192,8 +192,9 @@ def test_a_transformers_llama_trained_by_refimpl_goes_back_to_transformers(tmp_p
     # folder under zero1 x tp2 x pp2 (--init-hf: each rank reads the tensors it places), saves it
     # back; transformers reloads it and gives the logits refimpl's trained model gives.
 
-    from refimpl.config import TrainConfig
+
     from refimpl.lab.checkpoint.hf import read_config
+    from refimpl.lab.config import LabConfig
     from refimpl.train import train_on_ranks
 
     cfg = replace(LLAMA, n_layers=4)
@@ -203,9 +204,9 @@ def test_a_transformers_llama_trained_by_refimpl_goes_back_to_transformers(tmp_p
     transformers.LlamaForCausalLM(config).to(torch.float64).save_pretrained(tmp_path / "theirs")
     model = read_config(tmp_path / "theirs")
     assert model == cfg
-    run = TrainConfig(strategy="zero1", nproc=4, tp=2, pp=2, steps=3, global_batch=4,
-                      micro_batches=2, seq_len=cfg.seq_len, dtype="float64", model=model,
-                      init_hf=str(tmp_path / "theirs"), return_state=True)
+    run = LabConfig(strategy="zero1", nproc=4, tp=2, pp=2, steps=3, global_batch=4,
+                    micro_batches=2, seq_len=cfg.seq_len, dtype="float64", model=model,
+                    init_hf=str(tmp_path / "theirs"), return_state=True)
     trained = train_on_ranks(run, timeout=300)
     start, _ = load_hf(tmp_path / "theirs")
     ours = build_model(model, seed=0).to(torch.float64)

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from refimpl.config import TrainConfig
+from refimpl.lab.config import LabConfig
 from refimpl.lab.loop import train_several_on_ranks
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig
@@ -30,8 +30,8 @@ pytestmark = pytest.mark.ranks
 LLAMA = GPTConfig(arch="llama", vocab_size=128, d_model=64, n_heads=8, n_kv_heads=2, n_layers=4)
 MIXTRAL = replace(LLAMA, n_experts=4, top_k=2, capacity_factor=2.0, balance="none")
 MQA = replace(LLAMA, n_kv_heads=1)   # one key/value head: under tp each rank holds it, shared
-BASE = TrainConfig(strategy="single", nproc=1, steps=2, global_batch=12, seq_len=16,
-                   dtype="float64", model=LLAMA, return_state=True)
+BASE = LabConfig(strategy="single", nproc=1, steps=2, global_batch=12, seq_len=16,
+                 dtype="float64", model=LLAMA, return_state=True)
 
 # make test: the cases the layout matrix's cover does not hold (its llama has 2 key/value heads
 # and no other): the zero-bubble regression, one key/value head shared over tp, Mixtral under cp.

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from refimpl import launch
-from refimpl.config import TrainConfig
+from refimpl.lab.config import LabConfig
 from refimpl.lab.plots.placement import describe_grid
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_states, reference_run
 from refimpl.mesh import LayoutError, ParallelDims
@@ -61,7 +61,7 @@ def test_every_rank_is_in_exactly_one_group_per_axis():
 ])
 def test_bad_grids_fail_before_launch_with_one_line(changes, words):
     with pytest.raises(LayoutError) as err:
-        validate(TrainConfig(strategy="dp", **changes))
+        validate(LabConfig(strategy="dp", **changes))
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
@@ -88,9 +88,9 @@ def _train_guarded(rank, world_size, cfgs):
 
 @pytest.fixture(scope="module")
 def replica_runs():
-    cfgs = [TrainConfig(strategy=s, nproc=4, replicas=2, steps=3, return_state=True, dtype="float64",
-                        model=SMALL,
-                        options={"bucket_mb": 0.25} if s in ("dp", "zero1", "zero2") else {})
+    cfgs = [LabConfig(strategy=s, nproc=4, replicas=2, steps=3, return_state=True, dtype="float64",
+                      model=SMALL,
+                      options={"bucket_mb": 0.25} if s in ("dp", "zero1", "zero2") else {})
             for s in DP_FAMILY]
     for cfg in cfgs:
         validate(cfg)

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from refimpl.config import TrainConfig
+from refimpl.lab.config import LabConfig
 from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.measure import moe_collectives
 from refimpl.lab.measure.ep_load import dropped_by_step, expert_frame
@@ -45,9 +46,9 @@ atexit.register(shutil.rmtree, WORK, ignore_errors=True)
 
 
 def config(strategy: str, nproc: int, model=TWO, moe=(), **layout) -> TrainConfig:
-    return TrainConfig(strategy=strategy, nproc=nproc, steps=2, global_batch=8, seq_len=16,
-                       model=replace(model, **dict(moe)), return_state=True, dtype="float64",
-                       **layout)
+    return LabConfig(strategy=strategy, nproc=nproc, steps=2, global_batch=8, seq_len=16,
+                     model=replace(model, **dict(moe)), return_state=True, dtype="float64",
+                     **layout)
 
 
 CASES = {

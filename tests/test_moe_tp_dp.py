@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from refimpl.config import TrainConfig
+from refimpl.lab.config import LabConfig
 from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.measure.ep_load import dropped_by_step
 from refimpl.lab.verify.equivalence import (
@@ -36,8 +37,8 @@ MODEL = GPTConfig(vocab_size=96, seq_len=16, d_model=32, n_heads=4, n_layers=2, 
 
 
 def config(strategy: str, nproc: int, **layout) -> TrainConfig:
-    return TrainConfig(strategy=strategy, nproc=nproc, steps=2, global_batch=8, seq_len=16,
-                       model=MODEL, return_state=True, dtype="float64", **layout)
+    return LabConfig(strategy=strategy, nproc=nproc, steps=2, global_batch=8, seq_len=16,
+                     model=MODEL, return_state=True, dtype="float64", **layout)
 
 
 # make test runs the first launch (4 ranks): experts split over tp and spread over ep under

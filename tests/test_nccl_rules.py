@@ -56,7 +56,7 @@ import os
 import pytest
 
 from refimpl import launch
-from refimpl.config import TrainConfig
+from refimpl.lab.config import LabConfig
 from refimpl.lab.verify.equivalence import (
     BF16_TOLERANCE,
     FP64_TOLERANCE,
@@ -74,8 +74,8 @@ pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips
 
 def cfg(strategy, world, m=2, *, layers=4, experts=0, shape=None, **kw):
     model = GPTConfig(**{**SMALL.to_dict(), "n_layers": layers, "n_experts": experts, **(shape or {})})
-    return TrainConfig(strategy=strategy, nproc=world, steps=2, global_batch=8, micro_batches=m,
-                       return_state=True, dtype="float64", model=model, **kw)
+    return LabConfig(strategy=strategy, nproc=world, steps=2, global_batch=8, micro_batches=m,
+                     return_state=True, dtype="float64", model=model, **kw)
 
 
 LLAMA_MQA = {"arch": "llama", "n_kv_heads": 1}   # RMSNorm, SwiGLU, rotary, grouped-query attention
@@ -424,8 +424,8 @@ def test_the_bisector_finds_the_fault_under_nccl_s_rules(monkeypatch):
     for name, value in ((faults.ENV, "1"), ("REFIMPL_P2P_TAGS", "one"),
                         ("REFIMPL_SHARED_DEVICE", (os.environ.get("REFIMPL_SHARED_DEVICE") or "cpu"))):
         monkeypatch.setenv(name, value)
-    report = bisector.bisect(TrainConfig(strategy="dp-naive", nproc=2, steps=2, model=SMALL,
-                                         dtype="float64", fault="skip-grad-sync"))
+    report = bisector.bisect(LabConfig(strategy="dp-naive", nproc=2, steps=2, model=SMALL,
+                                       dtype="float64", fault="skip-grad-sync"))
     assert report.verdict == "bug"
     last = f"blocks.{SMALL.n_layers - 1}"
     assert (report.first.step, report.first.phase, report.first.module) == (0, "optimizer", last)

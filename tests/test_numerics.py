@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from refimpl.config import TrainConfig
+from refimpl.lab.config import LabConfig
 from refimpl.lab.env import numerics_settings
 from refimpl.lab.runtime import numerics
 from refimpl.lab.verify.equivalence import reference_config
@@ -19,14 +20,14 @@ def _needed(cfg: TrainConfig, device=CUDA) -> bool:
 
 
 def test_only_compared_runs_on_cuda_get_deterministic_kernels():
-    compared = TrainConfig(strategy="dp", nproc=2, return_state=True)
+    compared = LabConfig(strategy="dp", nproc=2, return_state=True)
     assert _needed(compared) and _needed(reference_config(compared))     # both sides of a check
-    assert _needed(TrainConfig(dtype="float64"))                          # the equivalence proof
-    assert not _needed(TrainConfig(strategy="dp", nproc=2))               # training, bench, profile
-    assert not _needed(TrainConfig(profile=True))
-    bf16 = TrainConfig(mixed_precision="bf16", return_state=True)         # compared at 2e-2, never exact
+    assert _needed(LabConfig(dtype="float64"))                          # the equivalence proof
+    assert not _needed(LabConfig(strategy="dp", nproc=2))               # training, bench, profile
+    assert not _needed(LabConfig(profile=True))
+    bf16 = LabConfig(mixed_precision="bf16", return_state=True)         # compared at 2e-2, never exact
     assert not _needed(bf16) and not _needed(reference_config(bf16))
-    assert not _needed(compared, CPU) and not _needed(TrainConfig(dtype="float64"), "cpu")
+    assert not _needed(compared, CPU) and not _needed(LabConfig(dtype="float64"), "cpu")
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import functools
 
 import pytest
 
-from refimpl.config import TrainConfig
 from refimpl.lab.cli import build_parser, config_from_args
+from refimpl.lab.config import LabConfig
 from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single
 from refimpl.mesh import LayoutError
@@ -19,9 +19,9 @@ pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips
 
 
 def cfg(strategy, world, m, *, pp=None, v=1, layers=4, batch=8, **kw):
-    return TrainConfig(strategy=strategy, nproc=world, pp=pp or world, steps=3, global_batch=batch,
-                       micro_batches=m, virtual_stages=v, return_state=True, dtype="float64",
-                       model=GPTConfig(**{**SMALL.to_dict(), "n_layers": layers}), **kw)
+    return LabConfig(strategy=strategy, nproc=world, pp=pp or world, steps=3, global_batch=batch,
+                     micro_batches=m, virtual_stages=v, return_state=True, dtype="float64",
+                     model=GPTConfig(**{**SMALL.to_dict(), "n_layers": layers}), **kw)
 
 
 # The schedules on 2, 3 and 4 stages, ours and PyTorch's, each equal to single: make test-full's
@@ -98,7 +98,7 @@ def test_each_stage_holds_only_its_parameters():
 ])
 def test_bad_pipeline_layouts_fail_before_launch_with_one_line(changes, words):
     with pytest.raises(LayoutError) as err:
-        validate(TrainConfig(**changes))
+        validate(LabConfig(**changes))
     assert words in str(err.value) and "\n" not in str(err.value)
 
 

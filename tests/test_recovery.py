@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from refimpl.config import TrainConfig
 from refimpl.lab.checkpoint import dcp_convert, run_checkpoint, sharded_checkpoint
+from refimpl.lab.config import LabConfig
 from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.verify import checkpoint_memory
 from refimpl.lab.verify.equivalence import compare_states
@@ -30,8 +31,8 @@ GATE = 1e-9   # float64 (refimpl.lab.verify.equivalence)
 
 def run_cfg(strategy="single", nproc=1, steps=4, **kw) -> TrainConfig:
     kw = {"global_batch": 4, "model": SMALL, **kw}
-    return TrainConfig(strategy=strategy, nproc=nproc, steps=steps, dtype="float64",
-                       return_state=True, **kw)
+    return LabConfig(strategy=strategy, nproc=nproc, steps=steps, dtype="float64",
+                     return_state=True, **kw)
 
 
 def max_rel(a: list[float], b: list[float]) -> float:

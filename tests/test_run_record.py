@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from refimpl.config import TrainConfig
+from refimpl.lab.config import LabConfig
 from refimpl.lab.trace.run_record import EVENT_SUFFIX, read_run_summary
 from refimpl.model import GPTConfig
 from refimpl.train import train_on_ranks
@@ -46,9 +46,9 @@ def test_two_ranks_summary_and_scalars(tmp_path_factory):
 
 
 def test_training_loop_records_a_profiled_run_and_a_rerun_replaces_it(tmp_path):
-    cfg = TrainConfig(strategy="single", steps=2, global_batch=2, seq_len=8, profile=True,
-                      trace_dir=str(tmp_path / "single"),
-                      model=GPTConfig(d_model=16, n_heads=2, n_layers=1))
+    cfg = LabConfig(strategy="single", steps=2, global_batch=2, seq_len=8, profile=True,
+                    trace_dir=str(tmp_path / "single"),
+                    model=GPTConfig(d_model=16, n_heads=2, n_layers=1))
     for _ in range(2):
         result = train_on_ranks(cfg)
     run = tmp_path / "single"

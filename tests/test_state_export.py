@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from refimpl import launch
-from refimpl.config import TrainConfig
+from refimpl.lab.config import LabConfig
 from refimpl.model import GPTConfig
 
 pytestmark = pytest.mark.ranks
@@ -107,7 +107,7 @@ def _export_rank(rank: int, world_size: int, cfgs: dict, folder: str) -> dict:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("export"))
-    cfgs = {name: TrainConfig(nproc=2, steps=1, model=MODEL, global_batch=4, **kw)
+    cfgs = {name: LabConfig(nproc=2, steps=1, model=MODEL, global_batch=4, **kw)
             for name, kw in LAYOUTS.items()}
     return launch.run(_export_rank, 2, cfgs, folder, backend="gloo", timeout=600, quiet=True)
 
@@ -144,8 +144,8 @@ def test_the_cli_writes_the_files_from_rank_0(tmp_path):
     assert main(["train", "--strategy", "zero3", "--nproc", "2", "--steps", "2", "--dtype",
                  "float64", *SMALL_FLAGS, "--save-state", str(w),
                  "--save-optimizer-state", str(o)]) == 0
-    single = train_on_ranks(TrainConfig(steps=2, global_batch=4, dtype="float64", model=SMALL_MODEL,
-                                        return_state=True, return_optimizer_state=True))
+    single = train_on_ranks(LabConfig(steps=2, global_batch=4, dtype="float64", model=SMALL_MODEL,
+                                      return_state=True, return_optimizer_state=True))
     saved, moments = torch.load(w, weights_only=True), torch.load(o, weights_only=True)
     assert sorted(os.listdir(tmp_path)) == ["o.pt", "w.pt"]      # no temporary left behind
     assert list(saved) == sorted(single["state_dict"]) and moments["step"] == 2
@@ -165,8 +165,8 @@ def test_a_twin_writes_its_weights_from_rank_0(tmp_path):
     w = tmp_path / "w.pt"
     assert main(["train", "--strategy", "torch-fsdp2", "--nproc", "2", "--steps", "2",
                  *SMALL_FLAGS, "--save-state", str(w)]) == 0
-    ref = train_on_ranks(TrainConfig(strategy="torch-fsdp2", nproc=2, steps=2, global_batch=4,
-                                     model=SMALL_MODEL, return_state=True))["state_dict"]
+    ref = train_on_ranks(LabConfig(strategy="torch-fsdp2", nproc=2, steps=2, global_batch=4,
+                                   model=SMALL_MODEL, return_state=True))["state_dict"]
     saved = torch.load(w, weights_only=True)
     assert sorted(saved) == sorted(ref) and all(torch.equal(saved[k], ref[k]) for k in ref)
 
@@ -178,8 +178,8 @@ def test_under_torchrun_rank_0_writes_the_state(monkeypatch, tmp_path):
     from refimpl.train import train_on_ranks
     from tests.test_launch import _torchrun_env
 
-    ref = train_on_ranks(TrainConfig(steps=2, global_batch=4, model=SMALL_MODEL,
-                                     return_state=True))["state_dict"]
+    ref = train_on_ranks(LabConfig(steps=2, global_batch=4, model=SMALL_MODEL,
+                                   return_state=True))["state_dict"]
     _torchrun_env(monkeypatch)
     assert main(["train", "--steps", "2", *SMALL_FLAGS, "--save-state", str(tmp_path / "w.pt")]) == 0
     saved = torch.load(tmp_path / "w.pt", weights_only=True)
@@ -229,7 +229,7 @@ def _twin_export_rank(rank: int, world_size: int, cfgs: dict, folder: str) -> di
 @pytest.fixture(scope="module")
 def twins_measured(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("twin-export"))
-    cfgs = {name: TrainConfig(nproc=2, steps=1, model=TWIN_MODEL, global_batch=4, **kw)
+    cfgs = {name: LabConfig(nproc=2, steps=1, model=TWIN_MODEL, global_batch=4, **kw)
             for name, kw in TWINS.items()}
     return launch.run(_twin_export_rank, 2, cfgs, folder, backend="gloo", timeout=600, quiet=True)
 

@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from refimpl.config import TrainConfig
+from refimpl.lab.config import LabConfig
 from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single
 from tests.models import SMALL
@@ -18,8 +18,8 @@ pytestmark = [pytest.mark.ranks, pytest.mark.full]
 
 def layout(strategy, **kw):
     kw.setdefault("micro_batches", 2)
-    return TrainConfig(strategy=strategy, nproc=8, tp=2, pp=2, steps=3, global_batch=8,
-                       return_state=True, dtype="float64", model=SMALL, **kw)
+    return LabConfig(strategy=strategy, nproc=8, tp=2, pp=2, steps=3, global_batch=8,
+                     return_state=True, dtype="float64", model=SMALL, **kw)
 
 
 RUNS = {"ours fsdp 1f1b": layout("fsdp"),

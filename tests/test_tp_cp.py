@@ -17,7 +17,7 @@ import functools
 
 import pytest
 
-from refimpl.config import TrainConfig
+from refimpl.lab.config import LabConfig
 from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_with_single
 from refimpl.mesh import LayoutError
@@ -30,8 +30,8 @@ TWO_BLOCKS = GPTConfig(**{**SMALL.to_dict(), "n_layers": 2})   # one block per p
 
 def layout(strategy, world, model=SMALL, **kw):
     kw.setdefault("micro_batches", 2)
-    return TrainConfig(strategy=strategy, nproc=world, steps=2, global_batch=8, return_state=True,
-                       dtype="float64", model=model, **kw)
+    return LabConfig(strategy=strategy, nproc=world, steps=2, global_batch=8, return_state=True,
+                     dtype="float64", model=model, **kw)
 
 
 RUNS = {  # (world, in make test?) -> name -> config
@@ -72,6 +72,6 @@ def test_sequence_parallel_over_cp_needs_the_cp_slice_to_split_over_tp():
     leaves 12 tokens, which tp 8 cannot split (while s itself, 24, is what the plain tp check reads)."""
     model = GPTConfig(**{**SMALL.to_dict(), "n_heads": 8})
     with pytest.raises(LayoutError, match="s/cp = 12 tokens .* divisible by --tp 8"):
-        validate(TrainConfig(strategy="tp", nproc=16, tp=8, cp=2, seq_len=24,
-                             sequence_parallel=True, model=model))
-    validate(TrainConfig(strategy="tp", nproc=16, tp=8, cp=2, seq_len=24, model=model))   # no SP
+        validate(LabConfig(strategy="tp", nproc=16, tp=8, cp=2, seq_len=24,
+                           sequence_parallel=True, model=model))
+    validate(LabConfig(strategy="tp", nproc=16, tp=8, cp=2, seq_len=24, model=model))   # no SP

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from refimpl import launch
-from refimpl.config import TrainConfig
+from refimpl.lab.config import LabConfig
 from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_states
 from refimpl.mesh import LayoutError
@@ -26,9 +26,9 @@ LLAMA = replace(SMALL, arch="llama", n_kv_heads=2, n_layers=2)
 
 
 def cfg(world, model, **kw):
-    return TrainConfig(strategy="tp", nproc=world, steps=2, return_state=True, dtype="float64",
-                       model=model, sequence_parallel=True, global_batch=6 if world == 3 else 4,
-                       seq_len=24 if world == 3 else 32).with_(**kw)
+    return LabConfig(strategy="tp", nproc=world, steps=2, return_state=True, dtype="float64",
+                     model=model, sequence_parallel=True, global_batch=6 if world == 3 else 4,
+                     seq_len=24 if world == 3 else 32).with_(**kw)
 
 
 PAIRS = {2: {"gpt": SMALL, "llama": LLAMA}, 3: {"gpt, 6 heads": SIX_HEADS},
@@ -139,12 +139,12 @@ def test_trace_shows_each_transfer_around_a_neighbouring_chunks_matmul(world):
 
 
 @pytest.mark.parametrize("cfg_, words", [
-    (TrainConfig(strategy="tp", nproc=2, options=OVERLAP), "needs --sequence-parallel"),
-    (TrainConfig(strategy="dp-naive", nproc=4, tp=2, pp=2, sequence_parallel=True, options=OVERLAP),
+    (LabConfig(strategy="tp", nproc=2, options=OVERLAP), "needs --sequence-parallel"),
+    (LabConfig(strategy="dp-naive", nproc=4, tp=2, pp=2, sequence_parallel=True, options=OVERLAP),
      "--pp"),
-    (TrainConfig(strategy="tp", nproc=2, sequence_parallel=True, mixed_precision="bf16",
-                 options=OVERLAP), "--mixed-precision"),
-    (TrainConfig(strategy="torch-tp", nproc=2, sequence_parallel=True, options=OVERLAP),
+    (LabConfig(strategy="tp", nproc=2, sequence_parallel=True, mixed_precision="bf16",
+               options=OVERLAP), "--mixed-precision"),
+    (LabConfig(strategy="torch-tp", nproc=2, sequence_parallel=True, options=OVERLAP),
      "no option"),
 ])
 def test_tp_overlap_refused_in_one_line(cfg_, words):

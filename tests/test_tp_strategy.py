@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 
 from refimpl import launch
-from refimpl.config import TrainConfig
 from refimpl.lab.cli import main as cli
+from refimpl.lab.config import LabConfig
 from refimpl.lab.loop import train_several_on_ranks
 from refimpl.lab.verify.equivalence import FP64_TOLERANCE, compare_states, compare_with_single
 from refimpl.mesh import LayoutError
@@ -24,8 +24,8 @@ pytestmark = pytest.mark.ranks   # launches rank processes (make test-fast skips
 
 
 def base(world, strategy, **kw):
-    return TrainConfig(strategy=strategy, nproc=world, steps=3, return_state=True,
-                       dtype="float64", model=SMALL).with_(**kw)
+    return LabConfig(strategy=strategy, nproc=world, steps=3, return_state=True,
+                     dtype="float64", model=SMALL).with_(**kw)
 
 
 RUNS = {
@@ -95,16 +95,16 @@ def test_parameters_per_rank_shrink_with_tp():
 
 
 def test_shorthand_puts_the_whole_world_on_tp():
-    assert resolve(TrainConfig(strategy="tp", nproc=4)).cfg.tp == 4
-    assert resolve(TrainConfig(strategy="tp", nproc=4, replicas=2)).cfg.tp == 2
-    assert resolve(TrainConfig(strategy="zero1", nproc=4, tp=2)).cfg.dims.dp == 2
+    assert resolve(LabConfig(strategy="tp", nproc=4)).cfg.tp == 4
+    assert resolve(LabConfig(strategy="tp", nproc=4, replicas=2)).cfg.tp == 2
+    assert resolve(LabConfig(strategy="zero1", nproc=4, tp=2)).cfg.dims.dp == 2
 
 
 @pytest.mark.parametrize("cfg, words", [
-    (TrainConfig(strategy="tp", nproc=3, global_batch=6), "attention heads (8)"),
-    (TrainConfig(strategy="tp", nproc=4, seq_len=30, sequence_parallel=True), "--seq-len (30)"),
-    (TrainConfig(strategy="dp", nproc=2, sequence_parallel=True), "needs --tp > 1"),
-    (TrainConfig(strategy="torch-tp", nproc=4, tp=2), "does not compose"),
+    (LabConfig(strategy="tp", nproc=3, global_batch=6), "attention heads (8)"),
+    (LabConfig(strategy="tp", nproc=4, seq_len=30, sequence_parallel=True), "--seq-len (30)"),
+    (LabConfig(strategy="dp", nproc=2, sequence_parallel=True), "needs --tp > 1"),
+    (LabConfig(strategy="torch-tp", nproc=4, tp=2), "does not compose"),
 ])
 def test_layouts_tp_cannot_run_fail_before_launch_in_one_line(cfg, words):
     with pytest.raises(LayoutError) as err:
@@ -123,7 +123,7 @@ def test_rebuilt_collectives_carry_exactly_the_sequence_parallel_traffic():
     # 2 per block + 1 (embedding, LM head) in forward, as many in backward.
     from tests.test_collectives_seam import _train_counting
 
-    cfg = TrainConfig(strategy="tp", nproc=2, steps=1, sequence_parallel=True, collectives="refimpl")
+    cfg = LabConfig(strategy="tp", nproc=2, steps=1, sequence_parallel=True, collectives="refimpl")
     (sent, _), _ = launch.run(_train_counting, 2, cfg, timeout=600, quiet=True)
     message, layers = cfg.global_batch * cfg.seq_len * cfg.model.d_model * 4, cfg.model.n_layers
     assert sent["all_gather"] == sent["reduce_scatter"] == 2 * (2 * layers + 1) * message / 2

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refimpl.config import TrainConfig
 from refimpl.lab import faults
 from refimpl.lab.cli import main as cli
+from refimpl.lab.config import LabConfig
 from refimpl.lab.runtime import flight_recorder
 from refimpl.lab.verify import bisect as bisector
 from refimpl.launch import LaunchTimeoutError
@@ -100,7 +100,7 @@ def test_bisector_counts_one_tp_rank_unless_sequence_parallel():
 def test_faults_run_only_where_asked_and_on_their_layout(monkeypatch):
     """The launcher's layout check (refimpl.train.validate) refuses them: the faults' plug-in of
     the registry (refimpl.lab.faults.variant) checks them as it picks the fault's class."""
-    cfg = TrainConfig(strategy="dp-naive", nproc=2, fault="skip-grad-sync")
+    cfg = LabConfig(strategy="dp-naive", nproc=2, fault="skip-grad-sync")
     monkeypatch.delenv(faults.ENV, raising=False)
     with pytest.raises(LayoutError, match="injects a bug on purpose"):
         validate(cfg)
@@ -140,8 +140,8 @@ def test_bad_files_exit_2_with_one_line(tmp_path, capsys):
 @pytest.mark.ranks
 def test_bisector_finds_a_missing_gradient_sync(monkeypatch):
     monkeypatch.setenv(faults.ENV, "1")
-    cfg = TrainConfig(strategy="dp-naive", nproc=2, steps=2, model=SMALL, dtype="float64",
-                      fault="skip-grad-sync")      # clean layouts: notebook 10 bisects them
+    cfg = LabConfig(strategy="dp-naive", nproc=2, steps=2, model=SMALL, dtype="float64",
+                    fault="skip-grad-sync")      # clean layouts: notebook 10 bisects them
     report = bisector.bisect(cfg)
     last = f"blocks.{SMALL.n_layers - 1}"
     assert report.verdict == "bug"
@@ -161,8 +161,8 @@ def test_a_hang_is_reported_with_both_stuck_calls(monkeypatch, device):
         monkeypatch.delenv("REFIMPL_SHARED_DEVICE", raising=False)
     else:
         monkeypatch.setenv("REFIMPL_SHARED_DEVICE", device)
-    cfg = TrainConfig(strategy="pp-1f1b", nproc=2, pp=2, micro_batches=4, steps=1, model=SMALL,
-                      fault="p2p-misordered")
+    cfg = LabConfig(strategy="pp-1f1b", nproc=2, pp=2, micro_batches=4, steps=1, model=SMALL,
+                    fault="p2p-misordered")
     with pytest.raises(LaunchTimeoutError) as hang:
         train_on_ranks(cfg, timeout=6)
     lines = str(hang.value).splitlines()[1:]
@@ -180,6 +180,6 @@ def test_the_bisector_runs_zero3():
     the regather wrote past the version counter (refimpl.parallel.fsdp.sharded_unit.gather)."""
     from tests.models import SMALL
 
-    cfg = TrainConfig(strategy="zero3", nproc=2, steps=2, global_batch=4, model=SMALL, dtype="float64")
+    cfg = LabConfig(strategy="zero3", nproc=2, steps=2, global_batch=4, model=SMALL, dtype="float64")
     report = bisector.bisect(cfg)          # fsdp steps through the same units
     assert report.first is None, report.summary()     # and nothing diverges from single

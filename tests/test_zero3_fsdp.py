@@ -12,6 +12,7 @@ from functools import cache
 import pytest
 
 from refimpl.config import TrainConfig
+from refimpl.lab.config import LabConfig
 from refimpl.lab.loop import train_several_recording_memory
 from refimpl.lab.measure.volume import total_volume
 from refimpl.lab.trace.profiling import comm_table, load_trace, summarize
@@ -34,9 +35,9 @@ ELEMENT = 8
 def config(strategy: str, nproc: int, *, trace_dir=None, **kw) -> TrainConfig:
     options = kw.pop("options", {})
     kw["dtype"] = "float64" if kw.get("mixed_precision", "fp32") == "fp32" else "float32"
-    return TrainConfig(strategy=strategy, nproc=nproc, steps=STEPS, model=SMALL,
-                       global_batch=12 if nproc == 3 else 8, profile=trace_dir is not None,
-                       trace_dir=trace_dir, return_state=True, options=dict(options), **kw)
+    return LabConfig(strategy=strategy, nproc=nproc, steps=STEPS, model=SMALL,
+                     global_batch=12 if nproc == 3 else 8, profile=trace_dir is not None,
+                     trace_dir=trace_dir, return_state=True, options=dict(options), **kw)
 
 
 def run(strategy: str, nproc: int, options: tuple = (), checkpointing: bool = False,
@@ -255,6 +256,6 @@ def test_prefetch_hides_communication():
     ("torch-fsdp2", {"prefetch": 2}, "no option")])
 def test_bad_options_fail_before_launch(strategy, options, message):
     with pytest.raises(LayoutError, match=message):
-        validate(TrainConfig(strategy=strategy, nproc=2, options=options))
+        validate(LabConfig(strategy=strategy, nproc=2, options=options))
     with pytest.raises(LayoutError, match="multiple of 3 data-parallel"):
-        validate(TrainConfig(strategy=strategy, nproc=3, global_batch=8))
+        validate(LabConfig(strategy=strategy, nproc=3, global_batch=8))

@@ -139,7 +139,7 @@ def _absolute(path: str | None) -> str | None:
 
 
 def config_from_args(args):
-    from refimpl.config import TrainConfig
+    from refimpl.lab.config import LabConfig
     from refimpl.mesh import LayoutError
 
     nproc = args.nproc
@@ -165,22 +165,22 @@ def config_from_args(args):
                             rope_theta=args.rope_theta, **moe)
     except (ValueError, FileNotFoundError) as e:
         raise LayoutError(str(e)) from None
-    return TrainConfig(strategy=args.strategy, nproc=nproc, steps=args.steps,
-                       global_batch=args.global_batch, seq_len=args.seq_len, seed=args.seed,
-                       lr=args.lr, micro_batches=args.micro_batches,
-                       mixed_precision=args.mixed_precision, dtype=args.dtype,
-                       device=args.device,
-                       activation_checkpointing=args.checkpointing, profile=args.profile,
-                       trace_dir=args.trace_dir, model=model, options=options,
-                       tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
-                       sequence_parallel=args.sequence_parallel, collectives=args.collectives,
-                       schedule=args.schedule, virtual_stages=args.virtual_stages, fault=fault,
-                       init_state=args.init_state, init_hf=args.init_hf,
-                       save_state=_absolute(args.save_state),
-                       init_optimizer_state=args.init_optimizer_state,
-                       save_optimizer_state=_absolute(args.save_optimizer_state),
-                       checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir,
-                       record_memory=not args.profile)   # memory[r].peak (not under --profile)
+    return LabConfig(strategy=args.strategy, nproc=nproc, steps=args.steps,
+                     global_batch=args.global_batch, seq_len=args.seq_len, seed=args.seed,
+                     lr=args.lr, micro_batches=args.micro_batches,
+                     mixed_precision=args.mixed_precision, dtype=args.dtype,
+                     device=args.device,
+                     activation_checkpointing=args.checkpointing, profile=args.profile,
+                     trace_dir=args.trace_dir, model=model, options=options,
+                     tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
+                     sequence_parallel=args.sequence_parallel, collectives=args.collectives,
+                     schedule=args.schedule, virtual_stages=args.virtual_stages, fault=fault,
+                     init_state=args.init_state, init_hf=args.init_hf,
+                     save_state=_absolute(args.save_state),
+                     init_optimizer_state=args.init_optimizer_state,
+                     save_optimizer_state=_absolute(args.save_optimizer_state),
+                     checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir,
+                     record_memory=not args.profile)   # memory[r].peak (not under --profile)
 
 
 def main(argv=None) -> int:

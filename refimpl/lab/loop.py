@@ -25,6 +25,7 @@ from refimpl.lab.checkpoint.optim_reshard import (
     validate_optimizer_state,
 )
 from refimpl.lab.checkpoint.shard_boxes import BoxedParts
+from refimpl.lab.config import lab_config
 from refimpl.lab.instrument.activations import ActivationTracker, activation_exclusions
 from refimpl.lab.instrument.layer_ranges import label_layers
 from refimpl.lab.instrument.model_state import model_state
@@ -56,8 +57,12 @@ def default_trace_dir(cfg) -> str:
 class LabExtras(LoopExtras):
     placing = contextlib.nullcontext()      # open while the rank's tensors are made (the dry run)
 
+    def __init__(self, cfg, rank: int, world_size: int):
+        super().__init__(lab_config(cfg), rank, world_size)     # self.cfg: a LabConfig
+
     @staticmethod
     def validate(cfg, strategy_class) -> None:
+        cfg = lab_config(cfg)
         check_run(cfg, strategy_class)     # the rules every run keeps, before the lab's own
         if cfg.init_optimizer_state or cfg.return_optimizer_state or cfg.save_optimizer_state:
             validate_optimizer_state(cfg)
@@ -154,7 +159,7 @@ class LabExtras(LoopExtras):
 
     @staticmethod
     def merged(cfg, per_rank: list[dict]) -> dict:
-        first = per_rank[0]
+        cfg, first = lab_config(cfg), per_rank[0]
         # A step takes as long as its slowest rank; the median over steps after the first (warm-up).
         slowest = [max(times) for times in zip(*(r["step_times"] for r in per_rank))]
         timed = slowest[1:] if len(slowest) > 1 else slowest
@@ -179,7 +184,7 @@ def sync(device) -> None:
 def train_several_recording_memory(cfgs, record_memory: list[bool], timeout: float = 900.0):
     """train_several_on_ranks with `record_memory` set where asked; each such result gains
     `transient_peak` (rank -> bytes), as notebooks 04-05 read it."""
-    cfgs = [c.with_(record_memory=bool(m)) for c, m in zip(cfgs, record_memory, strict=True)]
+    cfgs = [lab_config(c).with_(record_memory=bool(m)) for c, m in zip(cfgs, record_memory, strict=True)]
     results = train_several_on_ranks(cfgs, timeout=timeout)
     for cfg, result in zip(cfgs, results):
         if cfg.record_memory:

@@ -1,6 +1,6 @@
 """Bugs on purpose: eight faults that real implementations shipped, to learn the tools on.
 
-`--set fault=<name>` (TrainConfig.fault) injects one. The mechanisms have no fault branch: each fault
+`--set fault=<name>` (LabConfig.fault) injects one. The mechanisms have no fault branch: each fault
 is a class of this folder (strategies.py) that a run with that fault uses in its strategy's place:
 a strategy whose sync differs, a mutated loss or transform, pipeline links that receive out of
 order, a step that loses its rank. `variant`, a plug-in of refimpl.registry (the entry-point group
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 
+from refimpl.lab.config import lab_config
 from refimpl.lab.faults.lost_rank import lose_this_rank
 from refimpl.lab.faults.strategies import faulty_class
 from refimpl.mesh import LayoutError
@@ -88,6 +89,7 @@ def _one_f_one_b(cfg) -> bool:
 def variant(cfg, strategy_class: type[Strategy]) -> type[Strategy]:
     """The plug-in: the class a run of `cfg` uses in `strategy_class`'s place -- itself without a
     fault, the fault's class after `check` (in the launching process: one line, before launch)."""
+    cfg = lab_config(cfg)
     if cfg.fault is None:
         return strategy_class
     check(cfg)

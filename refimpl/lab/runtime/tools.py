@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
+from refimpl.lab.config import lab_config
 from refimpl.lab.runtime import flight_recorder, group_options, numerics, zygote_client
 from refimpl.lab.runtime.host_heap import heap_policy
 from refimpl.lab.runtime.watch import Watch
 from refimpl.launch_tools import LaunchTools
-
 
 # (flight recorder on, stall seconds) for the launches made inside `watching`
 _WATCHING: contextvars.ContextVar = contextvars.ContextVar("watching", default=(None, None))
@@ -94,6 +94,7 @@ class RuntimeTools(LaunchTools):
         from refimpl.lab.runtime import shared_device  # noqa: F401
 
     def device_settings(self, device, cfg) -> None:
+        cfg = lab_config(cfg)
         compared = cfg.return_state or bool(cfg.save_state)
         numerics.exact_fp32_on_cuda(device, numerics.deterministic_needed(
             device, cfg.dtype, cfg.mixed_precision, compared))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from refimpl.lab.config import lab_config
 from refimpl.lab.trace.native_stderr import quiet_profiler_in_notebook
 
 # torch is imported inside the capture functions only: the TensorBoard plugin reads traces without it.
@@ -30,7 +31,7 @@ def run_dir(group: str, run: str) -> Path:
 
 def profiled(cfg, group: str, run: str):
     """`cfg` with profiling on, writing to profiles/<group>/<run> (a notebook's runs, by name)."""
-    return cfg.with_(profile=True, trace_dir=str(run_dir(group, run)))
+    return lab_config(cfg).with_(profile=True, trace_dir=str(run_dir(group, run)))
 
 
 def _all_threads_config(all_threads: bool):

@@ -3,7 +3,7 @@
 Counting tensors by category (refimpl.memory) says what a rank *keeps* between steps. Strategies
 differ most in what they hold for a moment *during* the step: gathered parameters, full-size
 gradient buffers (ZeRO-1 keeps one through backward, ZeRO-2 does not), prefetched units. The loop
-records that with `StepPeak` when `TrainConfig.record_memory` is set (the CLI sets it):
+records that with `StepPeak` when `LabConfig.record_memory` is set (the CLI sets it):
 
   * CUDA: `torch.cuda.max_memory_allocated`, reset when the second step begins;
   * CPU: the profiler with `profile_memory=True`, whose `[memory]` events carry the CPU

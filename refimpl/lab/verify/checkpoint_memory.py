@@ -30,6 +30,7 @@ from safetensors import safe_open
 from refimpl import launch
 from refimpl.config import TrainConfig
 from refimpl.lab.checkpoint import run_checkpoint, sharded_checkpoint
+from refimpl.lab.config import lab_config
 from refimpl.lab.loop import setup_rank
 from refimpl.lab.measure.live_memory import LiveBytes
 from refimpl.lab.rank_build.shard_only import place_shards
@@ -71,6 +72,6 @@ def measure(write_cfg: TrainConfig, read_cfg: TrainConfig, directory, timeout: f
     if write_cfg.nproc != read_cfg.nproc:
         raise ValueError("measure: the writer and the reader run in one launch (one world size)")
     validate(write_cfg)
-    validate(read_cfg.with_(checkpoint_dir=None))
+    validate(lab_config(read_cfg).with_(checkpoint_dir=None))
     return launch.run(_measure_rank, write_cfg.nproc, write_cfg, read_cfg, str(directory),
                       timeout=timeout)

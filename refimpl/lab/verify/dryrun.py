@@ -1,6 +1,6 @@
 """Will it fit? One step of refimpl's own code for one rank of a full-size layout, on one CPU.
 
-    result = dry_run(TrainConfig(strategy="zero1", nproc=64, tp=8, pp=4, model=...), rank=0)
+    result = dry_run(LabConfig(strategy="zero1", nproc=64, tp=8, pp=4, model=...), rank=0)
     python -m refimpl dryrun --model 70b --nproc 64 --tp 8 --pp 4 --strategy zero1 --rank 0 --json
 
 Nobody here has 64 GPUs, but PyTorch can run the code of rank r of a 64-rank run anyway: a tensor

@@ -1,7 +1,7 @@
 """The first test of every strategy: does it compute exactly what `single` computes?
 
 Same seed, same global batch, same number of steps: the losses and the final weights must match the
-one-process reference. The proof runs in float64 (`TrainConfig(dtype="float64")`), where a gate at
+one-process reference. The proof runs in float64 (`LabConfig(dtype="float64")`), where a gate at
 1e-9 cannot depend on the processor; fp32 runs are gated at a multiple of the processor's own fp32
 noise (`fp32_noise_floor`); bit-exact where the arithmetic is the same sequence of operations.
 The reference runs on the device the ranks use (`ranks_device`): CPU when they are on gloo, the
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from refimpl.config import TrainConfig
+from refimpl.lab.config import LabConfig, lab_config
 from refimpl.launch import pick_backend
 from refimpl.train import launch_backend, train_on_ranks
 
@@ -138,7 +139,7 @@ def ranks_device(nproc: int, device: str = "auto") -> str:
     (REFIMPL_SHARED_DEVICE=cuda:0: every rank on that GPU). A reference for them must run there
     too, or a GPU's kernels would be compared with a CPU's and an fp32 gate would measure the
     devices' difference against a CPU's noise floor, not the strategy's."""
-    backend = pick_backend(nproc, launch_backend(TrainConfig(device=device)))   # as the run's
+    backend = pick_backend(nproc, launch_backend(LabConfig(device=device)))   # as the run's
     if backend == "staged":
         return torch.device(os.environ[SHARED_DEVICE]).type
     return "cuda" if backend == "nccl" else "cpu"
@@ -147,7 +148,7 @@ def ranks_device(nproc: int, device: str = "auto") -> str:
 def reference_config(cfg: TrainConfig) -> TrainConfig:
     """`single` on the same model, data, steps and micro-batching as `cfg`, on the device its
     ranks use, without any fault (refimpl.lab.faults)."""
-    return cfg.with_(strategy="single", nproc=1, return_state=True, profile=False,
+    return lab_config(cfg).with_(strategy="single", nproc=1, return_state=True, profile=False,
                      trace_dir=None, options={}, tp=1, pp=1, cp=1, ep=1, replicas=1,
                      sequence_parallel=False, schedule=None, virtual_stages=1, fault=None,
                      device=ranks_device(cfg.nproc, cfg.device),
@@ -170,7 +171,7 @@ def reference_run(cfg: TrainConfig) -> dict:
 def compare_with_single(cfg: TrainConfig, result: dict | None = None) -> Equivalence:
     """Run `cfg` (unless its result is given) and `single`; compare losses and final weights."""
     if result is None:
-        result = train_on_ranks(cfg.with_(return_state=True))
+        result = train_on_ranks(lab_config(cfg).with_(return_state=True))
     ref = reference_run(cfg)
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], ref["losses"]))
     weight_err, worst_tensor, exact = compare_states(result["state_dict"], ref["state_dict"])

@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 from refimpl.config import TrainConfig
+from refimpl.lab.config import LabConfig
 from refimpl.lab.verify.covering import constructed_cover, greedy_cover, tuples, without_redundant
 from refimpl.mesh import LayoutError
 from refimpl.model import GPTConfig
@@ -157,7 +158,7 @@ class Layout:
         if get("arch") == "llama":
             moe.update(arch="llama", n_kv_heads=LLAMA_KV_HEADS)
         bf16 = get("precision") == "bf16"
-        return TrainConfig(
+        return LabConfig(
             strategy=get("strategy"), nproc=get("world"), steps=STEPS, global_batch=GLOBAL_BATCH,
             seq_len=SEQ_LEN, model=replace(MATRIX_MODEL, **moe),
             tp=get("tp"), pp=get("pp"), cp=get("cp"), ep=get("ep") or 1, schedule=get("schedule"),

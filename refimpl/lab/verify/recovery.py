@@ -19,6 +19,7 @@ import signal
 from refimpl import launch
 from refimpl.config import TrainConfig
 from refimpl.lab.checkpoint import run_checkpoint
+from refimpl.lab.config import lab_config
 from refimpl.train import train_rank, validate
 
 
@@ -38,6 +39,7 @@ def _train_and_die(rank: int, world_size: int, cfg: TrainConfig, kill_after: int
 def train_until_killed(cfg: TrainConfig, kill_after: int, timeout: float = 300.0) -> str:
     """Train until rank 0 is SIGKILLed after checkpoint `kill_after`; returns how the launch
     ended (the launcher's one line: which rank, which signal). Raises if the run survived."""
+    cfg = lab_config(cfg)
     validate(cfg)
     if not (cfg.checkpoint_every and kill_after % cfg.checkpoint_every == 0
             and 0 < kill_after < cfg.steps):

@@ -2,19 +2,19 @@
 
 A checkpoint here is always the reference model's full state dict (reference names, full shapes):
 every strategy's `full_state_dict` unshards its placement to write it (refimpl.placement),
-and every strategy places it from the reference model when it starts (`TrainConfig.init_state`:
+and every strategy places it from the reference model when it starts (`LabConfig.init_state`:
 refimpl.train loads it into the reference before `setup`). So a run saved under zero3 x tp2 resumes
 under pp2 x dp2 with no conversion step: the seed's recovery point (체크포인트에서 재시작) across
 layouts. AdamW's m, v and step travel the same way, in reference names and full shapes
-(refimpl.lab.checkpoint.optim_reshard; `TrainConfig.return_optimizer_state` / `init_optimizer_state`):
+(refimpl.lab.checkpoint.optim_reshard; `LabConfig.return_optimizer_state` / `init_optimizer_state`):
 with them the resumed optimizer continues where it stopped; without them its moments restart from
 zero (on every layout alike, so the run still equals `single` resumed from the same weights).
 What neither carries: the data order (a resumed run starts again at batch 0) and the RNG state.
 
-    state = train_on_ranks(cfg_a.with_(return_state=True))["state_dict"]
+    state = train_on_ranks(lab_config(cfg_a).with_(return_state=True))["state_dict"]
     save_checkpoint(state, path)
-    placed = placed_state(cfg_b.with_(init_state=path))      # == state, tensor for tensor
-    resumed = train_on_ranks(cfg_b.with_(init_state=path))
+    placed = placed_state(lab_config(cfg_b).with_(init_state=path))      # == state, tensor for tensor
+    resumed = train_on_ranks(lab_config(cfg_b).with_(init_state=path))
 """
 from __future__ import annotations
 

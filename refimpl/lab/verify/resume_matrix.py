@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import tempfile
 
+from refimpl.lab.config import lab_config
 from refimpl.lab.twins.base import through_dcp
 from refimpl.lab.verify.layout_matrix import Layout, refusal
 from refimpl.lab.verify.matrix_run import LAYOUT_TIMEOUT, Outcome, reference_key, run_one_world
@@ -37,7 +38,7 @@ def resumable(layout: Layout) -> bool:
     if layout["precision"] != "float64" or refusal(layout) is not None:
         return False
     try:
-        validate(layout.config().with_(checkpoint_dir=os.path.join(tempfile.gettempdir(),
+        validate(lab_config(layout.config()).with_(checkpoint_dir=os.path.join(tempfile.gettempdir(),
                                                                    "refimpl-none-here")))
     except LayoutError:
         return False
@@ -63,10 +64,10 @@ def run_resumed(pairs: list[tuple[Layout, Layout]], *,
     single over its own steps is that pair's outcome instead."""
     with tempfile.TemporaryDirectory(prefix="refimpl-resume-") as tmp:
         where = [os.path.join(tmp, str(k)) for k in range(len(pairs))]
-        writes = [w.config().with_(steps=WRITTEN_AT, checkpoint_every=WRITTEN_AT, checkpoint_dir=d)
+        writes = [lab_config(w.config()).with_(steps=WRITTEN_AT, checkpoint_every=WRITTEN_AT, checkpoint_dir=d)
                   for (w, _), d in zip(pairs, where)]
         written = _by_world([w for w, _ in pairs], writes, layout_timeout)
-        reads = [r.config().with_(checkpoint_dir=d) for (_, r), d in zip(pairs, where)]
+        reads = [lab_config(r.config()).with_(checkpoint_dir=d) for (_, r), d in zip(pairs, where)]
         read = _by_world([r for _, r in pairs], reads, layout_timeout)
     out = []
     for (writer, _), w, r in zip(pairs, written, read):

@@ -25,8 +25,9 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from refimpl.config import DTYPES, TrainConfig
+from refimpl.config import DTYPES
 from refimpl.cost.alpha_beta import busbw_factor, fit_alpha_beta, hop_model_from_fit
+from refimpl.lab.config import LabConfig
 from refimpl.lab.env import cpu_cores
 from refimpl.lab.measure.bench import message_sizes, sweep
 from refimpl.lab.predict.tp_comm import hidden_per_ring_step, transfer_engine_share
@@ -61,7 +62,7 @@ def hop_model_here(world_size: int = 2) -> tuple[float, float]:
 
 def measure(nproc: int, alpha_hop: float, link: float, *, steps: int = 4, rounds: int = 2,
             **train) -> dict:
-    base = TrainConfig(strategy="tp", nproc=nproc, steps=steps, sequence_parallel=True).with_(**train)
+    base = LabConfig(strategy="tp", nproc=nproc, steps=steps, sequence_parallel=True).with_(**train)
     medians, last = step_times_in_rounds({"tp+SP": base, "tp_overlap": base.with_(options=OVERLAP)},
                                          rounds)
     profiled = base.with_(options=OVERLAP, profile=True,
