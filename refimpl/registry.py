@@ -34,7 +34,7 @@ OWN = {   # refimpl's own names; the plug-ins' are added by `strategies()`
     "zero1": Entry("refimpl.parallel.zero.stages:Zero1"),
     "zero2": Entry("refimpl.parallel.zero.stages:Zero2"),
     "zero3": Entry("refimpl.parallel.fsdp.zero3:Zero3"),
-    "fsdp": Entry("refimpl.parallel.fsdp.fully_shard:FSDP"),
+    "fsdp": Entry("refimpl.parallel.fsdp.zero3:FSDP"),
     # the shorthands: a flavour and the axis they name
     "tp": Entry(NAIVE, axis="tp"),
     **{f"pp-{name}": Entry(NAIVE, axis="pp", schedule=s) for name, s in PIPELINE_SHORTHANDS.items()},

@@ -1,6 +1,8 @@
 """`zero3`: ZeRO stage 3 (Rajbhandari et al. 2020, §5.3, P_os+g+p, 파라미터까지 분할): parameters,
 gradients and optimizer states partitioned, (2 + 2 + K)·Ψ/N bytes per rank; each unit gathered
-before its forward and its backward, its gradient reduce-scattered: 3Ψ per step (§7.2.2)."""
+before its forward and its backward, its gradient reduce-scattered: 3Ψ per step (§7.2.2).
+`fsdp` (Zhao et al. 2023, §3): the same units and shards under another policy: the next unit
+prefetched, the first backward's unit kept, and SHARD_GRAD_OP ("grad_op")."""
 from __future__ import annotations
 
 import contextlib
@@ -81,3 +83,19 @@ class Zero3(FullySharded):
     @classmethod
     def policy(cls, cfg: TrainConfig) -> ShardingPolicy:
         return ShardingPolicy(reshard_after_forward=True, prefetch=False)
+
+
+SHARDING_MODES = ("full", "grad_op")
+
+
+class FSDP(FullySharded):
+    name = "fsdp"
+    options = {**FullySharded.options, "sharding": Option("full", str, choices=SHARDING_MODES),
+               "overlap_reduce": Option(False, bool)}
+
+    @classmethod
+    def policy(cls, cfg: TrainConfig) -> ShardingPolicy:
+        mode = cfg.options.get("sharding", "full")
+        return ShardingPolicy(reshard_after_forward=mode == "full", keep_last_unit=True,
+                              prefetch=True,
+                              async_reduce=bool(cfg.options.get("overlap_reduce", False)))
