@@ -1,7 +1,8 @@
 """The lane on which refimpl.comm's asynchronous collectives run (`--collectives refimpl`): one FIFO
 worker thread per process. refimpl.comm itself runs every collective before it returns; `on_lane`
 runs one with async_op=True here, beside the caller (the lab's seam plug-in does so for the
-mechanisms: refimpl.lab.instrument.attach). docs/core_notes.md, "the lane", says why one thread, in order."""
+mechanisms: refimpl.lab.instrument.attach). docs/core_notes.md, "refimpl.comm.work, and the lane",
+says why one thread, in order."""
 from __future__ import annotations
 
 import contextvars
