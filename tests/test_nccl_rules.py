@@ -2,7 +2,7 @@
 
 * **One tag.** NCCL ignores tags and pairs the messages between two ranks in the order they were
   posted; gloo pairs them by tag, so a posting order that NCCL would pair wrongly can pass here
-  unseen. Under REFIMPL_P2P_TAGS=one (refimpl.comm.p2p.wire_tag) every message carries tag 0 and
+  unseen. Under REFIMPL_P2P_TAGS=one (refimpl.lab.runtime.one_tag) every message carries tag 0 and
   gloo pairs them by posting order, as NCCL does. Every pipeline schedule (interleaved, whose
   chunks talk to the same neighbour in both directions, included), ring attention (over tp heads
   too) and the rebuilt collectives must then still equal `single` at float64's gate: a wrong pairing gives another
@@ -235,6 +235,32 @@ def environ(**changes):
 def staged_rules(**more):
     return environ(REFIMPL_P2P_TAGS="one", REFIMPL_SHARED_DEVICE=(os.environ.get("REFIMPL_SHARED_DEVICE") or "cpu"),
                    **more)
+
+
+def _collective_then_user_message(rank: int, world: int):
+    """Rank 0 sends a collective's message (refimpl.comm's tag), then a pipeline's (tag 0); rank 1
+    receives with tag 0 first. By posting order the first receive gets the collective's message."""
+    import torch
+
+    from refimpl.comm.p2p import GroupView, exchange
+    from refimpl.seam import dist
+
+    first, second = torch.zeros(3), torch.zeros(3)
+    if rank == 0:
+        exchange(GroupView.of(None), sends=[(torch.ones(3), 1)])
+        dist.isend(torch.full((3,), 2.0), dst=1, tag=0).wait()
+        return None
+    dist.irecv(first, src=0, tag=0).wait()
+    exchange(GroupView.of(None), recvs=[(second, 0)])
+    return first.tolist(), second.tolist()
+
+
+def test_one_tag_pairs_plain_gloo_messages_in_posting_order():
+    """REFIMPL_P2P_TAGS=one on plain gloo (refimpl.lab.runtime.one_tag): a rebuilt collective's
+    messages and a pipeline's pair as NCCL would pair them (by tag, this exchange hangs)."""
+    with environ(REFIMPL_P2P_TAGS="one", REFIMPL_SHARED_DEVICE=None):
+        got = launch.run(_collective_then_user_message, 2, backend="gloo", timeout=120, quiet=True)
+    assert got[1] == ([1.0] * 3, [2.0] * 3)
 
 
 def launch_seeing_dtypes(cfgs: dict, world: int, backend: str) -> dict:

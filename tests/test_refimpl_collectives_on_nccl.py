@@ -64,17 +64,19 @@ def _async_on_nccl(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
     import refimpl.comm as comm
+    from refimpl.lab.runtime.lane import on_lane
 
+    all_reduce = on_lane(comm.all_reduce)
     real = dist.get_backend
     dist.get_backend = lambda group=None: "nccl"
     try:
         try:
-            comm.all_reduce(torch.ones(4), async_op=True)
+            all_reduce(torch.ones(4), async_op=True)
             refused = None
         except RuntimeError as e:
             refused = str(e)
         t = torch.ones(4)
-        comm.all_reduce(t)
+        all_reduce(t)
     finally:
         dist.get_backend = real
     return {"refused": refused, "blocking": t.tolist()}

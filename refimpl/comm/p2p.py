@@ -1,7 +1,6 @@
 """The only communication every other file in `refimpl.comm` is allowed to use: send and receive."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -12,12 +11,6 @@ from refimpl.seam import message
 # Collectives send with their own tag so that a pipeline stage's user-level send/recv (tag 0)
 # between the same two ranks can never be matched with a message that belongs to a ring.
 COLLECTIVE_TAG = 0x636F  # "co"
-
-
-def wire_tag(tag: int) -> int:
-    """The tag a message really carries: REFIMPL_P2P_TAGS=one sends every message with tag 0, so
-    gloo pairs messages in posting order as NCCL does (docs/core_notes.md, refimpl.comm.p2p)."""
-    return 0 if os.environ.get("REFIMPL_P2P_TAGS") == "one" else tag
 
 
 @dataclass(frozen=True)
@@ -79,7 +72,7 @@ def post(g: GroupView, sends=(), recvs=()) -> Posted:
         buf = tensor.contiguous()
         ops.append(("send", buf, peer))
         message("sent", buf.numel() * buf.element_size())
-    tag = wire_tag(COLLECTIVE_TAG)
+    tag = COLLECTIVE_TAG
     backend = dist.get_backend(g.group) if ops else None
     if backend in ("nccl", "staged"):
         # One group (batch_isend_irecv): a receive and a send to the same peer, posted one by one,

@@ -92,15 +92,9 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
-    """torch.distributed.reduce_scatter_tensor: `input` is n equal blocks along dim 0 (FSDP's form)."""
-    check_op(op)
-
-    def body(g: GroupView):
-        chunks = list(input.reshape(-1).clone().chunk(g.size))   # a private copy: the ring reduces in place
-        reduce_scatter_ring(chunks, op, g)
-        output.copy_(finish(chunks[g.rank], op, g.size).view_as(output))
-
-    return issue("reduce_scatter", group, async_op, body, nbytes(input))
+    """torch.distributed.reduce_scatter_tensor: `input` is n equal blocks along dim 0 (FSDP's form),
+    reduce-scattered as `reduce_scatter`'s list."""
+    return reduce_scatter(output, list(input.reshape(-1).split(output.numel())), op, group, async_op)
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
@@ -114,12 +108,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
-    """torch.distributed.all_gather_into_tensor: rank i's input becomes block i of the output."""
-
-    def body(g: GroupView):
-        with _flat(output_tensor) as flat:
-            chunks = list(flat.chunk(g.size))
-            chunks[g.rank].copy_(input_tensor.reshape(-1))
-            ring_all_gather_(chunks, g)
-
-    return issue("all_gather", group, async_op, body, nbytes(output_tensor))
+    """torch.distributed.all_gather_into_tensor: rank i's input becomes block i of the output
+    (`all_gather` into the output's blocks)."""
+    with _flat(output_tensor) as flat:
+        return all_gather(list(flat.split(input_tensor.numel())), input_tensor.reshape(-1), group, async_op)

@@ -3,12 +3,10 @@ from __future__ import annotations
 
 import math
 
-_ALL_TO_ONE = ("broadcast", "reduce", "send_recv")
-
 
 def bytes_per_rank_factor(op: str, n: float) -> float:
     """Bytes one rank sends per byte of message; n may be math.inf (the paper's large-n limit)."""
-    if op in _ALL_TO_ONE:
+    if op in ("broadcast", "reduce", "send_recv"):     # the whole message, once
         return 1.0
     share = 1.0 if n == math.inf else (n - 1) / n
     if op in ("all_reduce", "all_reduce_max"):

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from torch.distributed import ReduceOp
 
-from refimpl.comm.p2p import wire_tag
+import refimpl.comm
 from refimpl.lab.instrument import labels
 from refimpl.lab.instrument.counter import op_scope, record_recv, record_send
+from refimpl.lab.runtime.lane import on_lane
 from refimpl.seam import lookup
 
 
@@ -98,10 +99,6 @@ def labelled(name: str, fn):
         def call(*args, **kwargs):
             group = kwargs.get("group", args[2] if len(args) > 2 else None)
             tag = kwargs.get("tag", args[3] if len(args) > 3 else 0)
-            if len(args) > 3:
-                args = args[:3] + (wire_tag(tag),) + args[4:]
-            else:
-                kwargs = {**kwargs, "tag": wire_tag(tag)}
             peer = _peer(name, args, kwargs, group)
             with span(name, _size(args[0]), group, peer, tag):
                 work = fn(*args, **kwargs)
@@ -134,7 +131,8 @@ def _world(group) -> int | None:
 
 class LabelledCollectives:
     """What `refimpl.seam.dist.<name>` finds once the lab is attached: the seam's current
-    collectives (torch.distributed or refimpl.comm), each with its label."""
+    collectives (torch.distributed or refimpl.comm), each with its label; refimpl.comm's run
+    with async_op=True on the lab's lane, beside the caller (refimpl.lab.runtime.lane)."""
 
     def __init__(self, seam):
         self.seam = seam
@@ -145,7 +143,8 @@ class LabelledCollectives:
         key = (name, fn)
         made = self._made.get(key)
         if made is None:
-            made = self._made[key] = labelled(name, fn)
+            laned = self.seam.collectives is refimpl.comm and name in MESSAGE
+            made = self._made[key] = labelled(name, on_lane(fn) if laned else fn)
         return made
 
 

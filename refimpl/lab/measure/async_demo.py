@@ -6,7 +6,8 @@ demo counts how many compute iterations the thread finished while the handle sti
 collective as not completed: at least one means compute and communication really overlapped.
 
 That count means something on CPU ranks only (gloo, or the staged backend on the CPU): there the
-thread's loop is the compute, and refimpl.comm's lane (refimpl.lab.runtime.lane) is the communication.
+thread's loop is the compute, and refimpl.comm's all-reduce on the lab's lane (refimpl.lab.runtime.lane)
+is the communication.
 On a GPU the loop would only launch kernels, and a handle reports when the host is done, not the
 device, so there the row says the overlap was not measured (`iterations_while_in_flight` None);
 a GPU's overlap is read from the kernels on its streams (notebook 02's trace). refimpl.comm's
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 import refimpl.comm as comm
+from refimpl.lab.runtime.lane import on_lane
 from refimpl.launch import device_for
 
 
@@ -26,12 +28,13 @@ def overlap_demo(rank: int, world_size: int, numel: int = 1 << 20) -> dict:
     import torch.distributed as dist
 
     device = device_for(dist.get_backend())
+    all_reduce = on_lane(comm.all_reduce)           # async_op=True runs beside this thread
     want = float(sum(range(world_size)))
     blocking = torch.full((numel,), float(rank), device=device)
-    comm.all_reduce(blocking)                       # returns when the result is in place
+    all_reduce(blocking)                            # returns when the result is in place
     x = torch.full((numel,), float(rank), device=device)
     a = torch.randn(128, 128, device=device)
-    handle = comm.all_reduce(x, async_op=True)      # returns at once ...
+    handle = all_reduce(x, async_op=True)           # returns at once ...
     measured = device.type == "cpu"                 # on a GPU the loop below only launches kernels
     in_flight = 0
     while measured and not handle.is_completed():   # ... so this thread computes meanwhile

@@ -1,17 +1,20 @@
 """The lane on which refimpl.comm's asynchronous collectives run (`--collectives refimpl`): one FIFO
-worker thread per process, registered under the entry-point group "refimpl.comm_lane" and used by
-refimpl.comm.work.issue (docs/core_notes.md, "refimpl.comm.work", says why one thread, in order)."""
+worker thread per process. refimpl.comm itself runs every collective before it returns; `on_lane`
+runs one with async_op=True here, beside the caller (the lab's seam plug-in does so for the
+mechanisms: refimpl.lab.instrument.attach). docs/core_notes.md, "refimpl.comm.work, and the lane",
+says why one thread, in order."""
 from __future__ import annotations
 
 import contextvars
+import inspect
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from functools import cache, partial
 
 import torch
 import torch.distributed as dist
 
-from refimpl.comm.work import Work
 from refimpl.mesh import LayoutError
 from refimpl.process_group import launch_backend, pick_backend, under_torchrun
 
@@ -48,6 +51,26 @@ def _use_cuda_device(index: int) -> None:
     torch.cuda.set_device(index)
 
 
+class Work:
+    """The handle an asynchronous collective returns, shaped like torch.distributed's Work."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def wait(self, timeout=None) -> bool:
+        """Block until done (timeout: seconds or a timedelta, as torch's Work.wait takes)."""
+        if hasattr(timeout, "total_seconds"):
+            timeout = timeout.total_seconds()
+        self._future.result(timeout)  # re-raises whatever the collective raised
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def get_future(self) -> Future:
+        return self._future
+
+
 class Lane:
     """One FIFO worker thread, started on first use."""
 
@@ -81,3 +104,27 @@ class Lane:
         last = self._last
         if last is not None:
             wait([last])
+
+
+@cache
+def lane() -> Lane:
+    """This process's lane."""
+    return Lane()
+
+
+def on_lane(collective):
+    """`collective` (one of refimpl.comm's, torch.distributed's signature) with async_op=True run on
+    the lane: it returns the lane's Work at once. A blocking call comes after every asynchronous
+    one issued before it, as on one stream."""
+    signature = inspect.signature(collective)
+
+    def call(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        if not bound.arguments.pop("async_op", False):
+            lane().drain()
+            return collective(*args, **kwargs)
+        run = partial(collective, *bound.args, **bound.kwargs)   # blocking, on the lane's thread
+        return lane().submit(run, bound.arguments.get("group"))
+
+    call.__name__ = call.__qualname__ = collective.__name__
+    return call

@@ -48,7 +48,7 @@ Semantics kept from NCCL, and where they differ:
     reads a buffer when its stream does;
   * gloo matches point-to-point by tag and NCCL by posting order: every staged send and receive
     reaches gloo with one tag (`NCCL_TAG`), so messages pair in posting order, as on NCCL (the
-    one-tag mode, REFIMPL_P2P_TAGS=one in refimpl.comm.p2p, does the same on plain gloo).
+    one-tag mode, REFIMPL_P2P_TAGS=one in refimpl.lab.runtime.one_tag, does the same on plain gloo).
 
 On a CPU-only machine `REFIMPL_SHARED_DEVICE=cpu` runs the same backend, and `make test` runs
 every rank launch so (the Makefile's STAGED): every strategy, notebook helper and bench rank the
@@ -79,7 +79,7 @@ NCCL_DTYPES = {torch.int8, torch.uint8, torch.int32, torch.int64, torch.float16,
 
 # NCCL ignores tags: between two ranks it pairs sends and receives in posting order. Every message
 # of a staged group goes to gloo with this one tag, so gloo pairs them so too, whoever posts them
-# (PyTorch's pipelining and DTensor's as well as refimpl.comm.p2p, whose REFIMPL_P2P_TAGS=one does
+# (PyTorch's pipelining and DTensor's as well as refimpl.comm.p2p; REFIMPL_P2P_TAGS=one does
 # the same on plain gloo).
 NCCL_TAG = 0
 

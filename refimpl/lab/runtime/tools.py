@@ -1,9 +1,9 @@
 """The lab's runtime on refimpl.launch (through refimpl.launch_tools, entry-point group
 "refimpl.launch"): CPU ranks forked from a warm zygote, each rank's flight recorder and the hang
 report read from it (refimpl.lab.runtime.watch), PyTorch's own flight recorder on NCCL ranks, the
-process group's options (refimpl.lab.runtime.group_options), the heap policy, the staged
-NCCL-rules backend registered in a rank, exact fp32 on a GPU, and the device audit
-(REFIMPL_DEVICE_AUDIT) around what a rank runs."""
+process group's options (refimpl.lab.runtime.group_options), the heap policy, the one-tag mode
+(refimpl.lab.runtime.one_tag), the staged NCCL-rules backend registered in a rank, exact fp32 on a
+GPU, and the device audit (REFIMPL_DEVICE_AUDIT) around what a rank runs."""
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from refimpl.lab.config import lab_config
-from refimpl.lab.runtime import flight_recorder, group_options, numerics, zygote_client
+from refimpl.lab.runtime import flight_recorder, group_options, numerics, one_tag, zygote_client
 from refimpl.lab.runtime.host_heap import heap_policy
 from refimpl.lab.runtime.watch import Watch
 from refimpl.launch_tools import LaunchTools
@@ -84,6 +84,7 @@ class RuntimeTools(LaunchTools):
 
     def joining(self, backend: str, launched: bool, options: dict) -> None:
         heap_policy()           # before the rank's tensors: big blocks go back when freed
+        one_tag.install_if_asked()      # REFIMPL_P2P_TAGS=one: gloo pairs messages as NCCL does
         group_options.add_options(options, backend, launched)
         if backend == "nccl" and not launched:      # torchrun: no launcher set these
             job = flight_recorder.nccl_dumps(f"torchrun-{os.environ.get('MASTER_PORT', '0')}")
