@@ -40,7 +40,7 @@ class RingGroupedAttention(RingSelfAttention):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = grouped_qkv(q, k, v, self.n_heads, self.n_kv_heads,
                               self.ring.positions(q.shape[1], q.device), self.theta)
-        return super().attend(q, k, v)
+        return ring_attention(q, k, v, self.n_heads, self.ring.group, balanced=self.ring.balanced)
 
 
 class SlicedEmbedding(nn.Module):
