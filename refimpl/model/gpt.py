@@ -40,11 +40,13 @@ class Embedding(nn.Module):
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         # Llama has no position table: its positions are rotations inside attention
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model) if learned_positions(cfg) else None
+        self.position_ids = None   # (length, device) -> positions held; None: 0 .. s-1 (cp's ring)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if self.pos is None:
             return self.tok(idx)
-        positions = torch.arange(idx.shape[1], device=idx.device)
+        positions = (torch.arange(idx.shape[1], device=idx.device) if self.position_ids is None
+                     else self.position_ids(idx.shape[1], idx.device))
         return self.tok(idx) + self.pos(positions)
 
 
