@@ -72,9 +72,7 @@ def build_model(cfg: GPTConfig, seed: int, device="cpu") -> GPT:
     """The reference weights: every rank that calls this with the same seed gets the same model."""
     with torch.device(device), values_not_drawn():
         model = GPT(cfg)
-    if torch.device(device).type == "meta":
-        return model
-    return init_parameters(model, seed)
+    return model if torch.device(device).type == "meta" else init_parameters(model, seed)
 
 
 def converted(module: nn.Module, *, device=None, dtype=None) -> nn.Module:

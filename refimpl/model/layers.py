@@ -72,5 +72,4 @@ class WatchedLinear(nn.Module):
         return y
 
     def weight_grads(self, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
-        """The parameters' gradients from the matmul's X and dY."""
         return linear_weight_grads(x, dy, self.bias is not None)
