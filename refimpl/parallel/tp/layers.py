@@ -105,6 +105,5 @@ class RowParallelLinear(ParallelLinear):
         """Under SP the bias meets only this rank's s/t tokens; the matmul's dY holds all: sum ours."""
         if self.bias is None or not self.sequence_parallel:
             return super().weight_grads(x, dy)
-        s = dy.shape[1] // group_size(self.group)
-        ours = dy[:, group_rank(self.group) * s:][:, :s]
+        ours = dy.chunk(group_size(self.group), dim=1)[group_rank(self.group)]
         return linear_weight_grads(x, dy, bias=False) + [ours.reshape(-1, dy.shape[-1]).sum(0)]
