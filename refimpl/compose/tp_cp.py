@@ -1,40 +1,34 @@
 """Ring attention over tensor-parallel heads (tp x cp): context parallelism on a tp model."""
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 
-from refimpl.model.gqa import grouped_qkv
-from refimpl.parallel.cp.ring import RingPlace, ring_attention
+from refimpl.parallel.cp.parallelize import RingGroupedAttention, RingSelfAttention
+from refimpl.parallel.cp.ring import RingPlace
 from refimpl.parallel.tp.attention import ParallelGroupedAttention, ParallelSelfAttention
 from refimpl.parallel.tp.vocab import VocabParallelEmbedding
 
 
 class RingParallelSelfAttention(ParallelSelfAttention):
-    """ParallelSelfAttention (names unchanged), ringing this tp rank's heads among its cp peers."""
+    """ParallelSelfAttention (names unchanged) with cp's `attend`: this tp rank's heads, ringed
+    among its cp peers."""
+    attend = RingSelfAttention.attend
 
     def __init__(self, attn: ParallelSelfAttention, ring: RingPlace):
         super().__init__(attn.q, attn.k, attn.v, attn.o, attn.n_heads, attn.group,
                          attn.sequence_parallel)
         self.ring = ring
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return ring_attention(q, k, v, self.n_heads, self.ring.group, balanced=self.ring.balanced)
-
 
 class RingParallelGroupedAttention(ParallelGroupedAttention):
-    """ParallelGroupedAttention (names unchanged): Q and K rotated by this cp rank's global
-    positions, then ringed as refimpl.parallel.cp.parallelize.RingGroupedAttention does."""
+    """ParallelGroupedAttention (names unchanged) with cp's `attend`: Q and K rotated by this cp
+    rank's global positions, then ringed."""
+    attend = RingGroupedAttention.attend
 
     def __init__(self, attn: ParallelGroupedAttention, ring: RingPlace):
         super().__init__(attn.q, attn.k, attn.v, attn.o, attn.n_heads, attn.n_kv_heads, attn.theta,
                          attn.group, attn.sequence_parallel)
         self.ring = ring
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q, k, v = grouped_qkv(q, k, v, self.n_heads, self.n_kv_heads,
-                              self.ring.positions(q.shape[1], q.device), self.theta)
-        return ring_attention(q, k, v, self.n_heads, self.ring.group, balanced=self.ring.balanced)
 
 
 def apply_context_parallel_over_tp(model: nn.Module, cp_group, rank: int, cp: int, *,

@@ -63,9 +63,7 @@ class GPTConfig:
     def swiglu_hidden(self) -> int:
         """ffn_hidden, or 2/3 of mlp_ratio·h (Shazeer 2020 §2: same parameters as the GELU MLP),
         rounded up to a multiple of 32 (so tp = 2, 4, 8 split it evenly)."""
-        if self.ffn_hidden:
-            return self.ffn_hidden
-        return 32 * -(-2 * self.mlp_ratio * self.d_model // (3 * 32))
+        return self.ffn_hidden or 32 * -(-2 * self.mlp_ratio * self.d_model // (3 * 32))
 
     def to_dict(self) -> dict:
         return asdict(self)

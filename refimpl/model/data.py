@@ -15,15 +15,12 @@ class Batch:
     inputs: torch.Tensor
     targets: torch.Tensor
 
-    @property
-    def size(self) -> int:
-        return self.inputs.shape[0]
-
     def shard(self, index: int, count: int) -> "Batch":
         """Rows [index*B/count, (index+1)*B/count): this data-parallel rank's view."""
-        if self.size % count:
-            raise ValueError(f"global batch {self.size} is not divisible by {count}")
-        per = self.size // count
+        rows = self.inputs.shape[0]
+        if rows % count:
+            raise ValueError(f"global batch {rows} is not divisible by {count}")
+        per = rows // count
         return Batch(self.inputs[index * per:(index + 1) * per],
                      self.targets[index * per:(index + 1) * per])
 

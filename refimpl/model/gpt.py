@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 from refimpl.model.config import GPTConfig
 from refimpl.model.init import init_parameters, values_not_drawn
 from refimpl.model.moe import MoEMLP, recompute_contexts
-from refimpl.model.parts import feed_forward, learned_positions, norm, self_attention
+from refimpl.model.parts import feed_forward, norm, self_attention
 
 
 class Block(nn.Module):
@@ -39,12 +39,14 @@ class Embedding(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         # Llama has no position table: its positions are rotations inside attention
-        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model) if learned_positions(cfg) else None
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.arch == "gpt" else None
+        self.position_ids = None   # (length, device) -> positions held; None: 0 .. s-1 (cp's ring)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if self.pos is None:
             return self.tok(idx)
-        positions = torch.arange(idx.shape[1], device=idx.device)
+        positions = (torch.arange(idx.shape[1], device=idx.device) if self.position_ids is None
+                     else self.position_ids(idx.shape[1], idx.device))
         return self.tok(idx) + self.pos(positions)
 
 
@@ -70,9 +72,7 @@ def build_model(cfg: GPTConfig, seed: int, device="cpu") -> GPT:
     """The reference weights: every rank that calls this with the same seed gets the same model."""
     with torch.device(device), values_not_drawn():
         model = GPT(cfg)
-    if torch.device(device).type == "meta":
-        return model
-    return init_parameters(model, seed)
+    return model if torch.device(device).type == "meta" else init_parameters(model, seed)
 
 
 def converted(module: nn.Module, *, device=None, dtype=None) -> nn.Module:

@@ -19,15 +19,14 @@ INITIALISERS = ("normal_", "uniform_", "zeros_", "ones_", "kaiming_uniform_", "t
 def values_not_drawn():
     """nn.init's initialisers as no-ops while a model is built: its values come from
     `initial_value` afterwards, and on `meta` the calls cost time (docs/core_notes_model.md)."""
-    init = torch.nn.init
-    originals = {name: getattr(init, name) for name in INITIALISERS}
+    originals = {name: getattr(nn.init, name) for name in INITIALISERS}
     for name in INITIALISERS:
-        setattr(init, name, lambda tensor, *args, **kwargs: tensor)
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
     try:
         yield
     finally:
         for name, fn in originals.items():
-            setattr(init, name, fn)
+            setattr(nn.init, name, fn)
 
 
 def init_rules(model: nn.Module) -> dict[str, tuple[str, str]]:

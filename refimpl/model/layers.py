@@ -48,14 +48,28 @@ class MLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
+def linear_weight_grads(x: torch.Tensor, dy: torch.Tensor, bias: bool) -> list[torch.Tensor]:
+    """A linear's weight gradients from its input X and output gradient dY: dA = dYᵀ·X, and with a
+    bias, db = dY summed over the tokens."""
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    weight = dy2.t() @ x.reshape(-1, x.shape[-1])
+    return [weight, dy2.sum(0)] if bias else [weight]
+
+
 class WatchedLinear(nn.Module):
     """A linear layer whose matmul is not its whole forward (tp's, with SP's collectives): it reports
     the matmul's X and Y and owns its weight-gradient formula (what zero bubble's deferred W needs)."""
+    matmul_watcher = None
 
     def watch_matmul(self, watcher) -> None:
         """Call `watcher(module, x, y)` after each matmul (None: stop)."""
-        raise NotImplementedError
+        self.matmul_watcher = watcher
+
+    def _matmul(self, x: torch.Tensor, bias=None) -> torch.Tensor:
+        y = F.linear(x, self.weight, bias)
+        if self.matmul_watcher is not None:
+            self.matmul_watcher(self, x, y)
+        return y
 
     def weight_grads(self, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
-        """The parameters' gradients from the matmul's X and dY."""
-        raise NotImplementedError
+        return linear_weight_grads(x, dy, self.bias is not None)

@@ -23,6 +23,3 @@ def feed_forward(cfg: GPTConfig) -> nn.Module:
     """The dense MLP, and the shape of each expert of a mixture."""
     return SwiGLU(cfg.d_model, cfg.swiglu_hidden) if cfg.arch == "llama" else MLP(cfg)
 
-
-def learned_positions(cfg: GPTConfig) -> bool:
-    return cfg.arch == "gpt"

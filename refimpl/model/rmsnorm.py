@@ -14,6 +14,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d_model))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * self.normalized(x)
+
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        """x / sqrt(mean(x²) + eps), computed in at least fp32, returned in x's dtype."""
         wide = x.to(torch.promote_types(x.dtype, torch.float32))
-        normed = wide * torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return (wide * torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + self.eps)).to(x.dtype)

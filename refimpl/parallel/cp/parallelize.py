@@ -40,20 +40,7 @@ class RingGroupedAttention(RingSelfAttention):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = grouped_qkv(q, k, v, self.n_heads, self.n_kv_heads,
                               self.ring.positions(q.shape[1], q.device), self.theta)
-        return super().attend(q, k, v)
-
-
-class SlicedEmbedding(nn.Module):
-    """Token + position embedding for a slice of the sequence: positions of this rank's chunks."""
-
-    def __init__(self, embed: nn.Module, ring: RingPlace):
-        super().__init__()
-        self.tok, self.pos, self.ring = embed.tok, embed.pos, ring
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        if self.pos is None:        # Llama: positions are rotations, inside attention
-            return self.tok(idx)
-        return self.tok(idx) + self.pos(self.ring.positions(idx.shape[1], idx.device))
+        return ring_attention(q, k, v, self.n_heads, self.ring.group, balanced=self.ring.balanced)
 
 
 def apply_context_parallel(model: GPT, group, *, balanced: bool = True) -> GPT:
@@ -61,7 +48,7 @@ def apply_context_parallel(model: GPT, group, *, balanced: bool = True) -> GPT:
     if group is None or dist.get_world_size(group) == 1:
         return model
     ring = RingPlace(group, dist.get_rank(group), dist.get_world_size(group), balanced)
-    model.embed = SlicedEmbedding(model.embed, ring)
+    model.embed.position_ids = ring.positions    # the global positions of this rank's tokens
     for block in model.blocks:
         kind = RingGroupedAttention if isinstance(block.attn, GroupedQueryAttention) else RingSelfAttention
         block.attn = kind(block.attn, ring)

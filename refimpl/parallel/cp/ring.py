@@ -83,30 +83,35 @@ def _place(group) -> tuple[GroupView | None, int, int]:
     return (g, g.size, g.rank) if g is not None else (None, 1, 0)
 
 
+def _ring_steps(group, balanced: bool, kv: torch.Tensor):
+    """The ring's cp steps: yields (the score blocks to compute, the K/V block in hand), sending each
+    block on to the next rank before it is used (the overlap) and awaiting the previous rank's after."""
+    g, cp, rank = _place(group)
+    mine = chunk_ids(rank, cp, balanced)
+    for step in range(cp):
+        if step < cp - 1:
+            pending, incoming = _shift(g, kv)
+        yield blocks_to_compute(mine, chunk_ids((rank - step) % cp, cp, balanced)), kv
+        if step < cp - 1:
+            pending.wait()
+            kv = incoming
+
+
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the whole ring's keys; [b, h, 2c, d] tensors."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, balanced):
-        g, cp, rank = _place(group)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        mine = chunk_ids(rank, cp, balanced)
         qs, acc = q.chunk(2, dim=-2), accumulation_dtype(q.dtype)
         out, lse = [None, None], [None, None]
-        kv = torch.stack([k, v]).contiguous()
-        for step in range(cp):
-            if step < cp - 1:   # start sending this block on before computing with it: overlap
-                pending, incoming = _shift(g, kv)
-            theirs = chunk_ids((rank - step) % cp, cp, balanced)
+        for blocks, kv in _ring_steps(group, balanced, torch.stack([k, v]).contiguous()):
             ks, vs = kv[0].chunk(2, dim=-2), kv[1].chunk(2, dim=-2)
-            for a, b, diagonal in blocks_to_compute(mine, theirs):
+            for a, b, diagonal in blocks:
                 s = _scores(qs[a], ks[b], scale, diagonal)
                 block_lse = torch.logsumexp(s, dim=-1)
                 block_out = (s - block_lse.unsqueeze(-1)).exp() @ vs[b]
                 out[a], lse[a] = _merge(out[a], lse[a], block_out.to(acc), block_lse.to(acc))
-            if step < cp - 1:
-                pending.wait()
-                kv = incoming
         # Every query chunk met its own diagonal block at step 0, so no row is left empty.
         out, lse = torch.cat(out, dim=-2).to(q.dtype), torch.cat(lse, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -116,9 +121,8 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        g, cp, rank = _place(ctx.group)
+        g, cp, _ = _place(ctx.group)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        mine = chunk_ids(rank, cp, ctx.balanced)
         grad_out = grad_out.contiguous()
         # D_i = rowsum(dO ∘ O): the softmax Jacobian's correction term (FlashAttention Alg. 2).
         acc = lse.dtype
@@ -129,13 +133,10 @@ class RingAttention(torch.autograd.Function):
         dqs = dq.chunk(2, dim=-2)
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros_like(kv, dtype=acc)   # gradient of the block we hold; travels with it
-        for step in range(cp):
-            if step < cp - 1:
-                pending, incoming = _shift(g, kv)
-            theirs = chunk_ids((rank - step) % cp, cp, ctx.balanced)
+        for blocks, kv in _ring_steps(ctx.group, ctx.balanced, kv):
             ks, vs = kv[0].chunk(2, dim=-2), kv[1].chunk(2, dim=-2)
             dks, dvs = dkv[0].chunk(2, dim=-2), dkv[1].chunk(2, dim=-2)
-            for a, b, diagonal in blocks_to_compute(mine, theirs):
+            for a, b, diagonal in blocks:
                 p = (_scores(qs[a], ks[b], scale, diagonal) - lses[a].unsqueeze(-1)).exp()
                 dvs[b].add_(p.to(q.dtype).transpose(-2, -1) @ dos[a])
                 ds = (p * (dos[a] @ vs[b].transpose(-2, -1) - deltas[a].unsqueeze(-1))).to(q.dtype)
@@ -144,9 +145,6 @@ class RingAttention(torch.autograd.Function):
             if cp > 1:   # the accumulated dK/dV follow their block; after cp hops they are home
                 grads_pending, dkv = _shift(g, dkv)
                 grads_pending.wait()
-            if step < cp - 1:
-                pending.wait()
-                kv = incoming
         return dq.to(q.dtype), dkv[0].to(q.dtype), dkv[1].to(q.dtype), None, None
 
 

@@ -50,9 +50,8 @@ class ExpertParallelDispatch(SharedCounts):
         expert. Returns the outputs in x's layout and recv [ep, E/ep]: rows each rank sent mine."""
         n_experts, bound, d = x.shape
         with phase("moe:dispatch"):
-            recv = torch.empty_like(counts)
-            dist.all_to_all_single(recv, counts, group=self.ep_group)
-            recv = recv.view(self.ep, self.local)      # recv[s, j]: rows rank s sends my expert j
+            # recv[s, j]: the rows rank s sends my expert j
+            recv = exchange(counts, self.ep_group).view(self.ep, self.local)
             rows = AllToAll.apply(x.reshape(n_experts * bound, d), self.ep_group, "dispatch")
             # each local expert's real rows, source after source, in a buffer of `room` rows
             room = self.ep * bound if room is None else min(room, self.ep * bound)

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from refimpl.model.layers import WatchedLinear
+from refimpl.model.layers import WatchedLinear, linear_weight_grads
 from refimpl.model.rmsnorm import RMSNorm
 
 # The layers W has a formula for; any other trainable parameter is refused (`weight_layers`).
@@ -106,16 +106,12 @@ def weight_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> list[t
         if isinstance(module, WatchedLinear):
             return module.weight_grads(x, dy)
         if isinstance(module, nn.Linear):
-            dy2 = dy.reshape(-1, dy.shape[-1])
-            grads = [dy2.t() @ x.reshape(-1, x.shape[-1])]                          # dA = dY^T X
-            return grads + ([dy2.sum(0)] if module.bias is not None else [])
+            return linear_weight_grads(x, dy, module.bias is not None)
         if isinstance(module, nn.LayerNorm):
             x_hat = F.layer_norm(x, module.normalized_shape, eps=module.eps)        # recomputed
             dims = tuple(range(dy.dim() - len(module.normalized_shape)))
             return [(dy * x_hat).sum(dims), dy.sum(dims)]
-        if isinstance(module, RMSNorm):     # dg = sum dY x_hat, x_hat as the forward computes it
-            wide = x.to(torch.promote_types(x.dtype, torch.float32))
-            x_hat = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + module.eps)).to(dtype)
-            return [(dy * x_hat).reshape(-1, dy.shape[-1]).sum(0)]
+        if isinstance(module, RMSNorm):                                              # dg = sum dY x_hat
+            return [(dy * module.normalized(x)).reshape(-1, dy.shape[-1]).sum(0)]
         table = torch.zeros(module.weight.shape, dtype=dtype, device=dy.device)    # nn.Embedding
         return [table.index_add_(0, x.reshape(-1), dy.reshape(-1, dy.shape[-1]))]

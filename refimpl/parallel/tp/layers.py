@@ -4,9 +4,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as torch_dist
 import torch.nn as nn
-import torch.nn.functional as F
 
-from refimpl.model.layers import WatchedLinear
+from refimpl.model.layers import WatchedLinear, linear_weight_grads
 from refimpl.parallel.tp.mappings import (
     enter_region,
     exit_region,
@@ -36,34 +35,13 @@ def shard_rows(full: torch.Tensor, group, pad: bool = False) -> torch.Tensor:
 
 
 class ParallelLinear(WatchedLinear):
-    """What both linears share, and what zero bubble (refimpl.parallel.pp.zero_bubble) needs: the
-    matmul's own X and Y (`watch_matmul`) and the weight gradients from X and dY (`weight_grads`)."""
+    """What both linears share: this rank's weight and bias, the tp group, and whether SP is on."""
 
     def __init__(self, weight, bias, group, sequence_parallel: bool):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
-        self.matmul_watcher = None
-
-    def watch_matmul(self, watcher) -> None:
-        """Call `watcher(module, x, y)` after each matmul (None: stop)."""
-        self.matmul_watcher = watcher
-
-    def _matmul(self, x: torch.Tensor, bias=None) -> torch.Tensor:
-        y = F.linear(x, self.weight, bias)
-        if self.matmul_watcher is not None:
-            self.matmul_watcher(self, x, y)
-        return y
-
-    def weight_grads(self, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
-        """dA = dYᵀ·X on the matmul's own X, then the bias's (dY summed over tokens)."""
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        grads = [dy2.t() @ x.reshape(-1, x.shape[-1])]
-        return grads if self.bias is None else grads + [self.bias_grad(dy)]
-
-    def bias_grad(self, dy: torch.Tensor) -> torch.Tensor:
-        return dy.reshape(-1, dy.shape[-1]).sum(0)
 
 
 class ColumnParallelLinear(ParallelLinear):
@@ -123,9 +101,9 @@ class RowParallelLinear(ParallelLinear):
         y = exit_region(self._matmul(x), self.group, self.sequence_parallel)
         return y + self.bias if self.bias is not None else y
 
-    def bias_grad(self, dy: torch.Tensor) -> torch.Tensor:
+    def weight_grads(self, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
         """Under SP the bias meets only this rank's s/t tokens; the matmul's dY holds all: sum ours."""
-        if self.sequence_parallel:
-            s = dy.shape[1] // group_size(self.group)
-            dy = dy[:, group_rank(self.group) * s:][:, :s]
-        return super().bias_grad(dy)
+        if self.bias is None or not self.sequence_parallel:
+            return super().weight_grads(x, dy)
+        ours = dy.chunk(group_size(self.group), dim=1)[group_rank(self.group)]
+        return linear_weight_grads(x, dy, bias=False) + [ours.reshape(-1, dy.shape[-1]).sum(0)]
