@@ -22,10 +22,10 @@ class Strategy:
     min_world_size: int = 1
     max_world_size: int | None = None
     options: dict[str, Option] = {}
-    # Checked before launch (refimpl.lab.layout_rules). --ep > 1: it sums an expert's gradient
-    # over "edp" (refimpl.placement.data_parallel_axis), not over the ranks of other experts.
-    experts_over_edp: bool = False
-    on_a_pipeline: bool = False       # --pp > 1: it syncs a stage's parameters, runs its table
+    # What it composes with (checked before launch: refimpl.lab.layout_rules): --ep > 1, summing an
+    # expert's gradient over "edp", not other experts' ranks; --pp > 1, a stage's table and sync.
+    experts_over_edp: bool = True
+    on_a_pipeline: bool = True
 
     def __init__(self, ctx: RunContext):
         self.ctx = ctx

@@ -1,4 +1,5 @@
-"""A rank's model is the reference model transformed, in one fixed order:"""
+"""A rank's model is the reference model transformed in one fixed order: tensor, context and expert
+parallelism, activation checkpointing, the pipeline's cut; data parallelism then places it."""
 from __future__ import annotations
 
 import functools

@@ -24,7 +24,12 @@ from refimpl.strategy import Strategy
 
 
 class TorchTwin(Strategy):
-    """A strategy PyTorch implements. The twins set the two traits below."""
+    """A strategy PyTorch implements. The twins set the traits below."""
+
+    # PyTorch's DDP, ZeroRedundancyOptimizer and fully_shard sum every gradient over dp x cp and
+    # run no pipeline table: a twin that does (torch-pp-*, torch-fsdp2-tp) says so
+    experts_over_edp: bool = False
+    on_a_pipeline: bool = False
 
     # False: DTensor's parallelize_module runs on the plain reference (not our tp/cp/ep shards)
     takes_our_transforms: bool = True

@@ -16,9 +16,6 @@ class BucketedDataParallel(Strategy):
     name = "dp"
     options = {"bucket_mb": Option(25.0, float, positive=True)}
 
-    experts_over_edp = True
-    on_a_pipeline = True
-
     def setup(self, model: GPT) -> None:
         self.model = model
         self.groups = PerGroup(model.named_parameters(), self.buckets_over)

@@ -10,8 +10,6 @@ from refimpl.strategy import Strategy
 
 class NaiveDataParallel(Strategy):
     name = "dp-naive"
-    experts_over_edp = True
-    on_a_pipeline = True
     options = {"tp_overlap": Option(False, bool)}   # the `tp` shorthand's knob (refimpl.lab.tensor)
 
     def sync_gradients(self) -> None:

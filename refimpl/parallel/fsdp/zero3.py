@@ -34,8 +34,6 @@ class FullySharded(Strategy):
     """Base of `zero3` and `fsdp`; subclasses set `policy(cfg)`, when units move."""
 
     options = {"offload": Option(False, bool)}
-    experts_over_edp = True
-    on_a_pipeline = True
 
     @classmethod
     def policy(cls, cfg: TrainConfig) -> ShardingPolicy:

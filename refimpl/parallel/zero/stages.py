@@ -17,8 +17,6 @@ class ZeroDataParallel(Strategy):
 
     options = {"bucket_mb": Option(25.0, float, positive=True), "overlap": Option(True, bool),
                "offload": Option(False, bool)}
-    experts_over_edp = True
-    on_a_pipeline = True
     stage: type[ZeroShards]
 
     def setup(self, model: nn.Module) -> None:
