@@ -77,9 +77,7 @@ def run(fn: Callable[..., Any], world_size: int = 2, *args, backend: str = "auto
             _kill_all(ranks)  # no-op for ranks that already exited
             if not quiet:
                 _echo_output(ranks)
-        results = [cloudpickle.loads((tmp / f"result{r}.pkl").read_bytes()) for r in range(world_size)]
-    del store
-    return results
+        return [cloudpickle.loads((tmp / f"result{r}.pkl").read_bytes()) for r in range(world_size)]
 
 
 def _start_rank(rank: int, world_size: int, backend: str, port: int, payload: Path, tmp: Path,
@@ -96,8 +94,7 @@ def _start_rank(rank: int, world_size: int, backend: str, port: int, payload: Pa
     tools().rank_env(env, backend, watch)
     if backend == "gloo":
         # One thread per CPU rank, set before the child imports torch (4 ranks ran 12x slower).
-        env["OMP_NUM_THREADS"] = "1"
-        env["MKL_NUM_THREADS"] = "1"
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = "1"
     out, err = tmp / f"stdout{rank}.txt", tmp / f"stderr{rank}.txt"
     starter = tools().starter(backend)
     if starter is not None:      # e.g. forked from a warm interpreter: torch already imported

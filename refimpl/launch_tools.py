@@ -13,7 +13,6 @@ from refimpl.seam import plugins
 
 
 class LaunchTools:
-
     def backend(self, world_size: int) -> str | None:
         """A backend of the tools' own for every launch (the lab's staged one), or None."""
         return None

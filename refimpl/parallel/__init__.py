@@ -1,1 +1,1 @@
-"""One folder per parallelism: its mechanism, its strategy and PyTorch's twin together."""
+"""One folder per parallelism: the mechanism and its strategies (PyTorch's twins: refimpl/lab/twins/)."""

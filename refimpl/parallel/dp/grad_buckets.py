@@ -52,9 +52,7 @@ def all_reduce_sum(bucket: Bucket, grads: torch.Tensor, *, group, divisor: int =
     divided first by `divisor` (a mean)."""
     if divisor != 1:
         grads.div_(divisor)
-    if group is None:
-        return None
-    return dist.all_reduce(grads, group=group, async_op=True)
+    return None if group is None else dist.all_reduce(grads, group=group, async_op=True)
 
 
 class GradBuckets:
