@@ -14,27 +14,30 @@ from refimpl.parallel.tp.blocks import ParallelMLP, ParallelSwiGLU
 from refimpl.seam import phase
 
 LAYERS = (ParallelSelfAttention, ParallelMLP, ParallelSwiGLU)
+_LABELLED: weakref.WeakSet = weakref.WeakSet()     # a module is labelled once
 
-# module -> the ranges its forward has open (a stack: a layer may run inside itself, or again while
-# activation checkpointing recomputes it); a module already labelled is not labelled twice
-_OPEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+def around_forward(module: nn.Module, context) -> None:
+    """`context()` entered before each forward of `module` and exited after it, also after one that
+    raised (a stack: a module may run again while it runs, as activation checkpointing recomputes).
+    Hooks, not a wrapping module: the module and its name stay as they are."""
+    entered = []
+
+    def enter(m, args):
+        entered.append(context())
+        entered[-1].__enter__()
+
+    def leave(m, args, output):
+        entered.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
 
 
 def label_layers(model: nn.Module, prefix: str = "tp:") -> nn.Module:
     """Every tensor-parallel layer of `model` opens `prefix + its name` around its forward (in place)."""
     for name, module in model.named_modules():
-        if isinstance(module, LAYERS) and module not in _OPEN:
-            _OPEN[module] = []
-            module.register_forward_pre_hook(partial(_open, prefix + name))
-            module.register_forward_hook(_close)
+        if isinstance(module, LAYERS) and module not in _LABELLED:
+            _LABELLED.add(module)
+            around_forward(module, partial(phase, prefix + name))
     return model
-
-
-def _open(name: str, module: nn.Module, args) -> None:
-    span = phase(name)
-    span.__enter__()
-    _OPEN[module].append(span)
-
-
-def _close(module: nn.Module, args, out) -> None:
-    _OPEN[module].pop().__exit__(None, None, None)

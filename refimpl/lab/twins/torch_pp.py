@@ -28,6 +28,7 @@ import functools
 import torch
 
 from refimpl.config import TrainConfig
+from refimpl.lab.instrument.layer_ranges import around_forward
 from refimpl.lab.twins.base import TorchTwin
 from refimpl.mesh import LayoutError
 from refimpl.model import Batch, lm_loss
@@ -73,7 +74,9 @@ class TorchPipeline:
         where = placement(schedule)
         self.autocast = contextlib.nullcontext     # the step runner's, set by forward_backward
         for chunk in chunks:
-            _forward_under(chunk, self)
+            # each F under our runner's autocast (the backward stays outside it, as in refimpl.step);
+            # hooks, not a wrapping module: the schedules ask whether the stage's module is FSDP2's
+            around_forward(chunk, lambda: self.autocast())
         loss_fn = functools.partial(_loss_under, self, loss_fn)
         self.stages = [PipelineStage(chunk, stage_index=piece_of(rank, c, stages, where), num_stages=pieces,
                                      device=torch.device(device), group=group)
@@ -114,24 +117,6 @@ class TorchPipeline:
         finally:
             self.autocast = contextlib.nullcontext
         return torch.zeros((), dtype=torch.float64, device=whole.inputs.device) if loss is None else loss
-
-
-def _forward_under(chunk: torch.nn.Module, pipe: TorchPipeline) -> None:
-    """Run `chunk`'s forward under `pipe.autocast()`, as our runner runs each F: the schedule
-    runs forward and backward inside one call, and the backward stays outside autocast (as in
-    refimpl.step). Hooks, not a wrapping module: PipelineStage and the schedules look at whether
-    the stage's module itself is FSDP2's (the composed twin)."""
-    entered = []
-
-    def enter(module, args):
-        entered.append(pipe.autocast())
-        entered[-1].__enter__()
-
-    def leave(module, args, output):
-        entered.pop().__exit__(None, None, None)
-
-    chunk.register_forward_pre_hook(enter)
-    chunk.register_forward_hook(leave, always_call=True)
 
 
 def _loss_under(pipe: TorchPipeline, loss_fn, output, target):
